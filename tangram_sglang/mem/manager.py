@@ -1,0 +1,581 @@
+"""TangramMemory: the per-request memory facade that the SGLang integration drives.
+
+Owns the request-level protocol over the pool: admission (Budget Reservation), per-group page
+allocation for extend and decode with copy-on-write tails, ownership hand-over at finish, and
+accounting. It composes :class:`PageAllocator`, :class:`ReservationLedger`, :class:`PageTable`
+and (optionally) :class:`KVPool`; it never imports sglang and never decides eviction (the radix
+tree does, and hands pages back through :meth:`TangramMemory.free_pages`).
+
+Life of a request row (every call names SGLang's ``req_pool_idx`` as ``row``)::
+
+    can_admit ─(no side effects)─> admit(prefix) ──> alloc_extend ──> [forward] ──> commit_extend
+        ┌──────────────────────────────────────────────────────────────────────────────┘
+        ├─> admit_chunk ─> alloc_extend ─> commit_extend     (next chunk of a chunked prefill)
+        ├─> can_decode ─> alloc_decode (x T-1)               (group_len includes the new token)
+        ├─> finish -> [SegmentPages]   caller (radix node) now holds the row's own pages
+        └─> abort / retract            row's pages freed, borrowed ones unlocked
+
+Holders: each page's reference count = rows whose table lists it + holders outside (radix nodes,
+or whoever took SegmentPages). ``free_pages`` only drops outside holders' references.
+
+Source: Tangram arXiv 2606.06302 (Budget Reservation, Ragged Paging); notes/INTERFACES.md;
+STYLE.md §3 (check then commit, named hand-overs); vLLM ``KVCacheManager`` / nano-vllm.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from tangram_sglang.errors import PoolError
+from tangram_sglang.mem.kv_pool import KVPool, bytes_per_page, num_pages_for_budget
+from tangram_sglang.mem.page_allocator import PageAllocator
+from tangram_sglang.mem.page_table import DECODE, EXTEND, PageTable, SegmentPages
+from tangram_sglang.mem.reservation import Reservation, ReservationLedger, group_pages_needed
+from tangram_sglang.mem.stats import MemoryStats, collect_stats
+from tangram_sglang.profile import BudgetProfile
+
+
+@dataclass(slots=True)
+class PrefixMatch:
+    """A matched radix prefix: per group the dense page list of the node chain and its length.
+
+    Every page must be held by someone (a radix node); the row borrows it (one more holder).
+    """
+
+    pages: list[np.ndarray]  # per group: int page ids, ceil(lens[g] / page_size) of them
+    lens: np.ndarray  # int64 [G]: kept tokens per group (tokens)
+
+
+@dataclass(slots=True)
+class ExtendPlan:
+    """Where an extend segment's kept K/V go; returned by :meth:`TangramMemory.alloc_extend`."""
+
+    row: int  # request row
+    start_len: np.ndarray  # int64 [G]: first slot of the segment per group (tokens)
+    kept_len: np.ndarray  # int64 [G]: kept tokens per group (tokens)
+    cow_src: np.ndarray  # int64 [n]: shared tail pages copied (copy already done if pool set)
+    cow_dst: np.ndarray  # int64 [n]: the row's fresh copies, now in its table
+    num_new_pages: int  # pages allocated for the segment (copies included)
+
+
+class TangramMemory:
+    """Ragged head-group page pool with Budget Reservation, driven per request row.
+
+    Args:
+        profile: budget profile; its grouping fixes G and H_p.
+        page_size: tokens per page.
+        num_pages: pool pages INCLUDING padding page 0.
+        max_rows: request rows (SGLang's req pool size).
+        max_pages_per_group: table width (pages) = max kept tokens per group / page_size, ceil.
+        kv_pool: K/V storage (COW copies run on it); None = accounting only (capacity reports).
+        device: device of ``page_table`` / ``group_len``; the free list stays on the host.
+        debug: check every invariant after each call; None reads ``TANGRAM_DEBUG_POOL`` once.
+        dtype: KV dtype for ``bytes_per_page`` when ``kv_pool`` is None.
+
+    Raises:
+        PoolError: ``kv_pool`` geometry differs from the profile / ``page_size`` / ``num_pages``.
+    """
+
+    def __init__(
+        self,
+        profile: BudgetProfile,
+        page_size: int,
+        num_pages: int,
+        max_rows: int,
+        max_pages_per_group: int,
+        kv_pool: KVPool | None = None,
+        device: str | torch.device = "cpu",
+        debug: bool | None = None,
+        dtype: torch.dtype = torch.bfloat16,
+    ) -> None:
+        grouping = profile.grouping
+        self.profile = profile
+        self.page_size = int(page_size)  # tokens per page
+        self.num_head_groups = grouping.num_head_groups
+        self.heads_per_group = grouping.heads_per_group
+        self.allocator = PageAllocator(num_pages, "cpu", debug)
+        self.ledger = ReservationLedger(self.allocator)
+        self.table = PageTable(
+            max_rows, self.num_head_groups, max_pages_per_group, page_size, device
+        )
+        self.kv_pool = kv_pool
+        if kv_pool is not None:
+            want = (num_pages, self.heads_per_group, self.page_size, profile.model.head_dim)
+            got = tuple(kv_pool.k_pool.shape)
+            if got != want:
+                raise PoolError(
+                    f"kv_pool shape {list(got)} != [num_pages, H_p, page_size, D] "
+                    f"= {list(want)} from the profile; build both from one config"
+                )
+            dtype = kv_pool.k_pool.dtype
+        self.bytes_per_page = bytes_per_page(  # bytes, K and V
+            self.heads_per_group, self.page_size, profile.model.head_dim, dtype
+        )
+        self.debug = self.allocator.debug
+        self.rids: list[str | None] = [None] * max_rows  # rid per active row, None = free row
+        self.pending: list[ExtendPlan | None] = [None] * max_rows  # allocated, not committed
+        self.row_refs = np.zeros(num_pages, np.int64)  # holders per page that are row tables
+        self.page_group = np.full(num_pages, -1, np.int64)  # head group a page was taken for
+        self.page_fill = np.zeros(num_pages, np.int64)  # filled slots per page (tokens)
+        self.peak_used_pages = 0  # pages
+
+    @classmethod
+    def create(
+        cls,
+        profile: BudgetProfile,
+        memory_bytes: int,
+        page_size: int = 16,
+        max_rows: int = 256,
+        max_context_tokens: int = 131072,
+        dtype: torch.dtype = torch.bfloat16,
+        device: str | torch.device = "cpu",
+        allocate_storage: bool = True,
+        debug: bool | None = None,
+    ) -> TangramMemory:
+        """Size the pool from a byte budget (start-up); ``allocate_storage=False`` skips K/V."""
+        bpp = bytes_per_page(
+            profile.grouping.heads_per_group, page_size, profile.model.head_dim, dtype
+        )
+        num_pages = num_pages_for_budget(memory_bytes, bpp)
+        pool = None
+        if allocate_storage:
+            h_p, dim = profile.grouping.heads_per_group, profile.model.head_dim
+            pool = KVPool.create(num_pages, h_p, page_size, dim, dtype, device)
+        width = -(-int(max_context_tokens) // page_size)
+        return cls(profile, page_size, num_pages, max_rows, width, pool, device, debug, dtype)
+
+    # ---- admission (Budget Reservation) -----------------------------------------------------
+    def footprint(
+        self, extend_len: int, max_new_tokens: int, prefix: PrefixMatch | None = None,
+        decode_tokens: int | None = None,
+    ) -> int:  # fmt: skip
+        """Pages a new request needs (no side effects); see ``reservation.pages_needed``."""
+        lens, _ = self._prefix_arrays(prefix, "footprint", -1)
+        return int(
+            self._append_need(lens, lens > 0, extend_len, max_new_tokens, decode_tokens).sum()
+        )
+
+    def can_admit(
+        self, extend_len: int, max_new_tokens: int, prefix: PrefixMatch | None = None,
+        evictable_pages: int = 0, decode_tokens: int | None = None,
+    ) -> bool:  # fmt: skip
+        """Would the request fit now, after evicting ``evictable_pages``? No side effects."""
+        need = self.footprint(extend_len, max_new_tokens, prefix, decode_tokens)
+        return self.ledger.can_reserve(need, evictable_pages)
+
+    def pages_to_evict(self, num_pages: int) -> int:
+        """Pages the radix tree must free before ``num_pages`` can be reserved (0 if none)."""
+        return max(num_pages - self.ledger.unreserved_free(), 0)
+
+    def admit(
+        self, row: int, rid: str, extend_len: int, max_new_tokens: int,
+        prefix: PrefixMatch | None = None, decode_tokens: int | None = None,
+    ) -> Reservation | None:  # fmt: skip
+        """Reserve a new request's footprint and lay its matched prefix into ``row``.
+
+        Args:
+            row: a free request row (SGLang ``req_pool_idx``).
+            rid: request id (named in errors).
+            extend_len: tokens of the first segment (for a chunked prefill: the first chunk,
+                with ``max_new_tokens=0``; later chunks go through :meth:`admit_chunk`).
+            max_new_tokens: T; T - 1 decode-tail tokens are reserved per group.
+            prefix: matched radix prefix; every page is borrowed (one more holder).
+            decode_tokens: reserve this many decode tokens instead of T - 1 (overcommit like
+                SGLang's ``new_token_ratio``; growth past it needs :meth:`can_decode`).
+
+        Returns:
+            The reservation, or None if it does not fit now (nothing changed).
+
+        Raises:
+            RequestTooLargeError: more pages than the whole pool (nothing changed).
+            PoolError: row out of range or in use, bad prefix, table too narrow (nothing changed).
+        """
+        self._check_row(row, rid, active=False)
+        lens, pages = self._prefix_arrays(prefix, rid, row)
+        add = self._append_tokens(extend_len, max_new_tokens, decode_tokens)
+        need = int(group_pages_needed(lens, lens > 0, add, self.page_size).sum())
+        self._check_width(row, rid, lens + add)
+        res = self.ledger.reserve(row, rid, need)
+        if res is None:
+            return None
+        self.rids[row] = rid
+        borrowed = np.concatenate(pages) if pages else np.zeros(0, np.int64)
+        self.allocator.incref(torch.from_numpy(borrowed))
+        np.add.at(self.row_refs, borrowed, 1)
+        self.table.set_borrowed(row, pages, lens)
+        self._after("admit")
+        return res
+
+    def admit_chunk(
+        self, row: int, extend_len: int, max_new_tokens: int, decode_tokens: int | None = None
+    ) -> Reservation | None:
+        """Reserve the next chunk of a running row (after ``commit_extend`` of the previous).
+
+        Pass ``max_new_tokens=0`` for every chunk but the last. Same returns/raises as
+        :meth:`admit`; None leaves the row as it was.
+        """
+        rid = self._check_committed(row, "admit_chunk")
+        lens = self.table.lens[row]
+        add = self._append_tokens(extend_len, max_new_tokens, decode_tokens)
+        need = int(self.table.append_need(row, add).sum())
+        self._check_width(row, rid, lens + add)
+        res = self.ledger.reserve(row, rid, need)
+        self._after("admit_chunk")
+        return res
+
+    # ---- extend ----------------------------------------------------------------------------
+    def alloc_extend(self, row: int, extend_len: int) -> ExtendPlan:
+        """Allocate the pages of one extend segment (kept tokens per group), COW tails first.
+
+        ``group_len`` stays at the history length until :meth:`commit_extend` (the extend
+        kernel reads it as the history); ``page_table`` already lists the new pages.
+
+        Raises:
+            PoolError: row not active or has an uncommitted extend; the segment was not
+                reserved (``admit`` / ``admit_chunk``); table too narrow. Nothing changed.
+        """
+        rid = self._check_committed(row, "alloc_extend")
+        kept = np.asarray(self.profile.group_kept_lens(int(extend_len)), np.int64)
+        need = self.table.append_need(row, kept)
+        cow = self.table.cow_needed(row, kept)
+        self._check_width(row, rid, self.table.lens[row] + kept)
+        self.ledger.take(row, int(need.sum()), allow_overflow=False)
+        first = self.table.num_pages[row] - cow
+        src, dst, _ = self._place(row, need, cow, self._alloc(int(need.sum())))
+        seg = self.table.open_segment(row, EXTEND, first)
+        seg.num_tokens, seg.kept_len = int(extend_len), kept.copy()
+        self.table.sync_row(row)
+        plan = ExtendPlan(row, self.table.lens[row].copy(), kept, src, dst, int(need.sum()))
+        self.pending[row] = plan
+        self._after("alloc_extend")
+        return plan
+
+    def commit_extend(self, row: int) -> None:
+        """After the forward wrote the kept K/V: ``group_len += kept_len`` for the segment.
+
+        Raises:
+            PoolError: no extend allocated for ``row``.
+        """
+        plan = self.pending[row] if 0 <= row < len(self.pending) else None
+        if plan is None:
+            raise PoolError(f"commit_extend: row {row} has no allocated extend; call alloc_extend")
+        new = plan.start_len + plan.kept_len
+        for g in np.nonzero(plan.kept_len)[0]:
+            self._fill(row, int(g), int(plan.start_len[g]), int(new[g]))
+        self.table.lens[row] = new
+        self.table.sync_lens(np.array([row]))
+        self.pending[row] = None
+        self._after("commit_extend")
+
+    # ---- decode ----------------------------------------------------------------------------
+    def decode_pages_needed(self, rows: np.ndarray | list[int]) -> int:
+        """Pages the next decode step allocates for ``rows`` (full or shared last pages)."""
+        return int(self.table.append_need(np.asarray(rows, np.int64), 1).sum())
+
+    def can_decode(self, rows: np.ndarray | list[int]) -> bool:
+        """No side effects: does one decode step for ``rows`` fit (grants + unreserved)?
+
+        SGLang's ``check_decode_mem`` calls this; False means retract requests first.
+        """
+        rows = np.asarray(rows, np.int64)
+        for r in rows:
+            self._check_row(int(r), None, active=True)
+        per_row = self.table.append_need(rows, 1).sum(axis=-1)
+        over = sum(
+            self.ledger.overflow_needed(int(r), int(n)) for r, n in zip(rows, per_row, strict=True)
+        )
+        return over <= self.ledger.unreserved_free()
+
+    def alloc_decode(self, rows: np.ndarray | list[int]) -> int:
+        """Append one decode token to every group of each row; ``group_len`` includes it.
+
+        Only groups whose last page is full or shared get a page. Returns pages allocated.
+
+        Raises:
+            PoolError: a row inactive, repeated or with an uncommitted extend; out of pages
+                (check :meth:`can_decode` first); table full. Raised before any write.
+        """
+        rows = np.asarray(rows, np.int64)
+        for r in rows:
+            self._check_committed(int(r), "alloc_decode")
+        if np.unique(rows).size != rows.size:
+            raise PoolError(f"alloc_decode: rows {rows.tolist()} repeat a row")
+        for r in rows:
+            self._check_width(int(r), self.rids[r], self.table.lens[r] + 1)
+        need, cow = self.table.append_need(rows, 1), self.table.cow_needed(rows, 1)
+        if not self.can_decode(rows):
+            raise PoolError(
+                f"alloc_decode: out of pages: rows {rows.tolist()} need "
+                f"{int(need.sum())} pages, {self.ledger.unreserved_free()} unreserved free; "
+                "call can_decode and retract a request first"
+            )
+        for r, n in zip(rows, need.sum(axis=1), strict=True):
+            self.ledger.take(int(r), int(n), allow_overflow=True)
+        pages = self._alloc(int(need.sum()))
+        entries = ([], [], [])
+        offset = 0
+        for b, r in enumerate(rows.tolist()):
+            segs = self.table.segments[r]
+            if not segs or segs[-1].kind != DECODE:
+                self.table.open_segment(r, DECODE, self.table.num_pages[r] - cow[b])
+            n = int(need[b].sum())
+            _, _, changed = self._place(r, need[b], cow[b], pages[offset : offset + n])
+            offset += n
+            for lst, vals in zip(entries, changed, strict=True):
+                lst.extend(vals)
+            seg = self.table.segments[r][-1]
+            seg.num_tokens += 1
+            seg.kept_len += 1
+        self.table.lens[rows] += 1
+        lens = self.table.lens[rows]
+        last = self.table.pages[
+            rows[:, None], np.arange(self.num_head_groups), (lens - 1) // self.page_size
+        ]
+        self.page_fill[last] = (lens - 1) % self.page_size + 1
+        self.table.sync_entries(*entries)
+        self.table.sync_lens(rows)
+        self._after("alloc_decode")
+        return int(need.sum())
+
+    # ---- end of a request ------------------------------------------------------------------
+    def finish(self, row: int) -> list[SegmentPages]:
+        """End a request and hand its own pages, per segment, to the caller.
+
+        Ownership: the caller (a radix node) now holds one reference to every page in the
+        returned segments and must free it with :meth:`free_pages`. Borrowed prefix pages are
+        released (their other holders keep them). The unused grant returns to admission.
+
+        Raises:
+            PoolError: row not active, or an extend allocated but not committed.
+        """
+        self._check_committed(row, "finish")
+        borrowed = self._entries(row, own=False)
+        segments = self.table.take_segments(row)
+        self._drop_row(row, borrowed)
+        self._after("finish")
+        return segments
+
+    def detach_segments(self, row: int) -> list[SegmentPages]:
+        """Hand the row's own pages to the caller while the row keeps running (chunked cache).
+
+        Ownership: as :meth:`finish`; the row keeps reading the pages as borrowed (one more
+        holder), so appending to a partial tail later costs a COW page per group, taken beyond
+        the reservation (overflow; check :meth:`can_decode`).
+        """
+        self._check_committed(row, "detach_segments")
+        segments = self.table.take_segments(row)
+        for seg in segments:
+            for ids in seg.pages:
+                self.allocator.incref(torch.from_numpy(ids))
+        self._after("detach_segments")
+        return segments
+
+    def abort(self, row: int) -> int:
+        """Abort or retract a request: free its own pages, release borrowed ones and the grant.
+
+        Works with an uncommitted extend. Returns pages that went back to the free list.
+        """
+        self._check_row(row, self.rids[row] if 0 <= row < len(self.rids) else None, active=True)
+        return self._drop_row(row, self._entries(row, own=None))
+
+    retract = abort
+
+    def free_pages(self, pages: np.ndarray | torch.Tensor, owner: str = "radix node") -> int:
+        """Drop one outside holder's reference per listed page (radix eviction).
+
+        Raises:
+            PoolError: a page is not held by an outside holder (double free, or a page only
+                running rows hold). Nothing changes on error.
+        """
+        ids = torch.as_tensor(pages).to(torch.int64).flatten()
+        arr = ids.numpy()
+        if arr.size and (arr.min() < 1 or arr.max() >= self.allocator.num_pages):
+            raise PoolError(
+                f"free_pages by {owner}: page ids out of [1, {self.allocator.num_pages})"
+            )
+        outside = self.allocator.ref_count.numpy().astype(np.int64) - self.row_refs
+        uses = np.bincount(arr, minlength=self.allocator.num_pages)
+        bad = np.nonzero(uses > outside)[0]
+        if bad.size:
+            raise PoolError(
+                f"free_pages by {owner}: pages {bad[:8].tolist()} are not held outside running "
+                "rows (double free, or pages a request row still owns: finish it first)"
+            )
+        freed = self.allocator.free(ids, owner)
+        self._after("free_pages")
+        return freed
+
+    # ---- accounting ------------------------------------------------------------------------
+    def stats(self) -> MemoryStats:
+        """A snapshot of the accounting (plain numbers, for logs and /metrics)."""
+        return collect_stats(self)
+
+    def check_invariants(self) -> None:
+        """Check pool, ledger, tables and holder counts; collect all violations, raise once."""
+        problems = []
+        try:
+            self.allocator.check_invariants()
+        except PoolError as exc:
+            problems.append(str(exc))
+        if self.ledger.outstanding_pages() > self.allocator.num_free():
+            problems.append("reserved pages exceed free pages")
+        refs = np.zeros_like(self.row_refs)
+        t = self.table
+        for row in (r for r, rid in enumerate(self.rids) if rid is not None):
+            for g in range(self.num_head_groups):
+                np.add.at(refs, t.pages[row, g, : t.num_pages[row, g]], 1)
+            pend = self.pending[row]
+            lens = t.lens[row] + (0 if pend is None else pend.kept_len)
+            if (-(-lens // self.page_size) != t.num_pages[row]).any():
+                problems.append(f"row {row}: table not dense (pages != ceil(len / page_size))")
+        if (refs != self.row_refs).any():
+            problems.append("row holder counts disagree with the row tables")
+        if (self.allocator.ref_count.numpy() < self.row_refs).any():
+            problems.append("a page listed in a row table has fewer holders than rows")
+        if not torch.equal(t.page_table.cpu(), torch.from_numpy(t.pages).to(torch.int32)):
+            problems.append("device page_table differs from the host mirror")
+        if not torch.equal(t.group_len.cpu(), torch.from_numpy(t.lens).to(torch.int32)):
+            problems.append("device group_len differs from the host mirror")
+        if problems:
+            raise PoolError("memory invariants broken: " + "; ".join(problems))
+
+    # ---- helpers ---------------------------------------------------------------------------
+    def _append_tokens(
+        self, extend_len: int, max_new_tokens: int, decode_tokens: int | None
+    ) -> np.ndarray:
+        if extend_len < 0 or max_new_tokens < 0 or (decode_tokens or 0) < 0:
+            raise PoolError(
+                f"extend_len={extend_len}, max_new_tokens={max_new_tokens} and "
+                f"decode_tokens={decode_tokens} must be >= 0"
+            )
+        tail = max(max_new_tokens - 1, 0) if decode_tokens is None else int(decode_tokens)
+        return np.asarray(self.profile.group_kept_lens(int(extend_len)), np.int64) + tail
+
+    def _append_need(self, lens, shared, extend_len, max_new_tokens, decode_tokens) -> np.ndarray:
+        add = self._append_tokens(extend_len, max_new_tokens, decode_tokens)
+        return group_pages_needed(lens, shared, add, self.page_size)
+
+    def _prefix_arrays(self, prefix, rid, row) -> tuple[np.ndarray, list[np.ndarray]]:
+        g_count = self.num_head_groups
+        if prefix is None:
+            return np.zeros(g_count, np.int64), [np.zeros(0, np.int64)] * g_count
+        lens = np.asarray(prefix.lens, np.int64)
+        if lens.shape != (g_count,) or len(prefix.pages) != g_count:
+            raise PoolError(
+                f"request {rid!r} (row {row}): prefix has {len(prefix.pages)} page "
+                f"lists / lens shape {list(lens.shape)}; need {g_count} head groups"
+            )
+        pages = [np.asarray(p, np.int64).ravel() for p in prefix.pages]
+        counts = self.allocator.ref_count.numpy()
+        for g, ids in enumerate(pages):
+            if lens[g] < 0 or ids.size != -(-lens[g] // self.page_size):
+                raise PoolError(
+                    f"request {rid!r} (row {row}), group {g}: prefix length "
+                    f"{lens[g]} needs {-(-lens[g] // self.page_size)} pages, got {ids.size}"
+                )
+            if ids.size and (ids.min() < 1 or ids.max() >= counts.size or (counts[ids] < 1).any()):
+                raise PoolError(
+                    f"request {rid!r} (row {row}), group {g}: prefix pages must be "
+                    "held pages (a radix node's), not free or padding pages"
+                )
+        return lens, pages
+
+    def _check_row(self, row: int, rid: str | None, active: bool) -> None:
+        if not 0 <= row < len(self.rids):
+            raise PoolError(f"request {rid!r}: row {row} is outside [0, {len(self.rids)})")
+        if active and self.rids[row] is None:
+            raise PoolError(f"row {row} has no admitted request; call admit first")
+        if not active and self.rids[row] is not None:
+            raise PoolError(
+                f"request {rid!r}: row {row} is still used by request "
+                f"{self.rids[row]!r}; finish or abort it first"
+            )
+
+    def _check_committed(self, row: int, what: str) -> str:
+        self._check_row(row, None, active=True)
+        if self.pending[row] is not None:
+            raise PoolError(
+                f"{what}: request {self.rids[row]!r} (row {row}) has an allocated "
+                "extend not committed; call commit_extend (or abort) first"
+            )
+        return self.rids[row]
+
+    def _check_width(self, row: int, rid: str | None, new_lens: np.ndarray) -> None:
+        pages = -(-np.asarray(new_lens) // self.page_size)
+        if (pages > self.table.max_pages_per_group).any():
+            g = int(np.argmax(pages))
+            raise PoolError(
+                f"request {rid!r} (row {row}), group {g}: {int(new_lens[g])} kept "
+                f"tokens need {int(pages[g])} pages > max_pages_per_group="
+                f"{self.table.max_pages_per_group}; raise max_context_tokens"
+            )
+
+    def _alloc(self, num: int) -> np.ndarray:
+        pages = self.allocator.alloc(num)
+        assert pages is not None, "ledger invariant: granted pages are always free"
+        self.peak_used_pages = max(self.peak_used_pages, self.allocator.num_used())
+        return pages.numpy().copy()
+
+    def _place(self, row, need, cow, pages) -> tuple[np.ndarray, np.ndarray, tuple]:
+        """Put fresh pages into (row, g) tables: COW copy first where needed, then append."""
+        src, dst, changed = [], [], ([], [], [])
+        offset = 0
+        for g in np.nonzero(need)[0]:
+            ids = pages[offset : offset + need[g]]
+            offset += need[g]
+            self.page_group[ids] = g
+            self.page_fill[ids] = 0
+            self.row_refs[ids] += 1
+            first_idx = self.table.num_pages[row, g] - cow[g]
+            if cow[g]:
+                old = self.table.replace_last(row, g, int(ids[0]))
+                src.append(old)
+                dst.append(int(ids[0]))
+                self.page_fill[ids[0]] = self.table.lens[row, g] % self.page_size
+            self.table.append(row, g, ids[cow[g] :])
+            for i in range(first_idx, self.table.num_pages[row, g]):
+                changed[0].append(row), changed[1].append(int(g)), changed[2].append(int(i))
+        src_a, dst_a = np.asarray(src, np.int64), np.asarray(dst, np.int64)
+        if src_a.size:
+            if self.kv_pool is not None:
+                fill = torch.from_numpy(self.page_fill[dst_a])
+                self.kv_pool.copy_pages(torch.from_numpy(src_a), torch.from_numpy(dst_a), fill)
+            self.row_refs[src_a] -= 1
+            self.allocator.free(torch.from_numpy(src_a), f"COW of row {row}")
+        return src_a, dst_a, changed
+
+    def _fill(self, row: int, g: int, old_len: int, new_len: int) -> None:
+        ps = self.page_size
+        idx = np.arange(old_len // ps, -(-new_len // ps))
+        ids = self.table.pages[row, g, idx]
+        self.page_fill[ids] = np.minimum(ps, new_len - idx * ps)
+
+    def _entries(self, row: int, own: bool | None) -> np.ndarray:
+        """Page ids of the row's table, tail first per group: own, borrowed or all (None)."""
+        t, out = self.table, []
+        for g in range(self.num_head_groups):
+            lo = t.own_start[row, g] if own else 0
+            hi = t.own_start[row, g] if own is False else t.num_pages[row, g]
+            out.append(t.pages[row, g, lo:hi][::-1])
+        return np.concatenate(out) if out else np.zeros(0, np.int64)
+
+    def _drop_row(self, row: int, release: np.ndarray) -> int:
+        """Release the row's references on ``release``, forget all its entries, clear it."""
+        np.subtract.at(self.row_refs, self._entries(row, own=None), 1)
+        freed = self.allocator.free(torch.from_numpy(release.copy()), f"row {row}")
+        self.ledger.release(row)
+        self.table.clear(row)
+        self.rids[row] = None
+        self.pending[row] = None
+        self._after("release")
+        return freed
+
+    def _after(self, what: str) -> None:
+        if self.debug:
+            try:
+                self.check_invariants()
+            except PoolError as exc:
+                raise PoolError(f"after {what}: {exc}") from None
