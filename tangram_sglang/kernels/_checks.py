@@ -1,0 +1,105 @@
+"""Argument checks shared by the kernel launchers and the torch reference.
+
+The kernels trust their launcher (STYLE.md §7): every shape, dtype, device and stride assumption a
+kernel makes is checked here, on host-side metadata only (no device sync, so the checks are safe
+inside CUDA-graph capture). Failures raise :class:`KernelError` naming the argument and the fix.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from tangram_sglang.errors import KernelError
+
+KV_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+INDEX_DTYPES = (torch.int32,)
+
+
+def check_tensor(
+    name: str,
+    tensor: torch.Tensor,
+    shape: Sequence[int | None],
+    dtypes: Sequence[torch.dtype],
+    device: torch.device,
+    last_dim_contiguous: bool = True,
+) -> None:
+    """Check one tensor argument; ``None`` in ``shape`` matches any size.
+
+    Raises:
+        KernelError: not a tensor, wrong rank/size, dtype, device, or a last dim with stride != 1.
+    """
+    if not isinstance(tensor, torch.Tensor):
+        raise KernelError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
+    want = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
+    if tensor.dim() != len(shape) or any(
+        s is not None and s != got for s, got in zip(shape, tensor.shape, strict=True)
+    ):
+        raise KernelError(f"{name} has shape {list(tensor.shape)}, expected {want}")
+    if tensor.dtype not in dtypes:
+        names = ", ".join(str(d).replace("torch.", "") for d in dtypes)
+        raise KernelError(f"{name} has dtype {tensor.dtype}, expected one of {names}")
+    if tensor.device != device:
+        raise KernelError(f"{name} is on {tensor.device} but the kernel runs on {device}")
+    if last_dim_contiguous and tensor.dim() and tensor.shape[-1] > 1 and tensor.stride(-1) != 1:
+        raise KernelError(f"{name} needs a contiguous last dim (stride 1); call .contiguous()")
+
+
+def check_pools(k_pool: torch.Tensor, v_pool: torch.Tensor, device: torch.device) -> None:
+    """K/V pools ``[num_pages, H_p, page_size, head_dim]``, same shape, dtype and strides."""
+    check_tensor("k_pool", k_pool, (None, None, None, None), KV_DTYPES, device)
+    check_tensor("v_pool", v_pool, tuple(k_pool.shape), (k_pool.dtype,), device)
+    if k_pool.stride() != v_pool.stride():
+        raise KernelError(
+            f"k_pool strides {k_pool.stride()} differ from v_pool strides {v_pool.stride()}; "
+            "allocate both pools with the same layout"
+        )
+    page_size, head_dim = k_pool.shape[2], k_pool.shape[3]
+    if page_size & (page_size - 1):
+        raise KernelError(f"page_size={page_size} (k_pool dim 2) must be a power of two")
+    if head_dim & (head_dim - 1) or not 16 <= head_dim <= 256:
+        raise KernelError(
+            f"head_dim={head_dim} (k_pool dim 3) must be a power of two in [16, 256] "
+            "(64 and 128 are tested)"
+        )
+
+
+def check_paging(
+    page_table: torch.Tensor,
+    group_len: torch.Tensor,
+    req_rows: torch.Tensor,
+    group_of_head: torch.Tensor,
+    column_of_head: torch.Tensor,
+    batch_size: int,
+    num_kv_heads: int,
+    device: torch.device,
+) -> None:
+    """The ragged page-table arguments of notes/INTERFACES.md (all int32 on ``device``).
+
+    ``page_table [max_rows, num_head_groups, max_pages_per_group]``, ``group_len [max_rows,
+    num_head_groups]``, ``req_rows [batch_size]``, ``group_of_head``/``column_of_head
+    [num_kv_heads]``.
+    """
+    check_tensor("page_table", page_table, (None, None, None), INDEX_DTYPES, device)
+    rows, groups = page_table.shape[0], page_table.shape[1]
+    check_tensor("group_len", group_len, (rows, groups), INDEX_DTYPES, device)
+    check_tensor("req_rows", req_rows, (batch_size,), INDEX_DTYPES, device)
+    check_tensor("group_of_head", group_of_head, (num_kv_heads,), INDEX_DTYPES, device)
+    check_tensor("column_of_head", column_of_head, (num_kv_heads,), INDEX_DTYPES, device)
+
+
+def check_query(q: torch.Tensor, k_pool: torch.Tensor, name: str = "q") -> tuple[int, int]:
+    """A query ``[N, num_qo_heads, head_dim]`` matching the pool; returns (N, num_qo_heads)."""
+    check_tensor(name, q, (None, None, k_pool.shape[3]), (k_pool.dtype,), k_pool.device)
+    return q.shape[0], q.shape[1]
+
+
+def gqa_size_of(num_qo_heads: int, num_kv_heads: int) -> int:
+    """Query heads per KV head; raises KernelError when they do not divide."""
+    if num_kv_heads < 1 or num_qo_heads % num_kv_heads:
+        raise KernelError(
+            f"num_qo_heads={num_qo_heads} is not a multiple of num_kv_heads={num_kv_heads} "
+            "(group_of_head length)"
+        )
+    return num_qo_heads // num_kv_heads

@@ -1,0 +1,269 @@
+"""Triton split-KV decode attention over ragged per-group page lists, with the AOT split table.
+
+Algorithm (FlashDecoding split-KV, Tangram's ahead-of-time partition):
+
+* Stage 1, grid ``(bs, num_ctas)``. Program ``(b, c)`` reads ``head = cta_head[c]`` and
+  ``split = cta_split[c]`` from the layer's static split table, finds the head's group and column
+  (``group_of_head``, ``column_of_head``) and the group's kept length ``L = group_len[row, g]``,
+  and processes tokens ``[split * chunk, min(L, (split + 1) * chunk))`` with
+  ``chunk = roundup(ceil(L / splits[head]), BLOCK_N)``. All GQA query heads of the KV head are
+  one ``[GQA_PAD, D]`` tile, so each K/V block is read once for the whole GQA group. Online
+  softmax in fp32 gives a normalised partial output and its LSE per (b, query head, split).
+* Stage 2, grid ``(bs, num_qo_heads)``: merge the ``splits[head]`` partial results by
+  log-sum-exp into ``out``.
+
+Only ``group_len`` (device) and the static table drive the launch: no per-step planning, no host
+sync, no allocation (``out`` and the two scratch tensors come from the caller), so a decode step
+can be captured in a CUDA graph. Empty groups (``L = 0``) give zeros; empty splits (``L`` short
+for the head's split count) exit after writing ``lse = -inf``.
+
+Sources: Dao et al., "Flash-Decoding for long-context inference" (2023); SGLang 0.5.17
+``kernels/ops/attention/decode_attention.py`` (grouped stage 1 + stage 2); Tangram arXiv
+2606.06302 (AOT load balancing); notes/INTERFACES.md (decode calling convention).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from tangram_sglang.errors import KernelError
+from tangram_sglang.kernels import _checks
+from tangram_sglang.kernels._triton_common import (
+    LOG2E,
+    dot_precision,
+    interpreted,
+    mma,
+    online_softmax_step,
+    paged_offsets,
+)
+from tangram_sglang.kernels.split_table import LayerSplits
+
+# Tokens per inner-loop block: 64 x 128 bf16 = 16 KB per K (and V) tile keeps two pipeline
+# stages within shared memory with room for several CTAs per SM; 32 at head_dim 256.
+BLOCK_N_BY_HEAD_DIM = {16: 64, 32: 64, 64: 64, 128: 64, 256: 32}
+# tl.dot needs M >= 16: the GQA query heads of a KV head are padded to at least 16 rows.
+MIN_GQA_PAD = 16
+NUM_WARPS = 4
+NUM_STAGES = 2
+
+
+@triton.jit
+def _decode_stage1(
+    q_ptr, k_pool_ptr, v_pool_ptr, page_table_ptr, group_len_ptr, req_rows_ptr,
+    group_of_head_ptr, column_of_head_ptr, splits_ptr, cta_head_ptr, cta_split_ptr,
+    mid_o_ptr, mid_lse_ptr, sm_scale_log2,
+    stride_q_b, stride_q_h,
+    stride_pool_page, stride_pool_col, stride_pool_slot,
+    stride_pt_row, stride_pt_group, stride_gl_row,
+    stride_mo_b, stride_mo_h, stride_mo_s,
+    stride_ml_b, stride_ml_h,
+    GQA_SIZE: tl.constexpr, GQA_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    UPCAST_DOT: tl.constexpr,
+):  # fmt: skip
+    """One (batch entry, CTA): split ``cta_split[c]`` of KV head ``cta_head[c]``."""
+    b = tl.program_id(0)
+    c = tl.program_id(1)
+    head = tl.load(cta_head_ptr + c)
+    split = tl.load(cta_split_ptr + c)
+    num_splits = tl.load(splits_ptr + head)
+    group = tl.load(group_of_head_ptr + head)
+    column = tl.load(column_of_head_ptr + head)
+    row = tl.load(req_rows_ptr + b).to(tl.int64)
+    seq_len = tl.load(group_len_ptr + row * stride_gl_row + group)
+    chunk = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+    start = split * chunk
+    end = tl.minimum(seq_len, start + chunk)
+
+    offs_g = tl.arange(0, GQA_PAD)
+    offs_d = tl.arange(0, HEAD_DIM)
+    offs_n = tl.arange(0, BLOCK_N)
+    q_heads = head * GQA_SIZE + offs_g
+    mask_g = offs_g < GQA_SIZE
+    q_off = b.to(tl.int64) * stride_q_b + q_heads[:, None] * stride_q_h + offs_d[None, :]
+    q = tl.load(q_ptr + q_off, mask=mask_g[:, None], other=0.0)
+
+    page_row_ptr = page_table_ptr + row * stride_pt_row + group * stride_pt_group
+    col_offset = column.to(tl.int64) * stride_pool_col
+    m_i = tl.full([GQA_PAD], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([GQA_PAD], dtype=tl.float32)
+    acc = tl.zeros([GQA_PAD, HEAD_DIM], dtype=tl.float32)
+    for tok0 in range(start, end, BLOCK_N):
+        offs_t = tok0 + offs_n
+        mask_t = offs_t < end
+        kv_off = paged_offsets(
+            page_row_ptr, offs_t, mask_t, col_offset, stride_pool_page, stride_pool_slot, PAGE_SIZE
+        )
+        k = tl.load(k_pool_ptr + kv_off[:, None] + offs_d[None, :], mask=mask_t[:, None], other=0.0)
+        v = tl.load(v_pool_ptr + kv_off[:, None] + offs_d[None, :], mask=mask_t[:, None], other=0.0)
+        # Scores in the log2 domain; tokens past the split's end are masked to -inf.
+        qk = mma(q, tl.trans(k), DOT_PRECISION, UPCAST_DOT) * sm_scale_log2
+        qk = tl.where(mask_t[None, :], qk, float("-inf"))
+        m_i, l_i, acc = online_softmax_step(qk, v, m_i, l_i, acc, DOT_PRECISION, UPCAST_DOT)
+
+    # Normalise this split's output; an empty split writes zeros with lse = -inf (weight 0).
+    has_keys = l_i > 0.0
+    out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
+    lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
+    mo_off = (
+        b.to(tl.int64) * stride_mo_b + q_heads[:, None] * stride_mo_h + split * stride_mo_s
+        + offs_d[None, :]
+    )  # fmt: skip
+    tl.store(mid_o_ptr + mo_off, out, mask=mask_g[:, None])
+    ml_off = b.to(tl.int64) * stride_ml_b + q_heads * stride_ml_h + split
+    tl.store(mid_lse_ptr + ml_off, lse, mask=mask_g)
+
+
+@triton.jit
+def _decode_stage2(
+    mid_o_ptr, mid_lse_ptr, splits_ptr, out_ptr,
+    stride_mo_b, stride_mo_h, stride_mo_s,
+    stride_ml_b, stride_ml_h,
+    stride_out_b, stride_out_h,
+    GQA_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
+):  # fmt: skip
+    """One (batch entry, query head): LSE-merge the head's split partials into ``out``."""
+    b = tl.program_id(0)
+    qh = tl.program_id(1)
+    num_splits = tl.load(splits_ptr + qh // GQA_SIZE)
+    offs_d = tl.arange(0, HEAD_DIM)
+    mo_base = mid_o_ptr + b.to(tl.int64) * stride_mo_b + qh * stride_mo_h
+    ml_base = mid_lse_ptr + b.to(tl.int64) * stride_ml_b + qh * stride_ml_h
+    m = float("-inf")
+    denom = 0.0
+    acc = tl.zeros([HEAD_DIM], dtype=tl.float32)
+    for s in range(0, num_splits):
+        lse_s = tl.load(ml_base + s)
+        o_s = tl.load(mo_base + s * stride_mo_s + offs_d)
+        # Same online rescaling as stage 1, with one "score" (the split's lse) per split.
+        m_new = tl.maximum(m, lse_s)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m - m_safe)
+        weight = tl.exp2(lse_s - m_safe)
+        denom = denom * alpha + weight
+        acc = acc * alpha + weight * o_s
+        m = m_new
+    out = acc / tl.where(denom > 0.0, denom, 1.0)
+    out_off = b.to(tl.int64) * stride_out_b + qh * stride_out_h + offs_d
+    tl.store(out_ptr + out_off, out.to(out_ptr.dtype.element_ty))
+
+
+def decode_scratch(
+    max_batch_size: int, num_qo_heads: int, max_splits: int, head_dim: int, device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Allocate the stage-1 scratch once (start-up), sized for the largest batch and split count.
+
+    Returns:
+        ``(mid_o float32 [max_batch_size, num_qo_heads, max_splits, head_dim],
+        mid_lse float32 [max_batch_size, num_qo_heads, max_splits])``.
+    """
+    mid_o = torch.empty(
+        max_batch_size, num_qo_heads, max_splits, head_dim, dtype=torch.float32, device=device
+    )
+    mid_lse = torch.empty(max_batch_size, num_qo_heads, max_splits, dtype=torch.float32, device=device)
+    return mid_o, mid_lse
+
+
+def _check_decode_args(q, k_pool, v_pool, page_table, group_len, req_rows, group_of_head,
+                       column_of_head, table, out, mid_o, mid_lse) -> tuple[int, int, int]:  # fmt: skip
+    """Launcher checks (host metadata only); returns (bs, num_qo_heads, gqa_size)."""
+    bs, num_qo_heads = _checks.check_query(q, k_pool)
+    device = q.device
+    _checks.check_pools(k_pool, v_pool, device)
+    num_kv_heads = group_of_head.shape[0] if group_of_head.dim() == 1 else -1
+    gqa = _checks.gqa_size_of(num_qo_heads, num_kv_heads)
+    _checks.check_paging(
+        page_table, group_len, req_rows, group_of_head, column_of_head, bs, num_kv_heads, device
+    )
+    if not isinstance(table, LayerSplits):
+        raise KernelError("table must be a LayerSplits (SplitTable.layer(l)) of this layer")
+    _checks.check_tensor("table.splits", table.splits, (num_kv_heads,), (torch.int32,), device)
+    shape = (table.num_ctas,)
+    _checks.check_tensor("table.cta_head", table.cta_head, shape, (torch.int32,), device)
+    _checks.check_tensor("table.cta_split", table.cta_split, shape, (torch.int32,), device)
+    head_dim = k_pool.shape[3]
+    _checks.check_tensor("out", out, (bs, num_qo_heads, head_dim), (q.dtype,), device)
+    _checks.check_tensor("mid_o", mid_o, (None, num_qo_heads, None, head_dim), (torch.float32,), device)
+    if mid_o.shape[0] < bs or mid_o.shape[2] < table.max_splits:
+        raise KernelError(
+            f"mid_o has shape {list(mid_o.shape)} but this launch needs batch >= {bs} and "
+            f"splits >= {table.max_splits}; size it with decode_scratch(max_batch_size, ..., "
+            "SplitTables.max_splits, ...)"
+        )
+    _checks.check_tensor("mid_lse", mid_lse, tuple(mid_o.shape[:3]), (torch.float32,), device)
+    return bs, num_qo_heads, gqa
+
+
+def ragged_decode_attention(
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    page_table: torch.Tensor,
+    group_len: torch.Tensor,
+    req_rows: torch.Tensor,
+    group_of_head: torch.Tensor,
+    column_of_head: torch.Tensor,
+    table: LayerSplits,
+    sm_scale: float,
+    out: torch.Tensor,
+    mid_o: torch.Tensor,
+    mid_lse: torch.Tensor,
+) -> torch.Tensor:
+    """Decode attention of one layer over ragged per-group page lists (per layer, per step).
+
+    Args:
+        q: ``[bs, num_qo_heads, D]`` bf16/fp16/fp32 (the pools' dtype), last dim contiguous.
+        k_pool, v_pool: ``[num_pages, H_p, page_size, D]``, same dtype and strides; D a power of
+            two in [16, 256] (64 and 128 tested), page_size a power of two (1..64 tested).
+        page_table: int32 ``[max_rows, num_head_groups, max_pages_per_group]``.
+        group_len: int32 ``[max_rows, num_head_groups]``: kept tokens INCLUDING the token being
+            decoded (its K/V already written).
+        req_rows: int32 ``[bs]``: page-table row of each batch entry (req_pool_idx).
+        group_of_head, column_of_head: int32 ``[H_kv]``: this layer's head -> (group, column).
+        table: this layer's split table for the batch bucket (``SplitTables.for_batch(bs)
+            .layer(l)``), tensors on q's device. The uniform baseline passes a uniform table.
+        sm_scale: softmax scale (usually ``D ** -0.5``).
+        out: ``[bs, num_qo_heads, D]`` in q's dtype, written in place (every element).
+        mid_o: float32 ``[>= bs, num_qo_heads, >= table.max_splits, D]`` scratch.
+        mid_lse: float32 ``[mid_o.shape[0], num_qo_heads, mid_o.shape[2]]`` scratch.
+
+    Returns:
+        ``out``. A KV head whose group has 0 kept tokens gives zeros (never NaN).
+
+    Raises:
+        KernelError: a shape, dtype, device or stride does not match the above.
+
+    Source: this module's docstring.
+    """
+    bs, num_qo_heads, gqa = _check_decode_args(
+        q, k_pool, v_pool, page_table, group_len, req_rows, group_of_head, column_of_head, table,
+        out, mid_o, mid_lse,
+    )  # fmt: skip
+    if bs == 0:
+        return out
+    head_dim, page_size = k_pool.shape[3], k_pool.shape[2]
+    _decode_stage1[(bs, table.num_ctas)](
+        q, k_pool, v_pool, page_table, group_len, req_rows, group_of_head, column_of_head,
+        table.splits, table.cta_head, table.cta_split, mid_o, mid_lse, sm_scale * LOG2E,
+        q.stride(0), q.stride(1),
+        k_pool.stride(0), k_pool.stride(1), k_pool.stride(2),
+        page_table.stride(0), page_table.stride(1), group_len.stride(0),
+        mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
+        mid_lse.stride(0), mid_lse.stride(1),
+        GQA_SIZE=gqa, GQA_PAD=max(MIN_GQA_PAD, triton.next_power_of_2(gqa)), HEAD_DIM=head_dim,
+        PAGE_SIZE=page_size, BLOCK_N=BLOCK_N_BY_HEAD_DIM[head_dim],
+        DOT_PRECISION=dot_precision(q.dtype), UPCAST_DOT=interpreted(), num_warps=NUM_WARPS, num_stages=NUM_STAGES,
+    )  # fmt: skip
+    _decode_stage2[(bs, num_qo_heads)](
+        mid_o, mid_lse, table.splits, out,
+        mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
+        mid_lse.stride(0), mid_lse.stride(1),
+        out.stride(0), out.stride(1),
+        GQA_SIZE=gqa, HEAD_DIM=head_dim, num_warps=NUM_WARPS,
+    )  # fmt: skip
+    return out
+
+
+__all__ = ["decode_scratch", "ragged_decode_attention"]

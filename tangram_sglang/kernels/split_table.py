@@ -1,0 +1,285 @@
+"""Ahead-of-time split-KV tables for the ragged decode kernel (Tangram's AOT load balancing).
+
+Decode work of KV head ``h`` is proportional to its kept length, i.e. to its head group's ratio
+``r_g`` times the context. The ratios are static (the budget profile), so the split-KV partition
+is computed once at start-up and the decode kernel only reads it: no per-step planning, no host
+sync (Tangram arXiv 2606.06302, "Ahead-of-time load balancing"; DESIGN.md §3.3).
+
+Per layer ``l`` and batch bucket the table holds::
+
+    splits[l, h]          int32 [num_layers, num_kv_heads]  KV splits of head h (>= 1)
+    cta_head[l, c]        int32 [num_layers, max_ctas]      KV head of CTA c of one request row
+    cta_split[l, c]       int32 [num_layers, max_ctas]      split index of CTA c, in [0, splits[l, h])
+    num_ctas[l]           python int                        CTAs per request row at layer l
+
+The stage-1 grid of a decode launch is ``(batch_size, num_ctas[l])``: program ``(b, c)`` runs
+split ``cta_split[l, c]`` of head ``cta_head[l, c]`` for batch entry ``b``. Every (head, split)
+pair of a layer appears exactly once. CTAs are ordered by decreasing per-CTA work (largest group
+ratio first), so the heaviest CTAs are dispatched first (longest-processing-time order) and the
+tail of the launch is made of short CTAs.
+
+Rule for the total CTA count (one batch bucket ``B``, ``S`` SMs, ``W = sum_h r_h`` of the layer)::
+
+    target  = max(num_kv_heads, ceil(CTAS_PER_SM * S / B))       CTAs per request row
+    scale   = min(target / W, max_splits_per_head / max_h r_h)
+    splits_h = clamp(round(r_h * scale), 1, max_splits_per_head)   (AOT: proportional to r_h)
+    splits_h = clamp(round(target / num_kv_heads), 1, max_splits_per_head)   (uniform baseline)
+
+So a launch has about ``CTAS_PER_SM * S`` CTAs whatever the batch (enough to fill every SM a few
+times over), each AOT CTA covers about the same number of kept tokens, and the uniform baseline
+has the same CTA budget split evenly over the heads (FlashDecoding's static split). At large
+batches ``target`` falls to ``num_kv_heads``; proportional splitting still gives the long heads
+more splits, so no CTA is a straggler several times longer than the others.
+
+Tables are built for a set of batch-size buckets (powers of two up to ``max_batch_size``); a
+launch for batch ``bs`` uses the smallest bucket ``>= bs`` (a host-side lookup on a python int,
+so CUDA-graph capture per batch size sees a fixed table).
+
+This module is CPU-only numpy at build time; :meth:`SplitTable.to` moves the tensors to the device
+once. It owns only the partition; the kernel that reads it is ``decode_attention.py``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from tangram_sglang.errors import ConfigError
+from tangram_sglang.grouping import HeadGrouping
+
+# CTAs per SM a decode launch aims for: a memory-bound split-KV CTA (4 warps, ~40 KB of tiles)
+# leaves room for several resident CTAs per SM, and a few waves hide the tail. 8 keeps the
+# per-CTA chunk above ~100 kept tokens at 8k context on 132 SMs, where the fp32 partial output
+# (GQA * D * 4 bytes per CTA) stays under 5% of the KV bytes the CTA reads.
+CTAS_PER_SM = 8
+# Upper bound on the splits of one KV head; also the split dimension of the stage-1 scratch.
+MAX_SPLITS_PER_HEAD = 64
+
+
+@dataclass(frozen=True, slots=True)
+class LayerSplits:
+    """The split table of one layer for one batch bucket (device tensors, read per layer).
+
+    Attributes:
+        splits: int32 ``[num_kv_heads]``: splits of each KV head (>= 1).
+        cta_head: int32 ``[num_ctas]``: KV head of each CTA of a request row.
+        cta_split: int32 ``[num_ctas]``: split index of each CTA.
+        num_ctas: CTAs per request row (python int, the stage-1 grid's second dimension).
+        max_splits: the largest entry of ``splits`` (python int; sizes the scratch).
+    """
+
+    splits: torch.Tensor
+    cta_head: torch.Tensor
+    cta_split: torch.Tensor
+    num_ctas: int
+    max_splits: int
+
+
+@dataclass(frozen=True, slots=True)
+class SplitTable:
+    """Split tables of every layer for one batch bucket. Build with :func:`build_split_table`.
+
+    Attributes:
+        batch_size: the bucket's batch size (launches with ``bs <= batch_size`` may use it).
+        splits: int32 ``[num_layers, num_kv_heads]``.
+        cta_head: int32 ``[num_layers, max_ctas]`` (entries past ``num_ctas[l]`` are -1).
+        cta_split: int32 ``[num_layers, max_ctas]`` (entries past ``num_ctas[l]`` are -1).
+        num_ctas: CTAs per request row of each layer.
+        layer_max_splits: largest split count of each layer (host ints: no device read).
+        uniform: True for the uniform-split baseline table.
+    """
+
+    batch_size: int
+    splits: torch.Tensor
+    cta_head: torch.Tensor
+    cta_split: torch.Tensor
+    num_ctas: tuple[int, ...]
+    layer_max_splits: tuple[int, ...]
+    uniform: bool
+
+    @property
+    def max_splits(self) -> int:
+        """Largest split count of any head of any layer (sizes the stage-1 scratch)."""
+        return max(self.layer_max_splits)
+
+    def layer(self, layer: int) -> LayerSplits:
+        """The per-layer view the decode launcher takes (views, no copy, no device read).
+
+        Build the views once (``[table.layer(l) for l in range(num_layers)]``) at start-up and
+        reuse them every step.
+        """
+        num_ctas = self.num_ctas[layer]
+        return LayerSplits(
+            splits=self.splits[layer],
+            cta_head=self.cta_head[layer, :num_ctas],
+            cta_split=self.cta_split[layer, :num_ctas],
+            num_ctas=num_ctas,
+            max_splits=self.layer_max_splits[layer],
+        )
+
+    def to(self, device: torch.device | str) -> SplitTable:
+        """The same table with its tensors on ``device`` (done once at start-up)."""
+        return SplitTable(
+            batch_size=self.batch_size,
+            splits=self.splits.to(device),
+            cta_head=self.cta_head.to(device),
+            cta_split=self.cta_split.to(device),
+            num_ctas=self.num_ctas,
+            layer_max_splits=self.layer_max_splits,
+            uniform=self.uniform,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class SplitTables:
+    """Split tables for a set of batch buckets; :meth:`for_batch` picks one per launch."""
+
+    tables: tuple[SplitTable, ...]  # ascending batch_size
+
+    @property
+    def max_splits(self) -> int:
+        """Largest split count over every bucket (sizes a scratch shared by all buckets)."""
+        return max(t.max_splits for t in self.tables)
+
+    def for_batch(self, batch_size: int) -> SplitTable:
+        """The table of the smallest bucket ``>= batch_size`` (the largest one beyond it)."""
+        for table in self.tables:
+            if table.batch_size >= batch_size:
+                return table
+        return self.tables[-1]
+
+    def to(self, device: torch.device | str) -> SplitTables:
+        """Every bucket's tensors on ``device``."""
+        return SplitTables(tuple(t.to(device) for t in self.tables))
+
+
+def head_ratios(grouping: HeadGrouping, group_ratios: np.ndarray) -> np.ndarray:
+    """float64 ``[num_layers, num_kv_heads]``: each KV head's group ratio (its decode work)."""
+    group_ratios = np.asarray(group_ratios, dtype=np.float64)
+    if group_ratios.shape != (grouping.num_head_groups,):
+        raise ConfigError(
+            f"group_ratios has shape {list(group_ratios.shape)} but the grouping has "
+            f"{grouping.num_head_groups} head groups; pass BudgetProfile.group_ratios"
+        )
+    return group_ratios[grouping.cluster_of]
+
+
+def layer_splits(
+    ratios: np.ndarray, target_ctas: int, uniform: bool, max_splits: int = MAX_SPLITS_PER_HEAD
+) -> np.ndarray:
+    """Splits of each KV head of one layer (the documented rule; see the module docstring).
+
+    Args:
+        ratios: float ``[num_kv_heads]``, each head's group ratio in (0, 1].
+        target_ctas: wanted CTAs per request row (>= 1).
+        uniform: the uniform baseline (same split count for every head) instead of AOT.
+        max_splits: cap on one head's splits.
+
+    Returns:
+        int64 ``[num_kv_heads]`` in ``[1, max_splits]``.
+    """
+    ratios = np.asarray(ratios, dtype=np.float64)
+    num_heads = ratios.size
+    if uniform:
+        per_head = min(max(round(target_ctas / num_heads), 1), max_splits)
+        return np.full(num_heads, per_head, dtype=np.int64)
+    scale = min(target_ctas / ratios.sum(), max_splits / ratios.max())
+    return np.clip(np.rint(ratios * scale), 1, max_splits).astype(np.int64)
+
+
+def cta_map(splits: np.ndarray, ratios: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Static CTA -> (kv_head, split) map of one layer, heaviest CTAs first.
+
+    Args:
+        splits: int ``[num_kv_heads]`` (>= 1).
+        ratios: float ``[num_kv_heads]``: per-head work per unit of context.
+
+    Returns:
+        ``(cta_head, cta_split)``, int64 ``[sum(splits)]`` each, sorted by decreasing per-CTA
+        work ``ratios[h] / splits[h]`` (ties by head, then split).
+    """
+    heads = np.repeat(np.arange(splits.size), splits)
+    split_idx = np.concatenate([np.arange(n) for n in splits])
+    work = ratios[heads] / splits[heads]
+    order = np.lexsort((split_idx, heads, -work))
+    return heads[order], split_idx[order]
+
+
+def build_split_table(
+    grouping: HeadGrouping,
+    group_ratios: np.ndarray,
+    num_sms: int,
+    batch_size: int,
+    uniform: bool = False,
+    max_splits: int = MAX_SPLITS_PER_HEAD,
+) -> SplitTable:
+    """Build the split tables of every layer for one batch bucket. Runs once at start-up.
+
+    Args:
+        grouping: the profile's head grouping (``cluster_of`` maps heads to groups).
+        group_ratios: float ``[num_head_groups]`` (``BudgetProfile.group_ratios``).
+        num_sms: the device's SM count (``torch.cuda.get_device_properties(d).multi_processor_count``).
+        batch_size: the bucket's batch size (requests per decode launch).
+        uniform: build the uniform-split baseline instead of the AOT table.
+        max_splits: cap on one head's splits (sizes the scratch).
+
+    Returns:
+        A :class:`SplitTable` with int32 CPU tensors (call ``.to(device)`` once).
+
+    Raises:
+        ConfigError: ``num_sms``, ``batch_size`` or ``max_splits`` < 1, or ratio shape mismatch.
+
+    Source: Tangram arXiv 2606.06302, AOT load balancing; the CTA-count rule in this module's
+    docstring.
+    """
+    for name, value in (("num_sms", num_sms), ("batch_size", batch_size), ("max_splits", max_splits)):
+        if int(value) < 1:
+            raise ConfigError(f"{name}={value} must be >= 1")
+    ratios = head_ratios(grouping, group_ratios)
+    if not ((ratios > 0) & (ratios <= 1)).all():
+        raise ConfigError("group_ratios must lie in (0, 1]; pass BudgetProfile.group_ratios")
+    num_layers, num_kv_heads = ratios.shape
+    target = max(num_kv_heads, math.ceil(CTAS_PER_SM * num_sms / batch_size))
+    splits = np.stack([layer_splits(r, target, uniform, max_splits) for r in ratios])
+    maps = [cta_map(splits[layer], ratios[layer]) for layer in range(num_layers)]
+    num_ctas = tuple(int(s.sum()) for s in splits)
+    cta_head = np.full((num_layers, max(num_ctas)), -1, dtype=np.int64)
+    cta_split = np.full_like(cta_head, -1)
+    for layer, (heads, split_idx) in enumerate(maps):
+        cta_head[layer, : heads.size] = heads
+        cta_split[layer, : split_idx.size] = split_idx
+    return SplitTable(
+        batch_size=int(batch_size),
+        splits=torch.from_numpy(splits.astype(np.int32)),
+        cta_head=torch.from_numpy(cta_head.astype(np.int32)),
+        cta_split=torch.from_numpy(cta_split.astype(np.int32)),
+        num_ctas=num_ctas,
+        layer_max_splits=tuple(int(s.max()) for s in splits),
+        uniform=uniform,
+    )
+
+
+def build_split_tables(
+    grouping: HeadGrouping,
+    group_ratios: np.ndarray,
+    num_sms: int,
+    max_batch_size: int,
+    uniform: bool = False,
+    max_splits: int = MAX_SPLITS_PER_HEAD,
+) -> SplitTables:
+    """Tables for the batch buckets 1, 2, 4, ... up to ``max_batch_size`` (included).
+
+    Runs once at start-up; see :func:`build_split_table` for the arguments and errors.
+    """
+    if int(max_batch_size) < 1:
+        raise ConfigError(f"max_batch_size={max_batch_size} must be >= 1")
+    buckets = sorted({min(1 << i, max_batch_size) for i in range(max_batch_size.bit_length() + 1)})
+    return SplitTables(
+        tuple(
+            build_split_table(grouping, group_ratios, num_sms, bs, uniform, max_splits)
+            for bs in buckets
+        )
+    )
