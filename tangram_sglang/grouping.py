@@ -86,13 +86,9 @@ class HeadGrouping:
         """
         shape = (num_layers, num_kv_heads)
         if self.scope not in SCOPES:
-            raise ProfileError(
-                f"grouping.scope={self.scope!r} is unknown; use one of {SCOPES}"
-            )
+            raise ProfileError(f"grouping.scope={self.scope!r} is unknown; use one of {SCOPES}")
         if self.heads_per_group < 1:
-            raise ProfileError(
-                f"grouping.page_group_size={self.heads_per_group} must be >= 1"
-            )
+            raise ProfileError(f"grouping.page_group_size={self.heads_per_group} must be >= 1")
         if self.scope == "per_layer" and num_kv_heads % self.heads_per_group:
             raise ProfileError(
                 f"grouping.page_group_size={self.heads_per_group} does not divide "
@@ -151,8 +147,10 @@ class HeadGrouping:
         cluster_of = np.zeros(ratio.shape, dtype=np.int64)
         column_of = np.zeros(ratio.shape, dtype=np.int64)
         probe = cls(heads_per_group, scope, cluster_of, column_of)
-        if scope not in SCOPES or heads_per_group < 1 or (
-            scope == "per_layer" and num_kv_heads % heads_per_group
+        if (
+            scope not in SCOPES
+            or heads_per_group < 1
+            or (scope == "per_layer" and num_kv_heads % heads_per_group)
         ):
             probe.validate(num_layers, num_kv_heads)  # raises the precise message
         if scope == "global":
@@ -173,7 +171,11 @@ class HeadGrouping:
 
 
 def _chunk(
-    ratio: np.ndarray, heads_per_group: int, first_group: int, cluster: np.ndarray, column: np.ndarray
+    ratio: np.ndarray,
+    heads_per_group: int,
+    first_group: int,
+    cluster: np.ndarray,
+    column: np.ndarray,
 ) -> None:
     """Sort a flat list of heads by ratio (desc, stable) and assign groups/columns in place."""
     order = np.argsort(-ratio, kind="stable")

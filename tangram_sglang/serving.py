@@ -10,6 +10,7 @@ own process session so that stopping it never leaves children behind: SIGTERM to
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -128,14 +129,10 @@ class SGLangServer:
             return
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
-            try:
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(timeout=grace_s)
-            except subprocess.TimeoutExpired:
-                pass
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)  # children that outlived the launcher
-        except ProcessLookupError:
-            pass
         proc.wait()
         self.process = None
 

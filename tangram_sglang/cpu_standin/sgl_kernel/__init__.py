@@ -100,7 +100,7 @@ def _speculative_only(name: str):
         )
 
     stub.__name__ = stub.__qualname__ = name
-    stub.__doc__ = f"Not implemented on CPU (speculative decoding only): raises NotImplementedError."
+    stub.__doc__ = "Not implemented on CPU (speculative decoding only): raises NotImplementedError."
     return stub
 
 
