@@ -1,0 +1,129 @@
+"""TangramConfig: the validated Tangram options of one server.
+
+Built at start-up from SGLang's ``--tangram*`` flags (``integration/server_args.py`` reads them off
+``ServerArgs``) or directly in tests. It holds options only: loading the budget profile, matching
+it to the model, rescaling and regrouping it are done by ``integration/server_args.py``, which
+sits to the right of ``profile`` in the module order (STYLE.md §2). This module imports nothing
+but ``errors`` and the standard library, and never ``sglang``.
+
+Every bad value raises :class:`~tangram_sglang.errors.ConfigError` naming the command-line flag,
+the allowed values and the fix.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+from tangram_sglang.errors import ConfigError
+
+# Must equal grouping.SCOPES (tests/unit/test_config.py checks it); repeated here because config
+# sits left of grouping in the module order.
+SCOPES = ("per_layer", "global")
+DEFAULT_PAGE_SIZE = 16  # tokens per page: a power of two, as the Triton kernels' PAGE_SIZE needs
+MAX_PAGE_SIZE = 1024  # tokens; a page is page_size x H_p x head_dim elements for K and for V
+MAX_PAGE_GROUP_SIZE = 256  # KV heads per head group (H_p); no model has more KV heads per layer
+
+
+@dataclass(frozen=True, slots=True)
+class TangramConfig:
+    """Tangram options, validated on construction.
+
+    Attributes:
+        enabled: ``--tangram``; when False the other fields are not checked and nothing is
+            compressed.
+        profile_path: ``--tangram-profile``: the budget profile JSON; None means the shipped
+            profile for the served model (looked up at start-up by ``integration/``).
+        page_group_size: ``--tangram-page-group-size``: H_p, KV heads sharing one page table;
+            None keeps the profile's grouping.
+        page_size: ``--tangram-page-size``: tokens per page (power of two, 1..1024).
+        target_ratio: ``--tangram-target-ratio``: rescale the profile so that its mean kept
+            fraction is this value (in (0, 1]); None keeps the profile's ratios.
+        scope: ``--tangram-scope``: head-group scope (``per_layer`` | ``global``); None keeps the
+            profile's.
+
+    Raises:
+        ConfigError: any field out of range; the message names the flag and the fix.
+
+    Source: DESIGN.md §2 (head group, page); Tangram arXiv 2606.06302 (Ragged Paging).
+    """
+
+    enabled: bool = False
+    profile_path: str | None = None
+    page_group_size: int | None = None
+    page_size: int = DEFAULT_PAGE_SIZE
+    target_ratio: float | None = None
+    scope: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.enabled:
+            self.validate()
+
+    def validate(self) -> None:
+        """Check every field; raises :class:`ConfigError` naming the flag and the fix."""
+        _check_profile_path(self.profile_path)
+        _check_page_size(self.page_size)
+        _check_page_group_size(self.page_group_size)
+        _check_target_ratio(self.target_ratio)
+        if self.scope is not None and self.scope not in SCOPES:
+            raise ConfigError(
+                f"--tangram-scope {self.scope!r} is unknown; use one of {list(SCOPES)} "
+                "(or leave it out to keep the profile's scope)"
+            )
+
+    def as_dict(self) -> dict[str, object]:
+        """The options as plain builtins (for logs and ``/server_info``)."""
+        return {
+            "enabled": self.enabled,
+            "profile_path": self.profile_path,
+            "page_group_size": self.page_group_size,
+            "page_size": self.page_size,
+            "target_ratio": self.target_ratio,
+            "scope": self.scope,
+        }
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_profile_path(path: str | None) -> None:
+    if path is None:  # the shipped default for the served model is looked up at start-up
+        return
+    if not isinstance(path, str | Path) or not Path(path).is_file():
+        raise ConfigError(
+            f"--tangram-profile {path!r}: no such file; pass an existing profile JSON, leave "
+            "the flag out to use the shipped profile for the model, or calibrate one with "
+            "`python -m tangram_sglang.calibrate --model-path ...`"
+        )
+
+
+def _check_page_size(page_size: object) -> None:
+    ok = _is_int(page_size) and 1 <= page_size <= MAX_PAGE_SIZE
+    if not ok or page_size & (page_size - 1):
+        raise ConfigError(
+            f"--tangram-page-size {page_size!r} must be a power of two in [1, {MAX_PAGE_SIZE}] "
+            f"tokens (default {DEFAULT_PAGE_SIZE})"
+        )
+
+
+def _check_page_group_size(size: object) -> None:
+    if size is None:
+        return
+    if not _is_int(size) or not 1 <= size <= MAX_PAGE_GROUP_SIZE:
+        raise ConfigError(
+            f"--tangram-page-group-size {size!r} must be an integer in [1, "
+            f"{MAX_PAGE_GROUP_SIZE}] KV heads (or leave it out to keep the profile's grouping)"
+        )
+
+
+def _check_target_ratio(ratio: object) -> None:
+    if ratio is None:
+        return
+    ok = isinstance(ratio, int | float) and not isinstance(ratio, bool)
+    if not ok or not math.isfinite(ratio) or not 0.0 < ratio <= 1.0:
+        raise ConfigError(
+            f"--tangram-target-ratio {ratio!r} must be a number in (0, 1]: the mean fraction "
+            "of the KV cache to keep (or leave it out to keep the profile's ratios)"
+        )

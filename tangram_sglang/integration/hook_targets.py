@@ -1,0 +1,190 @@
+"""Every SGLang dotted path Tangram hooks or registers into, in one table, pinned to sglang 0.5.17.
+
+Three tables:
+
+``HOOKS``
+    Hooks applied through SGLang's hook registry (``sglang.srt.plugins.hook_registry``). The
+    plugin registers each row and, after ``HookRegistry.apply_hooks()``, verifies that the
+    attribute at ``target`` really is a wrapper chain holding ``body``; start-up fails otherwise.
+``REGISTRATIONS``
+    Entries Tangram adds to an SGLang registry dict (attention backends, radix cache backends).
+    The plugin imports ``module`` (whose import registers the entry) and verifies that ``key`` is
+    in the dict at ``registry``.
+``SEAMS``
+    SGLang names the later pieces (backend, mem, radix) are built against, with the parameter
+    names they rely on. Not hooked yet; ``tests/integration/test_hook_targets.py`` checks that
+    each resolves with that signature on the installed sglang, so an SGLang bump that moves one
+    fails a fast test instead of a server start.
+
+To hook something new: add a ``HookTarget`` row (and its body in ``hooks.py`` or your package);
+the plugin and the tests pick it up. Bump ``SGLANG_VERSION`` only after re-verifying every row.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+SGLANG_VERSION = "0.5.17"
+HOOK_TYPES = ("before", "after", "around", "replace")
+
+
+@dataclass(frozen=True, slots=True)
+class HookTarget:
+    """One hook applied through SGLang's ``HookRegistry``.
+
+    Attributes:
+        target: dotted path of the SGLang function/method/class (``module.Class.method``).
+        hook_type: one of ``HOOK_TYPES`` (SGLang's ``HookType`` values).
+        body: ``"package.module:function"`` of the hook body (see ``HookRegistry.register``
+            for the call signature of each type).
+        purpose: why Tangram needs it (one line).
+    """
+
+    target: str
+    hook_type: str
+    body: str
+    purpose: str
+
+
+@dataclass(frozen=True, slots=True)
+class Registration:
+    """One entry Tangram adds to an SGLang registry dict.
+
+    Attributes:
+        registry: dotted path of the dict (e.g. ``...attention_registry.ATTENTION_BACKENDS``).
+        key: the name registered (e.g. ``"tangram"``).
+        module: Tangram module whose import performs the registration.
+        purpose: why Tangram needs it (one line).
+    """
+
+    registry: str
+    key: str
+    module: str
+    purpose: str
+
+
+HOOKS: tuple[HookTarget, ...] = (
+    HookTarget(
+        target="sglang.srt.managers.scheduler.Scheduler.get_init_info",
+        hook_type="after",
+        body="tangram_sglang.integration.hooks:add_tangram_init_info",
+        purpose="put the resolved Tangram settings into scheduler_info, hence /server_info",
+    ),
+)
+
+# Added by the pieces that own them, e.g.
+#   Registration("sglang.srt.layers.attention.attention_registry.ATTENTION_BACKENDS",
+#                "tangram", "tangram_sglang.backend.factory", "the tangram attention backend")
+#   Registration("sglang.srt.mem_cache.registry._RADIX_CACHE_BACKENDS", "tangram", ...)
+REGISTRATIONS: tuple[Registration, ...] = ()
+
+# dotted path -> parameter names (in order; () for a non-callable: dict, list, module).
+SEAMS: dict[str, tuple[str, ...]] = {
+    # plugins and flags
+    "sglang.srt.plugins.load_plugins": (),
+    "sglang.srt.plugins.hook_registry.HookRegistry.register": (
+        "target", "hook", "hook_type", "source",
+    ),
+    "sglang.srt.plugins.hook_registry.HookRegistry.apply_hooks": (),
+    "sglang.srt.server_args.prepare_server_args": ("argv",),
+    "sglang.srt.server_args.ServerArgs.from_cli_args": ("args",),
+    "sglang.srt.server_args.ServerArgs.get_model_config": ("self",),
+    # attention backend
+    "sglang.srt.layers.attention.attention_registry.ATTENTION_BACKENDS": (),
+    "sglang.srt.layers.attention.attention_registry.register_attention_backend": ("name",),
+    "sglang.srt.server_args.add_attention_backend_choices": ("choices",),
+    "sglang.srt.server_args.ATTENTION_BACKEND_CHOICES": (),
+    "sglang.srt.layers.attention.base_attn_backend.AttentionBackend.init_forward_metadata": (
+        "self", "forward_batch",
+    ),
+    "sglang.srt.layers.attention.base_attn_backend.AttentionBackend"
+    ".init_forward_metadata_out_graph": ("self", "forward_batch", "in_capture"),
+    "sglang.srt.layers.attention.base_attn_backend.AttentionBackend"
+    ".init_forward_metadata_in_graph": ("self", "forward_batch"),
+    "sglang.srt.layers.attention.base_attn_backend.AttentionBackend.init_cuda_graph_state": (
+        "self", "max_bs", "max_num_tokens",
+    ),
+    "sglang.srt.layers.attention.base_attn_backend.AttentionBackend"
+    ".get_cuda_graph_seq_len_fill_value": ("self",),
+    "sglang.srt.layers.attention.base_attn_backend.AttentionBackend.forward_extend": (
+        "self", "q", "k", "v", "layer", "forward_batch", "save_kv_cache", "kwargs",
+    ),
+    "sglang.srt.layers.attention.base_attn_backend.AttentionBackend.forward_decode": (
+        "self", "q", "k", "v", "layer", "forward_batch", "save_kv_cache", "kwargs",
+    ),
+    "sglang.srt.layers.attention.base_attn_backend.AttentionBackend.support_triton": ("self",),
+    "sglang.srt.layers.attention.torch_native_backend.TorchNativeAttnBackend": (
+        "model_runner",
+    ),
+    # KV pool construction and sizing
+    "sglang.srt.model_executor.model_runner.ModelRunner.alloc_memory_pool": (
+        "self", "memory_pool_config",
+    ),
+    "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator.configure": (
+        "self", "pre_model_load_memory",
+    ),
+    "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator._profile_available_bytes": (
+        "self", "pre_model_load_memory",
+    ),
+    "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator.config_from_budget": (
+        "self", "budget_bytes", "cap_tokens",
+    ),
+    "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator._build_mha_kv_pool": (
+        "self", "max_total_num_tokens", "mha_pool_class", "quant_method",
+    ),
+    "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator"
+    "._build_token_to_kv_pool_allocator": (
+        "self", "sizes", "token_to_kv_pool", "is_dsv4_model", "req_to_token_pool",
+        "token_to_kv_pool_allocator",
+    ),
+    "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator.resolve_max_num_reqs": (
+        "self", "token_capacity",
+    ),
+    "sglang.srt.model_executor.pool_configurator.DefaultPoolConfigurator._compute_cell_size": (
+        "self", "kvc", "num_layers",
+    ),
+    "sglang.srt.model_executor.pool_configurator.DefaultPoolConfigurator.calculate_pool_sizes": (
+        "self", "available_bytes", "page_size",
+    ),
+    "sglang.srt.mem_cache.memory_pool.MHATokenToKVPool.set_kv_buffer": (
+        "self", "layer", "loc_info", "cache_k", "cache_v", "k_scale", "v_scale",
+        "layer_id_override", "dcp_kv_mask",
+    ),
+    "sglang.srt.mem_cache.memory_pool.NoOpMHATokenToKVPool": (),
+    "sglang.srt.mem_cache.memory_pool.ReqToTokenPool.alloc": ("self", "reqs"),
+    "sglang.srt.mem_cache.memory_pool.ReqToTokenPool.free": ("self", "req"),
+    "sglang.srt.mem_cache.allocation.alloc_for_extend": ("batch",),
+    "sglang.srt.mem_cache.allocation.alloc_for_decode": ("batch", "token_per_req"),
+    "sglang.srt.mem_cache.common.release_kv_cache": ("req", "tree_cache", "is_insert"),
+    # admission and decode growth
+    "sglang.srt.managers.schedule_policy.PrefillAdder._update_prefill_budget": (
+        "self", "prefix_len", "extend_input_len", "max_new_tokens", "retracted_stain",
+        "mamba_gap_reserve",
+    ),
+    "sglang.srt.managers.schedule_policy.PrefillAdder.add_one_req": (
+        "self", "req", "has_chunked_req", "truncation_align_size",
+    ),
+    "sglang.srt.managers.schedule_policy.PrefillAdder._get_running_request_total_token_offset": (
+        "self", "req",
+    ),
+    "sglang.srt.managers.schedule_batch.ScheduleBatch.check_decode_mem": (
+        "self", "selected_indices",
+    ),
+    "sglang.srt.managers.schedule_batch.ScheduleBatch.retract_decode": ("self", "server_args"),
+    "sglang.srt.managers.schedule_batch.ScheduleBatch.new_tokens_required_next_decode": (
+        "self", "selected_indices",
+    ),
+    "sglang.srt.managers.scheduler.Scheduler.get_init_info": ("self",),
+    # prefix cache
+    "sglang.srt.mem_cache.registry.register_radix_cache_backend": ("name", "factory"),
+    "sglang.srt.mem_cache.registry.create_tree_cache": ("ctx",),
+    # forward batch
+    "sglang.srt.model_executor.forward_batch_info.ForwardBatch.init_new": (
+        "batch", "model_runner", "capture_hidden_mode", "return_hidden_states_before_norm",
+    ),
+}  # fmt: skip
+
+
+def all_targets() -> list[str]:
+    """Every dotted path named by the three tables (hooks, registry dicts, seams)."""
+    return [h.target for h in HOOKS] + [r.registry for r in REGISTRATIONS] + list(SEAMS)

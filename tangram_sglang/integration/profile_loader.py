@@ -1,0 +1,161 @@
+"""Find, load and adapt the budget profile a Tangram server runs with (at start-up).
+
+Order of operations (:func:`resolve_profile`):
+1. path: ``--tangram-profile``, else the shipped profile under ``calibration/<model>/`` whose
+   model identity matches the served model (:func:`find_shipped_profile`);
+2. load and validate (:meth:`BudgetProfile.load`), check it against the served model
+   (:meth:`BudgetProfile.check_model`);
+3. ``--tangram-target-ratio``: :meth:`BudgetProfile.rescaled`;
+4. ``--tangram-page-group-size`` / ``--tangram-scope``: :meth:`BudgetProfile.with_grouping`.
+
+It also builds the start-up summary (:func:`profile_summary`) logged by the server and returned
+in ``/server_info``. No ``sglang`` import: this module works on plain values.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+
+from tangram_sglang.config import TangramConfig
+from tangram_sglang.errors import ConfigError, ProfileError
+from tangram_sglang.profile import BudgetProfile, ModelIdentity
+
+CALIBRATION_DIR = Path(__file__).resolve().parents[2] / "calibration"
+DEFAULT_PROFILE_NAME = "default.json"  # a shipped profile of this name wins
+DEFAULT_SCORER = "ada-snapkv"
+DEFAULT_TARGET_RATIO = 0.25  # among several matches, prefer the one calibrated closest to this
+CALIBRATE_HINT = (
+    "calibrate one with `python -m tangram_sglang.calibrate --model-path <model> --out "
+    "calibration/<model>/ada-snapkv-r0.25.json` and pass it with --tangram-profile"
+)
+
+
+def find_shipped_profile(model: ModelIdentity, calibration_dir: Path = CALIBRATION_DIR) -> Path:
+    """The shipped profile for ``model``: ``calibration/*/*.json`` whose model matches.
+
+    Among several matches: ``default.json`` first, then scorer ``ada-snapkv``, then the
+    target ratio closest to 0.25, then the path name. Unreadable files are skipped.
+
+    Raises:
+        ConfigError: no shipped profile matches; says where it looked and how to calibrate.
+    """
+    matches = []
+    for path in sorted(calibration_dir.glob("*/*.json")):
+        try:
+            profile = BudgetProfile.load(path)
+            profile.check_model(model)
+        except ProfileError:
+            continue
+        rank = (
+            path.name != DEFAULT_PROFILE_NAME,
+            profile.scorer != DEFAULT_SCORER,
+            abs(profile.target_ratio - DEFAULT_TARGET_RATIO),
+            str(path),
+        )
+        matches.append((rank, path))
+    if not matches:
+        raise ConfigError(
+            f"--tangram-profile was not given and no shipped profile under {calibration_dir}/"
+            f"<model>/ matches the served model ({model.architecture}, {model.num_layers} "
+            f"layers x {model.num_kv_heads} KV heads, head_dim {model.head_dim}); " + CALIBRATE_HINT
+        )
+    return min(matches)[1]
+
+
+def resolve_profile(
+    config: TangramConfig, model: ModelIdentity, calibration_dir: Path = CALIBRATION_DIR
+) -> tuple[BudgetProfile, TangramConfig]:
+    """Load the profile ``config`` names (or the shipped default) and adapt it to ``config``.
+
+    Args:
+        config: options; ``profile_path`` may be None (then the shipped default is used).
+        model: identity of the served model (``ModelIdentity.from_hf_config``).
+        calibration_dir: where shipped profiles live (``calibration/<model>/*.json``).
+
+    Returns:
+        ``(profile, config)``: the validated, rescaled and regrouped profile, and the config
+        with ``profile_path`` filled in.
+
+    Raises:
+        ConfigError: no profile found, or a flag that the profile cannot honour (H_p, scope).
+        ProfileError: the file is missing, corrupt, or made for another model.
+    """
+    if not config.profile_path:
+        path = find_shipped_profile(model, calibration_dir)
+        config = replace(config, profile_path=str(path))
+    profile = BudgetProfile.load(config.profile_path)
+    try:
+        profile.check_model(model)
+    except ProfileError as exc:
+        raise ProfileError(f"--tangram-profile {config.profile_path}: {exc}") from None
+    if config.target_ratio is not None:
+        profile = profile.rescaled(config.target_ratio)
+    if config.page_group_size is not None or config.scope is not None:
+        heads_per_group = config.page_group_size or profile.grouping.heads_per_group
+        scope = config.scope or profile.grouping.scope
+        try:
+            profile = profile.with_grouping(heads_per_group, scope)
+        except ProfileError as exc:
+            raise ConfigError(
+                f"--tangram-page-group-size {heads_per_group} / --tangram-scope {scope}: {exc}; "
+                f"the model has {model.num_kv_heads} KV heads per layer (per_layer scope needs "
+                "a divisor of it)"
+            ) from None
+    return profile, config
+
+
+def padded_kept_fraction(profile: BudgetProfile) -> float:
+    """Fraction of full KV memory the profile's pages hold for long segments.
+
+    Every column of a head group keeps the group's ratio (its max member), and a partial last
+    group's empty columns still take page space, so this is
+    ``sum_g(group_ratio[g] * H_p) / (L * H_kv)`` (>= the mean ratio). Sinks, the recent window and
+    page rounding are not included (they vanish for long segments).
+    """
+    grouping = profile.grouping
+    total_heads = grouping.num_layers * grouping.num_kv_heads
+    return float(np.sum(profile.group_ratios) * grouping.heads_per_group / total_heads)
+
+
+def profile_summary(profile: BudgetProfile, config: TangramConfig) -> dict[str, object]:
+    """Plain-builtin summary for the start-up log and ``/server_info`` (key ``tangram``)."""
+    padded = padded_kept_fraction(profile)
+    return {
+        **config.as_dict(),
+        "scorer": profile.scorer,
+        "profile_target_ratio": profile.target_ratio,
+        "mean_kept_ratio": round(profile.mean_kept_fraction(), 6),
+        "padded_kept_ratio": round(padded, 6),
+        "predicted_capacity_vs_full_kv": round(1.0 / padded, 4),
+        "num_head_groups": profile.grouping.num_head_groups,
+        "heads_per_group": profile.grouping.heads_per_group,
+        "group_scope": profile.grouping.scope,
+        "sink_tokens": profile.sink_tokens,
+        "recent_window": profile.recent_window,
+        "model": profile.model.architecture,
+    }
+
+
+def summary_line(summary: dict[str, object]) -> str:
+    """One log line: the numbers an operator checks first."""
+    return (
+        f"Tangram: profile {summary['profile_path']} ({summary['scorer']}), mean kept ratio "
+        f"{summary['mean_kept_ratio']:.3f} ({summary['padded_kept_ratio']:.3f} with group "
+        f"padding), {summary['num_head_groups']} head groups of {summary['heads_per_group']} "
+        f"({summary['group_scope']}), page {summary['page_size']} tokens, predicted capacity "
+        f"{summary['predicted_capacity_vs_full_kv']:.2f}x full KV for long prompts"
+    )
+
+
+def profile_from_json(text: str) -> BudgetProfile:
+    """Rebuild a resolved profile from :func:`profile_to_json` (the copy a subprocess gets)."""
+    return BudgetProfile.from_dict(json.loads(text))
+
+
+def profile_to_json(profile: BudgetProfile) -> str:
+    """Serialise a resolved profile to JSON text (survives pickling to subprocesses)."""
+    return json.dumps(profile.to_dict())

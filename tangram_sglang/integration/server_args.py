@@ -1,0 +1,212 @@
+"""``--tangram*`` flags -> TangramConfig, and the start-up checks of a Tangram server.
+
+The flags are real ``ServerArgs`` fields added by ``patches/0001-server-args-tangram-fields.patch``
+(so ``--help``, ``sglang.Engine(tangram=True, ...)``, pickling to the scheduler and
+``/server_info`` all work). The patch calls two functions from ``ServerArgs.__post_init__``, only
+when ``tangram`` is set:
+
+* :func:`check_flags` early (after defaults, before backends are resolved): rejects every flag
+  listed in :data:`INCOMPATIBLE_FLAGS` and validates the Tangram options.
+* :func:`check_model` at the end (model config known): rejects model kinds Tangram cannot
+  compress, resolves and checks the profile, makes sure the Tangram plugin is active in this
+  process, logs the start-up summary and stashes the resolved profile on ``server_args`` (it
+  travels to the scheduler process with the pickled ``ServerArgs``).
+
+Every rejection raises :class:`~tangram_sglang.errors.ConfigError` (or ``ProfileError`` for the
+profile file) naming the flag and the fix; nothing is silently ignored.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from tangram_sglang.config import TangramConfig
+from tangram_sglang.errors import ConfigError
+from tangram_sglang.integration import profile_loader
+from tangram_sglang.profile import BudgetProfile, ModelIdentity
+
+logger = logging.getLogger(__name__)
+
+# ServerArgs field -> TangramConfig field.
+FIELD_MAP = {
+    "tangram": "enabled",
+    "tangram_profile": "profile_path",
+    "tangram_page_group_size": "page_group_size",
+    "tangram_page_size": "page_size",
+    "tangram_target_ratio": "target_ratio",
+    "tangram_scope": "scope",
+}
+PROFILE_STASH = "_tangram_profile_json"  # underscore: allowed after ServerArgs is sealed
+SUMMARY_STASH = "_tangram_summary"
+SINGLE_RANK = "the Tangram pool, page tables and kernels are single-rank in this version"
+KV_LAYOUT = "it moves KV in SGLang's uniform per-token layout, which Tangram's pool replaces"
+
+
+@dataclass(frozen=True, slots=True)
+class Incompatible:
+    """A ServerArgs flag that ``--tangram`` rejects when ``bad(value)`` holds."""
+
+    field: str  # ServerArgs field name
+    bad: Callable[[Any], bool]
+    reason: str  # why Tangram cannot honour it
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.field.replace("_", "-")
+
+
+def _on(value: Any) -> bool:
+    return bool(value)
+
+
+def _above_one(value: Any) -> bool:
+    return value is not None and int(value) > 1
+
+
+INCOMPATIBLE_FLAGS: tuple[Incompatible, ...] = (
+    Incompatible("speculative_algorithm", _on,
+                 "speculative decoding verifies drafts with SGLang's full-KV kernels"),
+    Incompatible("disaggregation_mode", lambda v: v not in (None, "null"),
+                 f"prefill/decode disaggregation transfers KV; {KV_LAYOUT}"),
+    Incompatible("enable_hierarchical_cache", _on, f"hierarchical (host) cache: {KV_LAYOUT}"),
+    Incompatible("enable_hisparse", _on, f"hierarchical sparse attention: {KV_LAYOUT}"),
+    Incompatible("enable_lmcache", _on, f"LMCache: {KV_LAYOUT}"),
+    Incompatible("enable_flexkv", _on, f"FlexKV: {KV_LAYOUT}"),
+    Incompatible("enable_dp_attention", _on, SINGLE_RANK),
+    Incompatible("tp_size", _above_one, SINGLE_RANK),
+    Incompatible("pp_size", _above_one, SINGLE_RANK),
+    Incompatible("dp_size", _above_one, SINGLE_RANK),
+    Incompatible("attn_cp_size", _above_one, SINGLE_RANK),
+    Incompatible("dcp_size", _above_one, SINGLE_RANK),
+    Incompatible("enable_prefill_cp", _on, SINGLE_RANK),
+    Incompatible("enable_lora", _on, "LoRA adapters are not supported with Tangram yet"),
+    Incompatible("lora_paths", _on, "LoRA adapters are not supported with Tangram yet"),
+    Incompatible("enable_multimodal", _on, "multimodal inputs are not supported with Tangram"),
+    Incompatible("is_embedding", _on, "embedding models keep no KV cache to compress"),
+    Incompatible("enable_two_batch_overlap", _on, "two-batch overlap splits batches per layer"),
+    Incompatible("enable_single_batch_overlap", _on, "single-batch overlap is not supported"),
+    Incompatible("enable_mixed_chunk", _on,
+                 "mixed prefill+decode batches are not supported by the tangram backend yet"),
+    Incompatible("kv_cache_dtype", lambda v: v not in ("auto", "bf16", "bfloat16", "float16"),
+                 "quantized KV caches (fp8/fp4/mxfp8) are not supported by Tangram's pool"),
+    Incompatible("enable_streaming_session", _on,
+                 "streaming sessions keep a request's KV row outside the radix tree; Tangram "
+                 "reuses compressed history through the radix tree"),
+    Incompatible("enable_session_radix_cache", _on, "session radix caches are not supported"),
+    Incompatible("dllm_algorithm", _on, "diffusion LLM decoding is not supported"),
+    Incompatible("enable_pdmux", _on, "PD multiplexing is not supported"),
+    Incompatible("enable_page_major_kv_layout", _on, f"page-major KV layout: {KV_LAYOUT}"),
+    Incompatible("enable_unified_memory", _on, f"unified memory pool: {KV_LAYOUT}"),
+    Incompatible("prefill_only_disable_kv_cache", _on, "there is no KV cache to compress"),
+    Incompatible("encoder_only", _on, "encoder-only serving keeps no decoder KV"),
+)  # fmt: skip
+
+
+def config_from_server_args(server_args: Any) -> TangramConfig:
+    """TangramConfig from the ``tangram*`` fields of a ``ServerArgs`` (validated).
+
+    Raises:
+        ConfigError: a bad option (names the flag).
+    """
+    values = {ours: getattr(server_args, theirs) for theirs, ours in FIELD_MAP.items()}
+    return TangramConfig(**values)
+
+
+def check_flags(server_args: Any) -> None:
+    """Reject flags ``--tangram`` cannot honour; validate the Tangram options (early).
+
+    Called by the patched ``ServerArgs.__post_init__`` when ``server_args.tangram`` is set, before
+    SGLang resolves backends, so the flags checked are the ones the user gave.
+
+    Raises:
+        ConfigError: the first incompatible flag (its value, why, and to drop it), or a bad
+            ``--tangram-*`` option.
+    """
+    for rule in INCOMPATIBLE_FLAGS:
+        value = getattr(server_args, rule.field)
+        if rule.bad(value):
+            raise ConfigError(
+                f"{rule.flag} {value!r} cannot be combined with --tangram: {rule.reason}. "
+                f"Drop {rule.flag} or drop --tangram."
+            )
+    config_from_server_args(server_args)
+
+
+def check_model(server_args: Any) -> None:
+    """Check the served model and the profile; stash the resolved profile (end of post-init).
+
+    Raises:
+        ConfigError: unsupported model kind, no profile, a flag the profile cannot honour, or
+            the Tangram plugin not active in this process.
+        ProfileError: profile file missing, corrupt or made for another model.
+    """
+    model_config = server_args.get_model_config()
+    _check_model_kind(model_config)
+    model = ModelIdentity.from_hf_config(model_config.hf_text_config)
+    config = config_from_server_args(server_args)
+    profile, config = profile_loader.resolve_profile(config, model)
+    summary = profile_loader.profile_summary(profile, config)
+    from tangram_sglang.integration.plugin import ensure_active
+
+    ensure_active()
+    object.__setattr__(server_args, PROFILE_STASH, profile_loader.profile_to_json(profile))
+    object.__setattr__(server_args, SUMMARY_STASH, summary)
+    logger.info(profile_loader.summary_line(summary))
+
+
+def _check_model_kind(model_config: Any) -> None:
+    """Reject model kinds whose attention is not plain full (GQA/MHA) softmax attention."""
+    from sglang.srt.configs.hybrid_arch import mambaish_config
+    from sglang.srt.configs.model_config import AttentionArch
+
+    arch = (model_config.hf_config.architectures or ["unknown"])[0]
+    text_config = model_config.hf_text_config
+    window = model_config.sliding_window_size
+    uses_window = getattr(text_config, "use_sliding_window", True) is not False
+    problems = [
+        (model_config.attention_arch == AttentionArch.MLA,
+         "MLA (multi-head latent attention) keeps one latent per token, not per-KV-head K/V"),
+        (model_config.is_hybrid_swa, "hybrid sliding-window attention layers"),
+        (bool(window) and uses_window and window < model_config.context_len,
+         f"sliding-window attention (window {window} tokens)"),
+        (mambaish_config(model_config) is not None, "linear-attention / Mamba layers"),
+        (model_config.is_multimodal, "a multimodal model"),
+        (not model_config.is_generation, "not a generation model"),
+        (model_config.is_encoder_decoder, "an encoder-decoder model"),
+    ]  # fmt: skip
+    for bad, what in problems:
+        if bad:
+            raise ConfigError(
+                f"--tangram cannot serve {arch}: {what}. Tangram compresses full-attention "
+                "GQA/MHA decoder models (e.g. Llama, Qwen2); serve this model without --tangram."
+            )
+
+
+def profile_from_server_args(server_args: Any) -> BudgetProfile:
+    """The resolved profile of a Tangram server (any process).
+
+    Uses the copy :func:`check_model` stashed on ``server_args`` (pickled to the scheduler with
+    it), else resolves it again from the flags.
+
+    Raises:
+        ConfigError, ProfileError: as :func:`check_model`.
+    """
+    text = getattr(server_args, PROFILE_STASH, None)
+    if text is not None:
+        return profile_loader.profile_from_json(text)
+    model_config = server_args.get_model_config()
+    model = ModelIdentity.from_hf_config(model_config.hf_text_config)
+    profile, _ = profile_loader.resolve_profile(config_from_server_args(server_args), model)
+    return profile
+
+
+def summary_from_server_args(server_args: Any) -> dict[str, object]:
+    """The start-up summary (``/server_info`` key ``tangram``) of a Tangram server."""
+    summary = getattr(server_args, SUMMARY_STASH, None)
+    if summary is not None:
+        return dict(summary)
+    config = config_from_server_args(server_args)
+    return profile_loader.profile_summary(profile_from_server_args(server_args), config)
