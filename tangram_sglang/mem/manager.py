@@ -408,6 +408,20 @@ class TangramMemory:
         self._after("free_pages")
         return freed
 
+    def group_pages(self, row: int, group: int) -> np.ndarray:
+        """int64 ``[pages]``: the dense page list of (row, group) (a copy; no side effects).
+
+        Raises:
+            PoolError: row not active or group out of range, naming both.
+        """
+        self._check_row(row, None, active=True)
+        if not 0 <= group < self.num_head_groups:
+            raise PoolError(
+                f"request {self.rids[row]!r} (row {row}): group {group} is outside "
+                f"[0, {self.num_head_groups}) head groups of the profile"
+            )
+        return self.table.group_pages(row, group)
+
     # ---- accounting ------------------------------------------------------------------------
     def stats(self) -> MemoryStats:
         """A snapshot of the accounting (plain numbers, for logs and /metrics)."""

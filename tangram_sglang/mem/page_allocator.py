@@ -113,7 +113,7 @@ class PageAllocator:
             PoolError: a listed page is free, the padding page or out of range (state unchanged).
         """
         pages = self._as_ids(pages)
-        self._check_held(pages, "incref")
+        self._check_held(torch.unique(pages), "incref")
         self.ref_count.index_add_(0, pages, torch.ones_like(pages, dtype=torch.int32))
         self._after_mutation("incref")
 

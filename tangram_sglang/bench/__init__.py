@@ -1,0 +1,1 @@
+"""Benchmarks and report tools (leaf package: serving code never imports it)."""

@@ -1,0 +1,73 @@
+"""KVPool: layout, byte sizing, kept-KV write at (page, column, slot), COW page copy."""
+
+import pytest
+import torch
+
+from tangram_sglang.bench.synthetic import make_profile
+from tangram_sglang.errors import PoolError
+from tangram_sglang.mem.kv_pool import KVPool, bytes_per_page, num_pages_for_budget
+
+
+def make_pool(num_pages=16, page_size=4, heads_per_group=2, head_dim=8, dtype=torch.float32):
+    return KVPool.create(num_pages, heads_per_group, page_size, head_dim, dtype)
+
+
+def test_layout_and_bytes_per_page():
+    pool = make_pool()
+    assert pool.k_pool.shape == (16, 2, 4, 8) and pool.v_pool.shape == (16, 2, 4, 8)
+    assert pool.k_pool.is_contiguous()
+    assert pool.bytes_per_page == 2 * 2 * 4 * 8 * 4
+    assert bytes_per_page(4, 16, 128, torch.bfloat16) == 2 * 4 * 16 * 128 * 2
+    # One (page, column) is one contiguous single-head block of page_size * D elements.
+    assert pool.k_pool[3, 1].is_contiguous()
+    assert pool.k_pool[3, 1].data_ptr() - pool.k_pool[3, 0].data_ptr() == 4 * 8 * 4
+
+
+def test_from_memory_budget_floors_to_whole_pages():
+    prof = make_profile([[1.0, 0.5, 0.5, 0.25]], heads_per_group=2, head_dim=8)
+    page = bytes_per_page(2, 4, 8, torch.float16)
+    pool = KVPool.from_memory_budget(10 * page + page - 1, prof, torch.float16, page_size=4)
+    assert pool.num_pages == 10 and pool.heads_per_group == 2 and pool.head_dim == 8
+    assert pool.k_pool.dtype == torch.float16
+    with pytest.raises(PoolError, match="holds 1 pages"):
+        num_pages_for_budget(page, page)
+
+
+def test_write_lands_at_page_column_slot_and_gather_reads_it_back():
+    pool = make_pool()
+    k = torch.arange(3 * 8, dtype=torch.float32).view(3, 8)
+    pages, cols, slots = torch.tensor([5, 5, 9]), torch.tensor([1, 1, 0]), torch.tensor([2, 3, 0])
+    pool.write(pages, cols, slots, k, -k)
+    assert torch.equal(pool.k_pool[5, 1, 2], k[0])
+    assert torch.equal(pool.v_pool[9, 0, 0], -k[2])
+    assert pool.k_pool[5, 0].abs().sum() == 0  # the other column untouched
+    got_k, got_v = pool.gather(torch.tensor([7, 5, 9]), column=1, num_tokens=8)
+    assert torch.equal(got_k[6:8], k[:2]) and torch.equal(got_v[6:8], -k[:2])
+
+
+@pytest.mark.parametrize(
+    ("pages", "cols", "slots"),
+    [([0], [0], [0]), ([16], [0], [0]), ([1], [2], [0]), ([1], [0], [4])],
+    ids=["padding-page", "page-out-of-range", "column-beyond-hp", "slot-beyond-page"],
+)
+def test_write_rejects_bad_destination(pages, cols, slots):
+    pool = make_pool()
+    row = torch.ones(1, 8)
+    with pytest.raises(PoolError):
+        pool.write(torch.tensor(pages), torch.tensor(cols), torch.tensor(slots), row, row)
+    assert pool.k_pool.abs().sum() == 0
+
+
+def test_copy_pages_copies_filled_slots_of_all_columns():
+    pool = make_pool()
+    pool.k_pool[3] = torch.randn(2, 4, 8)
+    pool.v_pool[3] = torch.randn(2, 4, 8)
+    pool.copy_pages(torch.tensor([3]), torch.tensor([7]), torch.tensor([3]))
+    assert torch.equal(pool.k_pool[7, :, :3], pool.k_pool[3, :, :3])
+    assert torch.equal(pool.v_pool[7, :, :3], pool.v_pool[3, :, :3])
+    assert pool.k_pool[7, :, 3].abs().sum() == 0
+
+
+def test_meta_device_sizes_without_memory():
+    pool = KVPool.create(1 << 20, 4, 16, 128, torch.bfloat16, device="meta")
+    assert pool.num_pages == 1 << 20 and pool.k_pool.device.type == "meta"
