@@ -56,7 +56,9 @@ def paged_offsets(
     Offsets are int64: ``page * stride_pool_page`` passes 2^31 on pools of a few GB.
     """
     page = tl.load(page_row_ptr + offs_t // PAGE_SIZE, mask=mask_t, other=0).to(tl.int64)
-    return page * stride_pool_page + col_offset + (offs_t % PAGE_SIZE).to(tl.int64) * stride_pool_slot
+    return (
+        page * stride_pool_page + col_offset + (offs_t % PAGE_SIZE).to(tl.int64) * stride_pool_slot
+    )
 
 
 @triton.jit

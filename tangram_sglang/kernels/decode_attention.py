@@ -51,18 +51,41 @@ NUM_STAGES = 2
 
 @triton.jit
 def _decode_stage1(
-    q_ptr, k_pool_ptr, v_pool_ptr, page_table_ptr, group_len_ptr, req_rows_ptr,
-    group_of_head_ptr, column_of_head_ptr, splits_ptr, cta_head_ptr, cta_split_ptr,
-    mid_o_ptr, mid_lse_ptr, sm_scale_log2,
-    stride_q_b, stride_q_h,
-    stride_pool_page, stride_pool_col, stride_pool_slot,
-    stride_pt_row, stride_pt_group, stride_gl_row,
-    stride_mo_b, stride_mo_h, stride_mo_s,
-    stride_ml_b, stride_ml_h,
-    GQA_SIZE: tl.constexpr, GQA_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
-    PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    q_ptr,
+    k_pool_ptr,
+    v_pool_ptr,
+    page_table_ptr,
+    group_len_ptr,
+    req_rows_ptr,
+    group_of_head_ptr,
+    column_of_head_ptr,
+    splits_ptr,
+    cta_head_ptr,
+    cta_split_ptr,
+    mid_o_ptr,
+    mid_lse_ptr,
+    sm_scale_log2,
+    stride_q_b,
+    stride_q_h,
+    stride_pool_page,
+    stride_pool_col,
+    stride_pool_slot,
+    stride_pt_row,
+    stride_pt_group,
+    stride_gl_row,
+    stride_mo_b,
+    stride_mo_h,
+    stride_mo_s,
+    stride_ml_b,
+    stride_ml_h,
+    GQA_SIZE: tl.constexpr,
+    GQA_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
-):  # fmt: skip
+):
     """One (batch entry, CTA): split ``cta_split[c]`` of KV head ``cta_head[c]``."""
     b = tl.program_id(0)
     c = tl.program_id(1)
@@ -108,9 +131,11 @@ def _decode_stage1(
     out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
     lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
     mo_off = (
-        b.to(tl.int64) * stride_mo_b + q_heads[:, None] * stride_mo_h + split * stride_mo_s
+        b.to(tl.int64) * stride_mo_b
+        + q_heads[:, None] * stride_mo_h
+        + split * stride_mo_s
         + offs_d[None, :]
-    )  # fmt: skip
+    )
     tl.store(mid_o_ptr + mo_off, out, mask=mask_g[:, None])
     ml_off = b.to(tl.int64) * stride_ml_b + q_heads * stride_ml_h + split
     tl.store(mid_lse_ptr + ml_off, lse, mask=mask_g)
@@ -118,12 +143,20 @@ def _decode_stage1(
 
 @triton.jit
 def _decode_stage2(
-    mid_o_ptr, mid_lse_ptr, splits_ptr, out_ptr,
-    stride_mo_b, stride_mo_h, stride_mo_s,
-    stride_ml_b, stride_ml_h,
-    stride_out_b, stride_out_h,
-    GQA_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
-):  # fmt: skip
+    mid_o_ptr,
+    mid_lse_ptr,
+    splits_ptr,
+    out_ptr,
+    stride_mo_b,
+    stride_mo_h,
+    stride_mo_s,
+    stride_ml_b,
+    stride_ml_h,
+    stride_out_b,
+    stride_out_h,
+    GQA_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+):
     """One (batch entry, query head): LSE-merge the head's split partials into ``out``."""
     b = tl.program_id(0)
     qh = tl.program_id(1)
@@ -162,12 +195,26 @@ def decode_scratch(
     mid_o = torch.empty(
         max_batch_size, num_qo_heads, max_splits, head_dim, dtype=torch.float32, device=device
     )
-    mid_lse = torch.empty(max_batch_size, num_qo_heads, max_splits, dtype=torch.float32, device=device)
+    mid_lse = torch.empty(
+        max_batch_size, num_qo_heads, max_splits, dtype=torch.float32, device=device
+    )
     return mid_o, mid_lse
 
 
-def _check_decode_args(q, k_pool, v_pool, page_table, group_len, req_rows, group_of_head,
-                       column_of_head, table, out, mid_o, mid_lse) -> tuple[int, int, int]:  # fmt: skip
+def _check_decode_args(
+    q,
+    k_pool,
+    v_pool,
+    page_table,
+    group_len,
+    req_rows,
+    group_of_head,
+    column_of_head,
+    table,
+    out,
+    mid_o,
+    mid_lse,
+) -> tuple[int, int, int]:
     """Launcher checks (host metadata only); returns (bs, num_qo_heads, gqa_size)."""
     bs, num_qo_heads = _checks.check_query(q, k_pool)
     device = q.device
@@ -185,7 +232,9 @@ def _check_decode_args(q, k_pool, v_pool, page_table, group_len, req_rows, group
     _checks.check_tensor("table.cta_split", table.cta_split, shape, (torch.int32,), device)
     head_dim = k_pool.shape[3]
     _checks.check_tensor("out", out, (bs, num_qo_heads, head_dim), (q.dtype,), device)
-    _checks.check_tensor("mid_o", mid_o, (None, num_qo_heads, None, head_dim), (torch.float32,), device)
+    _checks.check_tensor(
+        "mid_o", mid_o, (None, num_qo_heads, None, head_dim), (torch.float32,), device
+    )
     if mid_o.shape[0] < bs or mid_o.shape[2] < table.max_splits:
         raise KernelError(
             f"mid_o has shape {list(mid_o.shape)} but this launch needs batch >= {bs} and "
@@ -238,31 +287,76 @@ def ragged_decode_attention(
     Source: this module's docstring.
     """
     bs, num_qo_heads, gqa = _check_decode_args(
-        q, k_pool, v_pool, page_table, group_len, req_rows, group_of_head, column_of_head, table,
-        out, mid_o, mid_lse,
-    )  # fmt: skip
+        q,
+        k_pool,
+        v_pool,
+        page_table,
+        group_len,
+        req_rows,
+        group_of_head,
+        column_of_head,
+        table,
+        out,
+        mid_o,
+        mid_lse,
+    )
     if bs == 0:
         return out
     head_dim, page_size = k_pool.shape[3], k_pool.shape[2]
     _decode_stage1[(bs, table.num_ctas)](
-        q, k_pool, v_pool, page_table, group_len, req_rows, group_of_head, column_of_head,
-        table.splits, table.cta_head, table.cta_split, mid_o, mid_lse, sm_scale * LOG2E,
-        q.stride(0), q.stride(1),
-        k_pool.stride(0), k_pool.stride(1), k_pool.stride(2),
-        page_table.stride(0), page_table.stride(1), group_len.stride(0),
-        mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
-        mid_lse.stride(0), mid_lse.stride(1),
-        GQA_SIZE=gqa, GQA_PAD=max(MIN_GQA_PAD, triton.next_power_of_2(gqa)), HEAD_DIM=head_dim,
-        PAGE_SIZE=page_size, BLOCK_N=BLOCK_N_BY_HEAD_DIM[head_dim],
-        DOT_PRECISION=dot_precision(q.dtype), UPCAST_DOT=interpreted(), num_warps=NUM_WARPS, num_stages=NUM_STAGES,
-    )  # fmt: skip
+        q,
+        k_pool,
+        v_pool,
+        page_table,
+        group_len,
+        req_rows,
+        group_of_head,
+        column_of_head,
+        table.splits,
+        table.cta_head,
+        table.cta_split,
+        mid_o,
+        mid_lse,
+        sm_scale * LOG2E,
+        q.stride(0),
+        q.stride(1),
+        k_pool.stride(0),
+        k_pool.stride(1),
+        k_pool.stride(2),
+        page_table.stride(0),
+        page_table.stride(1),
+        group_len.stride(0),
+        mid_o.stride(0),
+        mid_o.stride(1),
+        mid_o.stride(2),
+        mid_lse.stride(0),
+        mid_lse.stride(1),
+        GQA_SIZE=gqa,
+        GQA_PAD=max(MIN_GQA_PAD, triton.next_power_of_2(gqa)),
+        HEAD_DIM=head_dim,
+        PAGE_SIZE=page_size,
+        BLOCK_N=BLOCK_N_BY_HEAD_DIM[head_dim],
+        DOT_PRECISION=dot_precision(q.dtype),
+        UPCAST_DOT=interpreted(),
+        num_warps=NUM_WARPS,
+        num_stages=NUM_STAGES,
+    )
     _decode_stage2[(bs, num_qo_heads)](
-        mid_o, mid_lse, table.splits, out,
-        mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
-        mid_lse.stride(0), mid_lse.stride(1),
-        out.stride(0), out.stride(1),
-        GQA_SIZE=gqa, HEAD_DIM=head_dim, num_warps=NUM_WARPS,
-    )  # fmt: skip
+        mid_o,
+        mid_lse,
+        table.splits,
+        out,
+        mid_o.stride(0),
+        mid_o.stride(1),
+        mid_o.stride(2),
+        mid_lse.stride(0),
+        mid_lse.stride(1),
+        out.stride(0),
+        out.stride(1),
+        GQA_SIZE=gqa,
+        HEAD_DIM=head_dim,
+        num_warps=NUM_WARPS,
+    )
     return out
 
 

@@ -182,9 +182,18 @@ def extend_reference(
     Source: notes/INTERFACES.md (extend); DESIGN.md §3.1 (attention over [history + transient]).
     """
     num_tokens, num_qo_heads, num_kv_heads, bs = _check_extend_args(
-        q, k_new, v_new, qo_indptr, k_pool, v_pool, page_table, group_len, req_rows,
-        group_of_head, column_of_head,
-    )  # fmt: skip
+        q,
+        k_new,
+        v_new,
+        qo_indptr,
+        k_pool,
+        v_pool,
+        page_table,
+        group_len,
+        req_rows,
+        group_of_head,
+        column_of_head,
+    )
     gqa = num_qo_heads // num_kv_heads
     if out is None:
         out = torch.empty_like(q)
@@ -206,9 +215,16 @@ def extend_reference(
         keys = torch.cat([keys, k_new[start:end].transpose(0, 1)], dim=1).to(dtype)  # [H, K, D]
         values = torch.cat([values, v_new[start:end].transpose(0, 1)], dim=1).to(dtype)
         _extend_one(
-            q[start:end], keys, values, hist_lens[i], max_hist, gqa, sm_scale,
-            out[start:end], lse[start:end],
-        )  # fmt: skip
+            q[start:end],
+            keys,
+            values,
+            hist_lens[i],
+            max_hist,
+            gqa,
+            sm_scale,
+            out[start:end],
+            lse[start:end],
+        )
     return out, lse
 
 
@@ -232,9 +248,18 @@ def _extend_one(q, keys, values, hist_lens, max_hist, gqa, sm_scale, out, lse) -
 
 
 def _check_extend_args(
-    q, k_new, v_new, qo_indptr, k_pool, v_pool, page_table, group_len, req_rows, group_of_head,
+    q,
+    k_new,
+    v_new,
+    qo_indptr,
+    k_pool,
+    v_pool,
+    page_table,
+    group_len,
+    req_rows,
+    group_of_head,
     column_of_head,
-) -> tuple[int, int, int, int]:  # fmt: skip
+) -> tuple[int, int, int, int]:
     """Checks shared by the extend reference and launcher; returns (N, Hq, H_kv, bs)."""
     num_tokens, num_qo_heads = _checks.check_query(q, k_pool)
     _checks.check_pools(k_pool, v_pool, q.device)
@@ -289,9 +314,19 @@ def kv_write_reference(
     Ownership: writes only pages of ``page_table[req_rows]`` reserved for this segment.
     """
     rows, groups, cols, counts, max_k = _check_kv_write_args(
-        k_new, v_new, qo_indptr, kept_idx, kept_count, k_pool, v_pool, page_table, group_len,
-        req_rows, group_of_head, column_of_head,
-    )  # fmt: skip
+        k_new,
+        v_new,
+        qo_indptr,
+        kept_idx,
+        kept_count,
+        k_pool,
+        v_pool,
+        page_table,
+        group_len,
+        req_rows,
+        group_of_head,
+        column_of_head,
+    )
     page_size = k_pool.shape[2]
     bs, num_kv_heads = counts.shape
     j = torch.arange(max_k, device=k_new.device)
@@ -299,7 +334,9 @@ def kv_write_reference(
     src = qo_indptr[:-1].long()[:, None, None] + kept_idx.long()
     dst = group_len[rows[:, None], groups[None, :]].long()[:, :, None] + j
     page = page_table[
-        rows[:, None, None], groups[None, :, None], (dst // page_size).clamp(max=page_table.shape[2] - 1)
+        rows[:, None, None],
+        groups[None, :, None],
+        (dst // page_size).clamp(max=page_table.shape[2] - 1),
     ].long()
     heads = torch.arange(num_kv_heads, device=k_new.device)[None, :, None].expand_as(valid)
     col = cols[None, :, None].expand_as(valid)
@@ -309,9 +346,19 @@ def kv_write_reference(
 
 
 def _check_kv_write_args(
-    k_new, v_new, qo_indptr, kept_idx, kept_count, k_pool, v_pool, page_table, group_len,
-    req_rows, group_of_head, column_of_head,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int]:  # fmt: skip
+    k_new,
+    v_new,
+    qo_indptr,
+    kept_idx,
+    kept_count,
+    k_pool,
+    v_pool,
+    page_table,
+    group_len,
+    req_rows,
+    group_of_head,
+    column_of_head,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int]:
     """Checks shared by the kv-write reference and launcher.
 
     Returns (rows, groups, columns as int64, per-head counts int64 [bs, H_kv], max_k).

@@ -9,7 +9,7 @@ Per layer ``l`` and batch bucket the table holds::
 
     splits[l, h]          int32 [num_layers, num_kv_heads]  KV splits of head h (>= 1)
     cta_head[l, c]        int32 [num_layers, max_ctas]      KV head of CTA c of one request row
-    cta_split[l, c]       int32 [num_layers, max_ctas]      split index of CTA c, in [0, splits[l, h])
+    cta_split[l, c]       int32 [num_layers, max_ctas]      split of CTA c, in [0, splits[l, h])
     num_ctas[l]           python int                        CTAs per request row at layer l
 
 The stage-1 grid of a decode launch is ``(batch_size, num_ctas[l])``: program ``(b, c)`` runs
@@ -221,7 +221,7 @@ def build_split_table(
     Args:
         grouping: the profile's head grouping (``cluster_of`` maps heads to groups).
         group_ratios: float ``[num_head_groups]`` (``BudgetProfile.group_ratios``).
-        num_sms: the device's SM count (``torch.cuda.get_device_properties(d).multi_processor_count``).
+        num_sms: the device's SM count (``get_device_properties(d).multi_processor_count``).
         batch_size: the bucket's batch size (requests per decode launch).
         uniform: build the uniform-split baseline instead of the AOT table.
         max_splits: cap on one head's splits (sizes the scratch).
@@ -235,7 +235,11 @@ def build_split_table(
     Source: Tangram arXiv 2606.06302, AOT load balancing; the CTA-count rule in this module's
     docstring.
     """
-    for name, value in (("num_sms", num_sms), ("batch_size", batch_size), ("max_splits", max_splits)):
+    for name, value in (
+        ("num_sms", num_sms),
+        ("batch_size", batch_size),
+        ("max_splits", max_splits),
+    ):
         if int(value) < 1:
             raise ConfigError(f"{name}={value} must be >= 1")
     ratios = head_ratios(grouping, group_ratios)

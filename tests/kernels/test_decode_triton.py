@@ -1,0 +1,157 @@
+"""Triton ragged decode (AOT and uniform split tables) against the torch reference.
+
+On CPU the kernels run under TRITON_INTERPRET=1 (see conftest.py), so shapes stay tiny.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from conftest import DEVICE, TOL, make_paged_layer, random_lens, rel_err
+
+from tangram_sglang.errors import KernelError
+from tangram_sglang.grouping import HeadGrouping
+from tangram_sglang.kernels.decode_attention import decode_scratch, ragged_decode_attention
+from tangram_sglang.kernels.reference import decode_reference
+from tangram_sglang.kernels.split_table import LayerSplits, build_split_table
+
+DTYPE_IDS = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+def layer_table(group_of_head: torch.Tensor, ratios: list[float], batch_size: int, uniform: bool):
+    """A split table for one layer whose heads have the given group ratios (2 SMs: few CTAs)."""
+    num_kv_heads = group_of_head.numel()
+    grouping = HeadGrouping.build(np.array([ratios]), 1, "per_layer")
+    table = build_split_table(
+        grouping, grouping.group_ratios(np.array([ratios])), 2, batch_size, uniform=uniform
+    )
+    assert table.splits.shape == (1, num_kv_heads)
+    return table.to(DEVICE).layer(0)
+
+
+def run_case(
+    dtype,
+    page_size,
+    head_dim,
+    uniform,
+    gqa=2,
+    num_kv_heads=2,
+    heads_per_group=2,
+    max_len=40,
+    seed=0,
+    strided_out=False,
+):
+    lens = random_lens(4, 3, max_len, page_size, seed)
+    layer = make_paged_layer(lens, num_kv_heads, heads_per_group, page_size, head_dim, dtype, seed)
+    req_rows = torch.tensor([3, 0, 1], dtype=torch.int32, device=DEVICE)
+    bs, num_qo_heads = 3, num_kv_heads * gqa
+    table = layer_table(layer.group_of_head, [0.9, 0.2, 0.5, 0.3][:num_kv_heads], bs, uniform)
+    q = torch.randn(bs, num_qo_heads, head_dim, device=DEVICE).to(dtype)
+    if strided_out:
+        out = torch.empty(bs, num_qo_heads + 3, head_dim, dtype=dtype, device=DEVICE)[:, 1:-2]
+    else:
+        out = torch.empty(bs, num_qo_heads, head_dim, dtype=dtype, device=DEVICE)
+    out.fill_(float("nan"))
+    mid_o, mid_lse = decode_scratch(bs + 1, num_qo_heads, table.max_splits + 1, head_dim, DEVICE)
+    mid_o.fill_(float("nan"))
+    mid_lse.fill_(float("nan"))
+    args = (
+        layer.k_pool,
+        layer.v_pool,
+        layer.page_table,
+        layer.group_len,
+        req_rows,
+        layer.group_of_head,
+        layer.column_of_head,
+    )
+    ragged_decode_attention(q, *args, table, head_dim**-0.5, out, mid_o, mid_lse)
+    want = decode_reference(
+        q.float(), *(a.float() if a.is_floating_point() else a for a in args), head_dim**-0.5
+    )
+    assert not out.isnan().any(), "unwritten or NaN output"
+    assert rel_err(out, want) < TOL[dtype]
+    return layer, out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=DTYPE_IDS.get)
+@pytest.mark.parametrize("uniform", [False, True], ids=["aot", "uniform"])
+def test_decode_dtypes_and_tables(dtype, uniform) -> None:
+    run_case(dtype, page_size=16, head_dim=64, uniform=uniform, seed=1)
+
+
+@pytest.mark.parametrize("page_size", [1, 4, 64], ids=lambda p: f"page{p}")
+def test_decode_page_sizes(page_size: int) -> None:
+    run_case(
+        torch.bfloat16, page_size=page_size, head_dim=64, uniform=False, seed=page_size, max_len=70
+    )
+
+
+def test_decode_head_dim_128_gqa_4_strided_out() -> None:
+    run_case(
+        torch.bfloat16, 16, 128, uniform=False, gqa=4, heads_per_group=1, seed=5, strided_out=True
+    )
+
+
+def test_decode_zero_length_group_gives_zeros() -> None:
+    lens = np.array([[0, 5]])
+    layer = make_paged_layer(lens, 2, 1, 4, 64, torch.float32, seed=2)
+    table = layer_table(layer.group_of_head, [0.5, 0.5], 1, uniform=False)
+    q = torch.randn(1, 2, 64, device=DEVICE)
+    out = torch.full_like(q, float("nan"))
+    mid_o, mid_lse = decode_scratch(1, 2, table.max_splits, 64, DEVICE)
+    rows = torch.zeros(1, dtype=torch.int32, device=DEVICE)
+    ragged_decode_attention(
+        q,
+        layer.k_pool,
+        layer.v_pool,
+        layer.page_table,
+        layer.group_len,
+        rows,
+        layer.group_of_head,
+        layer.column_of_head,
+        table,
+        0.125,
+        out,
+        mid_o,
+        mid_lse,
+    )
+    empty_head = int((layer.group_of_head == 0).nonzero()[0])
+    assert torch.equal(out[0, empty_head], torch.zeros(64, device=DEVICE))
+    assert not out.isnan().any()
+
+
+def test_decode_launcher_rejects_small_scratch_and_bad_table() -> None:
+    lens = np.array([[3, 5]])
+    layer = make_paged_layer(lens, 2, 1, 4, 64, torch.float32, seed=3)
+    table = layer_table(layer.group_of_head, [1.0, 0.1], 1, uniform=False)
+    q = torch.randn(1, 2, 64, device=DEVICE)
+    rows = torch.zeros(1, dtype=torch.int32, device=DEVICE)
+    args = (
+        q,
+        layer.k_pool,
+        layer.v_pool,
+        layer.page_table,
+        layer.group_len,
+        rows,
+        layer.group_of_head,
+        layer.column_of_head,
+    )
+    mid_o, mid_lse = decode_scratch(1, 2, table.max_splits - 1, 64, DEVICE)
+    with pytest.raises(KernelError, match="mid_o"):
+        ragged_decode_attention(*args, table, 0.125, torch.empty_like(q), mid_o, mid_lse)
+    bad = LayerSplits(
+        table.splits.long(), table.cta_head, table.cta_split, table.num_ctas, table.max_splits
+    )
+    mid_o, mid_lse = decode_scratch(1, 2, table.max_splits, 64, DEVICE)
+    with pytest.raises(KernelError, match="table.splits"):
+        ragged_decode_attention(*args, bad, 0.125, torch.empty_like(q), mid_o, mid_lse)
+    with pytest.raises(KernelError, match="out"):
+        ragged_decode_attention(
+            *args,
+            table,
+            0.125,
+            torch.empty(1, 2, 64, dtype=torch.float16, device=DEVICE),
+            mid_o,
+            mid_lse,
+        )

@@ -1,0 +1,114 @@
+"""Triton extend attention and kept-KV write against the torch reference (tiny shapes on CPU)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from conftest import DEVICE, TOL, make_paged_layer, random_lens, rel_err
+
+from tangram_sglang.errors import KernelError
+from tangram_sglang.kernels.extend_attention import ragged_extend_attention
+from tangram_sglang.kernels.kv_write import write_kept_kv
+from tangram_sglang.kernels.reference import extend_reference, kv_write_reference
+
+DTYPE_IDS = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+def extend_inputs(dtype, page_size, head_dim, extend_lens, gqa=2, num_kv_heads=2, seed=0):
+    lens = random_lens(3, 3, 45, page_size, seed)
+    layer = make_paged_layer(lens, num_kv_heads, 2, page_size, head_dim, dtype, seed)
+    req_rows = torch.tensor([2, 0, 1][: len(extend_lens)], dtype=torch.int32, device=DEVICE)
+    qo_indptr = torch.tensor(np.cumsum([0, *extend_lens]), dtype=torch.int32, device=DEVICE)
+    n = sum(extend_lens)
+    q = torch.randn(n, num_kv_heads * gqa, head_dim, device=DEVICE).to(dtype)
+    k_new = torch.randn(n, num_kv_heads, head_dim, device=DEVICE).to(dtype)
+    v_new = torch.randn(n, num_kv_heads, head_dim, device=DEVICE).to(dtype)
+    paging = (
+        layer.k_pool,
+        layer.v_pool,
+        layer.page_table,
+        layer.group_len,
+        req_rows,
+        layer.group_of_head,
+        layer.column_of_head,
+    )
+    return layer, q, k_new, v_new, qo_indptr, paging
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=DTYPE_IDS.get)
+def test_extend_matches_reference(dtype) -> None:
+    # Request lengths 1, 70 (two query blocks) and 0 (no new tokens); history includes length 0.
+    _, q, k_new, v_new, qo_indptr, paging = extend_inputs(dtype, 16, 64, [1, 70, 0], seed=4)
+    out = torch.full_like(q, float("nan"))
+    lse = torch.full(q.shape[:2], float("nan"), device=DEVICE)
+    ragged_extend_attention(q, k_new, v_new, qo_indptr, *paging, 0.125, out, lse)
+    f32 = [a.float() if a.is_floating_point() else a for a in (q, k_new, v_new, qo_indptr, *paging)]
+    want_out, want_lse = extend_reference(*f32, 0.125)
+    assert not out.isnan().any() and not lse.isnan().any()
+    assert rel_err(out, want_out) < TOL[dtype]
+    assert rel_err(lse, want_lse) < TOL[dtype]
+
+
+def test_extend_head_dim_128_page_1_gqa_3() -> None:
+    _, q, k_new, v_new, qo_indptr, paging = extend_inputs(
+        torch.bfloat16, 1, 128, [9, 3], gqa=3, seed=6
+    )
+    out = torch.full_like(q, float("nan"))
+    lse = torch.full(q.shape[:2], float("nan"), device=DEVICE)
+    ragged_extend_attention(q, k_new, v_new, qo_indptr, *paging, 0.09, out, lse, max_extend_len=9)
+    f32 = [a.float() if a.is_floating_point() else a for a in (q, k_new, v_new, qo_indptr, *paging)]
+    want_out, want_lse = extend_reference(*f32, 0.09)
+    assert rel_err(out, want_out) < 1e-2 and rel_err(lse, want_lse) < 1e-2
+
+
+def test_extend_rejects_mismatched_new_kv() -> None:
+    _, q, k_new, v_new, qo_indptr, paging = extend_inputs(torch.float32, 4, 64, [2], seed=1)
+    out, lse = torch.empty_like(q), torch.empty(q.shape[:2], device=DEVICE)
+    with pytest.raises(KernelError, match="v_new"):
+        ragged_extend_attention(q, k_new, v_new[:, :1], qo_indptr, *paging, 0.1, out, lse)
+    with pytest.raises(KernelError, match="lse"):
+        ragged_extend_attention(q, k_new, v_new, qo_indptr, *paging, 0.1, out, lse.double())
+
+
+@pytest.mark.parametrize("page_size", [1, 16], ids=lambda p: f"page{p}")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=DTYPE_IDS.get)
+def test_kv_write_matches_reference(page_size: int, dtype) -> None:
+    num_kv_heads, head_dim, extend_lens = 3, 64, [40, 3]
+    lens = np.array([[17, 0, 5], [1, 33, 0]])
+    kept = np.array([[37, 1, 2], [3, 2, 1]])  # per (request, group); 37 > BLOCK_K (two blocks)
+    layer = make_paged_layer(
+        lens,
+        num_kv_heads,
+        2,
+        page_size,
+        head_dim,
+        dtype,
+        seed=page_size,
+        spare_pages=200,
+        max_pages=64,
+    )
+    req_rows = torch.tensor([1, 0], dtype=torch.int32, device=DEVICE)
+    for i, row in enumerate(req_rows.tolist()):  # reserve pages for [len, len + kept)
+        for g in range(3):
+            first = -(-int(lens[row, g]) // page_size)
+            for p in range(first, -(-int(lens[row, g] + kept[i, g]) // page_size)):
+                layer.page_table[row, g, p] = layer.free_pages.pop()
+    qo_indptr = torch.tensor(np.cumsum([0, *extend_lens]), dtype=torch.int32, device=DEVICE)
+    k_new = torch.randn(sum(extend_lens), num_kv_heads, head_dim, device=DEVICE).to(dtype)
+    v_new = torch.randn_like(k_new)
+    kept_idx = torch.zeros(2, num_kv_heads, 40, dtype=torch.int32, device=DEVICE)
+    groups = layer.group_of_head.tolist()
+    for i in range(2):
+        for h in range(num_kv_heads):
+            k = int(kept[i, groups[h]])
+            idx = torch.randperm(extend_lens[i])[:k].sort().values
+            kept_idx[i, h, :k] = idx.to(DEVICE, torch.int32)
+    kept_count = torch.tensor(kept, dtype=torch.int32, device=DEVICE)
+    ref_k, ref_v = layer.k_pool.clone(), layer.v_pool.clone()
+    before = layer.k_pool.clone()
+    args = (layer.page_table, layer.group_len, req_rows, layer.group_of_head, layer.column_of_head)
+    kv_write_reference(k_new, v_new, qo_indptr, kept_idx, kept_count, ref_k, ref_v, *args)
+    write_kept_kv(k_new, v_new, qo_indptr, kept_idx, kept_count, layer.k_pool, layer.v_pool, *args)
+    assert torch.equal(layer.k_pool, ref_k) and torch.equal(layer.v_pool, ref_v)
+    assert not torch.equal(layer.k_pool, before), "nothing was written"
