@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from conftest import DEVICE, TOL, make_paged_layer, random_lens, rel_err
+from kernel_cases import DEVICE, TOL, make_paged_layer, random_lens, rel_err
 
 from tangram_sglang.errors import KernelError
 from tangram_sglang.grouping import HeadGrouping

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from conftest import DEVICE, TOL, make_paged_layer, random_lens, rel_err
+from kernel_cases import DEVICE, TOL, make_paged_layer, random_lens, rel_err
 
 from tangram_sglang.errors import KernelError
 from tangram_sglang.kernels.extend_attention import ragged_extend_attention

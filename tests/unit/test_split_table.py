@@ -1,0 +1,110 @@
+"""AOT split table: proportionality, exact coverage of (head, split), the CTA-count rule."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from tangram_sglang.bench.synthetic import skewed_profile
+from tangram_sglang.errors import ConfigError
+from tangram_sglang.grouping import HeadGrouping
+from tangram_sglang.kernels.split_table import (
+    CTAS_PER_SM,
+    MAX_SPLITS_PER_HEAD,
+    build_split_table,
+    build_split_tables,
+    cta_map,
+    layer_splits,
+)
+
+
+def table_for(
+    ratio, num_sms=132, batch_size=8, uniform=False, heads_per_group=1, scope="per_layer"
+):
+    ratio = np.asarray(ratio, dtype=np.float64)
+    grouping = HeadGrouping.build(ratio, heads_per_group, scope)
+    return build_split_table(grouping, grouping.group_ratios(ratio), num_sms, batch_size, uniform)
+
+
+def test_design_example_100_50_25_gives_8_4_2() -> None:
+    # DESIGN.md §3.3: 100% -> 8 splits, 50% -> 4, 25% -> 2 when the CTA budget is 14 per row.
+    splits = layer_splits(np.array([1.0, 0.5, 0.25]), target_ctas=14, uniform=False)
+    assert splits.tolist() == [8, 4, 2]
+
+
+def test_splits_proportional_to_group_ratio() -> None:
+    profile = skewed_profile("llama3-8b", 0.25, heads_per_group=1, scope="per_layer", seed=3)
+    grouping = profile.grouping
+    table = build_split_table(grouping, profile.group_ratios, num_sms=132, batch_size=4)
+    ratios = profile.group_ratios[grouping.cluster_of]
+    target = max(8, math.ceil(CTAS_PER_SM * 132 / 4))
+    for layer in range(grouping.num_layers):
+        splits = table.splits[layer].numpy()
+        r = ratios[layer]
+        scale = min(target / r.sum(), MAX_SPLITS_PER_HEAD / r.max())
+        # rounding only: each head within 0.5 split of the exact proportion (or the floor of 1)
+        expected = np.maximum(r * scale, 1.0)
+        assert np.all(np.abs(splits - expected) <= 0.5 + 1e-9)
+
+
+@pytest.mark.parametrize("uniform", [False, True], ids=["aot", "uniform"])
+@pytest.mark.parametrize("batch_size", [1, 8, 32, 128, 1000])
+def test_every_head_split_covered_exactly_once(uniform: bool, batch_size: int) -> None:
+    profile = skewed_profile("llama3-8b", 0.5, heads_per_group=4, scope="global", seed=1)
+    table = build_split_table(profile.grouping, profile.group_ratios, 132, batch_size, uniform)
+    for layer in range(profile.model.num_layers):
+        view = table.layer(layer)
+        pairs = sorted(zip(view.cta_head.tolist(), view.cta_split.tolist(), strict=True))
+        expected = sorted((h, s) for h, n in enumerate(view.splits.tolist()) for s in range(n))
+        assert pairs == expected
+        assert view.num_ctas == len(expected) and view.max_splits == max(view.splits.tolist())
+        assert (table.cta_head[layer, view.num_ctas :] == -1).all()
+
+
+def test_total_cta_rule_and_uniform_baseline() -> None:
+    ratio = [[0.9, 0.5, 0.2, 0.1, 0.05, 0.05, 0.3, 0.7]]
+    for batch_size in (1, 4, 16, 64, 256):
+        target = max(8, math.ceil(CTAS_PER_SM * 132 / batch_size))
+        uniform = table_for(ratio, batch_size=batch_size, uniform=True)
+        per_head = min(max(round(target / 8), 1), MAX_SPLITS_PER_HEAD)
+        assert uniform.splits.tolist() == [[per_head] * 8]
+        aot = table_for(ratio, batch_size=batch_size)
+        total = aot.num_ctas[0]
+        # about `target` CTAs (rounding, the floor of 1 split, the cap on the longest head)
+        assert total <= target + 8
+        assert aot.splits.max() <= MAX_SPLITS_PER_HEAD and aot.splits.min() >= 1
+        if target <= 8 * 0.9 / sum(ratio[0]) * MAX_SPLITS_PER_HEAD:
+            assert total >= target - 8
+
+
+def test_cta_order_heaviest_first() -> None:
+    heads, splits_idx = cta_map(np.array([1, 4, 2]), np.array([0.1, 0.8, 0.6]))
+    work = np.array([0.1, 0.2, 0.3])[heads]
+    assert list(work) == sorted(work, reverse=True)
+    assert heads.tolist() == [2, 2, 1, 1, 1, 1, 0]
+    assert splits_idx.tolist() == [0, 1, 0, 1, 2, 3, 0]
+
+
+def test_buckets_pick_smallest_bucket_at_least_batch() -> None:
+    ratio = np.array([[0.9, 0.1], [0.5, 0.5]])
+    grouping = HeadGrouping.build(ratio, 1, "per_layer")
+    tables = build_split_tables(grouping, grouping.group_ratios(ratio), 16, max_batch_size=24)
+    assert [t.batch_size for t in tables.tables] == [1, 2, 4, 8, 16, 24]
+    assert tables.for_batch(3).batch_size == 4
+    assert tables.for_batch(24).batch_size == 24
+    assert tables.for_batch(100).batch_size == 24
+    assert tables.max_splits == max(t.max_splits for t in tables.tables)
+    assert tables.for_batch(1).num_ctas[0] >= tables.for_batch(24).num_ctas[0]
+
+
+def test_bad_arguments_raise_config_error() -> None:
+    ratio = np.array([[0.5, 0.25]])
+    grouping = HeadGrouping.build(ratio, 1, "per_layer")
+    with pytest.raises(ConfigError, match="num_sms"):
+        build_split_table(grouping, grouping.group_ratios(ratio), 0, 1)
+    with pytest.raises(ConfigError, match="group_ratios"):
+        build_split_table(grouping, np.array([0.5]), 132, 1)
+    with pytest.raises(ConfigError, match="max_batch_size"):
+        build_split_tables(grouping, grouping.group_ratios(ratio), 132, 0)
