@@ -1,0 +1,245 @@
+"""Decode-attention benchmark: Tangram AOT vs uniform split vs FlashInfer vs SGLang full KV.
+
+    python -m tangram_sglang.bench.kernels --json benchmarks/results/kernels-h200.json
+    python -m tangram_sglang.bench.kernels --quick --json /tmp/kernels-quick.json   # smoke run
+    python -m tangram_sglang.bench.kernels --plan-only                             # CPU: cases only
+
+Llama-3.1-8B decode shapes (32 query heads, 8 KV heads, head_dim 128, bf16, page_size 16), batch
+in {1, 8, 32, 128} x context in {8k, 32k, 128k} tokens x budget {50%, 25%}; per-head ratios of
+one layer of a skewed profile (``--profile`` file, else ``bench.synthetic.skewed_profile``)
+rescaled to each budget; kept tokens per head = ``profile.kept_len``. Side by side, one run:
+
+* ``aot``: :func:`ragged_decode_attention` with the AOT split table (CUDA-graph replay);
+* ``uniform``: the same kernel with the uniform split table (CUDA-graph replay);
+* ``flashinfer``: FlashInfer 0.6.15's ``BatchDecodeWithPagedKVCacheWrapper`` over the same ragged
+  heads (every (request, KV head) one sequence with 1 KV head and 4 query heads), per-step
+  ``plan()`` + ``run()`` timed eagerly (planning counted), and ``run()`` alone;
+* ``sglang_full_kv``: SGLang 0.5.17's Triton decode kernel on the FULL KV (page_size 1, shuffled
+  slots, its own ``get_num_kv_splits``; CUDA-graph replay), once per (batch, context);
+* ``roofline``: kept KV bytes / the measured device-to-device copy bandwidth (4 GiB clone).
+
+Inputs smaller than ``ROTATE_BYTES`` are replicated and rotated so timings never run from L2.
+Cases whose buffers exceed ``--max-gib`` are skipped with a note. The JSON holds ``cases`` (one
+row per configuration; times in ms, bandwidth in GB/s) and a ``summary``. This module holds the
+case plan, the summary and the CLI (CPU-testable); the GPU work is in ``bench/kernel_runners.py``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from tangram_sglang.profile import BudgetProfile, kept_len
+
+NUM_QO_HEADS, NUM_KV_HEADS, HEAD_DIM, PAGE_SIZE, DTYPE_BYTES = 32, 8, 128, 16, 2
+BATCHES = (1, 8, 32, 128)
+CONTEXTS = (8192, 32768, 131072)
+BUDGETS = (0.25, 0.5)  # 25% first: the headline target, if the time budget runs out
+QUICK = {"batches": (1, 8), "contexts": (8192,), "budgets": (0.25,)}
+# 4 x the H200's 50 MiB L2: replicate smaller inputs so each timed call reads cold HBM.
+ROTATE_BYTES = 256 << 20
+MAX_REPLICAS = 32
+DEFAULT_MAX_GIB = 110.0  # of the H200's ~139 GiB: leaves room for scratch, graphs, allocator
+
+
+@dataclass(slots=True)
+class Case:
+    """One benchmark configuration (sizes in tokens / bytes) and, after running, its times."""
+
+    batch: int  # requests
+    context: int  # logical tokens per request
+    budget: float  # target mean kept fraction
+    ratios: list[float]  # per-KV-head ratio of the benchmarked layer
+    kept_tokens: list[int]  # per-KV-head kept tokens of one request
+    kept_kv_bytes: int  # K + V bytes the kept tokens occupy (one layer, whole batch)
+    full_kv_bytes: int  # K + V bytes of the full KV (one layer, whole batch)
+    replicas_kept: int  # rotated copies of the ragged pool
+    replicas_full: int  # rotated copies of the full KV
+    peak_bytes: int  # largest live set of the case (ragged pool or full KV, with replicas)
+    results: dict[str, Any] = field(default_factory=dict)  # times (ms), GB/s, notes
+    skipped: str = ""  # why the case did not run ("" = ran)
+
+
+def layer_ratios(profile: BudgetProfile, budget: float) -> tuple[int, np.ndarray]:
+    """(layer, per-head ratios with mean ``budget``) of one layer of the profile.
+
+    The layer is the one whose max/mean group ratio (its skew) is the median over layers, so
+    neither the flattest nor the most skewed layer decides the result; its per-head group ratios
+    are then rescaled to mean ``budget`` (``BudgetProfile.rescaled``: one factor, clipped at 1).
+    """
+    from tangram_sglang.bench.synthetic import make_profile
+
+    ratios = profile.group_ratios[profile.grouping.cluster_of]  # [L, H_kv]
+    skew = ratios.max(axis=1) / ratios.mean(axis=1)
+    layer = int(np.argsort(skew)[len(skew) // 2])
+    return layer, make_profile(ratios[layer : layer + 1]).rescaled(budget).ratio[0]
+
+
+def replicas_for(nbytes: int) -> int:
+    """Copies needed so that one rotation reads at least ``ROTATE_BYTES`` (at most 32)."""
+    return max(1, min(MAX_REPLICAS, math.ceil(ROTATE_BYTES / max(1, nbytes))))
+
+
+def make_case(batch: int, context: int, budget: float, ratios: np.ndarray, sink: int, window: int):
+    """A :class:`Case` with its kept lengths, byte counts, replicas and peak memory."""
+    kept = [kept_len(context, float(r), sink, window) for r in ratios]
+    token_bytes = HEAD_DIM * DTYPE_BYTES * 2  # K and V of one token of one head
+    kept_bytes = batch * sum(kept) * token_bytes
+    full_bytes = batch * context * NUM_KV_HEADS * token_bytes
+    rep_kept, rep_full = replicas_for(kept_bytes), replicas_for(full_bytes)
+    padded = batch * sum(-(-k // PAGE_SIZE) * PAGE_SIZE for k in kept) * token_bytes
+    peak = max(padded * rep_kept, full_bytes * rep_full)
+    return Case(
+        batch,
+        context,
+        budget,
+        [float(r) for r in ratios],
+        kept,
+        kept_bytes,
+        full_bytes,
+        rep_kept,
+        rep_full,
+        peak,
+    )
+
+
+def plan_cases(
+    profile: BudgetProfile,
+    batches=BATCHES,
+    contexts=CONTEXTS,
+    budgets=BUDGETS,
+    max_gib: float = DEFAULT_MAX_GIB,
+) -> list[Case]:
+    """Every (batch, context, budget) case; the ones over ``max_gib`` carry a skip note."""
+    cases = []
+    for budget in budgets:
+        _, ratios = layer_ratios(profile, budget)
+        for batch in batches:
+            for context in contexts:
+                case = make_case(
+                    batch, context, budget, ratios, profile.sink_tokens, profile.recent_window
+                )
+                if case.peak_bytes > max_gib * (1 << 30):
+                    case.skipped = (
+                        f"needs {case.peak_bytes / (1 << 30):.1f} GiB > --max-gib {max_gib}"
+                    )
+                cases.append(case)
+    return cases
+
+
+def _geomean(values: list[float]) -> float | None:
+    values = [v for v in values if v and v > 0 and math.isfinite(v)]
+    return float(np.exp(np.mean(np.log(values)))) if values else None
+
+
+def summarize(cases: list[Case]) -> dict[str, Any]:
+    """The summary block: geomean speedups and the median bandwidth fraction.
+
+    ``tangram_vs_full_kv_speedup_at_25pct_geomean`` is over 25% cases with batch >= 32 (the
+    issue's target); ``..._all_batches`` adds the small batches.
+    """
+    ran = [c for c in cases if not c.skipped and c.results.get("aot_ms")]
+
+    def ratio(c: Case, num: str, den: str) -> float | None:
+        a, b = c.results.get(num), c.results.get(den)
+        return a / b if a and b else None
+
+    at25 = [c for c in ran if abs(c.budget - 0.25) < 1e-9]
+    fractions = [c.results["aot_bw_fraction"] for c in ran if c.results.get("aot_bw_fraction")]
+    return {
+        "num_cases": len(cases),
+        "num_ran": len(ran),
+        "aot_vs_uniform_speedup_geomean": _geomean([ratio(c, "uniform_ms", "aot_ms") for c in ran]),
+        "tangram_vs_full_kv_speedup_at_25pct_geomean": _geomean(
+            [ratio(c, "sglang_full_kv_ms", "aot_ms") for c in at25 if c.batch >= 32]
+        ),
+        "tangram_vs_full_kv_speedup_at_25pct_all_batches_geomean": _geomean(
+            [ratio(c, "sglang_full_kv_ms", "aot_ms") for c in at25]
+        ),
+        "aot_vs_flashinfer_plan_run_speedup_geomean": _geomean(
+            [ratio(c, "flashinfer_ms", "aot_ms") for c in ran]
+        ),
+        "bandwidth_fraction_median": float(np.median(fractions)) if fractions else None,
+    }
+
+
+def write_json(path: Path, cases: list[Case], meta: dict[str, Any]) -> dict[str, Any]:
+    """Write ``{"meta", "cases", "summary"}`` atomically; returns the document."""
+    doc = {"meta": meta, "cases": [asdict(c) for c in cases], "summary": summarize(cases)}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(doc, indent=1) + "\n")
+    tmp.replace(path)
+    return doc
+
+
+def load_profile(path: str | None) -> BudgetProfile:
+    """The profile to draw ratios from: a file, else the seeded synthetic skewed profile."""
+    if path:
+        return BudgetProfile.load(path)
+    from tangram_sglang.bench.synthetic import skewed_profile
+
+    return skewed_profile("llama3-8b", 0.25, heads_per_group=1, scope="per_layer", seed=0)
+
+
+def table_line(c: Case) -> str:
+    """One row of the printed summary table."""
+    if c.skipped:
+        return f"{c.batch:>5} {c.context:>7} {c.budget:>5.2f}  skipped: {c.skipped}"
+    r = c.results
+    if not r:
+        kept = sum(c.kept_tokens) / (len(c.kept_tokens) * c.context)
+        return (
+            f"{c.batch:>5} {c.context:>7} {c.budget:>5.2f}  planned: kept {kept:.3f} of full KV, "
+            f"peak {c.peak_bytes / (1 << 30):.1f} GiB, replicas {c.replicas_kept}/{c.replicas_full}"
+        )
+
+    def fmt(key: str) -> str:
+        return f"{r[key]:8.3f}" if isinstance(r.get(key), float) else f"{'-':>8}"
+
+    keys = ("aot_ms", "uniform_ms", "flashinfer_ms", "sglang_full_kv_ms", "roofline_ms")
+    frac = r.get("aot_bw_fraction")
+    frac_text = f"{frac:5.2f}" if frac else "    -"
+    return (
+        f"{c.batch:>5} {c.context:>7} {c.budget:>5.2f} "
+        + " ".join(map(fmt, keys))
+        + (f" {frac_text}")
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", type=Path, default=Path("benchmarks/results/kernels-h200.json"))
+    parser.add_argument("--profile", default=None, help="budget profile JSON (default: synthetic)")
+    parser.add_argument("--quick", action="store_true", help="smoke run: 2 small cases")
+    parser.add_argument("--plan-only", action="store_true", help="print the cases, no GPU")
+    parser.add_argument("--max-gib", type=float, default=DEFAULT_MAX_GIB)
+    args = parser.parse_args(argv)
+    profile = load_profile(args.profile)
+    grid = QUICK if args.quick else {"batches": BATCHES, "contexts": CONTEXTS, "budgets": BUDGETS}
+    cases = plan_cases(profile, max_gib=args.max_gib, **grid)
+    meta: dict[str, Any] = {"profile": profile.provenance, "quick": args.quick}
+    if not args.plan_only:
+        from tangram_sglang.bench import kernel_runners
+
+        if not kernel_runners.cuda_available():
+            print("no CUDA device: use --plan-only on CPU", file=sys.stderr)
+            return 2
+        meta |= kernel_runners.run_all(cases, on_case=lambda: write_json(args.json, cases, meta))
+    doc = write_json(args.json, cases, meta)
+    print("batch context budget   aot_ms  unif_ms   fi_ms  full_ms  roof_ms  bw_frac")
+    for case in cases:
+        print(table_line(case))
+    print(json.dumps(doc["summary"], indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
