@@ -153,7 +153,7 @@ def _check_hook(row: HookTarget) -> str:
 
 
 def _chain_holds(obj: Any, body: Any) -> bool:
-    """True if ``body`` is ``obj`` or sits in the closure of a wrapper on its ``__wrapped__`` chain."""
+    """True if ``body`` is ``obj`` or in the closure of a wrapper on its ``__wrapped__`` chain."""
     seen: set[int] = set()
     while obj is not None and id(obj) not in seen:
         seen.add(id(obj))

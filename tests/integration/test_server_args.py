@@ -1,0 +1,184 @@
+"""``--tangram`` flags through SGLang's own ServerArgs (patched sglang 0.5.17, CPU, no server)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import pickle
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from tangram_sglang.errors import ConfigError, ProfileError
+from tangram_sglang.integration import plugin
+from tangram_sglang.integration.hook_targets import HOOKS
+from tangram_sglang.integration.server_args import (
+    INCOMPATIBLE_FLAGS,
+    profile_from_server_args,
+    summary_from_server_args,
+)
+from tangram_sglang.profile import BudgetProfile, ModelIdentity
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+FLAGS = ("--tangram", "--tangram-profile", "--tangram-page-group-size", "--tangram-page-size",
+         "--tangram-target-ratio", "--tangram-scope")  # fmt: skip
+# A value that turns each incompatible flag on (default: True).
+BAD_VALUES = {
+    "speculative_algorithm": "EAGLE", "disaggregation_mode": "prefill", "tp_size": 2,
+    "pp_size": 2, "dp_size": 2, "attn_cp_size": 2, "dcp_size": 2, "lora_paths": ["a=/tmp/a"],
+    "kv_cache_dtype": "fp8_e4m3", "dllm_algorithm": "LowConfidence",
+}  # fmt: skip
+
+
+def make_args(server_args_cls, model_path, profile, **kwargs):
+    """ServerArgs exactly as ``sglang.Engine(**kwargs)`` builds it."""
+    return server_args_cls(
+        model_path=str(model_path), device="cpu", tangram=True, tangram_profile=profile, **kwargs
+    )
+
+
+def test_help_documents_every_flag(patched_sglang):
+    parser = argparse.ArgumentParser()
+    patched_sglang.add_cli_args(parser)
+    text = parser.format_help()
+    for flag in FLAGS:
+        assert flag in text, flag
+
+
+def test_cli_flags_parse_through_prepare_server_args(patched_sglang, smollm2_path, smollm2_profile):
+    from sglang.srt.server_args import prepare_server_args
+
+    args = prepare_server_args([
+        "--model-path", str(smollm2_path), "--device", "cpu", "--tangram",
+        "--tangram-profile", smollm2_profile, "--tangram-page-group-size", "1",
+        "--tangram-page-size", "32", "--tangram-target-ratio", "0.4", "--tangram-scope",
+        "per_layer", "--disable-radix-cache",
+    ])  # fmt: skip
+    assert (args.tangram, args.tangram_profile) == (True, smollm2_profile)
+    assert (args.tangram_page_group_size, args.tangram_page_size) == (1, 32)
+    assert (args.tangram_target_ratio, args.tangram_scope) == (0.4, "per_layer")
+    profile = profile_from_server_args(args)
+    assert profile.mean_kept_fraction() == pytest.approx(0.4)
+    assert profile.grouping.heads_per_group == 1 and profile.grouping.scope == "per_layer"
+    info = dataclasses.asdict(args)  # what /server_info dumps
+    assert info["tangram"] is True and info["tangram_target_ratio"] == 0.4
+
+
+def test_engine_kwargs_path_and_pickling(patched_sglang, smollm2_path, smollm2_profile):
+    from sglang.srt.entrypoints.engine import Engine
+
+    assert Engine.server_args_class is patched_sglang  # Engine(**kwargs) -> ServerArgs(**kwargs)
+    args = make_args(patched_sglang, smollm2_path, smollm2_profile, tangram_page_size=8)
+    clone = pickle.loads(pickle.dumps(args))  # how the scheduler process receives it
+    assert (clone.tangram, clone.tangram_profile, clone.tangram_page_size) == (
+        True, smollm2_profile, 8,
+    )  # fmt: skip
+    assert summary_from_server_args(clone) == summary_from_server_args(args)
+    assert (
+        profile_from_server_args(clone).to_dict() == BudgetProfile.load(smollm2_profile).to_dict()
+    )
+
+
+def test_stock_args_unchanged(patched_sglang, smollm2_path):
+    args = patched_sglang(model_path=str(smollm2_path), device="cpu")
+    assert args.tangram is False and args.tangram_profile is None
+    assert not hasattr(args, "_tangram_profile_json")
+
+
+@pytest.mark.parametrize("rule", INCOMPATIBLE_FLAGS, ids=lambda rule: rule.flag)
+def test_incompatible_flag_rejected(patched_sglang, smollm2_path, smollm2_profile, rule):
+    value = BAD_VALUES.get(rule.field, True)
+    with pytest.raises(ConfigError) as info:
+        make_args(patched_sglang, smollm2_path, smollm2_profile, **{rule.field: value})
+    message = str(info.value)
+    assert rule.flag in message and "cannot be combined with --tangram" in message
+    assert rule.reason in message
+
+
+@pytest.mark.parametrize(
+    ("name", "overrides", "what"),
+    [
+        ("mistral", {"architectures": ["MistralForCausalLM"], "model_type": "mistral",
+                     "sliding_window": 256}, "sliding-window attention"),
+        ("gpt-oss", {"architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss",
+                     "sliding_window": 128, "num_local_experts": 4, "num_experts_per_tok": 2,
+                     "layer_types": ["sliding_attention", "full_attention"] * 15},
+         "hybrid sliding-window"),
+        ("deepseek-mla", {"architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2",
+                          "kv_lora_rank": 32, "q_lora_rank": None, "qk_rope_head_dim": 16,
+                          "qk_nope_head_dim": 32, "v_head_dim": 32, "n_routed_experts": 4,
+                          "n_shared_experts": 1, "num_experts_per_tok": 2,
+                          "moe_intermediate_size": 64, "first_k_dense_replace": 100,
+                          "topk_method": "greedy", "n_group": 1, "topk_group": 1}, "MLA"),
+    ],
+    ids=lambda v: v if isinstance(v, str) else "",
+)  # fmt: skip
+def test_unsupported_model_rejected(patched_sglang, fake_model, smollm2_profile, name,
+                                    overrides, what):  # fmt: skip
+    with pytest.raises(ConfigError, match=f"--tangram cannot serve .*{what}"):
+        make_args(patched_sglang, fake_model(name, **overrides), smollm2_profile)
+
+
+def test_profile_for_another_model_stops_startup(patched_sglang, smollm2_path, tmp_path,
+                                                  make_profile):  # fmt: skip
+    other = ModelIdentity("LlamaForCausalLM", num_layers=4, num_kv_heads=3, num_qo_heads=9,
+                          head_dim=64)  # fmt: skip
+    path = tmp_path / "other.json"
+    make_profile(other).save(path)
+    with pytest.raises(ProfileError, match=r"model.num_layers=4 but the served model has 30"):
+        make_args(patched_sglang, smollm2_path, str(path))
+
+
+def test_corrupt_profile_stops_startup(patched_sglang, smollm2_path, tmp_path):
+    path = tmp_path / "corrupt.json"
+    path.write_text('{"schema_version": 1, "ratio": [[0.5')
+    with pytest.raises(ProfileError, match="not a JSON profile"):
+        make_args(patched_sglang, smollm2_path, str(path))
+
+
+def test_bad_tangram_option_names_flag(patched_sglang, smollm2_path, smollm2_profile):
+    with pytest.raises(ConfigError, match="--tangram-page-size 12 must be a power of two"):
+        make_args(patched_sglang, smollm2_path, smollm2_profile, tangram_page_size=12)
+
+
+def test_plugin_hooks_applied_in_process(patched_sglang, smollm2_path, smollm2_profile):
+    args = make_args(patched_sglang, smollm2_path, smollm2_profile)  # runs ensure_active()
+    assert plugin.state().active and plugin.verify() == []
+    assert plugin.state().verified == [row.target for row in HOOKS]
+    from sglang.srt.managers.scheduler import Scheduler
+
+    scheduler = SimpleNamespace(server_args=args, max_total_num_tokens=64,
+                                max_req_input_len=32, startup_time=0.0)  # fmt: skip
+    info = Scheduler.get_init_info(scheduler)  # the real, wrapped method
+    assert info["max_total_num_tokens"] == 64
+    assert info["tangram"]["profile_path"] == smollm2_profile
+    assert info["tangram"]["num_head_groups"] == 30
+    stock = patched_sglang(model_path=str(smollm2_path), device="cpu")
+    assert "tangram" not in Scheduler.get_init_info(
+        SimpleNamespace(
+            server_args=stock, max_total_num_tokens=64, max_req_input_len=32, startup_time=0.0
+        )
+    )
+
+
+@pytest.mark.slow
+def test_plugin_left_out_by_sglang_plugins_stops_startup(patched_sglang, smollm2_path,
+                                                         smollm2_profile):  # fmt: skip
+    code = (
+        "from sglang.srt.plugins import load_plugins; load_plugins()\n"
+        "from sglang.srt.server_args import prepare_server_args\n"
+        f"prepare_server_args(['--model-path', {str(smollm2_path)!r}, '--device', 'cpu', "
+        f"'--tangram', '--tangram-profile', {smollm2_profile!r}])\n"
+    )
+    env = {**os.environ, "SGLANG_PLUGINS": "smg-zmq"}
+    result = subprocess.run([sys.executable, "-c", code], env=env, cwd=REPO, capture_output=True,
+                            text=True, timeout=300, check=False)  # fmt: skip
+    assert result.returncode != 0
+    assert "--tangram needs the Tangram SGLang plugin" in result.stderr
+    assert "SGLANG_PLUGINS" in result.stderr

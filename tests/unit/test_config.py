@@ -1,0 +1,147 @@
+"""TangramConfig validation and the profile loader (no sglang import)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tangram_sglang.config import DEFAULT_PAGE_SIZE, SCOPES, TangramConfig
+from tangram_sglang.errors import ConfigError, ProfileError
+from tangram_sglang.grouping import SCOPES as GROUPING_SCOPES
+from tangram_sglang.grouping import HeadGrouping
+from tangram_sglang.integration import profile_loader
+from tangram_sglang.profile import BudgetProfile, ModelIdentity
+
+MODEL = ModelIdentity("LlamaForCausalLM", num_layers=4, num_kv_heads=2, num_qo_heads=4, head_dim=8)
+OTHER = ModelIdentity("LlamaForCausalLM", num_layers=6, num_kv_heads=2, num_qo_heads=4, head_dim=8)
+
+
+def make_profile(model=MODEL, scorer="ada-snapkv", target=0.25, heads_per_group=2, seed=0):
+    ratio = np.random.default_rng(seed).uniform(0.1, 0.6, (model.num_layers, model.num_kv_heads))
+    return BudgetProfile(
+        model=model, scorer=scorer, target_ratio=target, ratio=ratio, sink_tokens=2,
+        recent_window=4, grouping=HeadGrouping.build(ratio, heads_per_group, "global"),
+    )  # fmt: skip
+
+
+@pytest.fixture
+def profile_file(tmp_path):
+    path = tmp_path / "p.json"
+    make_profile().save(path)
+    return str(path)
+
+
+def test_disabled_config_is_not_validated():
+    config = TangramConfig(page_size=3)  # odd page size, but Tangram is off
+    assert not config.enabled and config.page_size == 3
+
+
+def test_defaults(profile_file):
+    config = TangramConfig(enabled=True, profile_path=profile_file)
+    assert config.page_size == DEFAULT_PAGE_SIZE
+    assert config.as_dict() == {
+        "enabled": True, "profile_path": profile_file, "page_group_size": None,
+        "page_size": DEFAULT_PAGE_SIZE, "target_ratio": None, "scope": None,
+    }  # fmt: skip
+
+
+def test_scopes_match_grouping():
+    assert SCOPES == GROUPING_SCOPES
+
+
+def test_missing_profile_path_means_shipped_default():
+    assert TangramConfig(enabled=True).profile_path is None
+
+
+@pytest.mark.parametrize(
+    ("changes", "flag"),
+    [
+        ({"profile_path": "/nonexistent/p.json"}, "--tangram-profile"),
+        ({"page_size": 0}, "--tangram-page-size"),
+        ({"page_size": 12}, "--tangram-page-size"),
+        ({"page_size": 2048}, "--tangram-page-size"),
+        ({"page_size": True}, "--tangram-page-size"),
+        ({"page_group_size": 0}, "--tangram-page-group-size"),
+        ({"page_group_size": 1.5}, "--tangram-page-group-size"),
+        ({"target_ratio": 0.0}, "--tangram-target-ratio"),
+        ({"target_ratio": 1.5}, "--tangram-target-ratio"),
+        ({"target_ratio": float("nan")}, "--tangram-target-ratio"),
+        ({"scope": "per_head"}, "--tangram-scope"),
+    ],
+    ids=lambda v: str(v),
+)
+def test_bad_option_names_the_flag(changes, flag):
+    with pytest.raises(ConfigError, match=flag):
+        TangramConfig(enabled=True, **changes)
+
+
+def test_frozen(profile_file):
+    config = TangramConfig(enabled=True, profile_path=profile_file)
+    with pytest.raises(AttributeError):
+        config.page_size = 32  # type: ignore[misc]
+
+
+def test_resolve_rescales_and_regroups(profile_file):
+    config = TangramConfig(
+        enabled=True, profile_path=profile_file, target_ratio=0.5, page_group_size=1,
+        scope="per_layer",
+    )  # fmt: skip
+    profile, resolved = profile_loader.resolve_profile(config, MODEL)
+    assert resolved == config
+    assert profile.mean_kept_fraction() == pytest.approx(0.5)
+    assert profile.grouping.heads_per_group == 1 and profile.grouping.scope == "per_layer"
+    assert profile.grouping.num_head_groups == MODEL.num_layers * MODEL.num_kv_heads
+
+
+def test_resolve_rejects_group_size_the_model_cannot_take(profile_file):
+    config = TangramConfig(enabled=True, profile_path=profile_file, page_group_size=3,
+                           scope="per_layer")  # fmt: skip
+    with pytest.raises(ConfigError, match="--tangram-page-group-size 3"):
+        profile_loader.resolve_profile(config, MODEL)
+
+
+def test_resolve_rejects_profile_of_another_model(profile_file):
+    config = TangramConfig(enabled=True, profile_path=profile_file)
+    with pytest.raises(ProfileError, match=r"--tangram-profile .*num_layers=4.*has 6"):
+        profile_loader.resolve_profile(config, OTHER)
+
+
+def test_resolve_rejects_corrupt_profile(tmp_path):
+    path = tmp_path / "bad.json"
+    path.write_text('{"schema_version": 1, "model": ')
+    with pytest.raises(ProfileError, match="not a JSON profile"):
+        profile_loader.resolve_profile(TangramConfig(enabled=True, profile_path=str(path)), MODEL)
+
+
+def test_shipped_default_prefers_ada_snapkv_closest_to_quarter(tmp_path):
+    folder = tmp_path / "tiny"
+    folder.mkdir()
+    make_profile(target=0.5).save(folder / "ada-snapkv-r0.5.json")
+    make_profile(target=0.25).save(folder / "ada-snapkv-r0.25.json")
+    make_profile(scorer="snapkv", target=0.25).save(folder / "snapkv-r0.25.json")
+    make_profile(model=OTHER).save(folder / "other-model.json")
+    (folder / "broken.json").write_text("not json")
+    assert profile_loader.find_shipped_profile(MODEL, tmp_path).name == "ada-snapkv-r0.25.json"
+    assert profile_loader.find_shipped_profile(OTHER, tmp_path).name == "other-model.json"
+    make_profile(scorer="snapkv", target=0.9).save(folder / "default.json")
+    assert profile_loader.find_shipped_profile(MODEL, tmp_path).name == "default.json"
+
+
+def test_no_shipped_default_says_how_to_calibrate(tmp_path):
+    with pytest.raises(ConfigError, match="python -m tangram_sglang.calibrate"):
+        profile_loader.resolve_profile(TangramConfig(enabled=True), MODEL, tmp_path)
+
+
+def test_summary_numbers(profile_file):
+    profile, config = profile_loader.resolve_profile(
+        TangramConfig(enabled=True, profile_path=profile_file), MODEL
+    )
+    summary = profile_loader.profile_summary(profile, config)
+    padded = float(np.sum(profile.group_ratios) * 2 / (MODEL.num_layers * MODEL.num_kv_heads))
+    assert summary["padded_kept_ratio"] == pytest.approx(padded, abs=1e-6)
+    assert summary["padded_kept_ratio"] >= summary["mean_kept_ratio"]
+    assert summary["predicted_capacity_vs_full_kv"] == pytest.approx(1 / padded, abs=1e-3)
+    assert summary["num_head_groups"] == profile.grouping.num_head_groups
+    assert "predicted capacity" in profile_loader.summary_line(summary)
+    restored = profile_loader.profile_from_json(profile_loader.profile_to_json(profile))
+    np.testing.assert_array_equal(restored.ratio, profile.ratio)
