@@ -48,12 +48,19 @@ def gather_tokens(
     Returns:
         ``[n, H_kv, max_len, D]`` in the pool's dtype.
     """
-    page_size, head_dim = pool.shape[2], pool.shape[3]
+    num_page_slots, heads_per_group, page_size, head_dim = pool.shape
     num_pages = -(-max_len // page_size)
     groups, cols = group_of_head.long(), column_of_head.long()
     pages = page_table[rows.long()[:, None], groups[None, :], :num_pages].long()  # [n, H, P]
-    blocks = pool[pages, cols[None, :, None]]  # [n, H, P, page_size, D]
     n, num_heads = pages.shape[0], pages.shape[1]
+    if pool.is_contiguous():
+        # One (page, column) block is a contiguous [page_size * D] row: index_select copies
+        # whole rows, several times faster on CPU than 2-D advanced indexing.
+        flat = pool.view(num_page_slots * heads_per_group, page_size * head_dim)
+        block_ids = (pages * heads_per_group + cols[None, :, None]).reshape(-1)
+        blocks = torch.index_select(flat, 0, block_ids)
+    else:
+        blocks = pool[pages, cols[None, :, None]]  # [n, H, P, page_size, D]
     return blocks.reshape(n, num_heads, num_pages * page_size, head_dim)[:, :, :max_len]
 
 
@@ -68,11 +75,12 @@ def attend(
     Returns:
         ``(out [..., M, D], lse [..., M])`` with lse the natural-log softmax normaliser.
     """
-    scores = torch.matmul(q, k.transpose(-1, -2)) * sm_scale
-    scores = scores.masked_fill(~mask, float("-inf"))
+    # In-place passes over the [..., M, N] score tensor: it dominates CPU time and memory.
+    scores = torch.matmul(q * sm_scale, k.transpose(-1, -2))
+    scores.masked_fill_(~mask, float("-inf"))
     row_max = scores.amax(dim=-1, keepdim=True)
     row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
-    probs = torch.exp(scores - row_max)
+    probs = scores.sub_(row_max).exp_()
     denom = probs.sum(dim=-1, keepdim=True)
     out = torch.matmul(probs, v) / torch.where(denom > 0, denom, torch.ones_like(denom))
     lse = (row_max + torch.log(denom)).squeeze(-1)  # log(0) = -inf for empty rows
@@ -237,12 +245,15 @@ def _extend_one(q, keys, values, hist_lens, max_hist, gqa, sm_scale, out, lse) -
     chunk = max(1, _EXTEND_SCORE_ELEMS // max(1, num_qo_heads * num_keys))
     for q0 in range(0, n, chunk):
         q1 = min(n, q0 + chunk)
+        num_vis = max_hist + q1  # new keys past this chunk's last query are never visible
         query_pos = torch.arange(q0, q1, device=q.device)
-        causal = (key_pos[None, :] - max_hist) <= query_pos[:, None]  # [m, K]
-        is_new = key_pos >= max_hist
-        visible = torch.where(is_new[None, None, :], causal[None], hist_visible[:, None, :])
+        causal = (key_pos[None, :num_vis] - max_hist) <= query_pos[:, None]  # [m, K]
+        is_new = key_pos[:num_vis] >= max_hist
+        visible = torch.where(is_new[None, None, :], causal[None], hist_visible[:, None, :num_vis])
         qh = q[q0:q1].to(keys.dtype).reshape(q1 - q0, num_kv_heads, gqa, -1).permute(1, 2, 0, 3)
-        o, row_lse = attend(qh, keys[:, None], values[:, None], visible[:, None], sm_scale)
+        o, row_lse = attend(
+            qh, keys[:, None, :num_vis], values[:, None, :num_vis], visible[:, None], sm_scale
+        )
         out[q0:q1].copy_(o.permute(2, 0, 1, 3).reshape(q1 - q0, num_qo_heads, -1))
         lse[q0:q1].copy_(row_lse.permute(2, 0, 1).reshape(q1 - q0, num_qo_heads))
 
