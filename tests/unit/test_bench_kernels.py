@@ -6,6 +6,8 @@ import json
 import math
 
 import numpy as np
+import pytest
+import torch
 
 from tangram_sglang.bench import kernels as bench
 from tangram_sglang.bench.synthetic import skewed_profile
@@ -78,3 +80,8 @@ def test_plan_only_cli_writes_json(tmp_path, capsys) -> None:
     assert set(doc) == {"meta", "cases", "summary"}
     assert len(doc["cases"]) == 2 and doc["summary"]["num_ran"] == 0
     assert "planned" in capsys.readouterr().out
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU this would run the benchmark")
+def test_quick_run_imports_gpu_side_and_refuses_without_cuda(tmp_path) -> None:
+    assert bench.main(["--quick", "--json", str(tmp_path / "k.json")]) == 2
