@@ -23,13 +23,15 @@ Rule for the total CTA count (one batch bucket ``B``, ``S`` SMs, ``W = sum_h r_h
     target  = max(num_kv_heads, ceil(CTAS_PER_SM * S / B))       CTAs per request row
     scale   = min(target / W, max_splits_per_head / max_h r_h)
     splits_h = clamp(round(r_h * scale), 1, max_splits_per_head)   (AOT: proportional to r_h)
-    splits_h = clamp(round(target / num_kv_heads), 1, max_splits_per_head)   (uniform baseline)
+    splits_h = clamp(round(sum_h aot_splits_h / num_kv_heads), 1, max_splits_per_head)  (uniform)
 
 So a launch has about ``CTAS_PER_SM * S`` CTAs whatever the batch (enough to fill every SM a few
-times over), each AOT CTA covers about the same number of kept tokens, and the uniform baseline
-has the same CTA budget split evenly over the heads (FlashDecoding's static split). At large
-batches ``target`` falls to ``num_kv_heads``; proportional splitting still gives the long heads
-more splits, so no CTA is a straggler several times longer than the others.
+times over; fewer at tiny batches, where the cap on the longest head binds), and each AOT CTA
+covers about the same number of kept tokens. The uniform baseline gets the SAME number of CTAs
+per row, split evenly over the heads (FlashDecoding's static split at equal resources), so its
+longest CTA is ``max_h r_h / mean_h r_h`` times the AOT one. At large batches ``target`` falls
+to ``num_kv_heads``; proportional splitting still gives the long heads more splits, so no CTA is
+a straggler several times longer than the others.
 
 Tables are built for a set of batch-size buckets (powers of two up to ``max_batch_size``); a
 launch for batch ``bs`` uses the smallest bucket ``>= bs`` (a host-side lookup on a python int,
@@ -175,19 +177,20 @@ def layer_splits(
     Args:
         ratios: float ``[num_kv_heads]``, each head's group ratio in (0, 1].
         target_ctas: wanted CTAs per request row (>= 1).
-        uniform: the uniform baseline (same split count for every head) instead of AOT.
+        uniform: the uniform baseline instead of AOT: every head gets the AOT table's mean
+            split count (same CTAs per row, split evenly).
         max_splits: cap on one head's splits.
 
     Returns:
         int64 ``[num_kv_heads]`` in ``[1, max_splits]``.
     """
     ratios = np.asarray(ratios, dtype=np.float64)
-    num_heads = ratios.size
-    if uniform:
-        per_head = min(max(round(target_ctas / num_heads), 1), max_splits)
-        return np.full(num_heads, per_head, dtype=np.int64)
     scale = min(target_ctas / ratios.sum(), max_splits / ratios.max())
-    return np.clip(np.rint(ratios * scale), 1, max_splits).astype(np.int64)
+    aot = np.clip(np.rint(ratios * scale), 1, max_splits).astype(np.int64)
+    if not uniform:
+        return aot
+    per_head = min(max(round(aot.sum() / ratios.size), 1), max_splits)
+    return np.full(ratios.size, per_head, dtype=np.int64)
 
 
 def cta_map(splits: np.ndarray, ratios: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
