@@ -150,11 +150,14 @@ def check_model(server_args: Any) -> None:
     profile, config = profile_loader.resolve_profile(config, model)
     summary = profile_loader.profile_summary(profile, config)
     from tangram_sglang.integration.plugin import ensure_active
+    from tangram_sglang.integration.plugin import state as plugin_state
 
     ensure_active()
     object.__setattr__(server_args, PROFILE_STASH, profile_loader.profile_to_json(profile))
     object.__setattr__(server_args, SUMMARY_STASH, summary)
-    logger.info(profile_loader.summary_line(summary))
+    hooks = plugin_state().verified
+    logger.info("%s; plugin verified %d hooks/registrations", profile_loader.summary_line(summary),
+                len(hooks))  # fmt: skip
 
 
 def _check_model_kind(model_config: Any) -> None:

@@ -1,0 +1,77 @@
+"""Start-up of the real ``python -m sglang.launch_server --tangram`` on CPU (patched sglang).
+
+Bad inputs stop the server before it serves, with the message naming the problem; a good
+profile starts it and ``/server_info`` shows the Tangram settings (ServerArgs fields plus the
+scheduler's resolved summary).
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from tangram_sglang.errors import TangramError
+from tangram_sglang.grouping import HeadGrouping
+from tangram_sglang.profile import BudgetProfile, ModelIdentity
+from tangram_sglang.serving import SGLangServer
+
+pytestmark = pytest.mark.e2e
+
+
+def write_profile(path, model: ModelIdentity) -> str:
+    ratio = np.full((model.num_layers, model.num_kv_heads), 0.5)
+    BudgetProfile(
+        model=model, scorer="ada-snapkv", target_ratio=0.5, ratio=ratio, sink_tokens=4,
+        recent_window=8, grouping=HeadGrouping.build(ratio, model.num_kv_heads, "global"),
+    ).save(path)  # fmt: skip
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def smollm2_identity(smollm2_path):
+    return ModelIdentity.from_hf_config(json.loads((smollm2_path / "config.json").read_text()))
+
+
+def start_fails(smollm2_path, args, log_name) -> str:
+    server = SGLangServer(smollm2_path, args=args, log_path=f"/tmp/{log_name}.log",
+                          startup_timeout_s=300)  # fmt: skip
+    with pytest.raises(TangramError, match="exited with code"):
+        server.start()
+    server.stop()
+    return server.log_path.read_text()
+
+
+def test_profile_for_another_model_refuses_to_start(smollm2_path, tmp_path):
+    other = ModelIdentity("LlamaForCausalLM", num_layers=4, num_kv_heads=3, num_qo_heads=9,
+                          head_dim=64)  # fmt: skip
+    profile = write_profile(tmp_path / "other.json", other)
+    log = start_fails(smollm2_path, ["--tangram", "--tangram-profile", profile],
+                      "tangram-e2e-bad-profile")  # fmt: skip
+    assert "ProfileError" in log
+    assert "model.num_layers=4 but the served model has 30" in log
+    assert "python -m tangram_sglang.calibrate" in log
+
+
+def test_incompatible_flag_refuses_to_start(smollm2_path, tmp_path, smollm2_identity):
+    profile = write_profile(tmp_path / "good.json", smollm2_identity)
+    log = start_fails(smollm2_path, ["--tangram", "--tangram-profile", profile,
+                                     "--enable-mixed-chunk"], "tangram-e2e-bad-flag")  # fmt: skip
+    assert "ConfigError: --enable-mixed-chunk True cannot be combined with --tangram" in log
+
+
+def test_server_info_shows_tangram_settings(smollm2_path, tmp_path, smollm2_identity):
+    profile = write_profile(tmp_path / "good.json", smollm2_identity)
+    args = ["--tangram", "--tangram-profile", profile, "--tangram-page-size", "8",
+            "--tangram-target-ratio", "0.4"]  # fmt: skip
+    with SGLangServer(smollm2_path, args=args, log_path="/tmp/tangram-e2e-info.log") as server:
+        info = server.server_info()
+    assert info["tangram"] == {
+        **info["tangram"], "enabled": True, "profile_path": profile, "page_size": 8,
+        "target_ratio": 0.4, "num_head_groups": 30, "heads_per_group": 3,
+    }  # fmt: skip
+    assert info["tangram"]["mean_kept_ratio"] == pytest.approx(0.4)
+    assert info["tangram_profile"] == profile and info["tangram_page_size"] == 8
+    log = server.log_path.read_text()
+    assert "Tangram: profile" in log and "plugin verified 1 hooks/registrations" in log
