@@ -59,15 +59,17 @@ def make_paged_layer(
     need = -(-lens // page_size)
     max_pages = max_pages or max(1, int(need.max()) + 1)
     num_pages = 1 + int(need.sum()) + spare_pages
-    order = list(rng.permutation(np.arange(1, num_pages)))
+    order = rng.permutation(np.arange(1, num_pages))
     pool_shape = (num_pages, heads_per_group, page_size, head_dim)
     k_pool = torch.randn(pool_shape, generator=gen).to(dtype)
     v_pool = torch.randn(pool_shape, generator=gen).to(dtype)
     page_table = torch.zeros(rows, num_groups, max_pages, dtype=torch.int32)
+    taken = 0
     for r in range(rows):
         for g in range(num_groups):
-            for p in range(int(need[r, g])):
-                page_table[r, g, p] = int(order.pop())
+            num = int(need[r, g])
+            page_table[r, g, :num] = torch.from_numpy(order[taken : taken + num].astype(np.int32))
+            taken += num
     groups, cols = head_slots(num_kv_heads, num_groups, heads_per_group, rng)
     dense_k, dense_v = [], []
     for r in range(rows):
@@ -88,7 +90,7 @@ def make_paged_layer(
         column_of_head=torch.tensor(cols, dtype=torch.int32, device=DEVICE),
         dense_k=dense_k,
         dense_v=dense_v,
-        free_pages=[int(p) for p in order],
+        free_pages=[int(p) for p in order[taken:]],
     )
 
 
