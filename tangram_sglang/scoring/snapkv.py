@@ -1,0 +1,134 @@
+"""SnapKV: score tokens by the attention they get from the segment's last ``w`` queries.
+
+Follows NVIDIA kvpress 0.5.5 ``SnapKVPress.score`` so that selections match it token for token:
+softmax of the window queries over the segment's keys (causal inside the window), mean over the
+window queries, 1-D pooling (kernel ``kernel_size``, zero padding, default average like kvpress;
+``pooling="max"`` gives the original SnapKV code's max-pool), mean over the GQA query heads of a
+KV head (``gqa_reduce="max"`` gives the Tangram code's max-reduce), and the window tokens
+themselves scored above every other token (kvpress: ``max + 1``).
+
+Source: SnapKV (Li et al. 2024, arXiv 2404.14469) §4; kvpress ``presses/snapkv_press.py``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from tangram_sglang.errors import ConfigError
+from tangram_sglang.scoring.base import register_scorer
+
+POOLINGS = ("avg", "max")
+GQA_REDUCTIONS = ("mean", "max")
+
+
+@dataclass(frozen=True, slots=True)
+class SnapKVScorer:
+    """SnapKV scorer (uniform budgets: every head keeps its own top-k).
+
+    Attributes:
+        obs_window: observation window w (queries); kvpress default 64, SnapKV code 32.
+        kernel_size: pooling kernel (tokens, odd, >= 1); 1 disables pooling.
+        pooling: ``"avg"`` (kvpress) or ``"max"`` (SnapKV reference code).
+        gqa_reduce: ``"mean"`` (kvpress) or ``"max"`` (Tangram code) over a KV head's query heads.
+    """
+
+    obs_window: int = 32
+    kernel_size: int = 5
+    pooling: str = "avg"
+    gqa_reduce: str = "mean"
+    name: str = "snapkv"
+
+    def __post_init__(self) -> None:
+        if self.obs_window < 1:
+            raise ConfigError(f"obs_window={self.obs_window} must be >= 1 (queries)")
+        if self.kernel_size < 1 or self.kernel_size % 2 == 0:
+            raise ConfigError(f"kernel_size={self.kernel_size} must be odd and >= 1")
+        if self.pooling not in POOLINGS:
+            raise ConfigError(f"pooling={self.pooling!r} is unknown; use one of {POOLINGS}")
+        if self.gqa_reduce not in GQA_REDUCTIONS:
+            raise ConfigError(
+                f"gqa_reduce={self.gqa_reduce!r} is unknown; use one of {GQA_REDUCTIONS}"
+            )
+
+    def score(
+        self,
+        q_obs: torch.Tensor,
+        k_seg: torch.Tensor,
+        sm_scale: float,
+        lse_obs: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """See :meth:`tangram_sglang.scoring.base.Scorer.score`; float32 ``[num_kv_heads, n]``."""
+        probs = window_attention(q_obs, k_seg, sm_scale, lse_obs)  # [..., Hq, w, n]
+        n, w = k_seg.shape[-2], probs.shape[-2]
+        ctx = n - w
+        if ctx <= 0:  # the whole segment is inside the window: every token ties (all kept first)
+            return torch.zeros(k_seg.shape[:-1], dtype=torch.float32, device=k_seg.device)
+        per_query_head = probs[..., :ctx].mean(dim=-2)  # [..., Hq, ctx]
+        pooled = self._pool(per_query_head)
+        scores = reduce_gqa(pooled, k_seg.shape[-3], self.gqa_reduce)  # [..., H_kv, ctx]
+        top = scores.amax(dim=(-2, -1), keepdim=True) + 1.0  # kvpress: window = max + 1
+        return torch.cat([scores, top.expand(*scores.shape[:-1], w)], dim=-1)
+
+    def _pool(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernel_size == 1:
+            return x
+        flat = x.reshape(-1, 1, x.shape[-1])
+        pad = self.kernel_size // 2
+        if self.pooling == "avg":  # zero padding counted in the mean, as F.avg_pool1d default
+            out = F.avg_pool1d(flat, self.kernel_size, stride=1, padding=pad)
+        else:
+            out = F.max_pool1d(flat, self.kernel_size, stride=1, padding=pad)
+        return out.reshape(x.shape)
+
+
+def window_attention(
+    q_obs: torch.Tensor, k_seg: torch.Tensor, sm_scale: float, lse_obs: torch.Tensor | None
+) -> torch.Tensor:
+    """Softmax attention of the window queries over the segment, causal inside the window.
+
+    Args:
+        q_obs: ``[..., num_qo_heads, w, D]`` post-RoPE queries of the segment's last w tokens.
+        k_seg: ``[..., num_kv_heads, n, D]`` post-RoPE keys; ``num_qo_heads`` must be a multiple.
+        sm_scale: softmax scale.
+        lse_obs: optional float32 ``[..., num_qo_heads, w]`` normaliser (natural log) over
+            history + segment; when given, probabilities are ``exp(logit - lse)``.
+
+    Returns:
+        float32 ``[..., num_qo_heads, w', n]`` with ``w' = min(w, n)`` (the last w' queries).
+
+    Raises:
+        ConfigError: head counts or head dims that do not fit together.
+    """
+    num_qo_heads, num_kv_heads = q_obs.shape[-3], k_seg.shape[-3]
+    if num_qo_heads % num_kv_heads or q_obs.shape[-1] != k_seg.shape[-1]:
+        raise ConfigError(
+            f"q_obs {list(q_obs.shape)} and k_seg {list(k_seg.shape)} do not fit: num_qo_heads "
+            "must be a multiple of num_kv_heads and head_dim must match"
+        )
+    n = k_seg.shape[-2]
+    w = min(q_obs.shape[-2], n)
+    q = q_obs[..., -w:, :].float()
+    k = k_seg.float().repeat_interleave(num_qo_heads // num_kv_heads, dim=-3)
+    logits = torch.matmul(q, k.transpose(-1, -2)) * sm_scale  # [..., Hq, w, n]
+    # Query i of the window sits at token n - w + i and sees tokens <= n - w + i.
+    future = torch.triu(torch.ones(w, n, dtype=torch.bool, device=q.device), diagonal=n - w + 1)
+    logits = logits.masked_fill(future, float("-inf"))
+    if lse_obs is None:
+        return torch.softmax(logits, dim=-1)
+    return torch.exp(logits - lse_obs[..., -w:].float().unsqueeze(-1))
+
+
+def reduce_gqa(x: torch.Tensor, num_kv_heads: int, how: str) -> torch.Tensor:
+    """Reduce ``[..., num_qo_heads, n]`` to ``[..., num_kv_heads, n]`` over each GQA group.
+
+    Query heads ``h * gqa_size ... (h + 1) * gqa_size - 1`` belong to KV head h (HF repeat_kv).
+    """
+    gqa_size = x.shape[-2] // num_kv_heads
+    grouped = x.reshape(*x.shape[:-2], num_kv_heads, gqa_size, x.shape[-1])
+    return grouped.mean(dim=-2) if how == "mean" else grouped.amax(dim=-2)
+
+
+register_scorer("snapkv", SnapKVScorer)
