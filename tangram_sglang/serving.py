@@ -43,6 +43,7 @@ def cpu_env(base: dict[str, str] | None = None) -> dict[str, str]:
     env = dict(os.environ if base is None else base)
     env["SGLANG_USE_CPU_ENGINE"] = "1"
     env["HF_HUB_OFFLINE"] = "1"
+    env.pop("TRITON_INTERPRET", None)  # a test-process setting; the server compiles nothing
     paths = [str(STANDIN_DIR)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
     env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
     return env

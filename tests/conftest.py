@@ -1,12 +1,19 @@
-"""Shared fixtures: the embedded model folder, fixed seeds."""
+"""Shared fixtures: the embedded model folder, fixed seeds; Triton's interpreter on CPU."""
 
 from __future__ import annotations
 
+import os
 import random
 
 import numpy as np
 import pytest
 import torch
+
+# Triton picks interpreted vs compiled when a @triton.jit function is defined, i.e. at the first
+# import of triton (sglang imports it too). Without CUDA, set the interpreter before any test
+# module imports either; SGLangServer drops it from the servers' environment.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(autouse=True)
