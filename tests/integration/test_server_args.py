@@ -13,6 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from tangram_sglang.config import DEFAULT_PAGE_SIZE
 from tangram_sglang.errors import ConfigError, ProfileError
 from tangram_sglang.integration import plugin
 from tangram_sglang.integration.hook_targets import HOOKS
@@ -88,6 +89,7 @@ def test_engine_kwargs_path_and_pickling(patched_sglang, smollm2_path, smollm2_p
 def test_stock_args_unchanged(patched_sglang, smollm2_path):
     args = patched_sglang(model_path=str(smollm2_path), device="cpu")
     assert args.tangram is False and args.tangram_profile is None
+    assert args.tangram_page_size == DEFAULT_PAGE_SIZE  # the patch's default = config's
     assert not hasattr(args, "_tangram_profile_json")
 
 
