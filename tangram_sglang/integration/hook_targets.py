@@ -75,7 +75,8 @@ HOOKS: tuple[HookTarget, ...] = (
 # Added by the pieces that own them, e.g.
 #   Registration("sglang.srt.layers.attention.attention_registry.ATTENTION_BACKENDS",
 #                "tangram", "tangram_sglang.backend.factory", "the tangram attention backend")
-#   Registration("sglang.srt.mem_cache.registry._RADIX_CACHE_BACKENDS", "tangram", ...)
+#   Registration("sglang.srt.mem_cache.registry._RADIX_CACHE_REGISTRY", "tangram",
+#                "tangram_sglang.radix.factory", "the tangram radix cache backend")
 REGISTRATIONS: tuple[Registration, ...] = ()
 
 # dotted path -> parameter names (in order; () for a non-callable: dict, list, module).
@@ -177,6 +178,8 @@ SEAMS: dict[str, tuple[str, ...]] = {
     "sglang.srt.managers.scheduler.Scheduler.get_init_info": ("self",),
     # prefix cache
     "sglang.srt.mem_cache.registry.register_radix_cache_backend": ("name", "factory"),
+    "sglang.srt.mem_cache.registry.registered_radix_cache_backends": (),
+    "sglang.srt.mem_cache.registry._RADIX_CACHE_REGISTRY": (),
     "sglang.srt.mem_cache.registry.create_tree_cache": ("ctx",),
     # forward batch
     "sglang.srt.model_executor.forward_batch_info.ForwardBatch.init_new": (

@@ -39,6 +39,7 @@ FIELD_MAP = {
     "tangram_target_ratio": "target_ratio",
     "tangram_scope": "scope",
 }
+TANGRAM_BACKEND = "tangram"  # name of Tangram's attention backend and radix cache backend
 PROFILE_STASH = "_tangram_profile_json"  # underscore: allowed after ServerArgs is sealed
 SUMMARY_STASH = "_tangram_summary"
 SINGLE_RANK = "the Tangram pool, page tables and kernels are single-rank in this version"
@@ -133,6 +134,50 @@ def check_flags(server_args: Any) -> None:
                 f"Drop {rule.flag} or drop --tangram."
             )
     config_from_server_args(server_args)
+    select_tangram_backends(server_args)
+
+
+def registered_backends() -> tuple[bool, bool]:
+    """Whether the ``tangram`` attention backend and radix cache backend are registered."""
+    from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS
+    from sglang.srt.mem_cache.registry import registered_radix_cache_backends
+
+    return TANGRAM_BACKEND in ATTENTION_BACKENDS, TANGRAM_BACKEND in (
+        registered_radix_cache_backends()
+    )
+
+
+def select_tangram_backends(server_args: Any) -> None:
+    """Point SGLang at the ``tangram`` attention and radix backends once they are registered.
+
+    Runs inside ``check_flags`` (before SGLang fills in its default backends). A backend that is
+    not registered yet (its piece not installed) is left alone; ``check_model`` then warns that
+    the server does not compress. An explicit other choice is rejected: Tangram's KV lives in its
+    own pool that only its own backends read.
+
+    Raises:
+        ConfigError: ``--attention-backend``/``--prefill-attention-backend``/
+            ``--decode-attention-backend``/``--radix-cache-backend`` set to another backend.
+    """
+    has_attention, has_radix = registered_backends()
+    fields = []
+    if has_attention:
+        fields += ["attention_backend", "prefill_attention_backend", "decode_attention_backend"]
+    if has_radix and not server_args.disable_radix_cache:
+        fields.append("radix_cache_backend")
+    for name in fields:
+        value = getattr(server_args, name)
+        if value not in (None, TANGRAM_BACKEND):
+            flag = "--" + name.replace("_", "-")
+            raise ConfigError(
+                f"{flag} {value!r} cannot be combined with --tangram: Tangram's KV cache is read "
+                f"only by the {TANGRAM_BACKEND!r} backends. Drop {flag} (--tangram selects "
+                f"{TANGRAM_BACKEND!r}) or drop --tangram."
+            )
+    if has_attention:
+        server_args.attention_backend = TANGRAM_BACKEND
+    if "radix_cache_backend" in fields:
+        server_args.radix_cache_backend = TANGRAM_BACKEND
 
 
 def check_model(server_args: Any) -> None:
@@ -156,6 +201,13 @@ def check_model(server_args: Any) -> None:
     object.__setattr__(server_args, PROFILE_STASH, profile_loader.profile_to_json(profile))
     object.__setattr__(server_args, SUMMARY_STASH, summary)
     hooks = plugin_state().verified
+    has_attention, _ = registered_backends()
+    if not has_attention:
+        logger.warning(
+            "Tangram: no %r attention backend is registered in this build, so the KV cache is "
+            "NOT compressed yet (settings and profile are checked and reported only)",
+            TANGRAM_BACKEND,
+        )
     logger.info("%s; plugin verified %d hooks/registrations", profile_loader.summary_line(summary),
                 len(hooks))  # fmt: skip
 

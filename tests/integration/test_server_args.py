@@ -184,3 +184,48 @@ def test_plugin_left_out_by_sglang_plugins_stops_startup(patched_sglang, smollm2
     assert result.returncode != 0
     assert "--tangram needs the Tangram SGLang plugin" in result.stderr
     assert "SGLANG_PLUGINS" in result.stderr
+
+
+@pytest.fixture
+def tangram_backends_registered(patched_sglang):
+    """Register stand-in ``tangram`` entries (torch_native's factory, the default radix
+    factory) unless the real ones exist; removes only what it added."""
+    from sglang.srt.layers.attention import attention_registry
+    from sglang.srt.mem_cache import registry
+
+    added = []
+    if "tangram" not in attention_registry.ATTENTION_BACKENDS:
+        attention_registry.ATTENTION_BACKENDS["tangram"] = attention_registry.ATTENTION_BACKENDS[
+            "torch_native"
+        ]
+        added.append(attention_registry.ATTENTION_BACKENDS)
+    if "tangram" not in registry.registered_radix_cache_backends():
+        registry.register_radix_cache_backend("tangram", registry.default_radix_cache_factory)
+        added.append(registry._RADIX_CACHE_REGISTRY)
+    yield
+    for table in added:
+        del table["tangram"]
+
+
+def test_backends_left_alone_until_registered(patched_sglang, smollm2_path, smollm2_profile,
+                                              caplog):  # fmt: skip
+    from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS
+
+    if "tangram" in ATTENTION_BACKENDS:
+        pytest.skip("the tangram attention backend is registered in this build")
+    args = make_args(patched_sglang, smollm2_path, smollm2_profile)
+    assert args.attention_backend != "tangram" and args.radix_cache_backend is None
+    assert "NOT compressed yet" in caplog.text
+
+
+def test_registered_backends_are_selected(patched_sglang, smollm2_path, smollm2_profile,
+                                          tangram_backends_registered):  # fmt: skip
+    args = make_args(patched_sglang, smollm2_path, smollm2_profile)
+    assert args.attention_backend == "tangram" and args.radix_cache_backend == "tangram"
+    no_radix = make_args(patched_sglang, smollm2_path, smollm2_profile, disable_radix_cache=True)
+    assert no_radix.attention_backend == "tangram" and no_radix.radix_cache_backend is None
+    for field, value in (("attention_backend", "triton"), ("decode_attention_backend", "triton"),
+                         ("radix_cache_backend", "lmcache")):  # fmt: skip
+        flag = "--" + field.replace("_", "-")
+        with pytest.raises(ConfigError, match=f"{flag} '{value}' cannot be combined"):
+            make_args(patched_sglang, smollm2_path, smollm2_profile, **{field: value})
