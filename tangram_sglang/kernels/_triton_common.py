@@ -13,7 +13,8 @@ import triton
 import triton.language as tl
 
 LOG2E = 1.4426950408889634  # log2(e): scores * sm_scale * LOG2E live in the exp2 domain
-LN2 = 0.6931471805599453  # ln(2): converts a log2-domain LSE back to natural log
+# ln(2): converts a log2-domain LSE back to natural log (a constexpr: read inside kernels)
+LN2 = tl.constexpr(0.6931471805599453)
 
 
 def dot_precision(dtype: torch.dtype) -> str:

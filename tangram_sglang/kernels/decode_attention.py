@@ -40,9 +40,11 @@ from tangram_sglang.kernels._triton_common import (
 )
 from tangram_sglang.kernels.split_table import LayerSplits
 
-# Tokens per inner-loop block: 64 x 128 bf16 = 16 KB per K (and V) tile keeps two pipeline
-# stages within shared memory with room for several CTAs per SM; 32 at head_dim 256.
-BLOCK_N_BY_HEAD_DIM = {16: 64, 32: 64, 64: 64, 128: 64, 256: 32}
+# Tokens per inner-loop block. 32 (as SGLang's grouped decode kernel) keeps the K and V tiles,
+# the gathered page offsets and the fp32 accumulator in registers without spills: ptxas for
+# sm_90a reports 122 registers at head_dim 64 and 166 at 128 (BLOCK_N = 64: 226 and 255 with
+# spills), i.e. 3-4 CTAs of 4 warps per SM.
+BLOCK_N = 32
 # tl.dot needs M >= 16: the GQA query heads of a KV head are padded to at least 16 rows.
 MIN_GQA_PAD = 16
 NUM_WARPS = 4
@@ -335,7 +337,7 @@ def ragged_decode_attention(
         GQA_PAD=max(MIN_GQA_PAD, triton.next_power_of_2(gqa)),
         HEAD_DIM=head_dim,
         PAGE_SIZE=page_size,
-        BLOCK_N=BLOCK_N_BY_HEAD_DIM[head_dim],
+        BLOCK_N=BLOCK_N,
         DOT_PRECISION=dot_precision(q.dtype),
         UPCAST_DOT=interpreted(),
         num_warps=NUM_WARPS,

@@ -36,10 +36,16 @@ from tangram_sglang.kernels._triton_common import (
 )
 from tangram_sglang.kernels.reference import _check_extend_args
 
-# Query and key tile sizes: 64 x 64 tiles with head_dim <= 128 fit two pipeline stages of K and V
-# (32 KB in bf16) in shared memory; head_dim 256 halves both.
-BLOCK_BY_HEAD_DIM = {16: 64, 32: 64, 64: 64, 128: 64, 256: 32}
-NUM_WARPS = 4
+# (BLOCK_M queries, BLOCK_N keys, warps) per head_dim, chosen from ptxas -v for sm_90a in bf16:
+# no register spills (a flash-attention loop sits at the 255-register cap at these tiles; the
+# Triton fused-attention tutorial uses the same shapes on Hopper).
+TILES_BY_HEAD_DIM = {
+    16: (64, 64, 4),
+    32: (64, 64, 4),
+    64: (64, 64, 4),
+    128: (128, 64, 8),
+    256: (64, 32, 8),
+}
 NUM_STAGES = 2
 
 
@@ -219,8 +225,8 @@ def ragged_extend_attention(
     if bs == 0 or max_extend_len <= 0:
         return out, lse
     head_dim, page_size = k_pool.shape[3], k_pool.shape[2]
-    block = BLOCK_BY_HEAD_DIM[head_dim]
-    grid = (bs, num_qo_heads, triton.cdiv(max_extend_len, block))
+    block_m, block_n, num_warps = TILES_BY_HEAD_DIM[head_dim]
+    grid = (bs, num_qo_heads, triton.cdiv(max_extend_len, block_m))
     _extend_kernel[grid](
         q,
         k_new,
@@ -252,11 +258,11 @@ def ragged_extend_attention(
         GQA_SIZE=num_qo_heads // num_kv_heads,
         HEAD_DIM=head_dim,
         PAGE_SIZE=page_size,
-        BLOCK_M=block,
-        BLOCK_N=block,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
         DOT_PRECISION=dot_precision(q.dtype),
         UPCAST_DOT=interpreted(),
-        num_warps=NUM_WARPS,
+        num_warps=num_warps,
         num_stages=NUM_STAGES,
     )
     return out, lse
