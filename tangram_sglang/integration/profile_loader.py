@@ -29,8 +29,9 @@ DEFAULT_PROFILE_NAME = "default.json"  # a shipped profile of this name wins
 DEFAULT_SCORER = "ada-snapkv"
 DEFAULT_TARGET_RATIO = 0.25  # among several matches, prefer the one calibrated closest to this
 CALIBRATE_HINT = (
-    "calibrate one with `python -m tangram_sglang.calibrate --model-path <model> --out "
-    "calibration/<model>/ada-snapkv-r0.25.json` and pass it with --tangram-profile"
+    "calibrate one with `python -m tangram_sglang.calibrate --model-path <model> --scorer "
+    "ada-snapkv --target-ratio 0.25 --output calibration/<model>/ada-snapkv-r0.25.json` (see "
+    "calibration/README.md) and pass it with --tangram-profile"
 )
 
 
@@ -43,12 +44,13 @@ def find_shipped_profile(model: ModelIdentity, calibration_dir: Path = CALIBRATI
     Raises:
         ConfigError: no shipped profile matches; says where it looked and how to calibrate.
     """
-    matches = []
+    matches, others = [], []
     for path in sorted(calibration_dir.glob("*/*.json")):
         try:
             profile = BudgetProfile.load(path)
             profile.check_model(model)
         except ProfileError:
+            others.append(path.relative_to(calibration_dir).as_posix())
             continue
         rank = (
             path.name != DEFAULT_PROFILE_NAME,
@@ -61,7 +63,8 @@ def find_shipped_profile(model: ModelIdentity, calibration_dir: Path = CALIBRATI
         raise ConfigError(
             f"--tangram-profile was not given and no shipped profile under {calibration_dir}/"
             f"<model>/ matches the served model ({model.architecture}, {model.num_layers} "
-            f"layers x {model.num_kv_heads} KV heads, head_dim {model.head_dim}); " + CALIBRATE_HINT
+            f"layers x {model.num_kv_heads} KV heads, head_dim {model.head_dim}; shipped "
+            f"profiles for other models: {others or 'none'}); " + CALIBRATE_HINT
         )
     return min(matches)[1]
 

@@ -128,8 +128,11 @@ def test_shipped_default_prefers_ada_snapkv_closest_to_quarter(tmp_path):
 
 
 def test_no_shipped_default_says_how_to_calibrate(tmp_path):
-    with pytest.raises(ConfigError, match="python -m tangram_sglang.calibrate"):
+    (tmp_path / "other").mkdir()
+    make_profile(model=OTHER).save(tmp_path / "other" / "r.json")
+    with pytest.raises(ConfigError, match="python -m tangram_sglang.calibrate") as info:
         profile_loader.resolve_profile(TangramConfig(enabled=True), MODEL, tmp_path)
+    assert "other models: ['other/r.json']" in str(info.value)
 
 
 def test_summary_numbers(profile_file):
