@@ -322,7 +322,7 @@ class TangramMemory:
             if not segs or segs[-1].kind != DECODE:
                 self.table.open_segment(r, DECODE, self.table.num_pages[r] - cow[b])
             n = int(need[b].sum())
-            _, _, changed = self._place(r, need[b], cow[b], pages[offset : offset + n])
+            _, _, changed = self._place(r, need[b], cow[b], pages[offset : offset + n], True)
             offset += n
             for lst, vals in zip(entries, changed, strict=True):
                 lst.extend(vals)
@@ -533,7 +533,7 @@ class TangramMemory:
         self.peak_used_pages = max(self.peak_used_pages, self.allocator.num_used())
         return pages.numpy().copy()
 
-    def _place(self, row, need, cow, pages) -> tuple[np.ndarray, np.ndarray, tuple]:
+    def _place(self, row, need, cow, pages, track=False) -> tuple[np.ndarray, np.ndarray, tuple]:
         """Put fresh pages into (row, g) tables: COW copy first where needed, then append."""
         src, dst, changed = [], [], ([], [], [])
         offset = 0
@@ -550,8 +550,9 @@ class TangramMemory:
                 dst.append(int(ids[0]))
                 self.page_fill[ids[0]] = self.table.lens[row, g] % self.page_size
             self.table.append(row, g, ids[cow[g] :])
-            for i in range(first_idx, self.table.num_pages[row, g]):
-                changed[0].append(row), changed[1].append(int(g)), changed[2].append(int(i))
+            if track:
+                for i in range(first_idx, self.table.num_pages[row, g]):
+                    changed[0].append(row), changed[1].append(int(g)), changed[2].append(int(i))
         src_a, dst_a = np.asarray(src, np.int64), np.asarray(dst, np.int64)
         if src_a.size:
             if self.kv_pool is not None:

@@ -89,6 +89,7 @@ def test_shared_partial_tail_is_copied_before_append():
     seg_b = mem.finish(1)[0]
     assert seg_b.first_page_index.tolist() == [1, 0] and seg_b.start_len.tolist() == [6, 3]
     assert [p.tolist() for p in seg_b.pages] == [[4], [5]]
+    assert mem.allocator.ref_count[[1, 2, 3, 4, 5]].tolist() == [1, 1, 1, 1, 1]  # prefix unlocked
 
 
 def test_decode_on_shared_tail_copies_once_then_appends_in_place():
