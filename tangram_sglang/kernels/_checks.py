@@ -103,3 +103,69 @@ def gqa_size_of(num_qo_heads: int, num_kv_heads: int) -> int:
             "(group_of_head length)"
         )
     return num_qo_heads // num_kv_heads
+
+
+def check_extend_args(
+    q,
+    k_new,
+    v_new,
+    qo_indptr,
+    k_pool,
+    v_pool,
+    page_table,
+    group_len,
+    req_rows,
+    group_of_head,
+    column_of_head,
+) -> tuple[int, int, int, int]:
+    """Checks shared by the extend reference and launcher; returns (N, Hq, H_kv, bs)."""
+    num_tokens, num_qo_heads = check_query(q, k_pool)
+    check_pools(k_pool, v_pool, q.device)
+    num_kv_heads = group_of_head.shape[0] if group_of_head.dim() == 1 else -1
+    gqa_size_of(num_qo_heads, num_kv_heads)
+    shape = (num_tokens, num_kv_heads, k_pool.shape[3])
+    check_tensor("k_new", k_new, shape, (q.dtype,), q.device)
+    check_tensor("v_new", v_new, shape, (q.dtype,), q.device)
+    check_tensor("qo_indptr", qo_indptr, (None,), INDEX_DTYPES, q.device)
+    bs = qo_indptr.shape[0] - 1
+    if bs < 0:
+        raise KernelError("qo_indptr must have bs + 1 >= 1 entries")
+    check_paging(
+        page_table, group_len, req_rows, group_of_head, column_of_head, bs, num_kv_heads, q.device
+    )
+    return num_tokens, num_qo_heads, num_kv_heads, bs
+
+
+def check_kv_write_args(
+    k_new,
+    v_new,
+    qo_indptr,
+    kept_idx,
+    kept_count,
+    k_pool,
+    v_pool,
+    page_table,
+    group_len,
+    req_rows,
+    group_of_head,
+    column_of_head,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """Checks shared by the kv-write reference and launcher.
+
+    Returns (rows, groups, columns as int64, per-head counts int64 [bs, H_kv], max_k).
+    """
+    device = k_new.device
+    check_pools(k_pool, v_pool, device)
+    check_tensor("k_new", k_new, (None, None, k_pool.shape[3]), (k_pool.dtype,), device)
+    check_tensor("v_new", v_new, tuple(k_new.shape), (k_pool.dtype,), device)
+    num_kv_heads = k_new.shape[1]
+    check_tensor("qo_indptr", qo_indptr, (None,), INDEX_DTYPES, device)
+    bs = qo_indptr.shape[0] - 1
+    check_tensor("kept_idx", kept_idx, (bs, num_kv_heads, None), (torch.int32, torch.int64), device)
+    check_paging(
+        page_table, group_len, req_rows, group_of_head, column_of_head, bs, num_kv_heads, device
+    )
+    check_tensor("kept_count", kept_count, (bs, page_table.shape[1]), INDEX_DTYPES, device)
+    groups = group_of_head.long()
+    counts = kept_count[:, groups].long()  # [bs, H_kv]
+    return req_rows.long(), groups, column_of_head.long(), counts, kept_idx.shape[2]

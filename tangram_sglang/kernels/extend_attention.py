@@ -34,7 +34,6 @@ from tangram_sglang.kernels._triton_common import (
     online_softmax_step,
     paged_offsets,
 )
-from tangram_sglang.kernels.reference import _check_extend_args
 
 # (BLOCK_M queries, BLOCK_N keys, warps) per head_dim, chosen from ptxas -v for sm_90a in bf16:
 # no register spills (a flash-attention loop sits at the 255-register cap at these tiles; the
@@ -200,7 +199,7 @@ def ragged_extend_attention(
 
     Source: this module's docstring; notes/INTERFACES.md (extend).
     """
-    num_tokens, num_qo_heads, num_kv_heads, bs = _check_extend_args(
+    num_tokens, num_qo_heads, num_kv_heads, bs = _checks.check_extend_args(
         q,
         k_new,
         v_new,

@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from tangram_sglang.errors import KernelError
-from tangram_sglang.kernels.reference import _check_kv_write_args
+from tangram_sglang.kernels import _checks
 
 # Tokens per program: 16 tokens x 128 dims x 2 bytes = 4 KB of K plus 4 KB of V in flight;
 # ptxas (sm_90a, bf16) reports 114 registers at head_dim 128 (206 with 32 tokens).
@@ -129,7 +129,7 @@ def write_kept_kv(
 
     Source: this module's docstring.
     """
-    _, _, _, _, max_k = _check_kv_write_args(
+    _, _, _, _, max_k = _checks.check_kv_write_args(
         k_new,
         v_new,
         qo_indptr,

@@ -189,7 +189,7 @@ def extend_reference(
 
     Source: notes/INTERFACES.md (extend); DESIGN.md §3.1 (attention over [history + transient]).
     """
-    num_tokens, num_qo_heads, num_kv_heads, bs = _check_extend_args(
+    num_tokens, num_qo_heads, num_kv_heads, bs = _checks.check_extend_args(
         q,
         k_new,
         v_new,
@@ -258,37 +258,6 @@ def _extend_one(q, keys, values, hist_lens, max_hist, gqa, sm_scale, out, lse) -
         lse[q0:q1].copy_(row_lse.permute(2, 0, 1).reshape(q1 - q0, num_qo_heads))
 
 
-def _check_extend_args(
-    q,
-    k_new,
-    v_new,
-    qo_indptr,
-    k_pool,
-    v_pool,
-    page_table,
-    group_len,
-    req_rows,
-    group_of_head,
-    column_of_head,
-) -> tuple[int, int, int, int]:
-    """Checks shared by the extend reference and launcher; returns (N, Hq, H_kv, bs)."""
-    num_tokens, num_qo_heads = _checks.check_query(q, k_pool)
-    _checks.check_pools(k_pool, v_pool, q.device)
-    num_kv_heads = group_of_head.shape[0] if group_of_head.dim() == 1 else -1
-    _checks.gqa_size_of(num_qo_heads, num_kv_heads)
-    shape = (num_tokens, num_kv_heads, k_pool.shape[3])
-    _checks.check_tensor("k_new", k_new, shape, (q.dtype,), q.device)
-    _checks.check_tensor("v_new", v_new, shape, (q.dtype,), q.device)
-    _checks.check_tensor("qo_indptr", qo_indptr, (None,), _checks.INDEX_DTYPES, q.device)
-    bs = qo_indptr.shape[0] - 1
-    if bs < 0:
-        raise _checks.KernelError("qo_indptr must have bs + 1 >= 1 entries")
-    _checks.check_paging(
-        page_table, group_len, req_rows, group_of_head, column_of_head, bs, num_kv_heads, q.device
-    )
-    return num_tokens, num_qo_heads, num_kv_heads, bs
-
-
 def kv_write_reference(
     k_new: torch.Tensor,
     v_new: torch.Tensor,
@@ -324,7 +293,7 @@ def kv_write_reference(
 
     Ownership: writes only pages of ``page_table[req_rows]`` reserved for this segment.
     """
-    rows, groups, cols, counts, max_k = _check_kv_write_args(
+    rows, groups, cols, counts, max_k = _checks.check_kv_write_args(
         k_new,
         v_new,
         qo_indptr,
@@ -354,42 +323,3 @@ def kv_write_reference(
     sel_page, sel_col, sel_slot = page[valid], col[valid], (dst % page_size)[valid]
     k_pool[sel_page, sel_col, sel_slot] = k_new[src[valid], heads[valid]]
     v_pool[sel_page, sel_col, sel_slot] = v_new[src[valid], heads[valid]]
-
-
-def _check_kv_write_args(
-    k_new,
-    v_new,
-    qo_indptr,
-    kept_idx,
-    kept_count,
-    k_pool,
-    v_pool,
-    page_table,
-    group_len,
-    req_rows,
-    group_of_head,
-    column_of_head,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int]:
-    """Checks shared by the kv-write reference and launcher.
-
-    Returns (rows, groups, columns as int64, per-head counts int64 [bs, H_kv], max_k).
-    """
-    device = k_new.device
-    _checks.check_pools(k_pool, v_pool, device)
-    _checks.check_tensor("k_new", k_new, (None, None, k_pool.shape[3]), (k_pool.dtype,), device)
-    _checks.check_tensor("v_new", v_new, tuple(k_new.shape), (k_pool.dtype,), device)
-    num_kv_heads = k_new.shape[1]
-    _checks.check_tensor("qo_indptr", qo_indptr, (None,), _checks.INDEX_DTYPES, device)
-    bs = qo_indptr.shape[0] - 1
-    _checks.check_tensor(
-        "kept_idx", kept_idx, (bs, num_kv_heads, None), (torch.int32, torch.int64), device
-    )
-    _checks.check_paging(
-        page_table, group_len, req_rows, group_of_head, column_of_head, bs, num_kv_heads, device
-    )
-    _checks.check_tensor(
-        "kept_count", kept_count, (bs, page_table.shape[1]), _checks.INDEX_DTYPES, device
-    )
-    groups = group_of_head.long()
-    counts = kept_count[:, groups].long()  # [bs, H_kv]
-    return req_rows.long(), groups, column_of_head.long(), counts, kept_idx.shape[2]
