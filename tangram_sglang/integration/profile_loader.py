@@ -35,7 +35,7 @@ CALIBRATE_HINT = (
 )
 
 
-def find_shipped_profile(model: ModelIdentity, calibration_dir: Path = CALIBRATION_DIR) -> Path:
+def find_shipped_profile(model: ModelIdentity, calibration_dir: Path | None = None) -> Path:
     """The shipped profile for ``model``: ``calibration/*/*.json`` whose model matches.
 
     Among several matches: ``default.json`` first, then scorer ``ada-snapkv``, then the
@@ -44,6 +44,7 @@ def find_shipped_profile(model: ModelIdentity, calibration_dir: Path = CALIBRATI
     Raises:
         ConfigError: no shipped profile matches; says where it looked and how to calibrate.
     """
+    calibration_dir = CALIBRATION_DIR if calibration_dir is None else calibration_dir
     matches, others = [], []
     for path in sorted(calibration_dir.glob("*/*.json")):
         try:
@@ -70,14 +71,15 @@ def find_shipped_profile(model: ModelIdentity, calibration_dir: Path = CALIBRATI
 
 
 def resolve_profile(
-    config: TangramConfig, model: ModelIdentity, calibration_dir: Path = CALIBRATION_DIR
+    config: TangramConfig, model: ModelIdentity, calibration_dir: Path | None = None
 ) -> tuple[BudgetProfile, TangramConfig]:
     """Load the profile ``config`` names (or the shipped default) and adapt it to ``config``.
 
     Args:
         config: options; ``profile_path`` may be None (then the shipped default is used).
         model: identity of the served model (``ModelIdentity.from_hf_config``).
-        calibration_dir: where shipped profiles live (``calibration/<model>/*.json``).
+        calibration_dir: where shipped profiles live (``calibration/<model>/*.json``; default
+            the repository's ``calibration/``).
 
     Returns:
         ``(profile, config)``: the validated, rescaled and regrouped profile, and the config

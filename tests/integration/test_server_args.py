@@ -229,3 +229,19 @@ def test_registered_backends_are_selected(patched_sglang, smollm2_path, smollm2_
         flag = "--" + field.replace("_", "-")
         with pytest.raises(ConfigError, match=f"{flag} '{value}' cannot be combined"):
             make_args(patched_sglang, smollm2_path, smollm2_profile, **{field: value})
+
+
+def test_default_profile_is_the_shipped_one(patched_sglang, smollm2_path, smollm2_identity,
+                                            make_profile, tmp_path, monkeypatch):  # fmt: skip
+    from tangram_sglang.integration import profile_loader
+
+    monkeypatch.setattr(profile_loader, "CALIBRATION_DIR", tmp_path)
+    with pytest.raises(ConfigError, match="no shipped profile .*python -m tangram_sglang"):
+        make_args(patched_sglang, smollm2_path, None)
+    (tmp_path / "smollm2").mkdir()
+    make_profile(smollm2_identity).save(tmp_path / "smollm2" / "ada-snapkv-r0.25.json")
+    args = make_args(patched_sglang, smollm2_path, None)
+    assert args.tangram_profile is None  # the flag as given; the resolved path is reported
+    assert summary_from_server_args(args)["profile_path"] == str(
+        tmp_path / "smollm2" / "ada-snapkv-r0.25.json"
+    )
