@@ -198,6 +198,7 @@ def check_model(server_args: Any) -> None:
     from tangram_sglang.integration.plugin import state as plugin_state
 
     ensure_active()
+    server_args.tangram_profile = config.profile_path  # the shipped default, when it was None
     object.__setattr__(server_args, PROFILE_STASH, profile_loader.profile_to_json(profile))
     object.__setattr__(server_args, SUMMARY_STASH, summary)
     hooks = plugin_state().verified
