@@ -12,6 +12,9 @@ when ``tangram`` is set:
   process, logs the start-up summary and stashes the resolved profile on ``server_args`` (it
   travels to the scheduler process with the pickled ``ServerArgs``).
 
+:func:`check_flags` also points SGLang at the ``tangram`` attention / radix cache backends once
+they are registered (:func:`select_tangram_backends`).
+
 Every rejection raises :class:`~tangram_sglang.errors.ConfigError` (or ``ProfileError`` for the
 profile file) naming the flag and the fix; nothing is silently ignored.
 """
@@ -183,34 +186,41 @@ def select_tangram_backends(server_args: Any) -> None:
 def check_model(server_args: Any) -> None:
     """Check the served model and the profile; stash the resolved profile (end of post-init).
 
+    Fills ``server_args.tangram_profile`` with the shipped default when it was None (so
+    ``/server_info`` names the file used), stashes the resolved profile and its summary on
+    ``server_args`` (:data:`PROFILE_STASH`, :data:`SUMMARY_STASH`) and logs the summary.
+
     Raises:
         ConfigError: unsupported model kind, no profile, a flag the profile cannot honour, or
             the Tangram plugin not active in this process.
         ProfileError: profile file missing, corrupt or made for another model.
     """
+    from tangram_sglang.integration.plugin import ensure_active
+
     model_config = server_args.get_model_config()
     _check_model_kind(model_config)
     model = ModelIdentity.from_hf_config(model_config.hf_text_config)
-    config = config_from_server_args(server_args)
-    profile, config = profile_loader.resolve_profile(config, model)
-    summary = profile_loader.profile_summary(profile, config)
-    from tangram_sglang.integration.plugin import ensure_active
-    from tangram_sglang.integration.plugin import state as plugin_state
-
+    profile, config = profile_loader.resolve_profile(config_from_server_args(server_args), model)
     ensure_active()
-    server_args.tangram_profile = config.profile_path  # the shipped default, when it was None
+    summary = profile_loader.profile_summary(profile, config)
+    server_args.tangram_profile = config.profile_path
     object.__setattr__(server_args, PROFILE_STASH, profile_loader.profile_to_json(profile))
     object.__setattr__(server_args, SUMMARY_STASH, summary)
-    hooks = plugin_state().verified
-    has_attention, _ = registered_backends()
-    if not has_attention:
+    _log_startup(summary)
+
+
+def _log_startup(summary: dict[str, object]) -> None:
+    """The start-up log: the profile summary, and a warning while nothing compresses the KV."""
+    from tangram_sglang.integration.plugin import state
+
+    if not registered_backends()[0]:
         logger.warning(
             "Tangram: no %r attention backend is registered in this build, so the KV cache is "
             "NOT compressed yet (settings and profile are checked and reported only)",
             TANGRAM_BACKEND,
         )
     logger.info("%s; plugin verified %d hooks/registrations", profile_loader.summary_line(summary),
-                len(hooks))  # fmt: skip
+                len(state().verified))  # fmt: skip
 
 
 def _check_model_kind(model_config: Any) -> None:
