@@ -1,0 +1,162 @@
+"""BudgetProfile: file round-trip, kept_len, and every ProfileError the format promises."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+
+from tangram_sglang.errors import ProfileError
+from tangram_sglang.grouping import HeadGrouping
+from tangram_sglang.profile import BudgetProfile, CalibrationStats, ModelIdentity, kept_len
+
+L, H = 4, 3  # layers x KV heads of the synthetic model
+MODEL = ModelIdentity("LlamaForCausalLM", L, H, 9, 64, "abcd1234abcd1234")
+
+
+def make_profile(ratio=None, heads_per_group=2, scope="global", **kw) -> BudgetProfile:
+    ratio = np.linspace(0.1, 1.0, L * H).reshape(L, H) if ratio is None else np.asarray(ratio)
+    stats = CalibrationStats(ratio * 0.8, np.full((L, H), 0.05), 2.0, 50)
+    fields = dict(
+        model=MODEL,
+        scorer="ada-snapkv",
+        target_ratio=0.25,
+        ratio=ratio,
+        sink_tokens=4,
+        recent_window=32,
+        grouping=HeadGrouping.build(ratio, heads_per_group, scope),
+        stats=stats,
+        provenance={"command": "test", "num_samples": 50},
+    )
+    fields.update(kw)
+    return BudgetProfile(**fields)
+
+
+def as_dict(**changes) -> dict:
+    data = make_profile().to_dict()
+    data.update(changes)
+    return data
+
+
+def test_round_trip(tmp_path):
+    profile = make_profile()
+    path = tmp_path / "p.json"
+    profile.save(path)
+    loaded = BudgetProfile.load(path)
+    assert loaded.to_dict() == profile.to_dict()
+    np.testing.assert_array_equal(loaded.grouping.cluster_of, profile.grouping.cluster_of)
+    assert not (tmp_path / "p.json.tmp").exists()
+
+
+def test_all_ones_profile_is_valid_and_keeps_everything():
+    profile = make_profile(ratio=np.ones((L, H)))
+    assert profile.group_kept_lens(1000) == [1000] * profile.grouping.num_head_groups
+
+
+@pytest.mark.parametrize(
+    ("n", "ratio", "expected"),
+    [(0, 0.5, 0), (1, 0.01, 1), (10, 0.3, 10), (136, 0.25, 4 + 32 + 25), (1000, 1.0, 1000)],
+    ids=["empty", "one-token", "short", "typical", "ratio-1"],
+)
+def test_kept_len(n, ratio, expected):
+    assert kept_len(n, ratio, 4, 32) == expected
+
+
+def test_shape_mismatch_with_the_model():
+    profile = make_profile()
+    other = ModelIdentity("Qwen2ForCausalLM", 24, 2, 14, 64)
+    with pytest.raises(ProfileError, match="num_layers=4 but the served model has 24"):
+        profile.check_model(other)
+    fingerprint = ModelIdentity("LlamaForCausalLM", L, H, 9, 64, "ffff0000ffff0000")
+    with pytest.raises(ProfileError, match="config_fingerprint"):
+        profile.check_model(fingerprint)
+    with pytest.raises(ProfileError, match=r"ratio has shape \[4, 2\]"):
+        BudgetProfile.from_dict(as_dict(ratio=[[0.5, 0.5]] * L))
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf], ids=["nan", "inf", "-inf"])
+def test_nan_and_inf(bad):
+    data = as_dict()
+    data["ratio"][1][2] = bad
+    with pytest.raises(ProfileError, match=r"ratio\[1\]\[2\].*NaN/inf"):
+        BudgetProfile.from_dict(data)
+    data = as_dict()
+    data["stats"]["std"][0][0] = bad
+    with pytest.raises(ProfileError, match="stats.std"):
+        BudgetProfile.from_dict(data)
+
+
+@pytest.mark.parametrize("bad", [0.0, -0.1, 1.0001, 2.0], ids=["zero", "neg", "above1", "two"])
+def test_ratio_outside_unit_interval(bad):
+    data = as_dict()
+    data["ratio"][3][0] = bad
+    with pytest.raises(ProfileError, match=r"ratio\[3\]\[0\].*outside \(0, 1\]"):
+        BudgetProfile.from_dict(data)
+    with pytest.raises(ProfileError, match="target_ratio"):
+        BudgetProfile.from_dict(as_dict(target_ratio=bad if bad != 1.0001 else 1.5))
+
+
+def test_unknown_scorer():
+    with pytest.raises(ProfileError, match="scorer='h2o' is unknown.*snapkv"):
+        BudgetProfile.from_dict(as_dict(scorer="h2o"))
+
+
+def test_group_size_must_divide_heads_for_per_layer():
+    data = as_dict()
+    data["grouping"]["scope"] = "per_layer"
+    with pytest.raises(ProfileError, match="page_group_size=2 does not divide num_kv_heads=3"):
+        BudgetProfile.from_dict(data)
+    with pytest.raises(ProfileError, match="does not divide"):
+        make_profile(heads_per_group=2, scope="per_layer")
+    assert make_profile(heads_per_group=2, scope="global").grouping.num_head_groups == 6
+    assert make_profile(heads_per_group=3, scope="per_layer").grouping.num_head_groups == L
+
+
+@pytest.mark.parametrize("version", [0, 2, None, "1"], ids=["v0", "v2", "missing", "string"])
+def test_wrong_schema_version(version):
+    data = as_dict(schema_version=version)
+    if version is None:
+        del data["schema_version"]
+    with pytest.raises(ProfileError, match="schema_version"):
+        BudgetProfile.from_dict(data)
+
+
+def test_file_errors_name_the_path(tmp_path):
+    with pytest.raises(ProfileError, match="not found"):
+        BudgetProfile.load(tmp_path / "missing.json")
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    with pytest.raises(ProfileError, match="bad.json: not a JSON profile"):
+        BudgetProfile.load(bad)
+    data = as_dict(scorer="nope")
+    bad.write_text(json.dumps(data))
+    with pytest.raises(ProfileError, match="bad.json: scorer="):
+        BudgetProfile.load(bad)
+
+
+def test_missing_and_mistyped_fields():
+    data = as_dict()
+    del data["model"]
+    with pytest.raises(ProfileError, match="missing field 'model'"):
+        BudgetProfile.from_dict(data)
+    data = as_dict()
+    data["grouping"]["cluster_of"] = [[0.5] * H] * L
+    with pytest.raises(ProfileError, match="cluster_of must be a 2-D list of integers"):
+        BudgetProfile.from_dict(data)
+
+
+def test_broken_grouping_map():
+    data = as_dict()
+    data["grouping"]["cluster_of"][0][0] = data["grouping"]["cluster_of"][0][1]
+    data["grouping"]["column_of"][0][0] = data["grouping"]["column_of"][0][1]
+    with pytest.raises(ProfileError, match="share one"):
+        BudgetProfile.from_dict(data)
+
+
+def test_rescaled_keeps_the_ranking():
+    profile = make_profile()
+    half = profile.rescaled(0.3)
+    assert half.ratio.mean() == pytest.approx(0.3)
+    assert (np.argsort(half.ratio.ravel()) == np.argsort(profile.ratio.ravel())).all()
