@@ -181,9 +181,77 @@ SEAMS: dict[str, tuple[str, ...]] = {
     "sglang.srt.mem_cache.registry.registered_radix_cache_backends": (),
     "sglang.srt.mem_cache.registry._RADIX_CACHE_REGISTRY": (),
     "sglang.srt.mem_cache.registry.create_tree_cache": ("ctx",),
+    "sglang.srt.mem_cache.registry.default_radix_cache_factory": ("ctx",),
+    "sglang.srt.mem_cache.registry.TreeCacheBuildContext": (
+        "server_args", "params", "is_hybrid_swa", "is_hybrid_ssm", "enable_hierarchical_cache",
+        "disable_radix_cache", "effective_chunked_prefill_size", "tp_worker", "model_config",
+        "tp_size", "tp_rank", "tp_group", "full_tokens_per_layer", "is_dsa",
+    ),
+    "sglang.srt.mem_cache.cache_init_params.CacheInitParams": (),
+    "sglang.srt.mem_cache.radix_cache.RadixCache": ("params",),
+    "sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache": ("params",),
+    "sglang.srt.mem_cache.unified_cache.component_type.ComponentType": (),
+    "sglang.srt.mem_cache.unified_cache.components.full_component.FullComponent": (
+        "cache", "params",
+    ),
+    "sglang.srt.mem_cache.unified_cache.components.full_component.FullComponent"
+    ".create_match_validator": ("self", "match_device_only"),
+    "sglang.srt.mem_cache.unified_cache.components.full_component.FullComponent"
+    ".redistribute_on_node_split": ("self", "new_parent", "child"),
+    "sglang.srt.mem_cache.unified_cache.components.full_component.FullComponent"
+    ".evict_component": ("self", "node", "device_frees", "host_frees", "target"),
+    "sglang.srt.mem_cache.unified_cache.components.full_component.FullComponent"
+    ".acquire_component_lock": ("self", "node", "result", "lock_host"),
+    "sglang.srt.mem_cache.unified_cache.components.full_component.FullComponent"
+    ".release_component_lock": ("self", "node", "params", "lock_host"),
+    "sglang.srt.mem_cache.unified_cache.components.full_component.FullComponent"
+    ".apply_component_action": ("self", "action"),
+    "sglang.srt.mem_cache.unified_cache.tree_core_registry.register_tree_core_backend": (
+        "name", "factory",
+    ),
+    "sglang.srt.mem_cache.common.evict_from_tree_cache": ("tree_cache", "num_tokens"),
     # forward batch
+    "sglang.srt.model_executor.forward_batch_info.ForwardMode": (),
     "sglang.srt.model_executor.forward_batch_info.ForwardBatch.init_new": (
         "batch", "model_runner", "capture_hidden_mode", "return_hidden_states_before_norm",
+    ),
+    # metrics and logs
+    "sglang.srt.utils.common.add_prometheus_middleware": ("app",),
+    "sglang.srt.observability.metrics_collector.SchedulerMetricsCollector.log_stats": (
+        "self", "stats",
+    ),
+    "sglang.srt.managers.scheduler_components.metrics_reporter.SchedulerMetricsReporter"
+    ".report_decode_stats": ("self", "can_run_cuda_graph", "running_batch", "num_correct_drafts"),
+    "sglang.srt.managers.scheduler_components.pool_stats_observer.PoolStats"
+    ".get_decode_usage_msg_parts": ("self",),
+    "sglang.srt.managers.scheduler_components.pool_stats_observer.PoolStats"
+    ".get_prefill_usage_msg_parts": ("self",),
+    # more of the pieces named in README.md
+    "sglang.srt.server_args.ServerArgs.override": ("self", "source", "fields"),
+    "sglang.srt.managers.scheduler.Scheduler.update_running_batch": ("self", "batch"),
+    "sglang.srt.managers.schedule_policy.PrefillAdder.budget_state": ("self",),
+    "sglang.srt.managers.schedule_batch.ScheduleBatch.release_req": (
+        "self", "idx", "remaing_req_count", "server_args",
+    ),
+    "sglang.srt.model_executor.model_runner.ModelRunner._init_post_memory_pool_components": (
+        "self",
+    ),
+    "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator._build_req_to_token_pool": (
+        "self", "max_num_reqs",
+    ),
+    "sglang.srt.mem_cache.memory_pool.ReqToTokenPool": (
+        "size", "max_context_len", "device", "enable_memory_saver",
+    ),
+    "sglang.srt.mem_cache.memory_pool.MHATokenToKVPool.get_key_buffer": ("self", "layer_id"),
+    "sglang.srt.mem_cache.memory_pool.KVWriteLoc": ("loc", "swa_loc", "full_loc"),
+    "sglang.srt.layers.attention.base_attn_backend.AttentionBackend.forward_mixed": (
+        "self", "q", "k", "v", "layer", "forward_batch", "save_kv_cache",
+    ),
+    "sglang.srt.layers.attention.base_attn_backend.AttentionBackend"
+    ".on_after_cuda_graph_warmup": ("self",),
+    "sglang.srt.model_executor.model_runner_components.attention_backend_setup"
+    "._build_full_attention_backend_from_str": (
+        "model_runner", "backend_str", "init_new_workspace",
     ),
 }  # fmt: skip
 
