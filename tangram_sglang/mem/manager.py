@@ -30,23 +30,14 @@ import numpy as np
 import torch
 
 from tangram_sglang.errors import PoolError
+from tangram_sglang.mem.invariants import check_memory
 from tangram_sglang.mem.kv_pool import KVPool, bytes_per_page, num_pages_for_budget
 from tangram_sglang.mem.page_allocator import PageAllocator
 from tangram_sglang.mem.page_table import DECODE, EXTEND, PageTable, SegmentPages
+from tangram_sglang.mem.prefix import PrefixMatch, validate_prefix
 from tangram_sglang.mem.reservation import Reservation, ReservationLedger, group_pages_needed
 from tangram_sglang.mem.stats import MemoryStats, collect_stats
 from tangram_sglang.profile import BudgetProfile
-
-
-@dataclass(slots=True)
-class PrefixMatch:
-    """A matched radix prefix: per group the dense page list of the node chain and its length.
-
-    Every page must be held by someone (a radix node); the row borrows it (one more holder).
-    """
-
-    pages: list[np.ndarray]  # per group: int page ids, ceil(lens[g] / page_size) of them
-    lens: np.ndarray  # int64 [G]: kept tokens per group (tokens)
 
 
 @dataclass(slots=True)
@@ -396,9 +387,9 @@ class TangramMemory:
             raise PoolError(
                 f"free_pages by {owner}: page ids out of [1, {self.allocator.num_pages})"
             )
-        outside = self.allocator.ref_count.numpy().astype(np.int64) - self.row_refs
-        uses = np.bincount(arr, minlength=self.allocator.num_pages)
-        bad = np.nonzero(uses > outside)[0]
+        uniq, uses = np.unique(arr, return_counts=True)
+        outside = self.allocator.ref_count.numpy()[uniq].astype(np.int64) - self.row_refs[uniq]
+        bad = uniq[uses > outside]
         if bad.size:
             raise PoolError(
                 f"free_pages by {owner}: pages {bad[:8].tolist()} are not held outside running "
@@ -428,33 +419,12 @@ class TangramMemory:
         return collect_stats(self)
 
     def check_invariants(self) -> None:
-        """Check pool, ledger, tables and holder counts; collect all violations, raise once."""
-        problems = []
-        try:
-            self.allocator.check_invariants()
-        except PoolError as exc:
-            problems.append(str(exc))
-        if self.ledger.outstanding_pages() > self.allocator.num_free():
-            problems.append("reserved pages exceed free pages")
-        refs = np.zeros_like(self.row_refs)
-        t = self.table
-        for row in (r for r, rid in enumerate(self.rids) if rid is not None):
-            for g in range(self.num_head_groups):
-                np.add.at(refs, t.pages[row, g, : t.num_pages[row, g]], 1)
-            pend = self.pending[row]
-            lens = t.lens[row] + (0 if pend is None else pend.kept_len)
-            if (-(-lens // self.page_size) != t.num_pages[row]).any():
-                problems.append(f"row {row}: table not dense (pages != ceil(len / page_size))")
-        if (refs != self.row_refs).any():
-            problems.append("row holder counts disagree with the row tables")
-        if (self.allocator.ref_count.numpy() < self.row_refs).any():
-            problems.append("a page listed in a row table has fewer holders than rows")
-        if not torch.equal(t.page_table.cpu(), torch.from_numpy(t.pages).to(torch.int32)):
-            problems.append("device page_table differs from the host mirror")
-        if not torch.equal(t.group_len.cpu(), torch.from_numpy(t.lens).to(torch.int32)):
-            problems.append("device group_len differs from the host mirror")
-        if problems:
-            raise PoolError("memory invariants broken: " + "; ".join(problems))
+        """Check pool, ledger, tables and holder counts; collect all violations, raise once.
+
+        Raises:
+            PoolError: listing every violation (see ``mem/invariants.py``).
+        """
+        check_memory(self)
 
     # ---- helpers ---------------------------------------------------------------------------
     def _append_tokens(
@@ -473,29 +443,8 @@ class TangramMemory:
         return group_pages_needed(lens, shared, add, self.page_size)
 
     def _prefix_arrays(self, prefix, rid, row) -> tuple[np.ndarray, list[np.ndarray]]:
-        g_count = self.num_head_groups
-        if prefix is None:
-            return np.zeros(g_count, np.int64), [np.zeros(0, np.int64)] * g_count
-        lens = np.asarray(prefix.lens, np.int64)
-        if lens.shape != (g_count,) or len(prefix.pages) != g_count:
-            raise PoolError(
-                f"request {rid!r} (row {row}): prefix has {len(prefix.pages)} page "
-                f"lists / lens shape {list(lens.shape)}; need {g_count} head groups"
-            )
-        pages = [np.asarray(p, np.int64).ravel() for p in prefix.pages]
         counts = self.allocator.ref_count.numpy()
-        for g, ids in enumerate(pages):
-            if lens[g] < 0 or ids.size != -(-lens[g] // self.page_size):
-                raise PoolError(
-                    f"request {rid!r} (row {row}), group {g}: prefix length "
-                    f"{lens[g]} needs {-(-lens[g] // self.page_size)} pages, got {ids.size}"
-                )
-            if ids.size and (ids.min() < 1 or ids.max() >= counts.size or (counts[ids] < 1).any()):
-                raise PoolError(
-                    f"request {rid!r} (row {row}), group {g}: prefix pages must be "
-                    "held pages (a radix node's), not free or padding pages"
-                )
-        return lens, pages
+        return validate_prefix(prefix, self.num_head_groups, self.page_size, counts, rid, row)
 
     def _check_row(self, row: int, rid: str | None, active: bool) -> None:
         if not 0 <= row < len(self.rids):
