@@ -5,7 +5,7 @@ importable for tests and tools.
 """
 
 from tangram_sglang.mem.kv_pool import KVPool, bytes_per_page, num_pages_for_budget
-from tangram_sglang.mem.manager import ExtendPlan, TangramMemory
+from tangram_sglang.mem.manager import ExtendPlan, RowUsage, TangramMemory
 from tangram_sglang.mem.page_allocator import PageAllocator
 from tangram_sglang.mem.page_table import PageTable, SegmentPages
 from tangram_sglang.mem.prefix import PrefixMatch
@@ -27,6 +27,7 @@ __all__ = [
     "RequestTooLargeError",
     "Reservation",
     "ReservationLedger",
+    "RowUsage",
     "SegmentPages",
     "TangramMemory",
     "bytes_per_page",

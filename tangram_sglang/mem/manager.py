@@ -52,6 +52,18 @@ class ExtendPlan:
     num_new_pages: int  # pages allocated for the segment (copies included)
 
 
+@dataclass(slots=True)
+class RowUsage:
+    """Pages of one running request row; returned by :meth:`TangramMemory.row_usage`."""
+
+    own_pages: int  # pages only this row holds (freed by abort)
+    borrowed_pages: int  # prefix pages it reads but does not own (radix nodes')
+    reserved_pages: int  # pages granted at admission (all chunks)
+    used_pages: int  # pages allocated against the grant
+    remaining_pages: int  # granted, not yet allocated (returned to admission by abort)
+    overflow_pages: int  # decode pages taken beyond the grant
+
+
 class TangramMemory:
     """Ragged head-group page pool with Budget Reservation, driven per request row.
 
@@ -398,6 +410,24 @@ class TangramMemory:
         freed = self.allocator.free(ids, owner)
         self._after("free_pages")
         return freed
+
+    def row_usage(self, row: int) -> RowUsage:
+        """Pages one running row holds and has left (no side effects); for retraction choices.
+
+        ``abort(row)`` returns ``own_pages`` to the free list and ``remaining_pages`` to
+        admission.
+        """
+        self._check_row(row, None, active=True)
+        t, res = self.table, self.ledger.by_row[row]
+        own = int((t.num_pages[row] - t.own_start[row]).clip(min=0).sum())
+        return RowUsage(
+            own_pages=own,
+            borrowed_pages=int(t.num_pages[row].sum()) - own,
+            reserved_pages=res.reserved_pages,
+            used_pages=res.used_pages,
+            remaining_pages=res.remaining_pages,
+            overflow_pages=res.overflow_pages,
+        )
 
     def group_pages(self, row: int, group: int) -> np.ndarray:
         """int64 ``[pages]``: the dense page list of (row, group) (a copy; no side effects).

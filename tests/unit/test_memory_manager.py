@@ -142,6 +142,8 @@ def test_out_of_pages_mid_decode_is_reported_before_any_write():
     with pytest.raises(PoolError, match="out of pages"):
         mem.alloc_decode([0, 1])
     assert_unchanged(mem, before)
+    usage = mem.row_usage(1)
+    assert (usage.own_pages, usage.borrowed_pages, usage.remaining_pages) == (2, 0, 0)
     mem.retract(1)  # SGLang retracts a request, then the step fits
     assert mem.can_decode([0]) and mem.alloc_decode([0]) == 1
     assert mem.stats().overflow_pages == 1
@@ -195,3 +197,19 @@ def test_partial_global_group_counts_spare_columns_as_unused():
     prefill(mem, 0, "a", 4, 1)
     st = mem.stats()
     assert st.allocated_slots == 2 * 2 * 4 and st.unused_slots == 4  # group 1 has one member
+
+
+def test_create_sizes_pool_and_table_from_bytes():
+    prof = make_profile([[1.0, 1.0, 0.5, 0.5]], 2, "per_layer")
+    page = 2 * 2 * 4 * 8 * 2  # K+V, H_p, page_size, D, bf16
+    mem = TangramMemory.create(prof, 20 * page, page_size=4, max_rows=3, max_context_tokens=30)
+    assert mem.allocator.num_pages == 20 and mem.kv_pool.k_pool.shape == (20, 2, 4, 8)
+    assert mem.table.page_table.shape == (3, 2, 8) and mem.bytes_per_page == page
+    bare = TangramMemory.create(prof, 20 * page, page_size=4, allocate_storage=False)
+    assert bare.kv_pool is None and bare.footprint(10, 1) == 5
+
+
+def test_empty_decode_batch_is_a_no_op():
+    mem = make_memory()
+    assert mem.can_decode([]) and mem.alloc_decode([]) == 0
+    assert mem.stats().used_pages == 0
