@@ -1,0 +1,133 @@
+"""End-to-end calibration on the real SmolLM2 (CPU, a few short samples; the CI calibration run)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tangram_sglang.calibrate.cli import main as calibrate_main
+from tangram_sglang.calibrate.observe import ScoreObserver
+from tangram_sglang.calibrate.show import main as show_main
+from tangram_sglang.profile import BudgetProfile, ModelIdentity
+from tangram_sglang.scoring import SnapKVScorer
+
+TINY = [
+    "--num-samples",
+    "2",
+    "--dataset",
+    "sharegpt",
+    "--min-tokens",
+    "96",
+    "--max-tokens",
+    "128",
+    "--device",
+    "cpu",
+]
+
+
+@pytest.fixture(scope="module")
+def smollm2(smollm2_path):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(smollm2_path, dtype=torch.float32)
+    return model.eval()
+
+
+def test_observer_sees_post_rope_queries_and_keys(smollm2):
+    """Scores from the captured q/k equal SnapKV recomputed from HF's own attention weights."""
+    ids = torch.randint(100, 20000, (1, 48), generator=torch.Generator().manual_seed(0))
+    scorer = SnapKVScorer(obs_window=8, kernel_size=5)
+    ours = ScoreObserver(smollm2, scorer).scores(ids[0].tolist())
+    smollm2.config._attn_implementation = "eager"
+    try:
+        with torch.inference_mode():
+            out = smollm2.model(input_ids=ids, output_attentions=True, use_cache=False)
+    finally:
+        smollm2.config._attn_implementation = "sdpa"
+    for layer in (0, 17, 29):
+        probs = out.attentions[layer][0, :, -8:, :-8]  # [Hq, w, n - w]
+        pooled = F.avg_pool1d(probs.mean(1)[:, None], 5, stride=1, padding=2)[:, 0]
+        expected = pooled.reshape(3, 3, -1).mean(1)  # GQA: 3 query heads per KV head
+        np.testing.assert_allclose(ours[layer, :, :-8], expected.numpy(), rtol=1e-4, atol=1e-6)
+        assert (ours[layer, :, -8:] > ours[layer, :, :-8].max()).all()
+
+
+def test_tiny_calibration_run_writes_a_valid_profile(smollm2_path, tmp_path, capsys):
+    out = tmp_path / "smollm2" / "ada-snapkv-r0.25.json"
+    cache = tmp_path / "cache"
+    args = [
+        "--model-path",
+        str(smollm2_path),
+        "--scorer",
+        "ada-snapkv",
+        "--target-ratio",
+        "0.25",
+        "--page-group-size",
+        "4",
+        "--scope",
+        "global",
+        "--cache-dir",
+        str(cache),
+    ]
+    assert calibrate_main([*args, *TINY, "--output", str(out)]) == 0
+    profile = BudgetProfile.load(out)
+    config = json.loads((smollm2_path / "config.json").read_text())
+    profile.check_model(ModelIdentity.from_hf_config(config))
+    assert profile.ratio.shape == (30, 3) and profile.grouping.heads_per_group == 4
+    assert profile.stats.num_samples == 2
+    # AdaKV redistributes a fixed layer budget: the mean observed retention is the target.
+    assert profile.stats.mean.mean() == pytest.approx(0.25, abs=0.02)
+    assert (profile.ratio >= np.minimum(profile.stats.mean, 1.0) - 1e-12).all()
+    assert profile.ratio.std() > 0  # heads differ: the allocation is per head
+    prov = profile.provenance
+    assert prov["num_samples"] == 2 and prov["allocation"] == "layer"
+    assert 96 <= prov["sample_tokens"]["min"] <= prov["sample_tokens"]["max"] <= 128
+    assert {"spearman_mean", "padding_waste", "expected_kept_fraction_groups"} <= set(
+        prov["stability"]
+    )
+    assert len(list(cache.rglob("*.npy"))) == 2  # per-sample scores cached (resume)
+    assert "Spearman" in capsys.readouterr().out
+
+    # Same samples, another scorer of the family: scores come from the cache.
+    snap = tmp_path / "snapkv.json"
+    args[3] = "snapkv"
+    assert calibrate_main([*args, *TINY, "--output", str(snap)]) == 0
+    snap_profile = BudgetProfile.load(snap)
+    assert snap_profile.provenance["allocation"] == "global"
+    assert snap_profile.provenance["timing_s"]["observe_total"] < 1.0
+
+    png = tmp_path / "plot.png"
+    assert show_main(["show", str(out), "--plot", str(png)]) == 0
+    assert png.stat().st_size > 10_000 and png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_bad_arguments_fail_before_running_and_write_nothing(smollm2_path, tmp_path, capsys):
+    out = tmp_path / "p.json"
+    args = [
+        "--model-path",
+        str(smollm2_path),
+        "--scorer",
+        "snapkv",
+        "--target-ratio",
+        "0.25",
+        "--output",
+        str(out),
+        *TINY,
+    ]
+    assert calibrate_main([*args, "--page-group-size", "2", "--scope", "per_layer"]) == 2
+    assert "does not divide num_kv_heads=3" in capsys.readouterr().err
+    assert calibrate_main([*args[:5], "1.5", *args[6:]]) == 2
+    assert "--target-ratio 1.5" in capsys.readouterr().err
+    assert calibrate_main([*args, "--dataset", "nope"]) == 2
+    assert not out.exists()
+
+
+def test_show_rejects_a_bad_profile(tmp_path, capsys):
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"schema_version": 7}')
+    assert show_main(["show", str(bad)]) == 2
+    assert "schema_version" in capsys.readouterr().err
