@@ -7,7 +7,6 @@ window, kernel size and ratio on both sides; the presses run inside the real mod
 
 from __future__ import annotations
 
-import kvpress  # noqa: F401  (a missing kvpress must fail this test, not skip it)
 import pytest
 import torch
 
@@ -17,6 +16,9 @@ from tangram_sglang.calibrate.data import load_samples
 
 @pytest.fixture(scope="module")
 def model_and_ids(smollm2_path):
+    # Imported here, not at collection: importing kvpress patches transformers' attention table.
+    # A missing kvpress must fail these tests (ImportError), never skip them.
+    import kvpress  # noqa: F401
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(smollm2_path)
