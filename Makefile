@@ -29,7 +29,7 @@ unapply: install
 	@if [ -f scripts/patches.py ]; then $(PY) scripts/patches.py unapply; \
 	else echo "no patches yet: nothing to unapply"; fi
 
-demo: install apply
+demo: apply
 	$(PY) -m tangram_sglang.demo
 
 lint: install
@@ -37,7 +37,7 @@ lint: install
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/lint-imports
 
-test: lint
+test: lint apply
 	$(PY) -m pytest -m "not gpu" $(PYTEST_ARGS)
 
 bench: install

@@ -79,7 +79,9 @@ class SGLangServer:
         if device == "cpu":
             env = cpu_env(env)
             for flag, value in CPU_DEFAULTS.items():
-                if flag not in args:
+                # --tangram selects its own attention backend; an explicit one is rejected.
+                skip = flag == "--attention-backend" and "--tangram" in args
+                if flag not in args and not skip:
                     args += [flag, value]
         self.command = [
             sys.executable, "-m", "sglang.launch_server", "--model-path", str(model_path),

@@ -10,7 +10,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from tangram_sglang.integration.server_args import summary_from_server_args
+from tangram_sglang.integration.server_args import (
+    require_compressing_backend,
+    summary_from_server_args,
+)
 
 
 def add_tangram_init_info(result: dict[str, Any], scheduler: Any) -> dict[str, Any] | None:
@@ -22,8 +25,13 @@ def add_tangram_init_info(result: dict[str, Any], scheduler: Any) -> dict[str, A
 
     Returns:
         The dict with ``tangram`` added, or None (unchanged) without ``--tangram``.
+
+    Raises:
+        ConfigError: no ``tangram`` attention backend in this build (the scheduler, and with it
+            the server, stops instead of serving uncompressed KV under ``--tangram``).
     """
     if not getattr(scheduler.server_args, "tangram", False):
         return None
+    require_compressing_backend()
     result["tangram"] = summary_from_server_args(scheduler.server_args)
     return result

@@ -210,17 +210,26 @@ def check_model(server_args: Any) -> None:
 
 
 def _log_startup(summary: dict[str, object]) -> None:
-    """The start-up log: the profile summary, and a warning while nothing compresses the KV."""
+    """The start-up log line: the profile summary and how many hooks the plugin verified."""
     from tangram_sglang.integration.plugin import state
 
-    if not registered_backends()[0]:
-        logger.warning(
-            "Tangram: no %r attention backend is registered in this build, so the KV cache is "
-            "NOT compressed yet (settings and profile are checked and reported only)",
-            TANGRAM_BACKEND,
-        )
     logger.info("%s; plugin verified %d hooks/registrations", profile_loader.summary_line(summary),
                 len(state().verified))  # fmt: skip
+
+
+def require_compressing_backend() -> None:
+    """Stop start-up when no ``tangram`` attention backend is registered in this process.
+
+    Raises:
+        ConfigError: the KV cache could not be compressed; starting anyway would claim
+            compression that is off.
+    """
+    if not registered_backends()[0]:
+        raise ConfigError(
+            f"--tangram: this build has no {TANGRAM_BACKEND!r} attention backend yet, so it "
+            "cannot compress the KV cache; the flags and the profile are valid. Drop --tangram "
+            "to serve with full KV"
+        )
 
 
 def _check_model_kind(model_config: Any) -> None:

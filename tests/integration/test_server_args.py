@@ -149,7 +149,8 @@ def test_bad_tangram_option_names_flag(patched_sglang, smollm2_path, smollm2_pro
         make_args(patched_sglang, smollm2_path, smollm2_profile, tangram_page_size=12)
 
 
-def test_plugin_hooks_applied_in_process(patched_sglang, smollm2_path, smollm2_profile):
+def test_plugin_hooks_applied_in_process(patched_sglang, smollm2_path, smollm2_profile,
+                                         tangram_backends_registered):  # fmt: skip
     args = make_args(patched_sglang, smollm2_path, smollm2_profile)  # runs ensure_active()
     assert plugin.state().active and plugin.verify() == []
     assert plugin.state().verified == [row.target for row in HOOKS]
@@ -207,15 +208,18 @@ def tangram_backends_registered(patched_sglang):
         del table["tangram"]
 
 
-def test_backends_left_alone_until_registered(patched_sglang, smollm2_path, smollm2_profile,
-                                              caplog):  # fmt: skip
+def test_backends_left_alone_and_start_refused_until_registered(patched_sglang, smollm2_path,
+                                                       smollm2_profile):  # fmt: skip
     from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS
 
     if "tangram" in ATTENTION_BACKENDS:
         pytest.skip("the tangram attention backend is registered in this build")
+    from tangram_sglang.integration.server_args import require_compressing_backend
+
     args = make_args(patched_sglang, smollm2_path, smollm2_profile)
     assert args.attention_backend != "tangram" and args.radix_cache_backend is None
-    assert "NOT compressed yet" in caplog.text
+    with pytest.raises(ConfigError, match="cannot compress the KV cache"):
+        require_compressing_backend()
 
 
 def test_registered_backends_are_selected(patched_sglang, smollm2_path, smollm2_profile,
