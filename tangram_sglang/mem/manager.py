@@ -284,13 +284,11 @@ class TangramMemory:
         SGLang's ``check_decode_mem`` calls this; False means retract requests first.
         """
         rows = np.asarray(rows, np.int64)
-        for r in rows:
-            self._check_row(int(r), None, active=True)
-        per_row = self.table.append_need(rows, 1).sum(axis=-1)
-        over = sum(
-            self.ledger.overflow_needed(int(r), int(n)) for r, n in zip(rows, per_row, strict=True)
+        for r in rows.tolist():
+            self._check_row(r, None, active=True)
+        return self._decode_overflow(rows, self.table.append_need(rows, 1).sum(axis=-1)) <= (
+            self.ledger.unreserved_free()
         )
-        return over <= self.ledger.unreserved_free()
 
     def alloc_decode(self, rows: np.ndarray | list[int]) -> int:
         """Append one decode token to every group of each row; ``group_len`` includes it.
@@ -302,36 +300,27 @@ class TangramMemory:
                 (check :meth:`can_decode` first); table full. Raised before any write.
         """
         rows = np.asarray(rows, np.int64)
-        for r in rows:
-            self._check_committed(int(r), "alloc_decode")
-        if np.unique(rows).size != rows.size:
-            raise PoolError(f"alloc_decode: rows {rows.tolist()} repeat a row")
-        for r in rows:
-            self._check_width(int(r), self.rids[r], self.table.lens[r] + 1)
+        self._check_decode_rows(rows)
         need, cow = self.table.append_need(rows, 1), self.table.cow_needed(rows, 1)
-        if not self.can_decode(rows):
+        per_row = need.sum(axis=1)
+        if self._decode_overflow(rows, per_row) > self.ledger.unreserved_free():
             raise PoolError(
-                f"alloc_decode: out of pages: rows {rows.tolist()} need "
-                f"{int(need.sum())} pages, {self.ledger.unreserved_free()} unreserved free; "
-                "call can_decode and retract a request first"
+                f"alloc_decode: out of pages: rows {rows.tolist()} need {int(per_row.sum())} "
+                f"pages, {self.ledger.unreserved_free()} unreserved free; call can_decode and "
+                "retract a request first"
             )
-        for r, n in zip(rows, need.sum(axis=1), strict=True):
-            self.ledger.take(int(r), int(n), allow_overflow=True)
-        pages = self._alloc(int(need.sum()))
-        entries = ([], [], [])
-        offset = 0
-        for b, r in enumerate(rows.tolist()):
+        growing = np.nonzero(per_row)[0].tolist()
+        for b in growing:
+            self.ledger.take(int(rows[b]), int(per_row[b]), allow_overflow=True)
+        pages = self._alloc(int(per_row.sum()))
+        for b, r in enumerate(rows.tolist()):  # the decode tail is a segment of its own
             segs = self.table.segments[r]
             if not segs or segs[-1].kind != DECODE:
                 self.table.open_segment(r, DECODE, self.table.num_pages[r] - cow[b])
-            n = int(need[b].sum())
-            _, _, changed = self._place(r, need[b], cow[b], pages[offset : offset + n], True)
-            offset += n
-            for lst, vals in zip(entries, changed, strict=True):
-                lst.extend(vals)
             seg = self.table.segments[r][-1]
             seg.num_tokens += 1
             seg.kept_len += 1
+        entries = self._place_decode(rows, need, cow, pages)
         self.table.lens[rows] += 1
         lens = self.table.lens[rows]
         last = self.table.pages[
@@ -341,7 +330,22 @@ class TangramMemory:
         self.table.sync_entries(*entries)
         self.table.sync_lens(rows)
         self._after("alloc_decode")
-        return int(need.sum())
+        return int(per_row.sum())
+
+    def _decode_overflow(self, rows: np.ndarray, per_row: np.ndarray) -> int:
+        """Pages beyond the rows' grants that one decode step needing ``per_row`` takes."""
+        over = self.ledger.overflow_needed
+        return sum(over(int(rows[b]), int(per_row[b])) for b in np.nonzero(per_row)[0])
+
+    def _check_decode_rows(self, rows: np.ndarray) -> None:
+        for r in rows.tolist():
+            self._check_committed(r, "alloc_decode")
+        if np.unique(rows).size != rows.size:
+            raise PoolError(f"alloc_decode: rows {rows.tolist()} repeat a row")
+        full = -(-(self.table.lens[rows] + 1) // self.page_size) > self.table.max_pages_per_group
+        if full.any():
+            b = int(np.nonzero(full.any(axis=1))[0][0])
+            self._check_width(int(rows[b]), self.rids[rows[b]], self.table.lens[rows[b]] + 1)
 
     # ---- end of a request ------------------------------------------------------------------
     def finish(self, row: int) -> list[SegmentPages]:
@@ -540,6 +544,34 @@ class TangramMemory:
             self.row_refs[src_a] -= 1
             self.allocator.free(torch.from_numpy(src_a), f"COW of row {row}")
         return src_a, dst_a, changed
+
+    def _place_decode(self, rows, need, cow, pages) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Vectorised :meth:`_place` for one decode token: at most one page per (row, group).
+
+        A full last page gets a page appended; a shared partial one is replaced by its copy
+        (which has room for the token). Returns the changed (row, group, index) entries.
+        """
+        assert need.max(initial=0) <= 1, "a decode token needs at most one page per group"
+        b_idx, g_idx = np.nonzero(need)
+        r_idx, is_cow = rows[b_idx], cow[b_idx, g_idx].astype(bool)
+        t = self.table
+        idx = t.num_pages[r_idx, g_idx] - is_cow
+        src = t.pages[r_idx[is_cow], g_idx[is_cow], idx[is_cow]]
+        t.pages[r_idx, g_idx, idx] = pages
+        t.num_pages[r_idx, g_idx] += ~is_cow
+        t.own_start[r_idx[is_cow], g_idx[is_cow]] = idx[is_cow]
+        self.page_group[pages] = g_idx
+        self.page_fill[pages] = 0
+        self.row_refs[pages] += 1
+        if src.size:
+            dst = pages[is_cow]
+            self.page_fill[dst] = t.lens[r_idx[is_cow], g_idx[is_cow]] % self.page_size
+            if self.kv_pool is not None:
+                fill = torch.from_numpy(self.page_fill[dst])
+                self.kv_pool.copy_pages(torch.from_numpy(src), torch.from_numpy(dst), fill)
+            self.row_refs[src] -= 1
+            self.allocator.free(torch.from_numpy(src.copy()), "decode COW")
+        return r_idx, g_idx, idx
 
     def _fill(self, row: int, g: int, old_len: int, new_len: int) -> None:
         ps = self.page_size

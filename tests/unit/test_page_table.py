@@ -95,11 +95,13 @@ def test_shared_partial_tail_is_copied_before_append():
 def test_decode_on_shared_tail_copies_once_then_appends_in_place():
     mem = make_memory()
     run_prefill(mem, 0, "a", 5, 1)  # group 0: [1, 2] (5), group 1: [3] (3)
+    mem.kv_pool.v_pool[3] = torch.randn(2, 4, 8)
     prefix = prefix_of(mem.finish(0))
     assert mem.admit(1, "b", 0, 3, prefix) is not None  # nothing to extend, 2 decode tokens
     assert mem.ledger.by_row[1].reserved_pages == 3  # 2 copies + group 1 overflows page 3
     assert mem.alloc_decode([1]) == 2
     assert table(mem, 1) == [[1, 4], [5]]
+    assert torch.equal(mem.kv_pool.v_pool[5, :, :3], mem.kv_pool.v_pool[3, :, :3])
     assert mem.alloc_decode([1]) == 1
     assert table(mem, 1) == [[1, 4], [5, 6]]
     res = mem.ledger.by_row[1]
