@@ -556,7 +556,7 @@ class TangramMemory:
         r_idx, is_cow = rows[b_idx], cow[b_idx, g_idx].astype(bool)
         t = self.table
         idx = t.num_pages[r_idx, g_idx] - is_cow
-        src = t.pages[r_idx[is_cow], g_idx[is_cow], idx[is_cow]]
+        src = t.pages[r_idx[is_cow], g_idx[is_cow], idx[is_cow]].astype(np.int64)
         t.pages[r_idx, g_idx, idx] = pages
         t.num_pages[r_idx, g_idx] += ~is_cow
         t.own_start[r_idx[is_cow], g_idx[is_cow]] = idx[is_cow]
@@ -586,7 +586,7 @@ class TangramMemory:
             lo = t.own_start[row, g] if own else 0
             hi = t.own_start[row, g] if own is False else t.num_pages[row, g]
             out.append(t.pages[row, g, lo:hi][::-1])
-        return np.concatenate(out) if out else np.zeros(0, np.int64)
+        return np.concatenate(out).astype(np.int64) if out else np.zeros(0, np.int64)
 
     def _drop_row(self, row: int, release: np.ndarray) -> int:
         """Release the row's references on ``release``, forget all its entries, clear it."""

@@ -104,7 +104,7 @@ class PageTable:
             (*shape, max_pages_per_group), dtype=torch.int32, device=device
         )
         self.group_len = torch.zeros(shape, dtype=torch.int32, device=device)
-        self.pages = np.zeros((*shape, max_pages_per_group), np.int64)  # host mirror
+        self.pages = np.zeros((*shape, max_pages_per_group), np.int32)  # host mirror, ids
         self.num_pages = np.zeros(shape, np.int64)  # table entries in use per (row, group)
         self.lens = np.zeros(shape, np.int64)  # host mirror of group_len (tokens)
         self.own_start = np.zeros(shape, np.int64)  # first entry owned by the row
@@ -125,7 +125,7 @@ class PageTable:
     # ---- queries ---------------------------------------------------------------------------
     def group_pages(self, row: int, group: int) -> np.ndarray:
         """int64 ``[num_pages]``: the dense page list of (row, group)."""
-        return self.pages[row, group, : self.num_pages[row, group]].copy()
+        return self.pages[row, group, : self.num_pages[row, group]].astype(np.int64)
 
     def last_page_shared(self, rows: np.ndarray | int) -> np.ndarray:
         """bool ``[..., G]``: the group's last page exists and is not the row's own."""
@@ -189,7 +189,7 @@ class PageTable:
         for i, seg in enumerate(segs):
             end = segs[i + 1].first_page_index if i + 1 < len(segs) else self.num_pages[row]
             pages = [
-                self.pages[row, g, seg.first_page_index[g] : end[g]].copy()
+                self.pages[row, g, seg.first_page_index[g] : end[g]].astype(np.int64)
                 for g in range(self.num_head_groups)
             ]
             out.append(
