@@ -99,6 +99,20 @@ class Lifecycle(RuleBasedStateMachine):
             self.write(row, g, range(start, start + kept))
         self.mem.commit_extend(row)
 
+    @precondition(lambda self: any(r.max_new == 0 for r in self.rows.values()))
+    @rule(data=st.data(), n=st.integers(0, 9), max_new=st.integers(0, 4))
+    def next_chunk(self, data, n, max_new):
+        """Chunked prefill: a row admitted with max_new_tokens=0 gets another segment."""
+        row = data.draw(st.sampled_from(sorted(r for r, x in self.rows.items() if x.max_new == 0)))
+        if self.mem.admit_chunk(row, n, max_new) is None:
+            return
+        self.rows[row].max_new = max_new
+        plan = self.mem.alloc_extend(row, n)
+        for g in range(self.groups):
+            start, kept = int(plan.start_len[g]), int(plan.kept_len[g])
+            self.write(row, g, range(start, start + kept))
+        self.mem.commit_extend(row)
+
     @precondition(lambda self: self.rows)
     @rule(data=st.data())
     def decode(self, data):
