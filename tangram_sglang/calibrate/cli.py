@@ -133,12 +133,11 @@ def calibrate(args: argparse.Namespace, command: str) -> BudgetProfile:
         TangramError: bad arguments, model, data or profile (ConfigError, ModelError...).
     """
     import torch
-    from tqdm import tqdm
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     from tangram_sglang.calibrate.data import load_samples
     from tangram_sglang.calibrate.fit import fit_ratios, stability_report
-    from tangram_sglang.calibrate.observe import DEFAULT_ALLOCATION, ScoreObserver, head_retention
+    from tangram_sglang.calibrate.observe import DEFAULT_ALLOCATION, ScoreObserver
     from tangram_sglang.errors import ConfigError
     from tangram_sglang.scoring import get_scorer
 
@@ -148,9 +147,8 @@ def calibrate(args: argparse.Namespace, command: str) -> BudgetProfile:
     path = resolve_model_path(args.model_path)
     config = AutoConfig.from_pretrained(path)
     identity = ModelIdentity.from_hf_config(config)
-    HeadGrouping.build(
-        np.ones((identity.num_layers, identity.num_kv_heads)), args.page_group_size, args.scope
-    )
+    shape = (identity.num_layers, identity.num_kv_heads)
+    HeadGrouping.build(np.ones(shape), args.page_group_size, args.scope)  # fail before the run
     max_tokens = args.max_tokens or min(int(config.max_position_embeddings), 8192)
     tok = AutoTokenizer.from_pretrained(path)
     samples = load_samples(
@@ -161,15 +159,52 @@ def calibrate(args: argparse.Namespace, command: str) -> BudgetProfile:
     scorer = get_scorer(args.scorer, obs_window=args.obs_window, kernel_size=args.kernel_size)
     observer = ScoreObserver(model, scorer)
     allocation = args.allocation or DEFAULT_ALLOCATION[args.scorer]
-    cache = _cache_folder(args, identity, path, scorer)
     t_loaded = time.perf_counter()
+    cache = _cache_folder(args, identity, path, scorer)
+    retention, seconds = _observe_all(args, samples, observer, cache, allocation)
+    fit = fit_ratios(retention, args.alpha, args.floor)
+    grouping = HeadGrouping.build(fit.ratio, args.page_group_size, args.scope)
+    lengths = [len(s.input_ids) for s in samples]
+    report = stability_report(
+        retention, fit, lengths, args.target_ratio, args.sink_tokens, args.recent_window, grouping
+    )
+    timing = {
+        "load": round(t_loaded - t_start, 2),
+        "observe_total": round(sum(seconds), 2),
+        "observe_per_sample_median": round(float(np.median(seconds)), 3),
+        "total": round(time.perf_counter() - t_start, 2),
+    }
+    run = {
+        "command": command,
+        "model_path": str(path),
+        "device": device,
+        "allocation": allocation,
+        "max_tokens": max_tokens,
+    }
+    profile = BudgetProfile(
+        model=identity,
+        scorer=args.scorer,
+        target_ratio=args.target_ratio,
+        ratio=fit.ratio,
+        sink_tokens=args.sink_tokens,
+        recent_window=args.recent_window,
+        grouping=grouping,
+        stats=CalibrationStats(fit.mean, fit.std, args.alpha, len(samples)),
+        provenance=_provenance(args, run, scorer, samples, timing, report),
+    )
+    profile.save(args.output)
+    return profile
+
+
+def _observe_all(args, samples, observer, cache: Path, allocation: str):
+    """Per-sample retention ``[num_samples, L, H_kv]`` and per-sample observe seconds."""
+    from tqdm import tqdm
+
+    from tangram_sglang.calibrate.observe import head_retention
+
     retention, seconds = [], []
-    for sample in tqdm(
-        samples,
-        desc=f"calibrate {args.scorer} r={args.target_ratio}",
-        unit="sample",
-        file=sys.stderr,
-    ):
+    desc = f"calibrate {args.scorer} r={args.target_ratio}"
+    for sample in tqdm(samples, desc=desc, unit="sample", file=sys.stderr):
         t0 = time.perf_counter()
         scores = _cached_scores(cache, sample, observer)
         seconds.append(time.perf_counter() - t0)
@@ -184,28 +219,21 @@ def calibrate(args: argparse.Namespace, command: str) -> BudgetProfile:
                 args.alpha_safeguard,
             )
         )
-    retention_arr = np.stack(retention)
-    fit = fit_ratios(retention_arr, args.alpha, args.floor)
-    grouping = HeadGrouping.build(fit.ratio, args.page_group_size, args.scope)
+    return np.stack(retention), seconds
+
+
+def _provenance(args, run: dict, scorer, samples, timing: dict, report: dict) -> dict:
+    """The profile's provenance record (JSON-ready)."""
     lengths = [len(s.input_ids) for s in samples]
-    report = stability_report(
-        retention_arr,
-        fit,
-        lengths,
-        args.target_ratio,
-        args.sink_tokens,
-        args.recent_window,
-        grouping,
-    )
-    provenance = {
-        "command": command,
+    return {
+        "command": run["command"],
         "dataset": args.dataset,
         "num_samples": len(samples),
         "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         "versions": _versions(),
-        "model_path": str(path),
-        "device": device,
-        "allocation": allocation,
+        "model_path": run["model_path"],
+        "device": run["device"],
+        "allocation": run["allocation"],
         "scorer_options": {
             "obs_window": args.obs_window,
             "kernel_size": args.kernel_size,
@@ -218,31 +246,13 @@ def calibrate(args: argparse.Namespace, command: str) -> BudgetProfile:
             "max": max(lengths),
             "mean": float(np.mean(lengths)),
             "min_tokens": args.min_tokens,
-            "max_tokens": max_tokens,
+            "max_tokens": run["max_tokens"],
         },
         "sample_ids": [s.sample_id for s in samples],
         "seed": args.seed,
-        "timing_s": {
-            "load": round(t_loaded - t_start, 2),
-            "observe_total": round(sum(seconds), 2),
-            "observe_per_sample_median": round(float(np.median(seconds)), 3),
-            "total": round(time.perf_counter() - t_start, 2),
-        },
+        "timing_s": timing,
         "stability": report,
     }
-    profile = BudgetProfile(
-        model=identity,
-        scorer=args.scorer,
-        target_ratio=args.target_ratio,
-        ratio=fit.ratio,
-        sink_tokens=args.sink_tokens,
-        recent_window=args.recent_window,
-        grouping=grouping,
-        stats=CalibrationStats(fit.mean, fit.std, args.alpha, len(samples)),
-        provenance=provenance,
-    )
-    profile.save(args.output)
-    return profile
 
 
 def resolve_model_path(model: str) -> Path:
