@@ -159,7 +159,11 @@ def run(profile: BudgetProfile, args: argparse.Namespace) -> dict[str, Any]:
     for row in rows:
         row.capacity_ratio_vs_full_kv = full_bytes / row.bytes_per_conversation
         row.fraction_of_ideal = row.capacity_ratio_vs_full_kv / ideal_ratio
-    label = f"tangram H_p={args.heads_per_group} {args.scope}"
+    # The summary's configuration: the flags, else the profile file's own grouping.
+    heads_per_group = args.heads_per_group or (
+        profile.grouping.heads_per_group if args.profile else 4
+    )
+    label = f"tangram H_p={heads_per_group} {args.scope or profile.grouping.scope}"
     default = next(r for r in rows if r.name == label)
     return {
         "summary": {
@@ -238,10 +242,6 @@ def main(argv: list[str] | None = None) -> int:
         profile = BudgetProfile.load(args.profile)
     else:
         profile = skewed_profile(args.geometry, args.target_ratio, seed=args.seed)
-    if args.heads_per_group is None:
-        args.heads_per_group = profile.grouping.heads_per_group if args.profile else 4
-    if args.scope is None:
-        args.scope = profile.grouping.scope
     report = run(profile, args)
     if args.json:
         json.dump(report, sys.stdout, indent=1)
