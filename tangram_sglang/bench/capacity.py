@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -36,6 +37,7 @@ import numpy as np
 import torch
 
 from tangram_sglang.bench.synthetic import GEOMETRIES, make_profile, skewed_profile
+from tangram_sglang.errors import ConfigError, TangramError
 from tangram_sglang.mem.kv_pool import bytes_per_page
 from tangram_sglang.mem.manager import TangramMemory
 from tangram_sglang.mem.reservation import pages_needed
@@ -137,8 +139,8 @@ def configurations(profile: BudgetProfile) -> list[tuple[str, BudgetProfile]]:
         profile.sink_tokens, profile.recent_window, m.head_dim, m.num_qo_heads // m.num_kv_heads,
     )  # fmt: skip
     out = [("full_kv", full), ("uniform_padded", padded)]
-    for scope in SCOPES:
-        for h_p in HEADS_PER_GROUP:
+    for scope in SCOPES:  # the profile's own H_p too, so its summary row always exists
+        for h_p in sorted({*HEADS_PER_GROUP, profile.grouping.heads_per_group}):
             if scope == "per_layer" and m.num_kv_heads % h_p:
                 continue
             out.append((f"tangram H_p={h_p} {scope}", profile.with_grouping(h_p, scope)))
@@ -164,7 +166,12 @@ def run(profile: BudgetProfile, args: argparse.Namespace) -> dict[str, Any]:
         profile.grouping.heads_per_group if args.profile else 4
     )
     label = f"tangram H_p={heads_per_group} {args.scope or profile.grouping.scope}"
-    default = next(r for r in rows if r.name == label)
+    default = next((r for r in rows if r.name == label), None)
+    if default is None:
+        raise ConfigError(
+            f"--heads-per-group {heads_per_group} with --scope per_layer does not divide "
+            f"num_kv_heads={profile.model.num_kv_heads}; pick a divisor or --scope global"
+        )
     return {
         "summary": {
             "configuration": label,
@@ -233,16 +240,35 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--scope", default=None, choices=SCOPES,
                    help="scope of that configuration (default: the profile's)")  # fmt: skip
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    _check_args(p, args)
+    return args
+
+
+def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Reject sizes that would hang the fill loop or crash deep inside (exits with status 2)."""
+    if args.context_tokens < 1:
+        parser.error(f"--context-tokens {args.context_tokens} must be >= 1 (tokens)")
+    if args.max_new_tokens < 1:
+        parser.error(f"--max-new-tokens {args.max_new_tokens} must be >= 1 (tokens)")
+    if not (math.isfinite(args.memory_gib) and args.memory_gib > 0):
+        parser.error(f"--memory-gib {args.memory_gib} must be a finite number > 0 (GiB)")
+    if args.page_size < 1 or args.page_size & (args.page_size - 1):
+        parser.error(f"--page-size {args.page_size} must be a power of two >= 1 (tokens)")
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Entry point; returns the exit status (2 on a bad flag, profile or too small a pool)."""
     args = parse_args(argv)
-    if args.profile:
-        profile = BudgetProfile.load(args.profile)
-    else:
-        profile = skewed_profile(args.geometry, args.target_ratio, seed=args.seed)
-    report = run(profile, args)
+    try:
+        if args.profile:
+            profile = BudgetProfile.load(args.profile)
+        else:
+            profile = skewed_profile(args.geometry, args.target_ratio, seed=args.seed)
+        report = run(profile, args)
+    except TangramError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     if args.json:
         json.dump(report, sys.stdout, indent=1)
         sys.stdout.write("\n")

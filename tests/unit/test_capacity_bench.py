@@ -58,3 +58,44 @@ def test_cli_json_reads_a_profile_file(tmp_path, capsys):
     assert [r["name"] for r in report["rows"]][:3] == [
         "full_kv", "uniform_padded", "tangram H_p=1 per_layer",
     ]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "flag,value",
+    [
+        ("--context-tokens", "0"),  # used to loop forever: a 0-page footprint always fits
+        ("--context-tokens", "-5"),
+        ("--max-new-tokens", "0"),
+        ("--memory-gib", "0"),
+        ("--memory-gib", "-1"),
+        ("--memory-gib", "nan"),
+        ("--memory-gib", "inf"),
+        ("--page-size", "0"),
+        ("--page-size", "3"),
+    ],
+    ids=lambda v: str(v),
+)
+def test_cli_rejects_bad_sizes_with_exit_2(flag, value, capsys):
+    with pytest.raises(SystemExit) as exc:
+        capacity.main(["--geometry", "smollm2", flag, value])
+    assert exc.value.code == 2
+    assert flag in capsys.readouterr().err
+
+
+def test_cli_bad_profile_and_tiny_pool_are_clean_errors(tmp_path, capsys):
+    assert capacity.main(["--profile", str(tmp_path / "missing.json")]) == 2
+    assert "profile file not found" in capsys.readouterr().err
+    argv = ["--geometry", "smollm2", "--context-tokens", "64", "--memory-gib", "1e-9"]
+    assert capacity.main(argv) == 2
+    assert "num_pages=1" in capsys.readouterr().err
+
+
+def test_summary_row_exists_for_any_profile_grouping(tmp_path, capsys):
+    prof = skewed_profile("smollm2", heads_per_group=3, scope="global")  # H_p=3: not in (1,2,4,8)
+    path = tmp_path / "p.json"
+    prof.save(path)
+    report = capacity.run(prof, args(context_tokens=256, profile=path))
+    assert report["summary"]["configuration"] == "tangram H_p=3 global"
+    argv = ["--profile", str(path), "--heads-per-group", "2", "--scope", "per_layer"]
+    assert capacity.main([*argv, "--context-tokens", "256", "--memory-gib", "0.01"]) == 2
+    assert "--heads-per-group 2 with --scope per_layer" in capsys.readouterr().err
