@@ -109,6 +109,13 @@ class HeadGrouping:
                 f"grouping.column_of holds column {int(self.column_of.max())} >= "
                 f"page_group_size={self.heads_per_group}; rebuild the map"
             )
+        missing = np.setdiff1d(np.arange(self.num_head_groups), self.cluster_of)
+        if missing.size:
+            raise ProfileError(
+                f"grouping.cluster_of skips group ids {missing[:8].tolist()}: ids must be "
+                "0..num_head_groups-1 with no empty group (an empty group would still reserve "
+                "pages); rebuild the map with HeadGrouping.build"
+            )
         slots = self.cluster_of.astype(np.int64) * self.heads_per_group + self.column_of
         if np.unique(slots).size != slots.size:
             raise ProfileError(

@@ -314,45 +314,25 @@ class BudgetProfile:
                 f"{SCHEMA_VERSION}); recalibrate with this version's calibrate CLI"
             )
         try:
-            m = data["model"]
-            model = ModelIdentity(
-                architecture=str(m["architecture"]),
-                num_layers=int(m["num_layers"]),
-                num_kv_heads=int(m["num_kv_heads"]),
-                num_qo_heads=int(m["num_qo_heads"]),
-                head_dim=int(m["head_dim"]),
-                config_fingerprint=str(m.get("config_fingerprint", "")),
-            )
-            g = data["grouping"]
-            grouping = HeadGrouping(
-                heads_per_group=int(g["page_group_size"]),
-                scope=str(g["scope"]),
-                cluster_of=_int_matrix("grouping.cluster_of", g["cluster_of"]),
-                column_of=_int_matrix("grouping.column_of", g["column_of"]),
-            )
-            s = data.get("stats")
+            model = _read_model(_section("model", data["model"]))
+            grouping = _read_grouping(_section("grouping", data["grouping"]))
             stats = None
-            if s is not None:
-                stats = CalibrationStats(
-                    mean=_float_matrix("stats.mean", s["mean"]),
-                    std=_float_matrix("stats.std", s["std"]),
-                    alpha=float(s["alpha"]),
-                    num_samples=int(s["num_samples"]),
-                )
+            if data.get("stats") is not None:
+                stats = _read_stats(_section("stats", data["stats"]))
             return cls(
                 model=model,
-                scorer=str(data["scorer"]),
-                target_ratio=float(data["target_ratio"]),
+                scorer=_str("scorer", data["scorer"]),
+                target_ratio=_number("target_ratio", data["target_ratio"]),
                 ratio=_float_matrix("ratio", data["ratio"]),
-                sink_tokens=int(data["sink_tokens"]),
-                recent_window=int(data["recent_window"]),
+                sink_tokens=_int("sink_tokens", data["sink_tokens"]),
+                recent_window=_int("recent_window", data["recent_window"]),
                 grouping=grouping,
                 stats=stats,
-                provenance=dict(data.get("provenance") or {}),
+                provenance=dict(_section("provenance", data.get("provenance") or {})),
             )
         except KeyError as exc:
             raise ProfileError(f"profile: missing field {exc.args[0]!r}") from None
-        except (TypeError, ValueError) as exc:
+        except (TypeError, ValueError) as exc:  # safety net; the readers above name the field
             raise ProfileError(f"profile: malformed field ({exc})") from None
 
     @classmethod
@@ -360,8 +340,8 @@ class BudgetProfile:
         """Read and validate a profile file.
 
         Raises:
-            ProfileError: file missing or not JSON, or any validation failure (the message
-                starts with the path).
+            ProfileError: file missing, unreadable or not JSON, or any validation failure (the
+                message starts with the path).
         """
         path = Path(path)
         try:
@@ -370,6 +350,8 @@ class BudgetProfile:
             raise ProfileError(f"{path}: profile file not found") from None
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise ProfileError(f"{path}: not a JSON profile ({exc})") from None
+        except OSError as exc:  # a folder, no permission, I/O error
+            raise ProfileError(f"{path}: cannot read the profile file ({exc.strerror})") from None
         try:
             return cls.from_dict(data)
         except ProfileError as exc:
@@ -401,18 +383,80 @@ def _check_matrix(name: str, arr: np.ndarray, shape: tuple[int, int]) -> None:
         raise ProfileError(f"{name}[{bad[0]}][{bad[1]}] is {arr[tuple(bad)]}: NaN/inf; recalibrate")
 
 
-def _float_matrix(name: str, value: Any) -> np.ndarray:
-    arr = np.asarray(value, dtype=np.float64)
-    if arr.ndim != 2:
-        raise ProfileError(f"{name} must be a 2-D list [num_layers][num_kv_heads]")
+def _read_model(m: dict[str, Any]) -> ModelIdentity:
+    return ModelIdentity(
+        architecture=_str("model.architecture", m["architecture"]),
+        num_layers=_int("model.num_layers", m["num_layers"]),
+        num_kv_heads=_int("model.num_kv_heads", m["num_kv_heads"]),
+        num_qo_heads=_int("model.num_qo_heads", m["num_qo_heads"]),
+        head_dim=_int("model.head_dim", m["head_dim"]),
+        config_fingerprint=_str("model.config_fingerprint", m.get("config_fingerprint", "")),
+    )
+
+
+def _read_grouping(g: dict[str, Any]) -> HeadGrouping:
+    return HeadGrouping(
+        heads_per_group=_int("grouping.page_group_size", g["page_group_size"]),
+        scope=_str("grouping.scope", g["scope"]),
+        cluster_of=_int_matrix("grouping.cluster_of", g["cluster_of"]),
+        column_of=_int_matrix("grouping.column_of", g["column_of"]),
+    )
+
+
+def _read_stats(s: dict[str, Any]) -> CalibrationStats:
+    return CalibrationStats(
+        mean=_float_matrix("stats.mean", s["mean"]),
+        std=_float_matrix("stats.std", s["std"]),
+        alpha=_number("stats.alpha", s["alpha"]),
+        num_samples=_int("stats.num_samples", s["num_samples"]),
+    )
+
+
+def _section(name: str, value: Any) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise ProfileError(f"{name} must be a JSON object, not {type(value).__name__}")
+    return value
+
+
+def _str(name: str, value: Any) -> str:
+    if not isinstance(value, str):
+        raise ProfileError(f"{name}={value!r} must be a string")
+    return value
+
+
+def _int(name: str, value: Any) -> int:
+    # JSON ints only: "4", 4.7 and true are rejected rather than silently coerced.
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ProfileError(f"{name}={value!r} must be an integer")
+    return value
+
+
+def _number(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ProfileError(f"{name}={value!r} must be a number")
+    return float(value)
+
+
+def _matrix(name: str, value: Any, kinds: str, what: str) -> np.ndarray:
+    """A 2-D array whose numpy dtype kind is in ``kinds`` (``"iu"`` ints, ``"f"`` floats)."""
+    try:
+        arr = np.asarray(value)
+    except ValueError:  # rows of different lengths
+        arr = None
+    if arr is None or arr.ndim != 2 or arr.dtype.kind not in kinds:
+        raise ProfileError(
+            f"{name} must be a 2-D list of {what} [num_layers][num_kv_heads] with rows of "
+            "equal length"
+        )
     return arr
 
 
+def _float_matrix(name: str, value: Any) -> np.ndarray:
+    return _matrix(name, value, "iuf", "numbers").astype(np.float64)
+
+
 def _int_matrix(name: str, value: Any) -> np.ndarray:
-    arr = np.asarray(value)
-    if arr.ndim != 2 or not np.issubdtype(arr.dtype, np.integer):
-        raise ProfileError(f"{name} must be a 2-D list of integers [num_layers][num_kv_heads]")
-    return arr.astype(np.int64)
+    return _matrix(name, value, "iu", "integers").astype(np.int64)
 
 
 if __name__ == "__main__":  # `python -m tangram_sglang.profile show PROFILE --plot out.png`

@@ -160,3 +160,54 @@ def test_rescaled_keeps_the_ranking():
     half = profile.rescaled(0.3)
     assert half.ratio.mean() == pytest.approx(0.3)
     assert (np.argsort(half.ratio.ravel()) == np.argsort(profile.ratio.ravel())).all()
+
+
+def _set(data: dict, dotted: str, value) -> dict:
+    *parents, leaf = dotted.split(".")
+    node = data
+    for key in parents:
+        node = node[key]
+    node[leaf] = value
+    return data
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("model.num_layers", "4", "model.num_layers='4' must be an integer"),
+        ("model.num_layers", math.inf, "model.num_layers=inf must be an integer"),
+        ("sink_tokens", 3.7, "sink_tokens=3.7 must be an integer"),
+        ("recent_window", True, "recent_window=True must be an integer"),
+        ("target_ratio", "0.25", "target_ratio='0.25' must be a number"),
+        ("grouping.page_group_size", 2.5, "grouping.page_group_size=2.5 must be an integer"),
+        ("stats.num_samples", "50", "stats.num_samples='50' must be an integer"),
+        ("scorer", 3, "scorer=3 must be a string"),
+        ("model", [1, 2], "model must be a JSON object"),
+        ("stats", "x", "stats must be a JSON object"),
+        ("provenance", "abc", "provenance must be a JSON object"),
+        ("ratio", [["0.5"] * H] * L, "ratio must be a 2-D list of numbers"),
+        ("ratio", [[0.5] * H] * (L - 1) + [[0.5] * (H - 1)], "ratio must be a 2-D list"),
+        ("ratio", [[None] * H] * L, "ratio must be a 2-D list of numbers"),
+    ],
+    ids=lambda v: str(v)[:20],
+)
+def test_mistyped_fields_are_named_not_coerced(field, value, message):
+    with pytest.raises(ProfileError) as exc:
+        BudgetProfile.from_dict(_set(as_dict(), field, value))
+    assert message in str(exc.value)
+
+
+def test_unreadable_path_is_a_profile_error(tmp_path):
+    (tmp_path / "dir.json").mkdir()
+    with pytest.raises(ProfileError, match="dir.json: cannot read the profile file"):
+        BudgetProfile.load(tmp_path / "dir.json")
+
+
+def test_cluster_ids_with_a_gap_are_rejected():
+    data = as_dict()
+    last = max(max(row) for row in data["grouping"]["cluster_of"])
+    data["grouping"]["cluster_of"] = [
+        [c + 3 if c == last else c for c in row] for row in data["grouping"]["cluster_of"]
+    ]
+    with pytest.raises(ProfileError, match=rf"grouping.cluster_of skips group ids \[{last}, "):
+        BudgetProfile.from_dict(data)
