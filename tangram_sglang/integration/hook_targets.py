@@ -70,6 +70,43 @@ HOOKS: tuple[HookTarget, ...] = (
         body="tangram_sglang.integration.hooks:add_tangram_init_info",
         purpose="put the resolved Tangram settings into scheduler_info, hence /server_info",
     ),
+    HookTarget(
+        target="sglang.srt.managers.scheduler.Scheduler.get_internal_state",
+        hook_type="after",
+        body="tangram_sglang.integration.hooks:add_tangram_pool_state",
+        purpose="live pool numbers (pages, bytes held vs full KV) in /server_info",
+    ),
+    HookTarget(
+        target="sglang.srt.model_executor.pool_configurator.DefaultPoolConfigurator"
+        "._compute_cell_size",
+        hook_type="around",
+        body="tangram_sglang.integration.hooks:tangram_cell_size",
+        purpose="size logical token slots by Tangram bytes per token (capacity gain)",
+    ),
+    HookTarget(
+        target="sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator._build_mha_kv_pool",
+        hook_type="around",
+        body="tangram_sglang.integration.hooks:tangram_kv_pool",
+        purpose="no full-size token K/V buffers; allocate the Tangram page pool instead",
+    ),
+    HookTarget(
+        target="sglang.srt.mem_cache.memory_pool.ReqToTokenPool.free",
+        hook_type="before",
+        body="tangram_sglang.integration.hooks:release_tangram_row",
+        purpose="free a request row's pages on finish, abort and retraction",
+    ),
+    HookTarget(
+        target="sglang.srt.utils.common.support_triton",
+        hook_type="around",
+        body="tangram_sglang.integration.hooks:tangram_support_triton",
+        purpose="SGLang picks Triton req_to_token writers by backend name; not on CPU",
+    ),
+    HookTarget(
+        target="sglang.srt.managers.scheduler.Scheduler.init_req_max_new_tokens",
+        hook_type="after",
+        body="tangram_sglang.integration.hooks:refuse_too_large_request",
+        purpose="abort (HTTP 400) a request whose page footprint exceeds the whole pool",
+    ),
 )
 
 # Added by the pieces that own them, e.g.
@@ -77,7 +114,14 @@ HOOKS: tuple[HookTarget, ...] = (
 #                "tangram", "tangram_sglang.backend.factory", "the tangram attention backend")
 #   Registration("sglang.srt.mem_cache.registry._RADIX_CACHE_REGISTRY", "tangram",
 #                "tangram_sglang.radix.factory", "the tangram radix cache backend")
-REGISTRATIONS: tuple[Registration, ...] = ()
+REGISTRATIONS: tuple[Registration, ...] = (
+    Registration(
+        "sglang.srt.layers.attention.attention_registry.ATTENTION_BACKENDS",
+        "tangram",
+        "tangram_sglang.backend.attention_backend",
+        "the tangram attention backend (compressed extend, ragged decode)",
+    ),
+)
 
 # dotted path -> parameter names (in order; () for a non-callable: dict, list, module).
 SEAMS: dict[str, tuple[str, ...]] = {
@@ -176,6 +220,9 @@ SEAMS: dict[str, tuple[str, ...]] = {
         "self", "selected_indices",
     ),
     "sglang.srt.managers.scheduler.Scheduler.get_init_info": ("self",),
+    "sglang.srt.managers.scheduler.Scheduler.get_internal_state": ("self", "recv_req"),
+    "sglang.srt.managers.scheduler.Scheduler.init_req_max_new_tokens": ("self", "req"),
+    "sglang.srt.utils.common.support_triton": ("backend",),
     # prefix cache
     "sglang.srt.mem_cache.registry.register_radix_cache_backend": ("name", "factory"),
     "sglang.srt.mem_cache.registry.registered_radix_cache_backends": (),

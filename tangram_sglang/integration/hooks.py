@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from tangram_sglang.integration import sglang_adapters
 from tangram_sglang.integration.server_args import (
     require_compressing_backend,
     summary_from_server_args,
@@ -34,4 +35,43 @@ def add_tangram_init_info(result: dict[str, Any], scheduler: Any) -> dict[str, A
         return None
     require_compressing_backend()
     result["tangram"] = summary_from_server_args(scheduler.server_args)
+    pool = sglang_adapters.pool_info_of(scheduler)
+    if pool is not None:
+        result["tangram"]["pool"] = pool
     return result
+
+
+def add_tangram_pool_state(result: Any, scheduler: Any, *args: Any, **kwargs: Any) -> None:
+    """AFTER ``Scheduler.get_internal_state``: live pool numbers under key ``tangram_pool``.
+
+    ``/server_info`` lists each scheduler's internal state (``internal_states[0]``), fresh per
+    call: pages total/used/free, bytes held vs full KV of the live tokens, last released row.
+    """
+    pool = sglang_adapters.pool_info_of(scheduler)
+    if pool is not None:  # result: GetInternalStateReqOutput, mutated in place
+        result.internal_state["tangram_pool"] = pool
+
+
+def tangram_cell_size(original: Any, *args: Any, **kwargs: Any) -> int:
+    """AROUND ``DefaultPoolConfigurator._compute_cell_size``: see ``sglang_adapters``."""
+    return sglang_adapters.compute_cell_size(original, *args, **kwargs)
+
+
+def tangram_kv_pool(original: Any, *args: Any, **kwargs: Any) -> Any:
+    """AROUND ``KVCacheConfigurator._build_mha_kv_pool``: see ``sglang_adapters``."""
+    return sglang_adapters.build_mha_kv_pool(original, *args, **kwargs)
+
+
+def release_tangram_row(*args: Any, **kwargs: Any) -> None:
+    """BEFORE ``ReqToTokenPool.free(self, req)``: release the row's pages (returns None)."""
+    sglang_adapters.release_row(*args, **kwargs)
+
+
+def tangram_support_triton(original: Any, *args: Any, **kwargs: Any) -> bool:
+    """AROUND ``sglang.srt.utils.common.support_triton``: see ``sglang_adapters``."""
+    return sglang_adapters.support_triton(original, *args, **kwargs)
+
+
+def refuse_too_large_request(result: Any, scheduler: Any, req: Any) -> None:
+    """AFTER ``Scheduler.init_req_max_new_tokens``: abort a request larger than the pool."""
+    sglang_adapters.refuse_too_large(scheduler, req)

@@ -137,7 +137,35 @@ def check_flags(server_args: Any) -> None:
                 f"Drop {rule.flag} or drop --tangram."
             )
     config_from_server_args(server_args)
+    has_attention, has_radix = registered_backends()
+    if has_attention:
+        # Before we pick our backend: SGLang's per-model backend asserts would otherwise
+        # reject an unsupported model with a message about attention backends.
+        from sglang.srt.configs.model_config import ModelConfig
+
+        _check_model_kind(ModelConfig.from_server_args(server_args))  # not cached on purpose
+        force_milestone_settings(server_args, has_radix)
     select_tangram_backends(server_args)
+
+
+def force_milestone_settings(server_args: Any, has_radix: bool) -> None:
+    """Turn off what this version of the backend cannot run yet (logged at INFO).
+
+    * radix cache, while no ``tangram`` radix cache backend is registered: reuse of compressed
+      history (DESIGN.md §5) lands with it; until then every request is prefilled (and
+      compressed) from scratch, so SGLang must not match prefixes whose K/V are in no tree
+      (``disable_radix_cache``).
+    * overlap scheduling: the scheduler would free a finished request's row while the next
+      batch, still holding it, runs (``disable_overlap_schedule``).
+    """
+    if not has_radix and not server_args.disable_radix_cache:
+        server_args.disable_radix_cache = True
+        logger.info("Tangram: radix cache disabled (--disable-radix-cache); reuse of compressed "
+                    "history across turns lands later")  # fmt: skip
+    if not server_args.disable_overlap_schedule:
+        server_args.disable_overlap_schedule = True
+        logger.info("Tangram: overlap scheduling disabled (--disable-overlap-schedule); the "
+                    "backend frees a row's pages when SGLang frees the row")  # fmt: skip
 
 
 def registered_backends() -> tuple[bool, bool]:

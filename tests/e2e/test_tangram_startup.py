@@ -1,8 +1,8 @@
 """Start-up of the real ``python -m sglang.launch_server --tangram`` on CPU (patched sglang).
 
 Bad inputs stop the server before it serves, with the message naming the problem; a good
-profile starts it and ``/server_info`` shows the Tangram settings (ServerArgs fields plus the
-scheduler's resolved summary).
+profile starts it on the ``tangram`` attention backend and ``/server_info`` shows the Tangram
+settings (ServerArgs fields plus the scheduler's resolved summary and pool numbers).
 """
 
 from __future__ import annotations
@@ -61,11 +61,19 @@ def test_incompatible_flag_refuses_to_start(smollm2_path, tmp_path, smollm2_iden
     assert "ConfigError: --enable-mixed-chunk True cannot be combined with --tangram" in log
 
 
-def test_valid_tangram_setup_refuses_while_no_backend_compresses(smollm2_path, tmp_path,
-                                                                smollm2_identity):  # fmt: skip
-    """Flags and profile are valid, but nothing would compress: start-up stops, never claims it."""
+def test_valid_tangram_setup_starts_with_the_tangram_backend(smollm2_path, tmp_path,
+                                                             smollm2_identity):  # fmt: skip
+    """Flags and profile are valid: the server starts on the compressing backend and says so."""
     profile = write_profile(tmp_path / "good.json", smollm2_identity)
     args = ["--tangram", "--tangram-profile", profile, "--tangram-page-size", "8",
             "--tangram-target-ratio", "0.4"]  # fmt: skip
-    log = start_fails(smollm2_path, args, "tangram-e2e-no-backend")
-    assert "cannot compress the KV cache; the flags and the profile are valid" in log
+    with SGLangServer(smollm2_path, args=args, log_path="/tmp/tangram-e2e-info.log") as server:
+        info = server.server_info()
+    assert info["tangram_page_size"] == 8 and info["tangram_target_ratio"] == 0.4
+    assert info["attention_backend"] == "tangram" and info["disable_radix_cache"] is True
+    summary = info["tangram"]  # the scheduler's resolved summary, with the pool
+    assert summary["page_size"] == 8 and summary["mean_kept_ratio"] == pytest.approx(0.4)
+    assert summary["pool"]["pages_used"] == 0 and summary["pool"]["pages_total"] > 0
+    log = server.log_path.read_text()
+    assert "Tangram KV pool:" in log and "full-size token K/V buffers not allocated" in log
+    assert "reuse of compressed history across turns lands later" in log

@@ -16,7 +16,7 @@ import pytest
 from tangram_sglang.config import DEFAULT_PAGE_SIZE
 from tangram_sglang.errors import ConfigError, ProfileError
 from tangram_sglang.integration import plugin
-from tangram_sglang.integration.hook_targets import HOOKS
+from tangram_sglang.integration.hook_targets import HOOKS, REGISTRATIONS
 from tangram_sglang.integration.server_args import (
     INCOMPATIBLE_FLAGS,
     profile_from_server_args,
@@ -153,7 +153,8 @@ def test_plugin_hooks_applied_in_process(patched_sglang, smollm2_path, smollm2_p
                                          tangram_backends_registered):  # fmt: skip
     args = make_args(patched_sglang, smollm2_path, smollm2_profile)  # runs ensure_active()
     assert plugin.state().active and plugin.verify() == []
-    assert plugin.state().verified == [row.target for row in HOOKS]
+    registered = [f"{reg.registry}[{reg.key!r}]" for reg in REGISTRATIONS]
+    assert plugin.state().verified == [row.target for row in HOOKS] + registered
     from sglang.srt.managers.scheduler import Scheduler
 
     scheduler = SimpleNamespace(server_args=args, max_total_num_tokens=64,

@@ -1,0 +1,286 @@
+"""TangramAttnBackend: SGLang's ``tangram`` attention backend over the compressed, ragged pool.
+
+Plan per batch (``init_forward_metadata``: reserve/allocate the batch's pages through
+:class:`~tangram_sglang.backend.state.TangramState`, build :mod:`metadata` once), run per layer:
+
+* ``forward_extend``: the new tokens attend to the row's compressed history pages + the causal
+  new tokens (K/V of the new tokens stay transient, never in the pool); the profile's scorer
+  scores the observation window (normalised by the extend ``lse``: history + new); every KV head
+  keeps its own top ``k_g`` (``k_g = kept_len(n, group ratio)``); only the kept K/V are written
+  into the reserved pages. After the last layer each group's length grows by ``k_g``.
+* ``forward_decode``: the new token's K/V go into its slot of every group, then ragged decode.
+
+Positions are SGLang's logical positions (RoPE is applied to q/k by the model before this
+backend sees them), so K is cached after RoPE. GQA: query heads ``h*gqa ... (h+1)*gqa-1`` read
+KV head h. CPU runs :mod:`tangram_sglang.kernels.reference`; CUDA runs the Triton kernels.
+CUDA graphs are not implemented yet (the backend plans with host lists; eager only).
+
+Importing this module registers the backend as ``"tangram"`` in SGLang's attention registry and
+its ``--attention-backend`` choices (the plugin's ``REGISTRATIONS`` row imports it).
+
+Source: Tangram arXiv 2606.06302 (Budget Reservation, Ragged Paging, AOT load balancing);
+notes/INTERFACES.md; SGLang ``TorchNativeAttnBackend`` (template).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+import torch
+from sglang.srt.layers.attention.attention_registry import register_attention_backend
+from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
+from sglang.srt.server_args import add_attention_backend_choices
+
+from tangram_sglang.backend import metadata as md
+from tangram_sglang.backend.compress import batch_kept_indices
+from tangram_sglang.backend.state import TangramState
+from tangram_sglang.errors import ConfigError, KernelError
+from tangram_sglang.kernels import reference
+from tangram_sglang.mem.manager import TangramMemory
+
+if TYPE_CHECKING:
+    from sglang.srt.layers.radix_attention import RadixAttention
+    from sglang.srt.model_executor.forward_batch_info import ForwardBatch
+    from sglang.srt.model_executor.model_runner import ModelRunner
+
+BACKEND_NAME = "tangram"
+
+
+def tangram_state_of(model_runner: ModelRunner) -> TangramState:
+    """The runner's TangramState, built once from the Tangram KV pool (start-up).
+
+    The state is stored on the pool (one per server) and on the ``ReqToTokenPool`` (whose
+    ``free`` hook releases a row's pages).
+
+    Raises:
+        ConfigError: the runner's KV pool is not Tangram's (server started without --tangram).
+    """
+    pool = model_runner.token_to_kv_pool
+    kv_pool = getattr(pool, "tangram_kv_pool", None)
+    if kv_pool is None:
+        raise ConfigError(
+            f"--attention-backend {BACKEND_NAME} reads Tangram's compressed KV pool, but the KV "
+            f"pool is {type(pool).__name__}; start the server with --tangram"
+        )
+    if pool.tangram_state is None:
+        req_pool = model_runner.req_to_token_pool
+        max_context = int(req_pool.req_to_token.shape[1])
+        memory = TangramMemory(
+            pool.tangram_profile, kv_pool.page_size, kv_pool.num_pages,
+            max_rows=int(req_pool.req_to_token.shape[0]),
+            max_pages_per_group=math.ceil(max_context / kv_pool.page_size),
+            kv_pool=kv_pool, device=kv_pool.k_pool.device,
+        )  # fmt: skip
+        pool.tangram_state = TangramState(memory, pool.full_kv_bytes_per_token, model_runner.device)
+        req_pool.tangram_state = pool.tangram_state
+    return pool.tangram_state
+
+
+class TangramAttnBackend(AttentionBackend):
+    """The ``tangram`` attention backend (one per model runner).
+
+    Args:
+        model_runner: SGLang's ``ModelRunner``; its ``token_to_kv_pool`` must be the Tangram pool
+            (``integration.sglang_adapters.TangramTokenToKVPool``).
+
+    Raises:
+        ConfigError: the KV pool is not Tangram's.
+    """
+
+    def __init__(self, model_runner: ModelRunner) -> None:
+        super().__init__()
+        self.device = torch.device(model_runner.device)
+        self.state = tangram_state_of(model_runner)
+        self.memory = self.state.memory
+        self.k_pool = self.memory.kv_pool.k_pool
+        self.v_pool = self.memory.kv_pool.v_pool
+        self.last_layer = self.state.profile.model.num_layers - 1
+        self.group_of_head_host = self.state.profile.grouping.cluster_of
+        self.forward_metadata: md.TangramForwardMetadata | None = None
+        self.kernels = _kernels_for(self.device, self.state, model_runner)
+
+    def support_triton(self) -> bool:
+        """Whether SGLang may run its Triton helpers (``req_to_token`` writes): CUDA only."""
+        return self.device.type == "cuda"
+
+    # ---- plan (per batch) ----------------------------------------------------------------------
+    def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
+        """Reserve/allocate the batch's pages and build the per-batch tensors (once per batch)."""
+        mode = forward_batch.forward_mode
+        if mode.is_idle():
+            self.forward_metadata = None
+            return
+        rows = forward_batch.req_pool_indices.tolist()
+        if mode.is_decode():
+            seq_lens = forward_batch.seq_lens_cpu.tolist()
+            self.state.begin_decode(rows, seq_lens)
+            table = self.memory.table
+            self.forward_metadata = md.decode_metadata(
+                rows, table.pages, table.lens, self.memory.page_size, self.device
+            )
+        elif mode.is_extend() and not mode.is_mixed():
+            extend_lens = list(forward_batch.extend_seq_lens_cpu)
+            prefix_lens = list(forward_batch.extend_prefix_lens_cpu)
+            kept = self.state.begin_extend(rows, extend_lens, prefix_lens)
+            self.forward_metadata = md.extend_metadata(rows, extend_lens, kept, self.device)
+        else:
+            raise ConfigError(f"the {BACKEND_NAME} backend does not run forward mode {mode.name}")
+
+    # ---- run (per layer) ----------------------------------------------------------------------
+    def forward_extend(self, q, k, v, layer: RadixAttention, forward_batch: ForwardBatch,
+                       save_kv_cache: bool = True, **kwargs) -> torch.Tensor:  # fmt: skip
+        """Attention of the new tokens over compressed history + causal new tokens; keep top-k_g.
+
+        Args:
+            q: ``[num_tokens, num_qo_heads * D]``; k, v: ``[num_tokens, H_kv * D]`` (post-RoPE).
+
+        Returns:
+            ``[num_tokens, num_qo_heads * D]``.
+        """
+        meta = self._meta(md.EXTEND, save_kv_cache)
+        lid = layer.layer_id
+        q3, k3, v3 = _split_heads(q, k, v, layer)
+        goh, coh = self.state.group_of_head[lid], self.state.column_of_head[lid]
+        out, lse = self.kernels.extend(
+            q3, k3, v3, meta.qo_indptr, self.k_pool, self.v_pool, self.memory.table.page_table,
+            self.memory.table.group_len, meta.req_rows, goh, coh, layer.scaling,
+            meta.max_extend_len,
+        )  # fmt: skip
+        profile = self.state.profile
+        kept_idx = batch_kept_indices(
+            self.state.scorer, q3, k3, lse, meta.bounds,
+            meta.kept_per_head(self.group_of_head_host[lid]), layer.scaling,
+            profile.sink_tokens, profile.recent_window,
+        )  # fmt: skip
+        self.kernels.kv_write(
+            k3, v3, meta.qo_indptr, kept_idx, meta.kept_count, self.k_pool, self.v_pool,
+            self.memory.table.page_table, self.memory.table.group_len, meta.req_rows, goh, coh,
+        )  # fmt: skip
+        if lid == self.last_layer:
+            self.state.commit_extend(meta.req_rows.tolist())
+        return out.reshape(out.shape[0], -1)
+
+    def forward_decode(self, q, k, v, layer: RadixAttention, forward_batch: ForwardBatch,
+                       save_kv_cache: bool = True, **kwargs) -> torch.Tensor:  # fmt: skip
+        """Write the new token into its group slots, then ragged decode over the kept tokens.
+
+        Args:
+            q: ``[bs, num_qo_heads * D]``; k, v: ``[bs, H_kv * D]`` (post-RoPE).
+
+        Returns:
+            ``[bs, num_qo_heads * D]``.
+        """
+        meta = self._meta(md.DECODE, save_kv_cache)
+        lid = layer.layer_id
+        q3, k3, v3 = _split_heads(q, k, v, layer)
+        goh, coh = self.state.group_of_head[lid], self.state.column_of_head[lid]
+        md.write_decode_token(self.k_pool, self.v_pool, k3, v3, meta, goh, coh)
+        out = self.kernels.decode(
+            q3, self.k_pool, self.v_pool, self.memory.table.page_table,
+            self.memory.table.group_len, meta.req_rows, goh, coh, layer.scaling, lid,
+        )  # fmt: skip
+        return out.reshape(out.shape[0], -1)
+
+    def _meta(self, mode: str, save_kv_cache: bool) -> md.TangramForwardMetadata:
+        meta = self.forward_metadata
+        if meta is None or meta.mode != mode:
+            raise KernelError(f"{BACKEND_NAME}: forward_{mode} without a {mode} plan for the batch")
+        if not save_kv_cache:
+            raise KernelError(
+                f"{BACKEND_NAME}: save_kv_cache=False is not supported (the backend owns the "
+                "kept-KV write); this model path writes K/V elsewhere"
+            )
+        return meta
+
+
+def _split_heads(q, k, v, layer) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``[T, H*D]`` -> ``[T, H, D]`` views of q, k, v (contiguous copies if needed)."""
+    if layer.qk_head_dim != layer.v_head_dim:
+        raise KernelError(f"{BACKEND_NAME}: qk_head_dim != v_head_dim is not supported")
+    return (
+        q.reshape(-1, layer.tp_q_head_num, layer.qk_head_dim).contiguous(),
+        k.reshape(-1, layer.tp_k_head_num, layer.qk_head_dim).contiguous(),
+        v.reshape(-1, layer.tp_v_head_num, layer.v_head_dim).contiguous(),
+    )
+
+
+class _ReferenceKernels:
+    """CPU path: :mod:`tangram_sglang.kernels.reference` (also the tests' oracle)."""
+
+    def extend(self, q, k, v, qo_indptr, k_pool, v_pool, page_table, group_len, rows, goh, coh,
+               sm_scale, max_extend_len):  # fmt: skip
+        return reference.extend_reference(
+            q, k, v, qo_indptr, k_pool, v_pool, page_table, group_len, rows, goh, coh, sm_scale
+        )
+
+    def kv_write(self, *args) -> None:
+        reference.kv_write_reference(*args)
+
+    def decode(self, q, k_pool, v_pool, page_table, group_len, rows, goh, coh, sm_scale, lid):
+        return reference.decode_reference(
+            q, k_pool, v_pool, page_table, group_len, rows, goh, coh, sm_scale
+        )
+
+
+class _TritonKernels(_ReferenceKernels):
+    """CUDA path: the Triton extend, kv-write and AOT-split ragged decode kernels.
+
+    Split tables and the decode scratch are built once here (start-up). Not yet exercised by an
+    end-to-end GPU run (see notes/ISSUE6-STATUS.md).
+    """
+
+    def __init__(self, state: TangramState, max_batch_size: int, device: torch.device) -> None:
+        from tangram_sglang.kernels.decode_attention import decode_scratch
+        from tangram_sglang.kernels.split_table import build_split_tables
+
+        profile = state.profile
+        num_sms = torch.cuda.get_device_properties(device).multi_processor_count
+        self.tables = build_split_tables(
+            profile.grouping, profile.group_ratios, num_sms, max_batch_size
+        ).to(device)
+        m = profile.model
+        self.mid_o, self.mid_lse = decode_scratch(
+            max_batch_size, m.num_qo_heads, self.tables.max_splits, m.head_dim, device
+        )
+
+    def extend(self, q, k, v, qo_indptr, k_pool, v_pool, page_table, group_len, rows, goh, coh,
+               sm_scale, max_extend_len):  # fmt: skip
+        from tangram_sglang.kernels.extend_attention import ragged_extend_attention
+
+        out = torch.empty_like(q)
+        lse = torch.empty(q.shape[0], q.shape[1], dtype=torch.float32, device=q.device)
+        return ragged_extend_attention(
+            q, k, v, qo_indptr, k_pool, v_pool, page_table, group_len, rows, goh, coh,
+            sm_scale, out, lse, max_extend_len,
+        )  # fmt: skip
+
+    def kv_write(self, *args) -> None:
+        from tangram_sglang.kernels.kv_write import write_kept_kv
+
+        write_kept_kv(*args)
+
+    def decode(self, q, k_pool, v_pool, page_table, group_len, rows, goh, coh, sm_scale, lid):
+        from tangram_sglang.kernels.decode_attention import ragged_decode_attention
+
+        table = self.tables.for_batch(q.shape[0]).layer(lid)
+        out = torch.empty_like(q)
+        return ragged_decode_attention(
+            q, k_pool, v_pool, page_table, group_len, rows, goh, coh, table, sm_scale, out,
+            self.mid_o, self.mid_lse,
+        )  # fmt: skip
+
+
+def _kernels_for(device: torch.device, state: TangramState, model_runner) -> _ReferenceKernels:
+    if device.type == "cuda":
+        return _TritonKernels(state, int(model_runner.req_to_token_pool.size), device)
+    return _ReferenceKernels()
+
+
+@register_attention_backend(BACKEND_NAME)
+def create_tangram_backend(runner: ModelRunner) -> TangramAttnBackend:
+    """SGLang attention-registry factory for ``--attention-backend tangram``."""
+    return TangramAttnBackend(runner)
+
+
+add_attention_backend_choices([BACKEND_NAME])

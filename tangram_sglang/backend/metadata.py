@@ -1,0 +1,136 @@
+"""TangramForwardMetadata: the per-batch tensors, built once in ``init_forward_metadata``.
+
+Every layer's ``forward_extend`` / ``forward_decode`` only reads them (plan once, run many:
+FlashInfer ``plan``/``run``, SGLang ``ForwardMetadata``). No sglang import: the backend passes
+plain lists and arrays taken from the ``ForwardBatch`` and the memory's host mirror.
+
+Extend batch (one segment per request)::
+
+    req_rows   int32 [bs]         page-table rows (SGLang req_pool_indices)
+    qo_indptr  int32 [bs + 1]     request i owns new tokens qo_indptr[i]:qo_indptr[i+1]
+    kept_count int32 [bs, G]      k_g of each request's segment (tokens)
+    bounds     host list          qo_indptr on the host (per-request loops, no device sync)
+    kept_lens  host int64 [bs, G] same as kept_count
+
+Decode batch (one new token per request, already counted in group_len)::
+
+    req_rows   int32 [bs]
+    dest_page  int64 [bs, G]      page of the new token in each group's table
+    dest_slot  int64 [bs, G]      its slot in that page (tokens)
+
+Source: notes/INTERFACES.md (kernel calling conventions); STYLE.md §3 (plan once, run many).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+EXTEND = "extend"
+DECODE = "decode"
+
+
+@dataclass(slots=True)
+class TangramForwardMetadata:
+    """Per-batch plan read by every layer (see :func:`extend_metadata`, :func:`decode_metadata`)."""
+
+    mode: str  # EXTEND or DECODE
+    req_rows: torch.Tensor  # int32 [bs], device
+    qo_indptr: torch.Tensor | None  # int32 [bs + 1], device (extend)
+    bounds: list[int]  # host copy of qo_indptr (tokens; extend) or [] (decode)
+    kept_lens: np.ndarray | None  # int64 [bs, G] host (extend)
+    kept_count: torch.Tensor | None  # int32 [bs, G] device (extend)
+    dest_page: torch.Tensor | None  # int64 [bs, G] device (decode)
+    dest_slot: torch.Tensor | None  # int64 [bs, G] device (decode)
+    max_extend_len: int  # longest segment of the batch (tokens; 0 for decode)
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.req_rows.shape[0])
+
+    def kept_per_head(self, group_of_head: np.ndarray) -> list[list[int]]:
+        """Per request, ``k_g`` of each KV head of one layer (``group_of_head`` int ``[H_kv]``)."""
+        assert self.kept_lens is not None, "kept_per_head is for extend batches"
+        return self.kept_lens[:, np.asarray(group_of_head, np.int64)].tolist()
+
+
+def extend_metadata(
+    rows: list[int], extend_lens: list[int], kept_lens: np.ndarray, device: torch.device | str
+) -> TangramForwardMetadata:
+    """Plan an extend batch.
+
+    Args:
+        rows: ``bs`` request rows (req_pool_idx).
+        extend_lens: ``bs`` segment lengths (tokens).
+        kept_lens: int ``[bs, num_head_groups]`` kept tokens per group (from ``alloc_extend``).
+        device: attention device.
+    """
+    bounds = np.concatenate([[0], np.cumsum(np.asarray(extend_lens, np.int64))]).tolist()
+    kept = np.asarray(kept_lens, np.int64).reshape(len(rows), -1)
+    return TangramForwardMetadata(
+        mode=EXTEND,
+        req_rows=torch.tensor(rows, dtype=torch.int32, device=device),
+        qo_indptr=torch.tensor(bounds, dtype=torch.int32, device=device),
+        bounds=bounds,
+        kept_lens=kept,
+        kept_count=torch.from_numpy(kept).to(device=device, dtype=torch.int32),
+        dest_page=None,
+        dest_slot=None,
+        max_extend_len=max(extend_lens, default=0),
+    )
+
+
+def decode_metadata(
+    rows: list[int], pages: np.ndarray, lens: np.ndarray, page_size: int, device: torch.device | str
+) -> TangramForwardMetadata:
+    """Plan a decode batch from the memory's host mirror (after ``alloc_decode``).
+
+    Args:
+        rows: ``bs`` request rows.
+        pages: int ``[max_rows, G, max_pages_per_group]`` host page table.
+        lens: int ``[max_rows, G]`` host kept lengths, INCLUDING the new token.
+        page_size: tokens per page.
+        device: attention device.
+    """
+    r = np.asarray(rows, np.int64)
+    last = lens[r] - 1  # [bs, G] slot index of the new token in each group
+    groups = np.arange(lens.shape[1])
+    page = pages[r[:, None], groups[None, :], last // page_size]
+    return TangramForwardMetadata(
+        mode=DECODE,
+        req_rows=torch.tensor(rows, dtype=torch.int32, device=device),
+        qo_indptr=None,
+        bounds=[],
+        kept_lens=None,
+        kept_count=None,
+        dest_page=torch.from_numpy(np.ascontiguousarray(page)).to(device),
+        dest_slot=torch.from_numpy(np.ascontiguousarray(last % page_size)).to(device),
+        max_extend_len=0,
+    )
+
+
+def write_decode_token(
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    meta: TangramForwardMetadata,
+    group_of_head: torch.Tensor,
+    column_of_head: torch.Tensor,
+) -> None:
+    """Write each request's new token K/V into its group slot (per layer, decode).
+
+    Args:
+        k_pool, v_pool: ``[num_pages, H_p, page_size, D]``, written in place.
+        k, v: ``[bs, H_kv, D]`` the new token's K (post-RoPE) and V, the pool's dtype.
+        meta: the decode plan (``dest_page``, ``dest_slot``).
+        group_of_head, column_of_head: int32 ``[H_kv]`` of the layer.
+    """
+    groups = group_of_head.long()
+    page = meta.dest_page[:, groups]  # [bs, H_kv]
+    slot = meta.dest_slot[:, groups]
+    col = column_of_head.long()[None, :].expand_as(page)
+    k_pool[page, col, slot] = k
+    v_pool[page, col, slot] = v

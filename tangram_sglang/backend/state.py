@@ -1,0 +1,252 @@
+"""TangramState: one server's pool, side tables and per-request bookkeeping (no sglang import).
+
+Built once at start-up by the attention backend (from the pool the KV-cache hook allocated) and
+shared with the hooks that free a request row. It drives :class:`~tangram_sglang.mem.manager.
+TangramMemory` per batch, in the order the forward needs::
+
+    extend batch:  begin_extend(rows)  -> admit / admit_chunk + alloc_extend (pages reserved,
+                   [forward: every layer reads history lens, writes kept K/V]
+                   commit_extend(rows) -> group_len += k_g          after the last layer)
+    decode batch:  begin_decode(rows)  -> alloc_decode (group_len includes the new token)
+    row freed:     release(row)        -> every page of the row back to the free list
+
+Rows are SGLang's ``req_pool_idx``. Radix reuse is not in this version: every request starts
+from an empty table and ``release`` frees all its pages (nothing is handed to a tree).
+
+Source: Tangram arXiv 2606.06302 (Budget Reservation, Ragged Paging); notes/INTERFACES.md.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from tangram_sglang.errors import PoolError
+from tangram_sglang.mem.manager import TangramMemory
+from tangram_sglang.mem.reservation import decode_tail_tokens, group_pages_needed
+from tangram_sglang.profile import BudgetProfile
+from tangram_sglang.scoring.base import Scorer, get_scorer
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class RowRecord:
+    """What one finished (or aborted) request row held, for logs and ``/server_info``."""
+
+    row: int  # req_pool_idx
+    logical_tokens: int  # tokens SGLang counted for the request (prompt + decoded)
+    pages: int  # pages the row held when it was released
+    bytes_held: int  # pages * bytes per page (bytes, K and V)
+    full_kv_bytes: int  # what SGLang's uniform per-token pool would hold (bytes)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready dict (plus ``held_fraction`` = bytes_held / full_kv_bytes)."""
+        frac = self.bytes_held / self.full_kv_bytes if self.full_kv_bytes else 0.0
+        return {
+            "row": self.row, "logical_tokens": self.logical_tokens, "pages": self.pages,
+            "bytes_held": self.bytes_held, "full_kv_bytes": self.full_kv_bytes,
+            "held_fraction": frac,
+        }  # fmt: skip
+
+
+def build_scorer(profile: BudgetProfile) -> Scorer:
+    """The profile's scorer with the options it was calibrated with (``provenance``).
+
+    Raises:
+        ConfigError: unknown scorer or option.
+    """
+    options = dict(profile.provenance.get("scorer_options") or {})
+    probe = get_scorer(profile.scorer)
+    known = set(getattr(type(probe), "__dataclass_fields__", {})) - {"name"}
+    return get_scorer(profile.scorer, **{k: v for k, v in options.items() if k in known})
+
+
+def layer_maps(profile: BudgetProfile, device: torch.device | str) -> tuple[torch.Tensor, ...]:
+    """int32 ``[num_layers, H_kv]`` group_of_head and column_of_head on ``device`` (start-up)."""
+    grouping = profile.grouping
+    return tuple(
+        torch.as_tensor(m, dtype=torch.int32, device=device).contiguous()
+        for m in (grouping.cluster_of, grouping.column_of)
+    )
+
+
+def chunked_footprint_pages(
+    profile: BudgetProfile, page_size: int, prompt_len: int, max_new_tokens: int,
+    chunk_tokens: int,
+) -> int:  # fmt: skip
+    """Pages a request needs from an empty table: prefill chunks + ``T - 1`` decode tokens.
+
+    Each chunk of a chunked prefill is a segment (its own ``k_g``); a group's chunks and decode
+    tail are dense in one page list, so its pages are ``ceil(sum of its tokens / page_size)``.
+
+    Args:
+        profile: the budget profile.
+        page_size: tokens per page.
+        prompt_len: prompt tokens (all prefilled: no radix reuse in this version).
+        max_new_tokens: T (tokens).
+        chunk_tokens: SGLang's chunked-prefill size (tokens); <= 0 = the prompt is one segment.
+
+    Returns:
+        Pages (exact, the same rounding as ``mem.reservation.group_pages_needed``).
+    """
+    chunk = prompt_len if chunk_tokens <= 0 else int(chunk_tokens)
+    total = np.zeros(profile.grouping.num_head_groups, np.int64)
+    for start in range(0, prompt_len, max(chunk, 1)):
+        total += profile.group_kept_lens(min(chunk, prompt_len - start))
+    total += decode_tail_tokens(max_new_tokens)
+    zeros = np.zeros_like(total)
+    return int(group_pages_needed(zeros, zeros.astype(bool), total, page_size).sum())
+
+
+class TangramState:
+    """Per-server Tangram runtime: memory facade, layer maps, scorer, row bookkeeping.
+
+    Args:
+        memory: the pool facade (owns pages, tables, reservations).
+        full_kv_bytes_per_token: bytes SGLang's uniform pool spends per token, all layers, K+V.
+        device: attention device (layer maps live there).
+    """
+
+    def __init__(
+        self, memory: TangramMemory, full_kv_bytes_per_token: int, device: torch.device | str
+    ) -> None:
+        self.memory = memory
+        self.profile = memory.profile
+        self.scorer = build_scorer(self.profile)
+        self.group_of_head, self.column_of_head = layer_maps(self.profile, device)
+        self.full_kv_bytes_per_token = int(full_kv_bytes_per_token)  # bytes per logical token
+        self.logical_tokens = np.zeros(len(memory.rids), np.int64)  # per row (tokens)
+        self.start_free_pages = memory.allocator.num_free()  # pages
+        self.num_released = 0  # requests released since start-up
+        self.last_release: RowRecord | None = None
+
+    # ---- per batch ---------------------------------------------------------------------------
+    def begin_extend(
+        self, rows: list[int], extend_lens: list[int], prefix_lens: list[int]
+    ) -> np.ndarray:
+        """Reserve and allocate each row's segment pages (before the forward).
+
+        A row without a table is a new request (admitted with no decode reservation: decode
+        growth takes unreserved pages); a row with one continues a chunked prefill.
+
+        Returns:
+            int64 ``[bs, num_head_groups]``: kept tokens per group of each segment.
+
+        Raises:
+            RequestTooLargeError: a segment needs more pages than the whole pool.
+            PoolError: the pages are not free now (admission did not hold them back).
+        """
+        kept = np.zeros((len(rows), self.memory.num_head_groups), np.int64)
+        for i, (row, n, prefix) in enumerate(zip(rows, extend_lens, prefix_lens, strict=True)):
+            active = self.memory.rids[row] is not None
+            if active and prefix == 0:
+                logger.warning("Tangram: row %d was not released before reuse; freeing it", row)
+                self.release(row)
+                active = False
+            if active:
+                res = self.memory.admit_chunk(row, n, 0)
+            else:
+                res = self.memory.admit(row, f"row{row}", n, 0)
+            if res is None:
+                raise PoolError(
+                    f"Tangram pool: segment of {n} tokens (row {row}) does not fit: "
+                    f"{self.memory.ledger.unreserved_free()} unreserved pages free; lower "
+                    "--max-running-requests / --max-total-tokens until page admission lands"
+                )
+            kept[i] = self.memory.alloc_extend(row, n).kept_len
+            self.logical_tokens[row] = prefix + n
+        return kept
+
+    def commit_extend(self, rows: list[int]) -> None:
+        """After the last layer wrote its kept K/V: each group's length grows by ``k_g``."""
+        for row in rows:
+            self.memory.commit_extend(row)
+
+    def begin_decode(self, rows: list[int], seq_lens: list[int]) -> None:
+        """Append one decode token to every group of each row (before the forward).
+
+        Raises:
+            PoolError: out of pages (the message says what to lower).
+        """
+        if not self.memory.can_decode(rows):
+            raise PoolError(
+                f"Tangram pool: decode step of rows {rows} needs pages but only "
+                f"{self.memory.ledger.unreserved_free()} are free; lower "
+                "--max-running-requests until decode retraction in pages lands"
+            )
+        self.memory.alloc_decode(rows)
+        self.logical_tokens[rows] = seq_lens
+
+    # ---- admission checks --------------------------------------------------------------------
+    def footprint_pages(self, prompt_len: int, max_new_tokens: int, chunk_tokens: int) -> int:
+        """Pages a new request needs (see :func:`chunked_footprint_pages`)."""
+        return chunked_footprint_pages(
+            self.profile, self.memory.page_size, prompt_len, max_new_tokens, chunk_tokens
+        )
+
+    def too_large(self, prompt_len: int, max_new_tokens: int, chunk_tokens: int) -> str | None:
+        """Error message when the request needs more pages than the whole pool, else None."""
+        need = self.footprint_pages(prompt_len, max_new_tokens, chunk_tokens)
+        usable = self.memory.allocator.num_usable_pages
+        if need <= usable:
+            return None
+        return (
+            f"Tangram: request needs {need} KV pages ({prompt_len} prompt tokens, max_new_tokens "
+            f"{max_new_tokens}) but the whole pool holds {usable}; shorten the prompt or "
+            "max_new_tokens, or give the server more KV memory"
+        )
+
+    # ---- end of a request --------------------------------------------------------------------
+    def release(self, row: int) -> RowRecord | None:
+        """Free every page of ``row`` (finish, abort or retraction); None if it holds none.
+
+        Ownership: the row's pages go back to the free list (no radix tree holds them).
+        """
+        if not 0 <= row < len(self.memory.rids) or self.memory.rids[row] is None:
+            return None
+        usage = self.memory.row_usage(row)
+        tokens = int(self.logical_tokens[row])
+        record = RowRecord(
+            row, tokens, usage.own_pages, usage.own_pages * self.memory.bytes_per_page,
+            tokens * self.full_kv_bytes_per_token,
+        )  # fmt: skip
+        self.memory.abort(row)
+        self.logical_tokens[row] = 0
+        self.num_released += 1
+        self.last_release = record
+        stats = self.memory.stats()
+        logger.info(
+            "Tangram: released row %d: %d tokens, %d pages (%d bytes) vs full KV %d bytes "
+            "(%.3f); pool %d/%d pages used", row, tokens, record.pages, record.bytes_held,
+            record.full_kv_bytes, record.to_dict()["held_fraction"], stats.used_pages,
+            stats.num_usable_pages,
+        )  # fmt: skip
+        return record
+
+    # ---- reports -----------------------------------------------------------------------------
+    def pool_info(self) -> dict[str, Any]:
+        """Live pool numbers (pages, bytes held vs full KV of the live tokens); plain builtins."""
+        stats = self.memory.stats()
+        live_tokens = int(self.logical_tokens.sum())
+        return {
+            "pages_total": stats.num_usable_pages,
+            "pages_used": stats.used_pages,
+            "pages_free": stats.free_pages,
+            "pages_free_at_start": self.start_free_pages,
+            "peak_pages_used": stats.peak_used_pages,
+            "bytes_per_page": stats.bytes_per_page,
+            "pool_bytes": (stats.num_usable_pages + 1) * stats.bytes_per_page,
+            "bytes_held": stats.bytes_held,
+            "live_logical_tokens": live_tokens,
+            "full_kv_bytes_of_live_tokens": live_tokens * self.full_kv_bytes_per_token,
+            "full_kv_bytes_per_token": self.full_kv_bytes_per_token,
+            "fragmentation_fraction": stats.fragmentation_fraction,
+            "active_rows": stats.num_active_rows,
+            "requests_released": self.num_released,
+            "last_release": None if self.last_release is None else self.last_release.to_dict(),
+        }

@@ -1,0 +1,158 @@
+"""The real ``python -m sglang.launch_server --tangram`` on CPU: compressed KV, served end to end.
+
+* A profile with every ratio 1.0 keeps every token: greedy tokens of a 3-turn chat equal stock
+  SGLang's (DESIGN.md §7, the first correctness invariant).
+* The shipped 0.5 profile (chunked prefill of 128 tokens, so every chunk is a compressed
+  segment) answers, holds exactly the pages Budget Reservation predicts, and fewer bytes than
+  full KV; a request larger than the whole pool is refused (HTTP 400) while the server stays up;
+  free pages return to their start value once every request has ended.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import requests
+
+from tangram_sglang.backend.state import chunked_footprint_pages
+from tangram_sglang.grouping import HeadGrouping
+from tangram_sglang.profile import BudgetProfile, ModelIdentity
+from tangram_sglang.serving import SGLangServer
+
+pytestmark = pytest.mark.e2e
+
+PROFILE_05 = "calibration/smollm2/ada-snapkv-r0.5.json"
+CHUNK_TOKENS = 128  # --chunked-prefill-size of the 0.5 server
+MAX_TOTAL_TOKENS = 4096  # --max-total-tokens of the 0.5 server (logical token slots)
+TURNS = (
+    "My name is Ada and I live in Lyon. What is the capital of France?",
+    "And what is the capital of Italy?",
+    "What is my name, and which city do I live in?",
+)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(smollm2_path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(smollm2_path)
+
+
+def ratio_one_profile(path, smollm2_path) -> str:
+    model = ModelIdentity.from_hf_config(json.loads((smollm2_path / "config.json").read_text()))
+    ratio = np.ones((model.num_layers, model.num_kv_heads))
+    BudgetProfile(
+        model=model, scorer="ada-snapkv", target_ratio=1.0, ratio=ratio, sink_tokens=4,
+        recent_window=32, grouping=HeadGrouping.build(ratio, 4, "global"),
+    ).save(path)  # fmt: skip
+    return str(path)
+
+
+def greedy_chat(base_url: str, tokenizer, turns, max_new_tokens: int = 24) -> list[list[int]]:
+    """Token ids of each greedy reply; each turn sends the whole history (chat template)."""
+    messages, outputs = [], []
+    for user in turns:
+        messages.append({"role": "user", "content": user})
+        ids = tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=True, return_dict=True
+        )["input_ids"]
+        resp = generate(base_url, ids, max_new_tokens)
+        outputs.append(resp["output_ids"])
+        reply = tokenizer.decode(resp["output_ids"], skip_special_tokens=True)
+        messages.append({"role": "assistant", "content": reply})
+    return outputs
+
+
+def generate(base_url: str, input_ids: list[int], max_new_tokens: int) -> dict:
+    params = {"temperature": 0, "max_new_tokens": max_new_tokens}
+    resp = requests.post(f"{base_url}/generate", json={"input_ids": input_ids,
+                         "sampling_params": params}, timeout=600)  # fmt: skip
+    return resp.json()
+
+
+def pool_state(server: SGLangServer) -> dict:
+    return server.server_info()["internal_states"][0]["tangram_pool"]
+
+
+def test_ratio_one_profile_is_token_identical_to_stock(smollm2_path, tokenizer, tmp_path):
+    with SGLangServer(smollm2_path, log_path="/tmp/tangram-e2e-stock.log") as stock:
+        expected = greedy_chat(stock.base_url, tokenizer, TURNS)
+    profile = ratio_one_profile(tmp_path / "ratio1.json", smollm2_path)
+    args = ["--tangram", "--tangram-profile", profile]
+    with SGLangServer(smollm2_path, args=args, log_path="/tmp/tangram-e2e-r1.log") as server:
+        got = greedy_chat(server.base_url, tokenizer, TURNS)
+        pool = pool_state(server)
+    assert got == expected
+    assert pool["pages_free"] == pool["pages_free_at_start"]
+
+
+@pytest.fixture(scope="module")
+def server05(smollm2_path):
+    args = ["--tangram", "--tangram-profile", PROFILE_05, "--chunked-prefill-size",
+            str(CHUNK_TOKENS), "--max-total-tokens", str(MAX_TOTAL_TOKENS)]  # fmt: skip
+    with SGLangServer(smollm2_path, args=args, log_path="/tmp/tangram-e2e-r05.log") as srv:
+        yield srv
+
+
+def test_compressed_server_reports_its_pool(server05):
+    info = server05.server_info()
+    summary = info["tangram"]
+    assert summary["scorer"] == "ada-snapkv"
+    assert info["attention_backend"] == "tangram"
+    assert info["disable_radix_cache"] is True
+    pool = summary["pool"]
+    assert pool["pages_total"] > 0 and pool["pages_used"] == 0
+    # The pool takes the bytes SGLang gives the KV cache, sized in Tangram's cell.
+    cell = pool["full_kv_bytes_per_token"] * summary["padded_kept_ratio"]
+    assert pool["pool_bytes"] == pytest.approx(MAX_TOTAL_TOKENS * cell, rel=0.01)
+
+
+def test_compressed_server_answers(server05):
+    resp = requests.post(f"{server05.base_url}/v1/chat/completions", json={
+        "model": "default", "temperature": 0, "max_tokens": 24,
+        "messages": [{"role": "user", "content": "What is the capital of France?"}],
+    }, timeout=600).json()  # fmt: skip
+    assert "Paris" in resp["choices"][0]["message"]["content"]
+
+
+def test_long_prompt_holds_the_reserved_pages_and_fewer_bytes(server05, tokenizer):
+    notes = "Lyon is a city in France on the Rhone. " * 60
+    messages = [{"role": "user", "content": notes + "What is the capital of France?"}]
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                        return_dict=True)["input_ids"]  # fmt: skip
+    resp = generate(server05.base_url, ids, 16)
+    assert "Paris" in tokenizer.decode(resp["output_ids"])
+    pool = pool_state(server05)
+    record = pool["last_release"]
+    num_out = len(resp["output_ids"])
+    assert record["logical_tokens"] == len(ids) + num_out - 1  # the last token is never fed back
+    profile = BudgetProfile.load(PROFILE_05)
+    want = chunked_footprint_pages(profile, 16, len(ids), num_out, CHUNK_TOKENS)
+    assert record["pages"] == want  # exact to the page
+    assert record["bytes_held"] == want * pool["bytes_per_page"]
+    full = record["logical_tokens"] * pool["full_kv_bytes_per_token"]
+    assert record["full_kv_bytes"] == full
+    # 128-token segments keep sink + window (36 tokens) each, so above the long-prompt ratio.
+    assert record["held_fraction"] == pytest.approx(want * pool["bytes_per_page"] / full)
+    assert record["held_fraction"] < 0.85
+
+
+def test_request_larger_than_the_pool_is_refused_and_the_server_stays_up(server05):
+    resp = requests.post(f"{server05.base_url}/generate", json={
+        "input_ids": [1000 + i % 500 for i in range(MAX_TOTAL_TOKENS - 200)],
+        "sampling_params": {"temperature": 0, "max_new_tokens": 8},
+    }, timeout=600)  # fmt: skip
+    assert resp.status_code == 400, resp.text
+    assert "but the whole pool holds" in resp.text
+    ok = generate(server05.base_url, [1, 2, 3, 4], 4)
+    assert len(ok["output_ids"]) == 4
+
+
+def test_free_pages_return_to_the_start_value(server05):
+    pool = pool_state(server05)
+    assert pool["requests_released"] >= 3
+    assert pool["active_rows"] == 0
+    assert pool["pages_used"] == 0
+    assert pool["pages_free"] == pool["pages_free_at_start"]

@@ -1,0 +1,164 @@
+"""Backend pieces without SGLang: per-batch metadata, kept-token choice, TangramState lifecycle."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from tangram_sglang.backend import metadata as md
+from tangram_sglang.backend.compress import batch_kept_indices, segment_kept_indices
+from tangram_sglang.backend.state import TangramState, build_scorer, chunked_footprint_pages
+from tangram_sglang.grouping import HeadGrouping
+from tangram_sglang.kernels import reference
+from tangram_sglang.mem.manager import TangramMemory
+from tangram_sglang.profile import BudgetProfile, ModelIdentity
+from tangram_sglang.scoring.select import select_kept
+
+PAGE = 4
+MODEL = ModelIdentity("LlamaForCausalLM", num_layers=2, num_kv_heads=2, num_qo_heads=4,
+                      head_dim=16)  # fmt: skip
+RATIOS = np.array([[1.0, 0.5], [0.25, 0.5]])
+
+
+def make_profile(ratio=RATIOS, sink=1, window=2) -> BudgetProfile:
+    return BudgetProfile(
+        model=MODEL, scorer="snapkv", target_ratio=0.5, ratio=np.asarray(ratio, float),
+        sink_tokens=sink, recent_window=window,
+        grouping=HeadGrouping.build(np.asarray(ratio, float), 2, "global"),
+        provenance={"scorer_options": {"obs_window": 3, "kernel_size": 1, "unknown": 7}},
+    )  # fmt: skip
+
+
+def make_state(profile=None, num_pages=64, max_rows=4) -> TangramState:
+    profile = profile or make_profile()
+    mem = TangramMemory.create(profile, memory_bytes=num_pages * 2 * 2 * PAGE * 16 * 4,
+                               page_size=PAGE, max_rows=max_rows, max_context_tokens=256,
+                               dtype=torch.float32)  # fmt: skip
+    return TangramState(mem, full_kv_bytes_per_token=2 * 2 * 2 * 16 * 4, device="cpu")
+
+
+def test_extend_metadata_builds_indptr_and_counts_once():
+    kept = np.array([[5, 3], [2, 1]])
+    meta = md.extend_metadata([3, 1], [7, 2], kept, "cpu")
+    assert meta.mode == md.EXTEND and meta.batch_size == 2
+    assert meta.bounds == [0, 7, 9]
+    assert meta.qo_indptr.tolist() == [0, 7, 9] and meta.qo_indptr.dtype == torch.int32
+    assert meta.req_rows.tolist() == [3, 1] and meta.req_rows.dtype == torch.int32
+    assert meta.kept_count.tolist() == kept.tolist() and meta.kept_count.dtype == torch.int32
+    assert meta.max_extend_len == 7
+    assert meta.kept_per_head(np.array([1, 0])) == [[3, 5], [1, 2]]
+
+
+def test_decode_metadata_points_at_the_new_token_slot():
+    pages = np.zeros((3, 2, 4), np.int64)
+    pages[2, 0, :2], pages[2, 1, :1] = [7, 9], [4]
+    lens = np.zeros((3, 2), np.int64)
+    lens[2] = [5, 4]  # including the new token
+    meta = md.decode_metadata([2], pages, lens, PAGE, "cpu")
+    assert meta.dest_page.tolist() == [[9, 4]]
+    assert meta.dest_slot.tolist() == [[0, 3]]
+
+
+def test_ratio_one_keeps_the_whole_segment_without_scoring():
+    scorer = build_scorer(make_profile())
+    q, k = torch.randn(6, 4, 16), torch.randn(6, 2, 16)
+    idx = segment_kept_indices(scorer, q, k, torch.zeros(6, 4), [6, 6], 0.35, 1, 2)
+    assert idx.tolist() == [list(range(6))] * 2
+
+
+def test_each_head_keeps_its_own_top_k():
+    scorer = build_scorer(make_profile())
+    assert (
+        scorer.obs_window == 3 and scorer.kernel_size == 1
+    )  # calibration options, unknown dropped
+    q, k = torch.randn(10, 4, 16), torch.randn(10, 2, 16)
+    lse = torch.randn(10, 4)
+    idx = segment_kept_indices(scorer, q, k, lse, [4, 7], 0.35, 1, 2)
+    scores = scorer.score(q[7:].transpose(0, 1), k.transpose(0, 1), 0.35, lse[7:].transpose(0, 1))
+    assert idx.shape == (2, 7)
+    assert idx[0, :4].tolist() == select_kept(scores[:1], 4, 1, 2)[0].tolist()
+    assert idx[1].tolist() == select_kept(scores[1:], 7, 1, 2)[0].tolist()
+    assert idx[0, 4:].tolist() == [0, 0, 0]  # padding past k
+    for h, kh in enumerate([4, 7]):
+        assert {0, 8, 9} <= set(idx[h, :kh].tolist())  # sink and window survive
+
+
+def test_batch_kept_indices_pads_per_request():
+    scorer = build_scorer(make_profile())
+    q, k, lse = torch.randn(9, 4, 16), torch.randn(9, 2, 16), torch.zeros(9, 4)
+    out = batch_kept_indices(scorer, q, k, lse, [0, 3, 9], [[3, 3], [6, 4]], 0.35, 1, 2)
+    assert out.shape == (2, 2, 6)
+    assert out[0, :, :3].tolist() == [[0, 1, 2]] * 2 and out[1, 0].tolist() == list(range(6))
+
+
+def test_state_lifecycle_pages_match_the_footprint_and_return():
+    state = make_state()
+    start = state.memory.allocator.num_free()
+    kept = state.begin_extend([1], [9], [0])  # first chunk
+    assert kept.tolist() == [state.profile.group_kept_lens(9)]
+    state.commit_extend([1])
+    state.begin_extend([1], [5], [9])  # second chunk of a chunked prefill: admit_chunk
+    state.commit_extend([1])
+    for step in range(3):
+        state.begin_decode([1], [15 + step])
+    used = start - state.memory.allocator.num_free()
+    assert used == chunked_footprint_pages(state.profile, PAGE, 14, 4, 9)
+    assert state.pool_info()["live_logical_tokens"] == 17
+    record = state.release(1)
+    assert record.pages == used and record.logical_tokens == 17
+    assert record.bytes_held == used * state.memory.bytes_per_page
+    assert state.memory.allocator.num_free() == start
+    assert state.release(1) is None  # already free
+    info = state.pool_info()
+    assert info["pages_free"] == info["pages_free_at_start"] and info["requests_released"] == 1
+
+
+def test_reused_row_without_release_is_freed_first():
+    state = make_state()
+    start = state.memory.allocator.num_free()
+    state.begin_extend([2], [6], [0])
+    state.commit_extend([2])
+    state.begin_extend([2], [3], [0])  # a new request on the same row (prefix 0)
+    state.commit_extend([2])
+    state.release(2)
+    assert state.memory.allocator.num_free() == start
+
+
+def test_too_large_names_the_pool():
+    state = make_state(num_pages=8)
+    assert state.too_large(4, 2, 0) is None
+    msg = state.too_large(200, 8, 0)
+    assert "whole pool holds 7" in msg and "200 prompt tokens" in msg
+
+
+@pytest.mark.parametrize("ratio", [1.0, 0.5], ids=["ratio1", "ratio0.5"])
+def test_extend_then_decode_matches_attention_over_the_kept_tokens(ratio):
+    """The backend's per-layer flow (extend, keep, write, decode) on the reference kernels."""
+    profile = make_profile(ratio=np.full((2, 2), ratio), sink=1, window=2)
+    state = make_state(profile)
+    n, layer = 12, 1
+    q, k, v = torch.randn(n, 4, 16), torch.randn(n, 2, 16), torch.randn(n, 2, 16)
+    meta = md.extend_metadata([1], [n], state.begin_extend([1], [n], [0]), "cpu")
+    mem, goh, coh = state.memory, state.group_of_head[layer], state.column_of_head[layer]
+    pools = (mem.kv_pool.k_pool, mem.kv_pool.v_pool, mem.table.page_table, mem.table.group_len)
+    out, lse = reference.extend_reference(q, k, v, meta.qo_indptr, *pools, meta.req_rows, goh,
+                                          coh, 0.35)  # fmt: skip
+    per_head = meta.kept_per_head(profile.grouping.cluster_of[layer])
+    kept = batch_kept_indices(state.scorer, q, k, lse, meta.bounds, per_head, 0.35, 1, 2)
+    reference.kv_write_reference(k, v, meta.qo_indptr, kept, meta.kept_count, *pools,
+                                 meta.req_rows, goh, coh)  # fmt: skip
+    state.commit_extend([1])
+    state.begin_decode([1], [n + 1])
+    dmeta = md.decode_metadata([1], mem.table.pages, mem.table.lens, PAGE, "cpu")
+    qd, kd, vd = torch.randn(1, 4, 16), torch.randn(1, 2, 16), torch.randn(1, 2, 16)
+    md.write_decode_token(mem.kv_pool.k_pool, mem.kv_pool.v_pool, kd, vd, dmeta, goh, coh)
+    got = reference.decode_reference(qd, *pools, dmeta.req_rows, goh, coh, 0.35)
+    for h in range(2):  # oracle: plain softmax attention over the head's kept tokens + new one
+        count = int(per_head[0][h])
+        sel = kept[0, h, :count]
+        keys = torch.cat([k[sel, h], kd[:, h]])
+        vals = torch.cat([v[sel, h], vd[:, h]])
+        probs = torch.softmax(qd[0, 2 * h : 2 * h + 2] @ keys.T * 0.35, dim=-1)
+        torch.testing.assert_close(got[0, 2 * h : 2 * h + 2], probs @ vals)
+        assert count == (n if ratio == 1.0 else profile.group_kept_lens(n)[0])
