@@ -23,6 +23,7 @@ import datetime as dt
 import hashlib
 import importlib.metadata
 import json
+import math
 import os
 import shlex
 import sys
@@ -141,8 +142,7 @@ def calibrate(args: argparse.Namespace, command: str) -> BudgetProfile:
     from tangram_sglang.errors import ConfigError
     from tangram_sglang.scoring import get_scorer
 
-    if not 0.0 < args.target_ratio <= 1.0:
-        raise ConfigError(f"--target-ratio {args.target_ratio} must be in (0, 1]")
+    check_args(args)  # before the model loads: a bad flag must not cost a calibration run
     t_start = time.perf_counter()
     path = resolve_model_path(args.model_path)
     config = AutoConfig.from_pretrained(path)
@@ -192,8 +192,56 @@ def calibrate(args: argparse.Namespace, command: str) -> BudgetProfile:
         stats=CalibrationStats(fit.mean, fit.std, args.alpha, len(samples)),
         provenance=_provenance(args, run, scorer, samples, timing, report),
     )
-    profile.save(args.output)
+    try:
+        profile.save(args.output)
+    except OSError as exc:
+        raise ConfigError(f"--output {args.output}: cannot write the profile ({exc})") from None
     return profile
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """Check every numeric flag and the output path without loading anything heavy.
+
+    Raises:
+        ConfigError: naming the flag, its allowed range and the fix.
+    """
+    from tangram_sglang.errors import ConfigError
+    from tangram_sglang.scoring import get_scorer
+
+    if not 0.0 < args.target_ratio <= 1.0:
+        raise ConfigError(f"--target-ratio {args.target_ratio} must be in (0, 1]")
+    if not 0.0 < args.floor <= 1.0 or not math.isfinite(args.alpha):
+        raise ConfigError(
+            f"--floor {args.floor} must be in (0, 1] and --alpha {args.alpha} a finite number"
+        )
+    counts = {
+        "--num-samples": (args.num_samples, 1),
+        "--min-tokens": (args.min_tokens, 1),
+        "--max-tokens": (args.min_tokens if args.max_tokens is None else args.max_tokens, 1),
+        "--sink-tokens": (args.sink_tokens, 0),
+        "--recent-window": (args.recent_window, 0),
+    }
+    for flag, (value, low) in counts.items():
+        if value < low:
+            raise ConfigError(f"{flag} {value} must be >= {low}")
+    get_scorer(args.scorer, obs_window=args.obs_window, kernel_size=args.kernel_size)
+    _check_output(Path(args.output))
+
+
+def _check_output(out: Path) -> None:
+    """The profile can be created at ``out`` (its nearest existing folder is writable)."""
+    from tangram_sglang.errors import ConfigError
+
+    if out.is_dir():
+        raise ConfigError(f"--output {out} is a folder; give a .json file path")
+    parent = out.parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir() or not os.access(parent, os.W_OK):
+        raise ConfigError(
+            f"--output {out}: cannot create it ({parent} is not a writable folder); "
+            "choose another path"
+        )
 
 
 def _observe_all(args, samples, observer, cache: Path, allocation: str):

@@ -131,3 +131,28 @@ def test_show_rejects_a_bad_profile(tmp_path, capsys):
     bad.write_text('{"schema_version": 7}')
     assert show_main(["show", str(bad)]) == 2
     assert "schema_version" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--floor", "0"], "--floor 0.0 must be in (0, 1]"),
+        (["--alpha", "nan"], "--alpha nan a finite number"),
+        (["--num-samples", "0"], "--num-samples 0 must be >= 1"),
+        (["--max-tokens", "0"], "--max-tokens 0 must be >= 1"),  # used to mean "the default"
+        (["--sink-tokens", "-1"], "--sink-tokens -1 must be >= 0"),
+        (["--recent-window", "-1"], "--recent-window -1 must be >= 0"),
+        (["--obs-window", "0"], "obs_window=0 must be >= 1"),
+        (["--output", "{tmp}/file.txt/p.json"], "is not a writable folder"),
+        (["--output", "{tmp}"], "is a folder"),
+    ],
+    ids=lambda v: " ".join(v) if isinstance(v, list) else None,
+)
+def test_bad_flags_are_reported_before_the_model_is_looked_up(tmp_path, capsys, extra, message):
+    """These used to surface only after every sample was observed (hours on a CPU)."""
+    (tmp_path / "file.txt").write_text("x")
+    args = ["--model-path", str(tmp_path / "no-model"), "--scorer", "snapkv"]
+    args += ["--target-ratio", "0.25", "--output", str(tmp_path / "p.json")]
+    assert calibrate_main([*args, *(a.format(tmp=tmp_path) for a in extra)]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "--model-path" not in err
