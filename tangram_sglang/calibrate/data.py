@@ -201,8 +201,12 @@ def _ruler_squad_texts(tok: Any, max_tokens: int, seed: int) -> Iterator[tuple[s
 def _jsonl_texts(path: Path, tok: Any, min_tokens: int, seed: int) -> Iterator[tuple[str, str]]:
     if not path.is_file():
         raise ConfigError(f"--dataset {path}: file not found")
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"--dataset {path}: cannot read it as UTF-8 text ({exc})") from None
     rows = []
-    for lineno, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+    for lineno, line in enumerate(lines, 1):
         if not line.strip():
             continue
         try:
@@ -215,17 +219,25 @@ def _jsonl_texts(path: Path, tok: Any, min_tokens: int, seed: int) -> Iterator[t
 
 
 def _row_text(path: Path, lineno: int, row: Any, tok: Any) -> str:
-    if isinstance(row, dict) and isinstance(row.get("text"), str):
+    row = row if isinstance(row, dict) else {}
+    if isinstance(row.get("text"), str):
         return row["text"]
-    if isinstance(row, dict) and isinstance(row.get("messages"), list):
-        return _render(tok, row["messages"])
-    if isinstance(row, dict) and isinstance(row.get("conversations"), list):
-        msgs = [
-            {"role": _ROLES[m["from"]], "content": m["value"]}
-            for m in row["conversations"]
-            if m.get("from") in _ROLES
-        ]
-        return _render(tok, msgs)
+    messages = row.get("messages")
+    if isinstance(messages, list) and all(_is_message(m, "role", "content") for m in messages):
+        return _render(tok, messages)
+    turns = row.get("conversations")
+    if isinstance(turns, list) and all(_is_message(m, "from", "value") for m in turns):
+        known = [m for m in turns if m["from"] in _ROLES]
+        return _render(tok, [{"role": _ROLES[m["from"]], "content": m["value"]} for m in known])
     raise ConfigError(
-        f"{path}:{lineno}: a row needs a 'text' string, a 'messages' list or a 'conversations' list"
+        f"{path}:{lineno}: a row needs a 'text' string, a 'messages' list of "
+        "{'role': str, 'content': str} or a 'conversations' list of {'from': str, 'value': str}"
+    )
+
+
+def _is_message(item: Any, role_key: str, content_key: str) -> bool:
+    return (
+        isinstance(item, dict)
+        and isinstance(item.get(role_key), str)
+        and isinstance(item.get(content_key), str)
     )

@@ -120,3 +120,27 @@ def test_jsonl_rows(tmp_path):
     path.write_text('{"other": 1}\n')
     with pytest.raises(ConfigError, match="d.jsonl:1"):
         list(_jsonl_texts(path, _Tok(), 1, 0))
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        '{"conversations": [{"from": "human"}]}',  # no value: was a raw KeyError
+        '{"conversations": ["x"]}',  # was AttributeError
+        '{"messages": ["x"]}',  # was a jinja2 UndefinedError from the chat template
+        '{"messages": [{"role": "user", "content": 3}]}',
+        '["text"]',
+    ],
+)
+def test_jsonl_malformed_rows_name_the_line(tmp_path, line):
+    path = tmp_path / "d.jsonl"
+    path.write_text('{"text": "ok"}\n' + line + "\n")
+    with pytest.raises(ConfigError, match=r"d.jsonl:2: a row needs"):
+        list(_jsonl_texts(path, _Tok(), 1, 0))
+
+
+def test_jsonl_not_utf8_is_a_config_error(tmp_path):
+    path = tmp_path / "d.jsonl"
+    path.write_bytes(b"\xff\xfe\n")
+    with pytest.raises(ConfigError, match="d.jsonl: cannot read it as UTF-8"):
+        list(_jsonl_texts(path, _Tok(), 1, 0))
