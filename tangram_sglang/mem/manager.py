@@ -237,10 +237,16 @@ class TangramMemory:
         kernel reads it as the history); ``page_table`` already lists the new pages.
 
         Raises:
-            PoolError: row not active or has an uncommitted extend; the segment was not
-                reserved (``admit`` / ``admit_chunk``); table too narrow. Nothing changed.
+            PoolError: row not active or has an uncommitted extend; ``extend_len`` negative or
+                not an integer; the segment was not reserved (``admit`` / ``admit_chunk``);
+                table too narrow. Nothing changed.
         """
         rid = self._check_committed(row, "alloc_extend")
+        if isinstance(extend_len, bool | float) or int(extend_len) < 0:
+            raise PoolError(
+                f"alloc_extend: request {rid!r} (row {row}): extend_len={extend_len!r} must be "
+                "an integer >= 0 (tokens of the segment)"
+            )
         kept = np.asarray(self.profile.group_kept_lens(int(extend_len)), np.int64)
         need = self.table.append_need(row, kept)
         cow = self.table.cow_needed(row, kept)
@@ -481,7 +487,7 @@ class TangramMemory:
         return validate_prefix(prefix, self.num_head_groups, self.page_size, counts, rid, row)
 
     def _check_row(self, row: int, rid: str | None, active: bool) -> None:
-        if not 0 <= row < len(self.rids):
+        if isinstance(row, bool | float) or not 0 <= row < len(self.rids):
             raise PoolError(f"request {rid!r}: row {row} is outside [0, {len(self.rids)})")
         if active and self.rids[row] is None:
             raise PoolError(f"row {row} has no admitted request; call admit first")

@@ -213,3 +213,22 @@ def test_empty_decode_batch_is_a_no_op():
     mem = make_memory()
     assert mem.can_decode([]) and mem.alloc_decode([]) == 0
     assert mem.stats().used_pages == 0
+
+
+def test_alloc_extend_rejects_a_negative_or_fractional_length_and_keeps_the_row_usable():
+    mem = make_memory()
+    assert mem.admit(0, "a", 4, 1) is not None
+    for bad in (-1, 2.5):  # -1 used to return an empty plan and block the row's real extend
+        with pytest.raises(PoolError, match=f"extend_len={bad!r} must be an integer >= 0"):
+            mem.alloc_extend(0, bad)
+        assert mem.pending[0] is None
+    assert mem.alloc_extend(0, 4).num_new_pages == 2
+
+
+@pytest.mark.parametrize("row", [1.5, True], ids=["float", "bool"])
+def test_non_integer_row_is_a_pool_error(row):
+    mem = make_memory()
+    before = snapshot(mem)
+    with pytest.raises(PoolError, match="is outside"):
+        mem.admit(row, "a", 4, 1)
+    assert_unchanged(mem, before)
