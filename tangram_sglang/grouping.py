@@ -102,6 +102,17 @@ class HeadGrouping:
                     f"grouping.{name} has shape {list(arr.shape)} but the model has "
                     f"[num_layers, num_kv_heads] = {list(shape)}; recalibrate for this model"
                 )
+        self._check_slots()
+        if self.scope == "per_layer":
+            groups_per_layer = num_kv_heads // self.heads_per_group
+            layer_of_group = self.cluster_of // groups_per_layer
+            if not (layer_of_group == np.arange(num_layers)[:, None]).all():
+                raise ProfileError(
+                    "grouping: scope 'per_layer' but a group spans layers; rebuild the map"
+                )
+
+    def _check_slots(self) -> None:
+        """Ids in range, no empty group id, no (group, column) slot used twice."""
         if self.cluster_of.min() < 0 or self.column_of.min() < 0:
             raise ProfileError("grouping.cluster_of/column_of hold negative ids; rebuild the map")
         if self.column_of.max() >= self.heads_per_group:
@@ -122,13 +133,6 @@ class HeadGrouping:
                 "grouping: two heads share one (cluster, column) slot; rebuild the map with "
                 "HeadGrouping.build"
             )
-        if self.scope == "per_layer":
-            groups_per_layer = num_kv_heads // self.heads_per_group
-            layer_of_group = self.cluster_of // groups_per_layer
-            if not (layer_of_group == np.arange(num_layers)[:, None]).all():
-                raise ProfileError(
-                    "grouping: scope 'per_layer' but a group spans layers; rebuild the map"
-                )
 
     @classmethod
     def build(cls, ratio: np.ndarray, heads_per_group: int, scope: str) -> HeadGrouping:
