@@ -7,6 +7,7 @@ inside CUDA-graph capture). Failures raise :class:`KernelError` naming the argum
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -91,8 +92,26 @@ def check_paging(
 
 def check_query(q: torch.Tensor, k_pool: torch.Tensor, name: str = "q") -> tuple[int, int]:
     """A query ``[N, num_qo_heads, head_dim]`` matching the pool; returns (N, num_qo_heads)."""
+    if not isinstance(k_pool, torch.Tensor) or k_pool.dim() != 4:
+        got = list(k_pool.shape) if isinstance(k_pool, torch.Tensor) else type(k_pool).__name__
+        raise KernelError(f"k_pool must be a tensor [num_pages, H_p, page_size, D], got {got}")
     check_tensor(name, q, (None, None, k_pool.shape[3]), (k_pool.dtype,), k_pool.device)
     return q.shape[0], q.shape[1]
+
+
+def num_kv_heads_of(group_of_head: torch.Tensor, device: torch.device) -> int:
+    """H_kv of the layer: the length of ``group_of_head`` (int32 ``[H_kv]`` on ``device``)."""
+    check_tensor("group_of_head", group_of_head, (None,), INDEX_DTYPES, device)
+    return group_of_head.shape[0]
+
+
+def check_sm_scale(sm_scale: float) -> None:
+    """The softmax scale is a finite real > 0 (a NaN scale would make every output NaN)."""
+    ok = isinstance(sm_scale, int | float) and not isinstance(sm_scale, bool)
+    if not ok or not math.isfinite(sm_scale) or sm_scale <= 0:
+        raise KernelError(
+            f"sm_scale={sm_scale!r} must be a finite number > 0 (usually head_dim ** -0.5)"
+        )
 
 
 def gqa_size_of(num_qo_heads: int, num_kv_heads: int) -> int:
@@ -121,7 +140,7 @@ def check_extend_args(
     """Checks shared by the extend reference and launcher; returns (N, Hq, H_kv, bs)."""
     num_tokens, num_qo_heads = check_query(q, k_pool)
     check_pools(k_pool, v_pool, q.device)
-    num_kv_heads = group_of_head.shape[0] if group_of_head.dim() == 1 else -1
+    num_kv_heads = num_kv_heads_of(group_of_head, q.device)
     gqa_size_of(num_qo_heads, num_kv_heads)
     shape = (num_tokens, num_kv_heads, k_pool.shape[3])
     check_tensor("k_new", k_new, shape, (q.dtype,), q.device)

@@ -221,7 +221,7 @@ def _check_decode_args(
     bs, num_qo_heads = _checks.check_query(q, k_pool)
     device = q.device
     _checks.check_pools(k_pool, v_pool, device)
-    num_kv_heads = group_of_head.shape[0] if group_of_head.dim() == 1 else -1
+    num_kv_heads = _checks.num_kv_heads_of(group_of_head, device)
     gqa = _checks.gqa_size_of(num_qo_heads, num_kv_heads)
     _checks.check_paging(
         page_table, group_len, req_rows, group_of_head, column_of_head, bs, num_kv_heads, device
@@ -302,6 +302,7 @@ def ragged_decode_attention(
         mid_o,
         mid_lse,
     )
+    _checks.check_sm_scale(sm_scale)
     if bs == 0:
         return out
     head_dim, page_size = k_pool.shape[3], k_pool.shape[2]

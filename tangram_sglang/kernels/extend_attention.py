@@ -212,6 +212,7 @@ def ragged_extend_attention(
         group_of_head,
         column_of_head,
     )
+    _checks.check_sm_scale(sm_scale)
     _checks.check_tensor("out", out, tuple(q.shape), (q.dtype,), q.device)
     _checks.check_tensor("lse", lse, (num_tokens, num_qo_heads), (torch.float32,), q.device)
     if k_new.stride() != v_new.stride():

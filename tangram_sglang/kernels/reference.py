@@ -127,7 +127,8 @@ def decode_reference(
     """
     bs, num_qo_heads = _checks.check_query(q, k_pool)
     _checks.check_pools(k_pool, v_pool, q.device)
-    num_kv_heads = group_of_head.shape[0] if group_of_head.dim() == 1 else -1
+    num_kv_heads = _checks.num_kv_heads_of(group_of_head, q.device)
+    _checks.check_sm_scale(sm_scale)
     _checks.check_paging(
         page_table, group_len, req_rows, group_of_head, column_of_head, bs, num_kv_heads, q.device
     )
@@ -202,6 +203,7 @@ def extend_reference(
         group_of_head,
         column_of_head,
     )
+    _checks.check_sm_scale(sm_scale)
     gqa = num_qo_heads // num_kv_heads
     if out is None:
         out = torch.empty_like(q)

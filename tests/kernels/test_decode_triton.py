@@ -155,3 +155,44 @@ def test_decode_launcher_rejects_small_scratch_and_bad_table() -> None:
             mid_o,
             mid_lse,
         )
+
+
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        ({"sm_scale": float("nan")}, "sm_scale=nan must be a finite number > 0"),
+        ({"sm_scale": "0.125"}, "sm_scale='0.125' must be a finite number > 0"),
+        ({"group_of_head": [0, 1]}, "group_of_head must be a torch.Tensor"),
+        ({"group_of_head": "2d"}, r"group_of_head has shape \[1, 2\], expected \[\*\]"),
+        ({"k_pool": "3d"}, r"k_pool must be a tensor \[num_pages, H_p, page_size, D\]"),
+    ],
+    ids=["nan-scale", "str-scale", "list-heads", "2d-heads", "3d-pool"],
+)
+@pytest.mark.parametrize("launcher", ["triton", "reference"])
+def test_decode_bad_scale_heads_and_pool_are_kernel_errors(change, match, launcher) -> None:
+    """Each used to escape as a raw TypeError/IndexError/AttributeError or silent NaN output."""
+    layer = make_paged_layer(np.array([[3, 5]]), 2, 1, 4, 64, torch.float32, seed=3)
+    table = layer_table(layer.group_of_head, [1.0, 0.1], 1, uniform=False)
+    kwargs = dict(
+        q=torch.randn(1, 2, 64, device=DEVICE),
+        k_pool=layer.k_pool,
+        v_pool=layer.v_pool,
+        page_table=layer.page_table,
+        group_len=layer.group_len,
+        req_rows=torch.zeros(1, dtype=torch.int32, device=DEVICE),
+        group_of_head=layer.group_of_head,
+        column_of_head=layer.column_of_head,
+        sm_scale=0.125,
+        out=torch.empty(1, 2, 64, device=DEVICE),
+    )
+    kwargs.update(change)
+    if change.get("group_of_head") == "2d":
+        kwargs["group_of_head"] = layer.group_of_head[None]
+    if change.get("k_pool") == "3d":
+        kwargs["k_pool"] = layer.k_pool[0]
+    with pytest.raises(KernelError, match=match):
+        if launcher == "reference":
+            decode_reference(**kwargs)
+        else:
+            mid_o, mid_lse = decode_scratch(1, 2, table.max_splits, 64, DEVICE)
+            ragged_decode_attention(**kwargs, table=table, mid_o=mid_o, mid_lse=mid_lse)
