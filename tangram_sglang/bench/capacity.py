@@ -148,30 +148,28 @@ def configurations(profile: BudgetProfile) -> list[tuple[str, BudgetProfile]]:
 
 
 def run(profile: BudgetProfile, args: argparse.Namespace) -> dict[str, Any]:
-    """Every configuration, the summary and the inputs, as a JSON-ready dict."""
-    rows = []
-    for name, prof in configurations(profile):
-        ideal_of = prof if name == "full_kv" else profile
-        rows.append(measure(name, prof, ideal_of, args))
-    full_bytes = rows[0].bytes_per_conversation
-    full_slots = ideal_slots(
-        configurations(profile)[0][1], args.context_tokens, args.max_new_tokens
-    )
-    ideal_ratio = full_slots / ideal_slots(profile, args.context_tokens, args.max_new_tokens)
-    for row in rows:
-        row.capacity_ratio_vs_full_kv = full_bytes / row.bytes_per_conversation
-        row.fraction_of_ideal = row.capacity_ratio_vs_full_kv / ideal_ratio
-    # The summary's configuration: the flags, else the profile file's own grouping.
-    heads_per_group = args.heads_per_group or (
-        profile.grouping.heads_per_group if args.profile else 4
-    )
-    label = f"tangram H_p={heads_per_group} {args.scope or profile.grouping.scope}"
-    default = next((r for r in rows if r.name == label), None)
-    if default is None:
+    """Every configuration, the summary and the inputs, as a JSON-ready dict.
+
+    Raises:
+        ConfigError: ``--heads-per-group``/``--scope`` name no configuration (checked first).
+        PoolError: the memory budget holds not even one page.
+    """
+    configs = configurations(profile)
+    label = summary_label(profile, args)
+    if label not in {name for name, _ in configs}:
         raise ConfigError(
-            f"--heads-per-group {heads_per_group} with --scope per_layer does not divide "
+            f"--heads-per-group {args.heads_per_group} with --scope per_layer does not divide "
             f"num_kv_heads={profile.model.num_kv_heads}; pick a divisor or --scope global"
         )
+    rows = [
+        measure(name, prof, prof if name == "full_kv" else profile, args) for name, prof in configs
+    ]
+    full_slots = ideal_slots(configs[0][1], args.context_tokens, args.max_new_tokens)
+    ideal_ratio = full_slots / ideal_slots(profile, args.context_tokens, args.max_new_tokens)
+    for row in rows:
+        row.capacity_ratio_vs_full_kv = rows[0].bytes_per_conversation / row.bytes_per_conversation
+        row.fraction_of_ideal = row.capacity_ratio_vs_full_kv / ideal_ratio
+    default = next(r for r in rows if r.name == label)
     return {
         "summary": {
             "configuration": label,
@@ -183,24 +181,36 @@ def run(profile: BudgetProfile, args: argparse.Namespace) -> dict[str, Any]:
             "conversations": default.conversations,
             "conversations_full_kv": rows[0].conversations,
         },
-        "inputs": {
-            "profile": args.profile or "synthetic",
-            "model": profile.model.architecture,
-            "num_layers": profile.model.num_layers,
-            "num_kv_heads": profile.model.num_kv_heads,
-            "head_dim": profile.model.head_dim,
-            "target_ratio": profile.target_ratio,
-            "mean_ratio": profile.mean_kept_fraction(),
-            "sink_tokens": profile.sink_tokens,
-            "recent_window": profile.recent_window,
-            "context_tokens": args.context_tokens,
-            "max_new_tokens": args.max_new_tokens,
-            "memory_gib": args.memory_gib,
-            "page_size": args.page_size,
-            "dtype": args.dtype,
-            "method": "real allocation until admission fails (TangramMemory, no K/V storage)",
-        },
+        "inputs": _inputs(profile, args),
         "rows": [asdict(r) for r in rows],
+    }
+
+
+def summary_label(profile: BudgetProfile, args: argparse.Namespace) -> str:
+    """The summary's configuration: the flags, else the profile file's own grouping."""
+    heads_per_group = args.heads_per_group or (
+        profile.grouping.heads_per_group if args.profile else 4
+    )
+    return f"tangram H_p={heads_per_group} {args.scope or profile.grouping.scope}"
+
+
+def _inputs(profile: BudgetProfile, args: argparse.Namespace) -> dict[str, Any]:
+    return {
+        "profile": args.profile or "synthetic",
+        "model": profile.model.architecture,
+        "num_layers": profile.model.num_layers,
+        "num_kv_heads": profile.model.num_kv_heads,
+        "head_dim": profile.model.head_dim,
+        "target_ratio": profile.target_ratio,
+        "mean_ratio": profile.mean_kept_fraction(),
+        "sink_tokens": profile.sink_tokens,
+        "recent_window": profile.recent_window,
+        "context_tokens": args.context_tokens,
+        "max_new_tokens": args.max_new_tokens,
+        "memory_gib": args.memory_gib,
+        "page_size": args.page_size,
+        "dtype": args.dtype,
+        "method": "real allocation until admission fails (TangramMemory, no K/V storage)",
     }
 
 
