@@ -72,7 +72,10 @@ def tangram_state_of(model_runner: ModelRunner) -> TangramState:
             max_pages_per_group=math.ceil(max_context / kv_pool.page_size),
             kv_pool=kv_pool, device=kv_pool.k_pool.device,
         )  # fmt: skip
-        pool.tangram_state = TangramState(memory, pool.full_kv_bytes_per_token, model_runner.device)
+        chunk = model_runner.server_args.chunked_prefill_size or 0
+        pool.tangram_state = TangramState(
+            memory, pool.full_kv_bytes_per_token, model_runner.device, chunk
+        )
         req_pool.tangram_state = pool.tangram_state
     return pool.tangram_state
 

@@ -110,16 +110,20 @@ class TangramState:
         memory: the pool facade (owns pages, tables, reservations).
         full_kv_bytes_per_token: bytes SGLang's uniform pool spends per token, all layers, K+V.
         device: attention device (layer maps live there).
+        chunk_tokens: SGLang's chunked-prefill size (tokens; <= 0 = no chunking): each chunk
+            is a segment, so footprints are computed per chunk.
     """
 
     def __init__(
-        self, memory: TangramMemory, full_kv_bytes_per_token: int, device: torch.device | str
-    ) -> None:
+        self, memory: TangramMemory, full_kv_bytes_per_token: int, device: torch.device | str,
+        chunk_tokens: int = 0,
+    ) -> None:  # fmt: skip
         self.memory = memory
         self.profile = memory.profile
         self.scorer = build_scorer(self.profile)
         self.group_of_head, self.column_of_head = layer_maps(self.profile, device)
         self.full_kv_bytes_per_token = int(full_kv_bytes_per_token)  # bytes per logical token
+        self.chunk_tokens = int(chunk_tokens or 0)  # tokens per prefill segment (<= 0: whole)
         self.logical_tokens = np.zeros(len(memory.rids), np.int64)  # per row (tokens)
         self.start_free_pages = memory.allocator.num_free()  # pages
         self.num_released = 0  # requests released since start-up
@@ -183,15 +187,28 @@ class TangramState:
         self.logical_tokens[rows] = seq_lens
 
     # ---- admission checks --------------------------------------------------------------------
-    def footprint_pages(self, prompt_len: int, max_new_tokens: int, chunk_tokens: int) -> int:
+    def footprint_pages(self, prompt_len: int, max_new_tokens: int) -> int:
         """Pages a new request needs (see :func:`chunked_footprint_pages`)."""
         return chunked_footprint_pages(
-            self.profile, self.memory.page_size, prompt_len, max_new_tokens, chunk_tokens
+            self.profile, self.memory.page_size, prompt_len, max_new_tokens, self.chunk_tokens
         )
 
-    def too_large(self, prompt_len: int, max_new_tokens: int, chunk_tokens: int) -> str | None:
+    def can_prefill(self, extend_lens: list[int]) -> bool:
+        """No side effects: do prefills of these lengths fit in the unreserved free pages?
+
+        Counts every chunk of each prompt (not the decode tail: decode growth is checked per
+        step by :meth:`can_decode`, and SGLang retracts requests when it fails).
+        """
+        need = sum(self.footprint_pages(int(n), 1) for n in extend_lens)
+        return need <= self.memory.ledger.unreserved_free()
+
+    def can_decode(self, rows: list[int]) -> bool:
+        """No side effects: does one decode step of ``rows`` fit (see ``TangramMemory``)?"""
+        return self.memory.can_decode([r for r in rows if self.memory.rids[r] is not None])
+
+    def too_large(self, prompt_len: int, max_new_tokens: int) -> str | None:
         """Error message when the request needs more pages than the whole pool, else None."""
-        need = self.footprint_pages(prompt_len, max_new_tokens, chunk_tokens)
+        need = self.footprint_pages(prompt_len, max_new_tokens)
         usable = self.memory.allocator.num_usable_pages
         if need <= usable:
             return None

@@ -107,6 +107,18 @@ HOOKS: tuple[HookTarget, ...] = (
         body="tangram_sglang.integration.hooks:refuse_too_large_request",
         purpose="abort (HTTP 400) a request whose page footprint exceeds the whole pool",
     ),
+    HookTarget(
+        target="sglang.srt.managers.schedule_policy.PrefillAdder.add_one_req",
+        hook_type="around",
+        body="tangram_sglang.integration.hooks:tangram_add_one_req",
+        purpose="admit a prefill only when its pages fit (token estimate is not enough)",
+    ),
+    HookTarget(
+        target="sglang.srt.managers.schedule_batch.ScheduleBatch.check_decode_mem",
+        hook_type="around",
+        body="tangram_sglang.integration.hooks:tangram_check_decode_mem",
+        purpose="decode step must fit in pages; False makes SGLang retract requests",
+    ),
 )
 
 # Added by the pieces that own them, e.g.

@@ -75,3 +75,13 @@ def tangram_support_triton(original: Any, *args: Any, **kwargs: Any) -> bool:
 def refuse_too_large_request(result: Any, scheduler: Any, req: Any) -> None:
     """AFTER ``Scheduler.init_req_max_new_tokens``: abort a request larger than the pool."""
     sglang_adapters.refuse_too_large(scheduler, req)
+
+
+def tangram_add_one_req(original: Any, *args: Any, **kwargs: Any) -> Any:
+    """AROUND ``PrefillAdder.add_one_req``: see ``sglang_adapters.add_one_req``."""
+    return sglang_adapters.add_one_req(original, *args, **kwargs)
+
+
+def tangram_check_decode_mem(original: Any, *args: Any, **kwargs: Any) -> bool:
+    """AROUND ``ScheduleBatch.check_decode_mem``: see ``sglang_adapters.check_decode_mem``."""
+    return sglang_adapters.check_decode_mem(original, *args, **kwargs)

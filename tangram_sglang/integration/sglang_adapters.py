@@ -160,9 +160,47 @@ def refuse_too_large(scheduler: Any, req: Any) -> None:
     state = state_of(scheduler)
     if state is None or req.to_finish is not None:
         return
-    chunk = scheduler.server_args.chunked_prefill_size or 0
     message = state.too_large(
-        len(req.origin_input_ids), int(req.sampling_params.max_new_tokens or 0), chunk
+        len(req.origin_input_ids), int(req.sampling_params.max_new_tokens or 0)
     )
     if message is not None:
         req.set_finish_with_abort(message)
+
+
+def _extend_len(req: Any) -> int:
+    """Tokens the request still prefills (SGLang's candidate extend length)."""
+    return len(req.full_untruncated_fill_ids) - len(req.prefix_indices)
+
+
+def add_one_req(original, adder: Any, req: Any, *args: Any, **kwargs: Any) -> Any:
+    """AROUND ``PrefillAdder.add_one_req``: stop admitting when the prefill pages do not fit.
+
+    SGLang admits in logical tokens; short segments (sink + window) and page padding can need
+    more pages than that estimate. Returns ``AddReqResult.NO_TOKEN`` (the request waits) when
+    the pages of this prompt plus those of the requests already picked this round exceed the
+    unreserved free pages; otherwise SGLang's own checks run.
+    """
+    state = getattr(getattr(adder.tree_cache, "req_to_token_pool", None), "tangram_state", None)
+    if state is None:
+        return original(adder, req, *args, **kwargs)
+    lens = [_extend_len(r) for r in adder.can_run_list] + [_extend_len(req)]
+    if not state.can_prefill(lens):
+        from sglang.srt.managers.schedule_policy import AddReqResult
+
+        return AddReqResult.NO_TOKEN
+    return original(adder, req, *args, **kwargs)
+
+
+def check_decode_mem(original, batch: Any, *args: Any, **kwargs: Any) -> bool:
+    """AROUND ``ScheduleBatch.check_decode_mem``: the next decode step must fit in pages too.
+
+    False makes SGLang retract requests (``retract_decode``), whose rows are freed through
+    ``ReqToTokenPool.free``, i.e. their pages come back before the next check.
+    """
+    ok = original(batch, *args, **kwargs)
+    state = getattr(batch.req_to_token_pool, "tangram_state", None)
+    if not ok or state is None:
+        return ok
+    selected = kwargs.get("selected_indices", args[0] if args else None)
+    reqs = batch.reqs if selected is None else [batch.reqs[i] for i in selected]
+    return state.can_decode([int(r.req_pool_idx) for r in reqs if r.req_pool_idx is not None])

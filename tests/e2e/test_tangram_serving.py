@@ -2,6 +2,9 @@
 
 * A profile with every ratio 1.0 keeps every token: greedy tokens of a 3-turn chat equal stock
   SGLang's (DESIGN.md §7, the first correctness invariant).
+* A tiny pool (``--max-total-tokens 1024``) and 16 concurrent short requests: SGLang's token
+  estimate admits more than the pages hold (short segments keep everything, pages pad), so
+  admission and decode answer in pages (retraction); every request completes, pages return.
 * The shipped 0.5 profile (chunked prefill of 128 tokens, so every chunk is a compressed
   segment) answers, holds exactly the pages Budget Reservation predicts, and fewer bytes than
   full KV; a request larger than the whole pool is refused (HTTP 400) while the server stays up;
@@ -11,6 +14,7 @@
 from __future__ import annotations
 
 import json
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -156,3 +160,24 @@ def test_free_pages_return_to_the_start_value(server05):
     assert pool["active_rows"] == 0
     assert pool["pages_used"] == 0
     assert pool["pages_free"] == pool["pages_free_at_start"]
+
+
+def test_tiny_pool_many_short_requests_complete_and_pages_return(smollm2_path):
+    args = ["--tangram", "--tangram-profile", PROFILE_05, "--max-total-tokens", "1024"]
+    with SGLangServer(smollm2_path, args=args, log_path="/tmp/tangram-e2e-tiny.log") as server:
+
+        def one(i: int) -> requests.Response:
+            return requests.post(f"{server.base_url}/generate", json={
+                "text": f"Fact number {i}: the capital of France is",
+                "sampling_params": {"temperature": 0, "max_new_tokens": 24, "ignore_eos": True},
+            }, timeout=600)  # fmt: skip
+
+        with ThreadPoolExecutor(16) as executor:
+            responses = list(executor.map(one, range(16)))
+        pool = pool_state(server)
+    assert [r.status_code for r in responses] == [200] * 16
+    assert all(len(r.json()["output_ids"]) == 24 for r in responses)
+    # 16 x (prompt + 23 decode tokens) needs ~16 x 69 pages > the pool: pages capped the batch.
+    assert pool["peak_pages_used"] <= pool["pages_total"] < 16 * 69
+    assert pool["requests_released"] >= 16
+    assert pool["pages_free"] == pool["pages_free_at_start"] and pool["active_rows"] == 0
