@@ -78,5 +78,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.plot:
         from tangram_sglang.calibrate.plots import plot_profile
 
-        print(f"wrote {plot_profile(profile, args.plot)}")
+        try:
+            print(f"wrote {plot_profile(profile, args.plot)}")
+        except OSError as exc:
+            print(f"error: --plot {args.plot}: cannot write the figure ({exc})", file=sys.stderr)
+            return 2
     return 0

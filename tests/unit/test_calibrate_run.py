@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -14,6 +15,8 @@ from tangram_sglang.calibrate.observe import ScoreObserver
 from tangram_sglang.calibrate.show import main as show_main
 from tangram_sglang.profile import BudgetProfile, ModelIdentity
 from tangram_sglang.scoring import SnapKVScorer
+
+REPO = Path(__file__).resolve().parents[2]
 
 TINY = [
     "--num-samples",
@@ -156,3 +159,11 @@ def test_bad_flags_are_reported_before_the_model_is_looked_up(tmp_path, capsys, 
     assert calibrate_main([*args, *(a.format(tmp=tmp_path) for a in extra)]) == 2
     err = capsys.readouterr().err
     assert message in err and "--model-path" not in err
+
+
+def test_show_plot_to_an_unwritable_path_is_a_clean_error(tmp_path, capsys):
+    (tmp_path / "file.txt").write_text("x")
+    profile = "calibration/smollm2/snapkv-r0.5.json"
+    bad = str(tmp_path / "file.txt" / "out.png")  # parent is a file: was a raw FileExistsError
+    assert show_main(["show", str(REPO / profile), "--plot", bad]) == 2
+    assert f"--plot {bad}: cannot write the figure" in capsys.readouterr().err
