@@ -1,10 +1,11 @@
-"""The README's main job: a real SGLang server on the embedded model and a 3-turn chat against it.
+"""The README's main job: a real Tangram server on the embedded model and a 3-turn chat against it.
 
 ``python -m tangram_sglang.demo`` (what ``make demo`` runs) converts the embedded SmolLM2 on first
-use, starts ``python -m sglang.launch_server`` on CPU, holds a multi-turn conversation through the
-OpenAI client (each turn sends the whole history, as chat clients do), prints every reply with the
-prompt tokens the server served from its radix cache and the KV-cache bytes the conversation
-holds, then stops the server.
+use, starts ``python -m sglang.launch_server --tangram`` on CPU with the shipped budget profile,
+holds a multi-turn conversation through the OpenAI client (each turn sends the whole history, as
+chat clients do), prints every reply with the prompt tokens served from the radix cache and the
+KV-cache bytes the turn's request held in Tangram's ragged pages against what stock SGLang's full
+KV holds for the same tokens, then stops the server. ``--full-kv`` runs stock SGLang instead.
 """
 
 from __future__ import annotations
@@ -12,14 +13,37 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import openai
 
+from tangram_sglang.errors import TangramError
 from tangram_sglang.models import model_path
+from tangram_sglang.profile import BudgetProfile
 from tangram_sglang.serving import SGLangServer
 
+# A long first turn: compression keeps sinks and a recent window whole, so savings show on
+# segments of a few hundred tokens, not on one-line prompts.
+NOTES = (
+    "Here are my travel notes. Paris is the capital of France and sits on the Seine; its museums "
+    "include the Louvre and the Musee d'Orsay. Lyon, the third largest French city, is known for "
+    "its food and lies where the Rhone meets the Saone. Marseille is an old port on the "
+    "Mediterranean. Rome is the capital of Italy; the Colosseum and the Forum stand in its "
+    "centre, and the Vatican lies within the city. Milan is the business capital of northern "
+    "Italy, with its cathedral and its fashion houses. Naples, further south, faces Mount "
+    "Vesuvius and is said to be the home of pizza. Madrid is the capital of Spain, high on the "
+    "central plateau, with the Prado museum. Barcelona, on the coast of Catalonia, is famous for "
+    "the buildings of Gaudi. Lisbon is the capital of Portugal, built on hills above the Tagus "
+    "river, with yellow trams and tiled facades. Berlin is the capital of Germany and Vienna the "
+    "capital of Austria, on the Danube. "
+)
+DEMO_TURNS = (
+    NOTES + "Using my notes, what is the capital of France?",
+    "And what is the capital of Italy?",
+    "Which of those two cities is further south?",
+)
 DEFAULT_TURNS = (
     "What is the capital of France?",
     "And what is the capital of Italy?",
@@ -39,7 +63,10 @@ class TurnResult:
 
 
 def chat(
-    base_url: str, turns: tuple[str, ...] | list[str], max_tokens: int = 64
+    base_url: str,
+    turns: tuple[str, ...] | list[str],
+    max_tokens: int = 64,
+    on_turn: Callable[[int, TurnResult], None] | None = None,
 ) -> list[TurnResult]:
     """Hold a greedy multi-turn chat through the OpenAI-compatible API.
 
@@ -47,6 +74,7 @@ def chat(
         base_url: server root, e.g. ``http://127.0.0.1:30000``.
         turns: user messages, one per turn; each request carries the whole history.
         max_tokens: reply cap per turn (tokens).
+        on_turn: called with (turn number from 1, result) as soon as each turn is answered.
 
     Returns:
         One :class:`TurnResult` per turn.
@@ -71,7 +99,15 @@ def chat(
                 cached_tokens=(details.cached_tokens or 0) if details else 0,
             )
         )
+        if on_turn is not None:
+            on_turn(len(results), results[-1])
     return results
+
+
+def tangram_pool(server: SGLangServer) -> dict | None:
+    """The live Tangram pool numbers (``/server_info``), or None on a stock server."""
+    states = server.server_info().get("internal_states") or [{}]
+    return states[0].get("tangram_pool")
 
 
 def full_kv_bytes_per_token(model_dir: Path, dtype_bytes: int) -> int:
@@ -82,30 +118,59 @@ def full_kv_bytes_per_token(model_dir: Path, dtype_bytes: int) -> int:
     return 2 * cfg["num_hidden_layers"] * heads * head_dim * dtype_bytes
 
 
+def report_turn(server: SGLangServer, per_token_bytes: int, i: int, turn: TurnResult) -> None:
+    """Print one answered turn: the reply, radix-cache hits, KV bytes held vs full KV."""
+    print(f"\n--- turn {i} ---\nuser:      ...{turn.user[-60:]}\nassistant: {turn.reply}")
+    print(f"prompt tokens {turn.prompt_tokens}, served from the radix cache {turn.cached_tokens}")
+    full = (turn.prompt_tokens + turn.completion_tokens) * per_token_bytes
+    pool = tangram_pool(server)
+    if pool and pool.get("last_release"):
+        held = pool["last_release"]["bytes_held"]
+        print(f"KV held by the request: {held / 2**20:.2f} MiB in Tangram pages vs "
+              f"{full / 2**20:.2f} MiB full KV (saved {1 - held / full:.0%}); pool pages free "
+              f"{pool['pages_free']}/{pool['pages_total']}")  # fmt: skip
+    else:
+        print(f"KV held by the request (full KV): {full / 2**20:.2f} MiB")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tangram_sglang.demo", description=__doc__)
     parser.add_argument("--model", default="smollm2", help="embedded model name")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--full-kv", action="store_true", help="run stock SGLang (no --tangram)")
+    parser.add_argument("--profile", help="Tangram budget profile (default: the shipped one)")
     parser.add_argument("--log", default="/tmp/tangram-demo-server.log", help="server log file")
     args = parser.parse_args(argv)
+    try:
+        return run_demo(args)
+    except TangramError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
 
+
+def run_demo(args: argparse.Namespace) -> int:
+    """Start the server, chat, report; raises TangramError on a bad model, profile or start."""
     folder = model_path(args.model)
+    server_args = [] if args.full_kv else ["--tangram"]
+    if args.profile and not args.full_kv:
+        BudgetProfile.load(args.profile)  # fail before a minute of server start-up
+        server_args += ["--tangram-profile", args.profile]
     print(f"model: {folder}")
-    print("starting SGLang (about a minute on CPU) ...", flush=True)
-    with SGLangServer(folder, device=args.device, log_path=args.log) as server:
+    print(f"starting SGLang {' '.join(server_args)} (about a minute on CPU) ...", flush=True)
+    with SGLangServer(folder, server_args, device=args.device, log_path=args.log) as server:
         info = server.server_info()
         print(
             f"server up: sglang {info.get('version')}, attention backend "
             f"{info.get('attention_backend')}, KV dtype {info.get('dtype')}"
         )
+        if "tangram" in info:
+            t = info["tangram"]
+            ratio, groups = t.get("mean_kept_ratio", 0.0), t.get("num_head_groups")
+            print(f"Tangram profile {t.get('profile_path')}: mean kept ratio {ratio:.3f}, "
+                  f"{groups} head groups")  # fmt: skip
         per_token = full_kv_bytes_per_token(folder, 4 if info.get("dtype") == "float32" else 2)
-        for i, turn in enumerate(chat(server.base_url, DEFAULT_TURNS), start=1):
-            held = (turn.prompt_tokens + turn.completion_tokens) * per_token
-            print(f"\n--- turn {i} ---\nuser:      {turn.user}\nassistant: {turn.reply}")
-            print(
-                f"prompt tokens {turn.prompt_tokens}, served from the radix cache "
-                f"{turn.cached_tokens}, KV held by the conversation {held / 2**20:.2f} MiB"
-            )
+        chat(server.base_url, DEMO_TURNS,
+             on_turn=lambda i, turn: report_turn(server, per_token, i, turn))  # fmt: skip
     print("\nserver stopped")
     return 0
 
