@@ -211,14 +211,13 @@ def tangram_backends_registered(patched_sglang):
 
 def test_start_refused_without_a_tangram_backend(patched_sglang, smollm2_path, smollm2_profile,
                                                  monkeypatch):  # fmt: skip
-    """Without a registered backend nothing would compress: SGLang's defaults stay, start fails."""
+    """Without a registered backend nothing would compress: start-up fails in the scheduler."""
     from sglang.srt.layers.attention import attention_registry
 
     from tangram_sglang.integration.server_args import require_compressing_backend
 
-    monkeypatch.delitem(attention_registry.ATTENTION_BACKENDS, "tangram", raising=False)
-    args = make_args(patched_sglang, smollm2_path, smollm2_profile)
-    assert args.attention_backend != "tangram"
+    make_args(patched_sglang, smollm2_path, smollm2_profile)  # loads the plugin: registers it
+    monkeypatch.delitem(attention_registry.ATTENTION_BACKENDS, "tangram")
     with pytest.raises(ConfigError, match="cannot compress the KV cache"):
         require_compressing_backend()
 
