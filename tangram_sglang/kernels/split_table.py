@@ -233,7 +233,8 @@ def build_split_table(
         A :class:`SplitTable` with int32 CPU tensors (call ``.to(device)`` once).
 
     Raises:
-        ConfigError: ``num_sms``, ``batch_size`` or ``max_splits`` < 1, or ratio shape mismatch.
+        ConfigError: ``num_sms``, ``batch_size`` or ``max_splits`` not a whole number >= 1, or
+            ratio shape mismatch.
 
     Source: Tangram arXiv 2606.06302, AOT load balancing; the CTA-count rule in this module's
     docstring.
@@ -243,8 +244,8 @@ def build_split_table(
         ("batch_size", batch_size),
         ("max_splits", max_splits),
     ):
-        if int(value) < 1:
-            raise ConfigError(f"{name}={value} must be >= 1")
+        if isinstance(value, bool) or int(value) != value or int(value) < 1:
+            raise ConfigError(f"{name}={value!r} must be a whole number >= 1")
     ratios = head_ratios(grouping, group_ratios)
     if not ((ratios > 0) & (ratios <= 1)).all():
         raise ConfigError("group_ratios must lie in (0, 1]; pass BudgetProfile.group_ratios")

@@ -400,10 +400,13 @@ class TangramMemory:
         """Drop one outside holder's reference per listed page (radix eviction).
 
         Raises:
-            PoolError: a page is not held by an outside holder (double free, or a page only
-                running rows hold). Nothing changes on error.
+            PoolError: non-integer ids, an id out of range, or a page not held by an outside
+                holder (double free, or a page only running rows hold). Nothing changes on error.
         """
-        ids = torch.as_tensor(pages).to(torch.int64).flatten()
+        raw = torch.as_tensor(pages)
+        if raw.is_floating_point() or raw.dtype == torch.bool:
+            raise PoolError(f"free_pages by {owner}: page ids must be integers, got {raw.dtype}")
+        ids = raw.to(torch.int64).flatten()
         arr = ids.numpy()
         if arr.size and (arr.min() < 1 or arr.max() >= self.allocator.num_pages):
             raise PoolError(

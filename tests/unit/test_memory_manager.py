@@ -89,6 +89,7 @@ def test_does_not_fit_now_returns_none_and_evictable_pages_count():
         (lambda m: m.free_pages(m.group_pages(0, 0)), r"pages \[1\] are not held outside"),
         (lambda m: m.free_pages(np.array([7])), r"pages \[7\] are not held outside"),
         (lambda m: m.free_pages(np.array([0])), r"out of \[1, 16\)"),
+        (lambda m: m.free_pages(np.array([1.5])), r"page ids must be integers"),
         (lambda m: m.alloc_decode([0, 0]), r"repeat a row"),
         (
             lambda m: m.admit(1, "p", 1, 1, PrefixMatch([np.array([1])], np.array([4]))),
@@ -115,6 +116,7 @@ def test_does_not_fit_now_returns_none_and_evictable_pages_count():
         "free-row-owned-page",
         "double-free",
         "free-padding",
+        "free-float-ids",
         "repeated-decode-row",
         "prefix-group-count",
         "prefix-free-page",

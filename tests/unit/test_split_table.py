@@ -105,6 +105,8 @@ def test_bad_arguments_raise_config_error() -> None:
     grouping = HeadGrouping.build(ratio, 1, "per_layer")
     with pytest.raises(ConfigError, match="num_sms"):
         build_split_table(grouping, grouping.group_ratios(ratio), 0, 1)
+    with pytest.raises(ConfigError, match=r"num_sms=2\.5 must be a whole number"):
+        build_split_table(grouping, grouping.group_ratios(ratio), 2.5, 1)
     with pytest.raises(ConfigError, match="group_ratios"):
         build_split_table(grouping, np.array([0.5]), 132, 1)
     with pytest.raises(ConfigError, match="max_batch_size"):
