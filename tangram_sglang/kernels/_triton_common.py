@@ -83,3 +83,47 @@ def online_softmax_step(
     # 5. Accumulate P @ V in fp32 (P cast to V's dtype for the tensor-core dot).
     acc = acc * alpha[:, None] + mma(p.to(v.dtype), v, DOT_PRECISION, UPCAST_DOT)
     return m_new, l_i, acc
+
+
+@triton.jit
+def attend_paged(
+    q,
+    m_i,
+    l_i,
+    acc,
+    page_row_ptr,
+    col_offset,
+    start,
+    end,
+    k_pool_ptr,
+    v_pool_ptr,
+    stride_pool_page,
+    stride_pool_slot,
+    sm_scale_log2,
+    BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    UPCAST_DOT: tl.constexpr,
+):
+    """Fold tokens ``[start, end)`` of one (row, group, column)'s pages into the softmax state.
+
+    ``q [M, HEAD_DIM]`` attends to every token of the range (no causal mask): the decode split
+    of a KV head and the extend's compressed history both use this loop. Returns the updated
+    ``(m_i, l_i, acc)`` of :func:`online_softmax_step`.
+    """
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    for tok0 in range(start, end, BLOCK_N):
+        offs_t = tok0 + offs_n
+        mask_t = offs_t < end
+        kv_off = paged_offsets(
+            page_row_ptr, offs_t, mask_t, col_offset, stride_pool_page, stride_pool_slot, PAGE_SIZE
+        )
+        k = tl.load(k_pool_ptr + kv_off[:, None] + offs_d[None, :], mask=mask_t[:, None], other=0.0)
+        v = tl.load(v_pool_ptr + kv_off[:, None] + offs_d[None, :], mask=mask_t[:, None], other=0.0)
+        # Scores in the log2 domain; tokens past the range's end are masked to -inf.
+        qk = mma(q, tl.trans(k), DOT_PRECISION, UPCAST_DOT) * sm_scale_log2
+        qk = tl.where(mask_t[None, :], qk, float("-inf"))
+        m_i, l_i, acc = online_softmax_step(qk, v, m_i, l_i, acc, DOT_PRECISION, UPCAST_DOT)
+    return m_i, l_i, acc

@@ -32,11 +32,9 @@ from tangram_sglang.errors import KernelError
 from tangram_sglang.kernels import _checks
 from tangram_sglang.kernels._triton_common import (
     LOG2E,
+    attend_paged,
     dot_precision,
     interpreted,
-    mma,
-    online_softmax_step,
-    paged_offsets,
 )
 from tangram_sglang.kernels.split_table import LayerSplits
 
@@ -104,7 +102,6 @@ def _decode_stage1(
 
     offs_g = tl.arange(0, GQA_PAD)
     offs_d = tl.arange(0, HEAD_DIM)
-    offs_n = tl.arange(0, BLOCK_N)
     q_heads = head * GQA_SIZE + offs_g
     mask_g = offs_g < GQA_SIZE
     q_off = b.to(tl.int64) * stride_q_b + q_heads[:, None] * stride_q_h + offs_d[None, :]
@@ -115,18 +112,11 @@ def _decode_stage1(
     m_i = tl.full([GQA_PAD], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([GQA_PAD], dtype=tl.float32)
     acc = tl.zeros([GQA_PAD, HEAD_DIM], dtype=tl.float32)
-    for tok0 in range(start, end, BLOCK_N):
-        offs_t = tok0 + offs_n
-        mask_t = offs_t < end
-        kv_off = paged_offsets(
-            page_row_ptr, offs_t, mask_t, col_offset, stride_pool_page, stride_pool_slot, PAGE_SIZE
-        )
-        k = tl.load(k_pool_ptr + kv_off[:, None] + offs_d[None, :], mask=mask_t[:, None], other=0.0)
-        v = tl.load(v_pool_ptr + kv_off[:, None] + offs_d[None, :], mask=mask_t[:, None], other=0.0)
-        # Scores in the log2 domain; tokens past the split's end are masked to -inf.
-        qk = mma(q, tl.trans(k), DOT_PRECISION, UPCAST_DOT) * sm_scale_log2
-        qk = tl.where(mask_t[None, :], qk, float("-inf"))
-        m_i, l_i, acc = online_softmax_step(qk, v, m_i, l_i, acc, DOT_PRECISION, UPCAST_DOT)
+    m_i, l_i, acc = attend_paged(
+        q, m_i, l_i, acc, page_row_ptr, col_offset, start, end, k_pool_ptr, v_pool_ptr,
+        stride_pool_page, stride_pool_slot, sm_scale_log2,
+        BLOCK_N, HEAD_DIM, PAGE_SIZE, DOT_PRECISION, UPCAST_DOT,
+    )  # fmt: skip
 
     # Normalise this split's output; an empty split writes zeros with lse = -inf (weight 0).
     has_keys = l_i > 0.0

@@ -28,11 +28,11 @@ from tangram_sglang.kernels import _checks
 from tangram_sglang.kernels._triton_common import (
     LN2,
     LOG2E,
+    attend_paged,
     dot_precision,
     interpreted,
     mma,
     online_softmax_step,
-    paged_offsets,
 )
 
 # (BLOCK_M queries, BLOCK_N keys, warps) per head_dim, chosen from ptxas -v for sm_90a in bf16:
@@ -116,17 +116,11 @@ def _extend_kernel(
     # Phase 1: compressed history, every token visible to every query (ragged pages).
     page_row_ptr = page_table_ptr + row * stride_pt_row + group * stride_pt_group
     col_offset = column.to(tl.int64) * stride_pool_col
-    for tok0 in range(0, hist_len, BLOCK_N):
-        offs_t = tok0 + offs_n
-        mask_t = offs_t < hist_len
-        kv_off = paged_offsets(
-            page_row_ptr, offs_t, mask_t, col_offset, stride_pool_page, stride_pool_slot, PAGE_SIZE
-        )
-        k = tl.load(k_pool_ptr + kv_off[:, None] + offs_d[None, :], mask=mask_t[:, None], other=0.0)
-        v = tl.load(v_pool_ptr + kv_off[:, None] + offs_d[None, :], mask=mask_t[:, None], other=0.0)
-        qk = mma(q, tl.trans(k), DOT_PRECISION, UPCAST_DOT) * sm_scale_log2
-        qk = tl.where(mask_t[None, :], qk, float("-inf"))
-        m_i, l_i, acc = online_softmax_step(qk, v, m_i, l_i, acc, DOT_PRECISION, UPCAST_DOT)
+    m_i, l_i, acc = attend_paged(
+        q, m_i, l_i, acc, page_row_ptr, col_offset, 0, hist_len, k_pool_ptr, v_pool_ptr,
+        stride_pool_page, stride_pool_slot, sm_scale_log2,
+        BLOCK_N, HEAD_DIM, PAGE_SIZE, DOT_PRECISION, UPCAST_DOT,
+    )  # fmt: skip
 
     # Phase 2: transient new tokens, causal (key j visible to query i iff j <= i); keys past
     # this block's last query are never visible, so the sweep stops there.
