@@ -119,6 +119,37 @@ HOOKS: tuple[HookTarget, ...] = (
         body="tangram_sglang.integration.hooks:tangram_check_decode_mem",
         purpose="decode step must fit in pages; False makes SGLang retract requests",
     ),
+    HookTarget(
+        target="sglang.srt.managers.scheduler_components.pool_stats_observer.SchedulerPoolStatsObserver"
+        ".get_pool_stats",
+        hook_type="after",
+        body="tangram_sglang.integration.metrics:tag_pool_stats",
+        purpose="tag SGLang's PoolStats with the Tangram state for log lines and /metrics",
+    ),
+    HookTarget(
+        target="sglang.srt.managers.scheduler_components.pool_stats_observer.PoolStats.get_prefill_usage_msg_parts",
+        hook_type="after",
+        body="tangram_sglang.integration.metrics:add_usage_msg_part",
+        purpose="pages used/reserved and bytes vs full KV on every prefill log line",
+    ),
+    HookTarget(
+        target="sglang.srt.managers.scheduler_components.pool_stats_observer.PoolStats.get_decode_usage_msg_parts",
+        hook_type="after",
+        body="tangram_sglang.integration.metrics:add_usage_msg_part",
+        purpose="pages used/reserved and bytes vs full KV on every decode log line",
+    ),
+    HookTarget(
+        target="sglang.srt.managers.scheduler_components.pool_stats_observer.PoolStats.update_scheduler_stats",
+        hook_type="after",
+        body="tangram_sglang.integration.metrics:copy_to_scheduler_stats",
+        purpose="carry a pool snapshot on SchedulerStats to the metrics collector",
+    ),
+    HookTarget(
+        target="sglang.srt.observability.metrics_collector.SchedulerMetricsCollector.log_stats",
+        hook_type="after",
+        body="tangram_sglang.integration.metrics:export_gauges",
+        purpose="tangram:* gauges on /metrics (pages, bytes held vs full KV, fragmentation)",
+    ),
 )
 
 # Added by the pieces that own them, e.g.
@@ -132,6 +163,12 @@ REGISTRATIONS: tuple[Registration, ...] = (
         "tangram",
         "tangram_sglang.backend.attention_backend",
         "the tangram attention backend (compressed extend, ragged decode)",
+    ),
+    Registration(
+        "sglang.srt.mem_cache.registry._RADIX_CACHE_REGISTRY",
+        "tangram",
+        "tangram_sglang.radix.factory",
+        "the tangram radix cache backend (compressed history reused across turns)",
     ),
 )
 

@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import json
+import re
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -22,6 +23,7 @@ import requests
 
 from tangram_sglang.backend.state import chunked_footprint_pages
 from tangram_sglang.grouping import HeadGrouping
+from tangram_sglang.integration.metrics import GAUGES
 from tangram_sglang.profile import BudgetProfile, ModelIdentity
 from tangram_sglang.serving import SGLangServer
 
@@ -95,7 +97,8 @@ def test_ratio_one_profile_is_token_identical_to_stock(smollm2_path, tokenizer, 
 @pytest.fixture(scope="module")
 def server05(smollm2_path):
     args = ["--tangram", "--tangram-profile", PROFILE_05, "--chunked-prefill-size",
-            str(CHUNK_TOKENS), "--max-total-tokens", str(MAX_TOTAL_TOKENS)]  # fmt: skip
+            str(CHUNK_TOKENS), "--max-total-tokens", str(MAX_TOTAL_TOKENS),
+            "--enable-metrics"]  # fmt: skip
     with SGLangServer(smollm2_path, args=args, log_path="/tmp/tangram-e2e-r05.log") as srv:
         yield srv
 
@@ -160,6 +163,26 @@ def test_free_pages_return_to_the_start_value(server05):
     assert pool["active_rows"] == 0
     assert pool["pages_used"] == 0
     assert pool["pages_free"] == pool["pages_free_at_start"]
+
+
+def test_pool_numbers_reach_metrics_and_the_step_log(server05):
+    generate(server05.base_url, [1, 2, 3, 4], 4)  # a prefill log line + a log_stats call
+    text = requests.get(f"{server05.base_url}/metrics", timeout=60).text
+    gauges = {
+        line.split("{")[0]: float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("tangram:")
+    }
+    assert set(gauges) == set(GAUGES)
+    pool = pool_state(server05)
+    assert gauges["tangram:pages_total"] == pool["pages_total"]
+    assert gauges["tangram:pages_used"] + gauges["tangram:pages_free"] == pool["pages_total"]
+    saved = gauges["tangram:full_kv_bytes"] - gauges["tangram:kv_bytes_held"]
+    assert gauges["tangram:kv_bytes_saved"] == saved
+    assert 0.0 <= gauges["tangram:fragmentation"] <= 1.0
+    total = pool["pages_total"]
+    line = rf"Prefill batch.*tangram pages: \d+/{total} \(\d+ reserved\), KV [\d.]+ MiB vs full"
+    assert re.search(line, server05.log_path.read_text())
 
 
 def test_tiny_pool_many_short_requests_complete_and_pages_return(smollm2_path):

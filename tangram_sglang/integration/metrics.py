@@ -1,0 +1,155 @@
+"""Tangram pool numbers in SGLang's per-step log lines and on ``/metrics`` (Prometheus gauges).
+
+Owns the operator's view of the page pool while the server runs (issue 6, "Observability"):
+
+* every prefill/decode log line of the scheduler gets a ``tangram pages: ...`` part (pages used
+  of the pool, pages reserved by running requests, KV bytes held vs what full KV would hold for
+  the same live tokens, fragmentation);
+* with ``--enable-metrics``, ``/metrics`` carries the gauges of :data:`GAUGES`.
+
+The hook chain follows SGLang 0.5.17's own path from pool to log line and gauge:
+``SchedulerPoolStatsObserver.get_pool_stats`` (we tag the ``PoolStats`` with the scheduler's
+``TangramState``) -> ``PoolStats.get_{prefill,decode}_usage_msg_parts`` (log parts) and
+``PoolStats.update_scheduler_stats`` (copies a :class:`PoolSnapshot` onto ``SchedulerStats``) ->
+``SchedulerMetricsCollector.log_stats`` (sets the gauges). The snapshot is taken only where a
+log line or the metrics need it (O(num_pages) host work), never per forward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+STATE_ATTR = "tangram_state"  # attribute we put on SGLang's PoolStats
+SNAPSHOT_ATTR = "tangram"  # attribute we put on SGLang's SchedulerStats
+MIB = 1 << 20
+
+# gauge name -> (PoolSnapshot field, documentation)
+GAUGES: dict[str, tuple[str, str]] = {
+    "tangram:pages_total": ("pages_total", "Pages the Tangram pool can hand out."),
+    "tangram:pages_used": ("pages_used", "Pages held by requests or radix nodes."),
+    "tangram:pages_reserved": (
+        "pages_reserved",
+        "Pages granted to running requests by Budget Reservation and not allocated yet.",
+    ),
+    "tangram:pages_free": ("pages_free", "Pages with no holder."),
+    "tangram:kv_bytes_held": ("bytes_held", "KV bytes held in Tangram pages (K and V)."),
+    "tangram:full_kv_bytes": (
+        "full_kv_bytes",
+        "KV bytes stock SGLang would hold for the same live tokens (uncompressed).",
+    ),
+    "tangram:kv_bytes_saved": (
+        "bytes_saved",
+        "full_kv_bytes - kv_bytes_held (negative when short segments pad past full KV).",
+    ),
+    "tangram:fragmentation": (
+        "fragmentation",
+        "Share of the (token, KV head) slots of held pages that hold no token.",
+    ),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class PoolSnapshot:
+    """The pool at one instant, in the units the log and the gauges use.
+
+    Attributes:
+        pages_total / pages_used / pages_reserved / pages_free: pages.
+        bytes_held: bytes in held pages (K and V, all layers).
+        full_kv_bytes: bytes a full-KV pool would hold for the live logical tokens.
+        fragmentation: unused (token, head) slots / slots of held pages, in [0, 1].
+    """
+
+    pages_total: int
+    pages_used: int
+    pages_reserved: int
+    pages_free: int
+    bytes_held: int
+    full_kv_bytes: int
+    fragmentation: float
+
+    @property
+    def bytes_saved(self) -> int:
+        """``full_kv_bytes - bytes_held`` (bytes; negative when Tangram holds more)."""
+        return self.full_kv_bytes - self.bytes_held
+
+    def log_part(self) -> str:
+        """The part appended to SGLang's prefill/decode log line."""
+        return (
+            f"tangram pages: {self.pages_used}/{self.pages_total} "
+            f"({self.pages_reserved} reserved), KV {self.bytes_held / MIB:.1f} MiB vs full KV "
+            f"{self.full_kv_bytes / MIB:.1f} MiB, frag {self.fragmentation:.3f}"
+        )
+
+    def to_dict(self) -> dict[str, float]:
+        """JSON-ready numbers, ``bytes_saved`` included."""
+        return {**asdict(self), "bytes_saved": self.bytes_saved}
+
+
+def snapshot(state: Any) -> PoolSnapshot:
+    """Snapshot a ``backend.state.TangramState`` (O(num_pages) host work)."""
+    info = state.pool_info()
+    return PoolSnapshot(
+        pages_total=int(info["pages_total"]),
+        pages_used=int(info["pages_used"]),
+        pages_reserved=int(state.memory.ledger.outstanding_pages()),
+        pages_free=int(info["pages_free"]),
+        bytes_held=int(info["bytes_held"]),
+        full_kv_bytes=int(info["full_kv_bytes_of_live_tokens"]),
+        fragmentation=float(info["fragmentation_fraction"]),
+    )
+
+
+def tag_pool_stats(result: Any, observer: Any) -> None:
+    """AFTER ``SchedulerPoolStatsObserver.get_pool_stats``: tag the PoolStats with our state.
+
+    Cheap (an attribute); the snapshot is taken by the hooks that format or export it.
+    """
+    kvcache = observer.token_to_kv_pool_allocator.get_kvcache()
+    state = getattr(kvcache, "tangram_state", None)
+    if state is not None:
+        setattr(result, STATE_ATTR, state)
+
+
+def _snapshot_of(pool_stats: Any) -> PoolSnapshot | None:
+    state = getattr(pool_stats, STATE_ATTR, None)
+    return None if state is None else snapshot(state)
+
+
+def add_usage_msg_part(result: list[str], pool_stats: Any) -> list[str] | None:
+    """AFTER ``PoolStats.get_{prefill,decode}_usage_msg_parts``: append the Tangram part."""
+    snap = _snapshot_of(pool_stats)
+    if snap is None:
+        return None
+    return [*result, snap.log_part()]
+
+
+def copy_to_scheduler_stats(result: Any, pool_stats: Any, stats: Any) -> None:
+    """AFTER ``PoolStats.update_scheduler_stats``: put a snapshot on ``SchedulerStats``."""
+    snap = _snapshot_of(pool_stats)
+    if snap is not None:
+        setattr(stats, SNAPSHOT_ATTR, snap)
+
+
+_gauges: dict[str, Any] = {}  # per process: prometheus refuses a name registered twice
+
+
+def _gauge(name: str, labelnames: list[str]) -> Any:
+    if name not in _gauges:
+        from prometheus_client import Gauge  # after SGLang set PROMETHEUS_MULTIPROC_DIR
+
+        _gauges[name] = Gauge(
+            name=name, documentation=GAUGES[name][1], labelnames=labelnames,
+            multiprocess_mode="mostrecent",
+        )  # fmt: skip
+    return _gauges[name]
+
+
+def export_gauges(result: Any, collector: Any, stats: Any) -> None:
+    """AFTER ``SchedulerMetricsCollector.log_stats``: set the ``tangram:*`` gauges."""
+    snap = getattr(stats, SNAPSHOT_ATTR, None)
+    if snap is None:
+        return
+    values = snap.to_dict()
+    for name, (field, _) in GAUGES.items():
+        _gauge(name, list(collector.labels)).labels(**collector.labels).set(values[field])
