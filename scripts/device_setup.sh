@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# device_setup.sh -- runs THERE (the lent H200), sourced at the start of every device call:
+#   source scripts/device_setup.sh
+# Unpacks the carried stock sglang 0.5.17 wheelhouse into /tmp/site, applies patches/ to that copy
+# and checks that the `tangram` plugin entry point (carried tangram_sglang.egg-info, found through
+# PYTHONPATH=$PWD) is visible. Needs carry: [".carry/sglang/p1", "tangram_sglang.egg-info"].
+# Writes the Llama-3.1-8B-shaped dummy model folder path to $MODEL.
+set -u
+export SITE=${SITE:-/tmp/site}
+bash .carry/sglang/p1/install.sh .carry/sglang/p* || return 1
+export PYTHONPATH=$SITE:$PWD PYTHONUNBUFFERED=1
+python3 scripts/patches.py apply --site-packages "$SITE" || return 1
+python3 -c "from importlib.metadata import entry_points as e; eps=[x.value for x in e(group='sglang.srt.plugins')]; print('plugins:', eps); assert any('tangram' in v for v in eps)" || return 1
+export MODEL=$PWD/calibration/synthetic/llama3.1-8b-dummy
+export PROFILE=$PWD/calibration/synthetic/llama3.1-8b-ada-snapkv-r0.25.json
