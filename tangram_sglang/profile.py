@@ -44,6 +44,7 @@ SCHEMA_VERSION = 1
 SCORERS = ("snapkv", "ada-snapkv", "pyramidkv", "duo")
 # Guard against ratio * n landing a hair above an integer (0.3 * 10 = 3.0000000000000004).
 _CEIL_EPS = 1e-9
+MIN_RATIO = 1e-6  # smallest kept fraction a rescaled head may get (fraction of tokens)
 
 
 def kept_len(num_tokens: int, ratio: float, sink_tokens: int, recent_window: int) -> int:
@@ -189,10 +190,17 @@ class BudgetProfile:
         heads that hit it and the others are scaled with one factor found by bisection.
 
         Raises:
-            ProfileError: target outside (0, 1].
+            ProfileError: target outside (0, 1], or so small that the smallest head would keep
+                a fraction below ``MIN_RATIO`` (the message gives the smallest valid target).
         """
         if not 0.0 < target_mean <= 1.0:
             raise ProfileError(f"target ratio {target_mean} must be in (0, 1]")
+        smallest = float(np.minimum(self.ratio * (MIN_RATIO / self.ratio.min()), 1.0).mean())
+        if target_mean < smallest:
+            raise ProfileError(
+                f"target ratio {target_mean} is too small for this profile: its smallest head "
+                f"would keep less than {MIN_RATIO} of the tokens; use a target >= {smallest:.3g}"
+            )
         lo, hi = 0.0, 1.0 / float(self.ratio.min())
         for _ in range(100):  # bisection on the scale; mean(clip(s * r, 1)) is monotone in s
             mid = (lo + hi) / 2
@@ -200,7 +208,7 @@ class BudgetProfile:
                 lo = mid
             else:
                 hi = mid
-        ratio = np.clip(self.ratio * hi, 1e-6, 1.0)
+        ratio = np.clip(self.ratio * hi, MIN_RATIO, 1.0)
         grouping = HeadGrouping.build(ratio, self.grouping.heads_per_group, self.grouping.scope)
         return _replace(self, ratio=ratio, grouping=grouping)
 

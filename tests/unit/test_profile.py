@@ -162,6 +162,14 @@ def test_rescaled_keeps_the_ranking():
     assert (np.argsort(half.ratio.ravel()) == np.argsort(profile.ratio.ravel())).all()
 
 
+def test_rescaled_refuses_a_target_below_the_smallest_fraction_instead_of_clipping():
+    profile = make_profile()
+    with pytest.raises(ProfileError, match="too small for this profile.*use a target >="):
+        profile.rescaled(1e-9)
+    smallest = float(np.minimum(profile.ratio / profile.ratio.min() * 1e-6, 1.0).mean())
+    assert profile.rescaled(smallest * 1.01).ratio.mean() == pytest.approx(smallest * 1.01)
+
+
 def _set(data: dict, dotted: str, value) -> dict:
     *parents, leaf = dotted.split(".")
     node = data
