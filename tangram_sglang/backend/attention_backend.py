@@ -13,7 +13,13 @@ Plan per batch (``init_forward_metadata``: reserve/allocate the batch's pages th
 Positions are SGLang's logical positions (RoPE is applied to q/k by the model before this
 backend sees them), so K is cached after RoPE. GQA: query heads ``h*gqa ... (h+1)*gqa-1`` read
 KV head h. CPU runs :mod:`tangram_sglang.kernels.reference`; CUDA runs the Triton kernels.
-CUDA graphs are not implemented yet (the backend plans with host lists; eager only).
+
+CUDA graphs (decode only; SGLang 0.5.17's ``DecodeCudaGraphRunner``): ``init_cuda_graph_state``
+checks the static decode buffers (:class:`~tangram_sglang.backend.metadata.DecodeGraphBuffers`,
+built at start-up and also used by eager decode on CUDA); ``init_forward_metadata_out_graph``
+runs on the host before capture/replay (page allocation, then the plan written in place into
+the buffers, padded entries -> row 0 / page 0); ``init_forward_metadata_in_graph`` has nothing
+to record. Prefill stays eager: start with ``--disable-prefill-cuda-graph``.
 
 Importing this module registers the backend as ``"tangram"`` in SGLang's attention registry and
 its ``--attention-backend`` choices (the plugin's ``REGISTRATIONS`` row imports it).
@@ -102,6 +108,11 @@ class TangramAttnBackend(AttentionBackend):
         self.group_of_head_host = self.state.profile.grouping.cluster_of
         self.forward_metadata: md.TangramForwardMetadata | None = None
         self.kernels = _kernels_for(self.device, self.state, model_runner)
+        m = self.state.profile.model
+        self.decode_buffers = md.DecodeGraphBuffers.create(
+            self.memory.table.max_rows, self.memory.num_head_groups, m.num_qo_heads, m.head_dim,
+            self.k_pool.dtype, self.device,
+        )  # fmt: skip
 
     def support_triton(self) -> bool:
         """Whether SGLang may run its Triton helpers (``req_to_token`` writes): CUDA only."""
@@ -116,12 +127,7 @@ class TangramAttnBackend(AttentionBackend):
             return
         rows = forward_batch.req_pool_indices.tolist()
         if mode.is_decode():
-            seq_lens = forward_batch.seq_lens_cpu.tolist()
-            self.state.begin_decode(rows, seq_lens)
-            table = self.memory.table
-            self.forward_metadata = md.decode_metadata(
-                rows, table.pages, table.lens, self.memory.page_size, self.device
-            )
+            self.forward_metadata = self._plan_decode(rows, forward_batch.seq_lens_cpu.tolist())
         elif mode.is_extend() and not mode.is_mixed():
             extend_lens = list(forward_batch.extend_seq_lens_cpu)
             prefix_lens = list(forward_batch.extend_prefix_lens_cpu)
@@ -129,6 +135,67 @@ class TangramAttnBackend(AttentionBackend):
             self.forward_metadata = md.extend_metadata(rows, extend_lens, kept, self.device)
         else:
             raise ConfigError(f"the {BACKEND_NAME} backend does not run forward mode {mode.name}")
+
+    def _plan_decode(
+        self, rows: list[int], seq_lens: list[int], padded_bs: int | None = None
+    ) -> md.TangramForwardMetadata:
+        """Allocate one decode token per group of ``rows``, then the plan (host, per step).
+
+        CUDA: the plan is written into the static buffers (graph-safe, also used eagerly);
+        CPU: fresh tensors for the reference kernels.
+        """
+        if rows:
+            self.state.begin_decode(rows, seq_lens)
+        table = self.memory.table
+        if self.device.type != "cuda":
+            return md.decode_metadata(rows, table.pages, table.lens, self.memory.page_size,
+                                      self.device)  # fmt: skip
+        bs = len(rows) if padded_bs is None else padded_bs
+        return self.decode_buffers.fill(rows, bs, table.pages, table.lens, self.memory.page_size)
+
+    # ---- CUDA graphs (decode) ------------------------------------------------------------------
+    def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
+        """Start-up: the static decode buffers must hold SGLang's largest captured batch.
+
+        Raises:
+            ConfigError: ``max_bs`` exceeds the request rows (the buffers' size).
+        """
+        if max_bs > self.decode_buffers.max_bs:
+            raise ConfigError(
+                f"CUDA graph max batch size {max_bs} exceeds the {self.decode_buffers.max_bs} "
+                "request rows of the tangram backend; lower --cuda-graph-max-bs"
+            )
+
+    def get_cuda_graph_seq_len_fill_value(self) -> int:
+        """Sequence length SGLang gives padded batch entries (their K/V go to page 0)."""
+        return 1
+
+    def init_forward_metadata_out_graph(self, forward_batch, in_capture: bool = False) -> None:
+        """Host planning before a decode graph is captured or replayed (SGLang calls it).
+
+        Capture: every entry is padding (no request owns the rows; nothing is allocated).
+        Replay: ``forward_batch`` is SGLang's padded view (``num_padding`` entries at the end);
+        the real rows get their decode pages, the plan is written into the static buffers.
+
+        Raises:
+            ConfigError: a non-decode batch (prefill graphs are not supported: pass
+                ``--disable-prefill-cuda-graph``).
+        """
+        mode = forward_batch.forward_mode
+        if not mode.is_decode():
+            raise ConfigError(
+                f"the {BACKEND_NAME} backend captures CUDA graphs for decode only, got "
+                f"{mode.name}; start the server with --disable-prefill-cuda-graph"
+            )
+        bs = int(forward_batch.batch_size)
+        n = 0 if in_capture else bs - int(getattr(forward_batch, "num_padding", 0) or 0)
+        rows = forward_batch.req_pool_indices[:n].tolist()
+        lens = forward_batch.seq_lens_cpu if forward_batch.seq_lens_cpu is not None else (
+            forward_batch.seq_lens)  # fmt: skip
+        self.forward_metadata = self._plan_decode(rows, lens[:n].tolist(), bs)
+
+    def init_forward_metadata_in_graph(self, forward_batch) -> None:
+        """Nothing to record: the plan is already in the static buffers (out of graph)."""
 
     # ---- run (per layer) ----------------------------------------------------------------------
     def forward_extend(self, q, k, v, layer: RadixAttention, forward_batch: ForwardBatch,
@@ -181,7 +248,7 @@ class TangramAttnBackend(AttentionBackend):
         md.write_decode_token(self.k_pool, self.v_pool, k3, v3, meta, goh, coh)
         out = self.kernels.decode(
             q3, self.k_pool, self.v_pool, self.memory.table.page_table,
-            self.memory.table.group_len, meta.req_rows, goh, coh, layer.scaling, lid,
+            self.memory.table.group_len, meta.req_rows, goh, coh, layer.scaling, lid, meta.out,
         )  # fmt: skip
         return out.reshape(out.shape[0], -1)
 
@@ -220,7 +287,8 @@ class _ReferenceKernels:
     def kv_write(self, *args) -> None:
         reference.kv_write_reference(*args)
 
-    def decode(self, q, k_pool, v_pool, page_table, group_len, rows, goh, coh, sm_scale, lid):
+    def decode(self, q, k_pool, v_pool, page_table, group_len, rows, goh, coh, sm_scale, lid,
+               out=None):  # fmt: skip
         return reference.decode_reference(
             q, k_pool, v_pool, page_table, group_len, rows, goh, coh, sm_scale
         )
@@ -229,8 +297,8 @@ class _ReferenceKernels:
 class _TritonKernels(_ReferenceKernels):
     """CUDA path: the Triton extend, kv-write and AOT-split ragged decode kernels.
 
-    Split tables and the decode scratch are built once here (start-up). Not yet exercised by an
-    end-to-end GPU run (see notes/ISSUE6-STATUS.md).
+    Split tables and the decode scratch are built once here (start-up); decode writes into the
+    caller's static ``out`` (no allocation per step, CUDA-graph safe).
     """
 
     def __init__(self, state: TangramState, max_batch_size: int, device: torch.device) -> None:
@@ -263,11 +331,12 @@ class _TritonKernels(_ReferenceKernels):
 
         write_kept_kv(*args)
 
-    def decode(self, q, k_pool, v_pool, page_table, group_len, rows, goh, coh, sm_scale, lid):
+    def decode(self, q, k_pool, v_pool, page_table, group_len, rows, goh, coh, sm_scale, lid,
+               out=None):  # fmt: skip
         from tangram_sglang.kernels.decode_attention import ragged_decode_attention
 
         table = self.tables.for_batch(q.shape[0]).layer(lid)
-        out = torch.empty_like(q)
+        out = torch.empty_like(q) if out is None else out
         return ragged_decode_attention(
             q, k_pool, v_pool, page_table, group_len, rows, goh, coh, table, sm_scale, out,
             self.mid_o, self.mid_lse,

@@ -17,6 +17,17 @@ Decode batch (one new token per request, already counted in group_len)::
     req_rows   int32 [bs]
     dest_page  int64 [bs, G]      page of the new token in each group's table
     dest_slot  int64 [bs, G]      its slot in that page (tokens)
+    out        [bs, H_q, D]       decode output buffer (static; None = the kernel allocates)
+
+CUDA graphs (:class:`DecodeGraphBuffers`): the decode plan lives in static ``[max_bs, ...]``
+buffers refilled in place before every step (host page allocation stays outside the graph); a
+graph captured for batch size ``bs`` reads the views ``[:bs]``. Entries past the real batch
+(SGLang pads to the captured size) point at row 0 (SGLang's padding row: never a request, so
+every group length is 0 and decode writes zeros) and write their K/V into page 0 (the pool's
+padding page, never handed out)::
+
+    req_rows [max_bs]      rows[:n] real, rows[n:bs] = 0
+    dest_page [max_bs, G]  pages[:n] real, [n:bs] = 0 (padding page), slot 0
 
 Source: notes/INTERFACES.md (kernel calling conventions); STYLE.md §3 (plan once, run many).
 """
@@ -27,6 +38,8 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+
+from tangram_sglang.errors import KernelError
 
 EXTEND = "extend"
 DECODE = "decode"
@@ -45,6 +58,7 @@ class TangramForwardMetadata:
     dest_page: torch.Tensor | None  # int64 [bs, G] device (decode)
     dest_slot: torch.Tensor | None  # int64 [bs, G] device (decode)
     max_extend_len: int  # longest segment of the batch (tokens; 0 for decode)
+    out: torch.Tensor | None = None  # [bs, num_qo_heads, D] decode output buffer, or None
 
     @property
     def batch_size(self) -> int:
@@ -82,6 +96,24 @@ def extend_metadata(
     )
 
 
+def decode_destinations(
+    rows: list[int], pages: np.ndarray, lens: np.ndarray, page_size: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """Host ``(dest_page, dest_slot)``, int64 ``[bs, G]``: where each row's new token goes.
+
+    Args:
+        rows: ``bs`` request rows.
+        pages: int ``[max_rows, G, max_pages_per_group]`` host page table.
+        lens: int ``[max_rows, G]`` host kept lengths, INCLUDING the new token (>= 1).
+        page_size: tokens per page.
+    """
+    r = np.asarray(rows, np.int64)
+    last = lens[r] - 1  # [bs, G] slot index of the new token in each group
+    groups = np.arange(lens.shape[1])
+    page = pages[r[:, None], groups[None, :], last // page_size]
+    return np.ascontiguousarray(page, np.int64), np.ascontiguousarray(last % page_size, np.int64)
+
+
 def decode_metadata(
     rows: list[int], pages: np.ndarray, lens: np.ndarray, page_size: int, device: torch.device | str
 ) -> TangramForwardMetadata:
@@ -94,10 +126,7 @@ def decode_metadata(
         page_size: tokens per page.
         device: attention device.
     """
-    r = np.asarray(rows, np.int64)
-    last = lens[r] - 1  # [bs, G] slot index of the new token in each group
-    groups = np.arange(lens.shape[1])
-    page = pages[r[:, None], groups[None, :], last // page_size]
+    page, slot = decode_destinations(rows, pages, lens, page_size)
     return TangramForwardMetadata(
         mode=DECODE,
         req_rows=torch.tensor(rows, dtype=torch.int32, device=device),
@@ -105,10 +134,93 @@ def decode_metadata(
         bounds=[],
         kept_lens=None,
         kept_count=None,
-        dest_page=torch.from_numpy(np.ascontiguousarray(page)).to(device),
-        dest_slot=torch.from_numpy(np.ascontiguousarray(last % page_size)).to(device),
+        dest_page=torch.from_numpy(page).to(device),
+        dest_slot=torch.from_numpy(slot).to(device),
         max_extend_len=0,
     )
+
+
+PADDING_ROW = 0  # SGLang's req_to_token padding row (never a request): all group lengths 0
+PADDING_PAGE = 0  # the pool's padding page (never handed out): padded entries write here
+
+
+@dataclass(slots=True)
+class DecodeGraphBuffers:
+    """Static decode-plan buffers for CUDA graphs (built once at start-up, refilled per step).
+
+    A graph captured for batch size ``bs`` keeps the addresses of the ``[:bs]`` views, so every
+    step writes the plan into the same memory (:meth:`fill`) and nothing is allocated per step.
+    Create with :meth:`create`.
+    """
+
+    req_rows: torch.Tensor  # int32 [max_bs], device
+    dest_page: torch.Tensor  # int64 [max_bs, G], device
+    dest_slot: torch.Tensor  # int64 [max_bs, G], device
+    out: torch.Tensor  # [max_bs, num_qo_heads, D] decode output, the pool's dtype
+
+    @classmethod
+    def create(
+        cls, max_bs: int, num_head_groups: int, num_qo_heads: int, head_dim: int,
+        dtype: torch.dtype, device: torch.device | str,
+    ) -> DecodeGraphBuffers:  # fmt: skip
+        """Zeroed buffers (every entry = the padding row / page) for up to ``max_bs`` requests."""
+        ints = dict(dtype=torch.int64, device=device)
+        return cls(
+            req_rows=torch.full((max_bs,), PADDING_ROW, dtype=torch.int32, device=device),
+            dest_page=torch.full((max_bs, num_head_groups), PADDING_PAGE, **ints),
+            dest_slot=torch.zeros((max_bs, num_head_groups), **ints),
+            out=torch.zeros((max_bs, num_qo_heads, head_dim), dtype=dtype, device=device),
+        )
+
+    @property
+    def max_bs(self) -> int:
+        return int(self.req_rows.shape[0])
+
+    def view(self, bs: int) -> TangramForwardMetadata:
+        """The decode plan of a (padded) batch of ``bs``: views of the static buffers."""
+        return TangramForwardMetadata(
+            mode=DECODE, req_rows=self.req_rows[:bs], qo_indptr=None, bounds=[],
+            kept_lens=None, kept_count=None, dest_page=self.dest_page[:bs],
+            dest_slot=self.dest_slot[:bs], max_extend_len=0, out=self.out[:bs],
+        )  # fmt: skip
+
+    def fill(
+        self, rows: list[int], padded_bs: int, pages: np.ndarray, lens: np.ndarray,
+        page_size: int,
+    ) -> TangramForwardMetadata:  # fmt: skip
+        """Write the plan of ``rows`` (after ``alloc_decode``) in place; pad up to ``padded_bs``.
+
+        Runs outside the graph (host arrays, one host-to-device copy per buffer). ``rows`` may
+        be empty (graph capture: every entry is padding).
+
+        Args:
+            rows: the real batch's request rows (``n <= padded_bs``).
+            padded_bs: the captured batch size the graph runs (SGLang's padded ``bs``).
+            pages, lens, page_size: as :func:`decode_destinations`.
+
+        Returns:
+            :meth:`view` of ``padded_bs``.
+
+        Raises:
+            KernelError: ``padded_bs`` exceeds the buffers or is smaller than the batch.
+        """
+        n = len(rows)
+        if not n <= padded_bs <= self.max_bs:
+            raise KernelError(
+                f"decode graph buffers hold {self.max_bs} requests; asked for {n} rows padded "
+                f"to {padded_bs}: raise the buffers' max_bs to the CUDA graph's max batch size"
+            )
+        groups = self.dest_page.shape[1]
+        row_arr = np.full(padded_bs, PADDING_ROW, np.int32)
+        page = np.full((padded_bs, groups), PADDING_PAGE, np.int64)
+        slot = np.zeros((padded_bs, groups), np.int64)
+        if n:
+            row_arr[:n] = rows
+            page[:n], slot[:n] = decode_destinations(rows, pages, lens, page_size)
+        self.req_rows[:padded_bs].copy_(torch.from_numpy(row_arr))
+        self.dest_page[:padded_bs].copy_(torch.from_numpy(page))
+        self.dest_slot[:padded_bs].copy_(torch.from_numpy(slot))
+        return self.view(padded_bs)
 
 
 def write_decode_token(

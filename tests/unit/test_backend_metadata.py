@@ -9,6 +9,7 @@ import torch
 from tangram_sglang.backend import metadata as md
 from tangram_sglang.backend.compress import batch_kept_indices, segment_kept_indices
 from tangram_sglang.backend.state import TangramState, build_scorer, chunked_footprint_pages
+from tangram_sglang.errors import KernelError
 from tangram_sglang.grouping import HeadGrouping
 from tangram_sglang.kernels import reference
 from tangram_sglang.mem.manager import TangramMemory
@@ -177,3 +178,55 @@ def test_extend_then_decode_matches_attention_over_the_kept_tokens(ratio):
         probs = torch.softmax(qd[0, 2 * h : 2 * h + 2] @ keys.T * 0.35, dim=-1)
         torch.testing.assert_close(got[0, 2 * h : 2 * h + 2], probs @ vals)
         assert count == (n if ratio == 1.0 else profile.group_kept_lens(n)[0])
+
+
+def test_graph_buffers_pad_to_the_captured_size_in_place():
+    pages = np.zeros((4, 2, 4), np.int64)
+    pages[2, 0, :2], pages[2, 1, :1] = [7, 9], [4]
+    lens = np.zeros((4, 2), np.int64)
+    lens[2] = [5, 4]
+    buf = md.DecodeGraphBuffers.create(6, 2, 4, 16, torch.float32, "cpu")
+    addresses = [t.data_ptr() for t in (buf.req_rows, buf.dest_page, buf.dest_slot, buf.out)]
+    meta = buf.fill([2], 3, pages, lens, PAGE)
+    assert meta.mode == md.DECODE and meta.batch_size == 3 and meta.out.shape == (3, 4, 16)
+    assert meta.req_rows.tolist() == [2, md.PADDING_ROW, md.PADDING_ROW]
+    assert meta.dest_page.tolist() == [[9, 4], [0, 0], [0, 0]]
+    assert meta.dest_slot.tolist() == [[0, 3], [0, 0], [0, 0]]
+    again = buf.fill([], 3, pages, lens, PAGE)  # capture: all padding, same memory
+    assert again.req_rows.tolist() == [0, 0, 0] and again.dest_page.abs().sum() == 0
+    views = (again.req_rows, again.dest_page, again.dest_slot, again.out)
+    assert [t.data_ptr() for t in views] == addresses
+
+
+@pytest.mark.parametrize("rows,padded", [([1, 2], 1), ([1], 7)], ids=["below-batch", "over-max"])
+def test_graph_buffers_reject_a_bad_padded_size(rows, padded):
+    buf = md.DecodeGraphBuffers.create(6, 2, 4, 16, torch.float32, "cpu")
+    lens = np.ones((4, 2), np.int64)
+    with pytest.raises(KernelError, match="--cuda-graph-max-bs|max_bs"):
+        buf.fill(rows, padded, np.zeros((4, 2, 4), np.int64), lens, PAGE)
+
+
+def test_padded_decode_entries_touch_only_the_padding_page():
+    """A padded graph batch: real rows decode as unpadded, padding writes only page 0."""
+    state = make_state(make_profile(ratio=np.full((2, 2), 0.5)))
+    mem, layer = state.memory, 0
+    goh, coh = state.group_of_head[layer], state.column_of_head[layer]
+    for row, n in ((1, 9), (3, 6)):
+        state.begin_extend([row], [n], [0])
+        state.commit_extend([row])
+    mem.kv_pool.k_pool.normal_()
+    mem.kv_pool.v_pool.normal_()
+    state.begin_decode([1, 3], [10, 7])
+    buf = md.DecodeGraphBuffers.create(mem.table.max_rows, 2, 4, 16, torch.float32, "cpu")
+    padded = buf.fill([1, 3], 4, mem.table.pages, mem.table.lens, PAGE)
+    plain = md.decode_metadata([1, 3], mem.table.pages, mem.table.lens, PAGE, "cpu")
+    qd, kd, vd = torch.randn(4, 4, 16), torch.randn(4, 2, 16), torch.randn(4, 2, 16)
+    k_before = mem.kv_pool.k_pool.clone()
+    md.write_decode_token(mem.kv_pool.k_pool, mem.kv_pool.v_pool, kd, vd, padded, goh, coh)
+    changed = (mem.kv_pool.k_pool != k_before).flatten(1).any(1).nonzero().flatten().tolist()
+    assert set(changed) - {0} == set(plain.dest_page[:, goh.long()].flatten().tolist())
+    pools = (mem.kv_pool.k_pool, mem.kv_pool.v_pool, mem.table.page_table, mem.table.group_len)
+    got = reference.decode_reference(qd, *pools, padded.req_rows, goh, coh, 0.35)
+    want = reference.decode_reference(qd[:2], *pools, plain.req_rows, goh, coh, 0.35)
+    torch.testing.assert_close(got[:2], want)
+    assert got[2:].abs().sum() == 0  # row 0 holds nothing: zeros, never NaN
