@@ -8,10 +8,13 @@ TangramMemory` per batch, in the order the forward needs::
                    [forward: every layer reads history lens, writes kept K/V]
                    commit_extend(rows) -> group_len += k_g          after the last layer)
     decode batch:  begin_decode(rows)  -> alloc_decode (group_len includes the new token)
+    row finished:  finish_row(row)     -> the row's segments (the radix tree takes them)
     row freed:     release(row)        -> every page of the row back to the free list
 
-Rows are SGLang's ``req_pool_idx``. Radix reuse is not in this version: every request starts
-from an empty table and ``release`` frees all its pages (nothing is handed to a tree).
+Rows are SGLang's ``req_pool_idx``. With a radix tree attached (``state.radix``, set by
+``radix.cache.TangramRadixCache``) a new row whose ``prefix_len > 0`` starts from the tree's
+compressed prefix (``radix.prefix_for``) and page shortfalls evict tree nodes
+(``radix.evict_pages``); without one every request starts from an empty table.
 
 Source: Tangram arXiv 2606.06302 (Budget Reservation, Ragged Paging); notes/INTERFACES.md.
 """
@@ -27,6 +30,8 @@ import torch
 
 from tangram_sglang.errors import PoolError
 from tangram_sglang.mem.manager import TangramMemory
+from tangram_sglang.mem.page_table import SegmentPages
+from tangram_sglang.mem.prefix import PrefixMatch
 from tangram_sglang.mem.reservation import decode_tail_tokens, group_pages_needed
 from tangram_sglang.profile import BudgetProfile
 from tangram_sglang.scoring.base import Scorer, get_scorer
@@ -128,6 +133,7 @@ class TangramState:
         self.start_free_pages = memory.allocator.num_free()  # pages
         self.num_released = 0  # requests released since start-up
         self.last_release: RowRecord | None = None
+        self.radix: Any = None  # TangramRadixCache once the scheduler built it (prefix, evict)
 
     # ---- per batch ---------------------------------------------------------------------------
     def begin_extend(
@@ -136,7 +142,9 @@ class TangramState:
         """Reserve and allocate each row's segment pages (before the forward).
 
         A row without a table is a new request (admitted with no decode reservation: decode
-        growth takes unreserved pages); a row with one continues a chunked prefill.
+        growth takes unreserved pages), starting from the radix tree's compressed prefix when
+        ``prefix_len > 0``; a row with one continues a chunked prefill. Page shortfalls evict
+        unlocked radix nodes first.
 
         Returns:
             int64 ``[bs, num_head_groups]``: kept tokens per group of each segment.
@@ -153,9 +161,12 @@ class TangramState:
                 self.release(row)
                 active = False
             if active:
+                self._make_room(self.memory.table.append_need(row, self._kept(n)).sum())
                 res = self.memory.admit_chunk(row, n, 0)
             else:
-                res = self.memory.admit(row, f"row{row}", n, 0)
+                match = self._prefix(row, prefix)
+                self._make_room(self.memory.footprint(n, 0, match))
+                res = self.memory.admit(row, f"row{row}", n, 0, prefix=match)
             if res is None:
                 raise PoolError(
                     f"Tangram pool: segment of {n} tokens (row {row}) does not fit: "
@@ -165,6 +176,37 @@ class TangramState:
             kept[i] = self.memory.alloc_extend(row, n).kept_len
             self.logical_tokens[row] = prefix + n
         return kept
+
+    def _kept(self, extend_len: int) -> np.ndarray:
+        return np.asarray(self.profile.group_kept_lens(int(extend_len)), np.int64)
+
+    def _prefix(self, row: int, prefix_len: int) -> PrefixMatch | None:
+        """The compressed prefix of a new row (None when it starts from scratch)."""
+        if prefix_len <= 0:
+            return None
+        if self.radix is None:
+            raise PoolError(
+                f"Tangram: row {row} starts from a {prefix_len}-token cached prefix but no "
+                "Tangram radix cache holds compressed history; use --radix-cache-backend "
+                "tangram (the default under --tangram) or --disable-radix-cache"
+            )
+        return self.radix.prefix_for(row, prefix_len)
+
+    def _make_room(self, num_pages: int) -> None:
+        """Evict radix nodes until ``num_pages`` unreserved pages are free (if a tree exists)."""
+        short = self.memory.pages_to_evict(int(num_pages))
+        if short > 0 and self.radix is not None:
+            self.radix.evict_pages(short)
+
+    def make_room_for_decode(self, rows: list[int]) -> None:
+        """Evict radix nodes so one decode step of ``rows`` fits (SGLang's decode check)."""
+        active = [r for r in rows if self.memory.rids[r] is not None]
+        if active:
+            self._make_room(self.memory.decode_pages_needed(active))
+
+    def evictable_pages(self, exclude: Any = None) -> int:
+        """Pages unlocked radix nodes hold (0 without a tree); see ``TangramRadixCache``."""
+        return 0 if self.radix is None else int(self.radix.evictable_pages(exclude))
 
     def commit_extend(self, rows: list[int]) -> None:
         """After the last layer wrote its kept K/V: each group's length grows by ``k_g``."""
@@ -177,6 +219,8 @@ class TangramState:
         Raises:
             PoolError: out of pages (the message says what to lower).
         """
+        if not self.memory.can_decode(rows):
+            self._make_room(self.memory.decode_pages_needed(rows))
         if not self.memory.can_decode(rows):
             raise PoolError(
                 f"Tangram pool: decode step of rows {rows} needs pages but only "
@@ -193,14 +237,19 @@ class TangramState:
             self.profile, self.memory.page_size, prompt_len, max_new_tokens, self.chunk_tokens
         )
 
-    def can_prefill(self, extend_lens: list[int]) -> bool:
-        """No side effects: do prefills of these lengths fit in the unreserved free pages?
+    def can_prefill(
+        self, extend_lens: list[int], num_prefixed: int = 0, evictable_pages: int = 0
+    ) -> bool:
+        """No side effects: do prefills of these lengths fit in unreserved free + evictable pages?
 
         Counts every chunk of each prompt (not the decode tail: decode growth is checked per
-        step by :meth:`can_decode`, and SGLang retracts requests when it fails).
+        step by :meth:`can_decode`, and SGLang retracts requests when it fails), plus one
+        copy-on-write page per head group for each of ``num_prefixed`` requests that extend a
+        cached prefix (its shared partial tail pages).
         """
         need = sum(self.footprint_pages(int(n), 1) for n in extend_lens)
-        return need <= self.memory.ledger.unreserved_free()
+        need += int(num_prefixed) * self.memory.num_head_groups
+        return need <= self.memory.ledger.unreserved_free() + int(evictable_pages)
 
     def can_decode(self, rows: list[int]) -> bool:
         """No side effects: does one decode step of ``rows`` fit (see ``TangramMemory``)?"""
@@ -219,30 +268,48 @@ class TangramState:
         )
 
     # ---- end of a request --------------------------------------------------------------------
-    def release(self, row: int) -> RowRecord | None:
-        """Free every page of ``row`` (finish, abort or retraction); None if it holds none.
+    def finish_row(self, row: int) -> list[SegmentPages]:
+        """A finished row's segments for the radix tree (``TangramMemory.finish``).
 
-        Ownership: the row's pages go back to the free list (no radix tree holds them).
+        Ownership: the caller (the radix tree) now holds the row's own pages; the row is free,
+        so the ``ReqToTokenPool.free`` hook that follows finds nothing to release.
         """
-        if not 0 <= row < len(self.memory.rids) or self.memory.rids[row] is None:
-            return None
+        record = self._record(row)
+        segments = self.memory.finish(row)
+        self._log_end(row, record, "cached")
+        return segments
+
+    def _record(self, row: int) -> RowRecord:
         usage = self.memory.row_usage(row)
         tokens = int(self.logical_tokens[row])
-        record = RowRecord(
+        return RowRecord(
             row, tokens, usage.own_pages, usage.own_pages * self.memory.bytes_per_page,
             tokens * self.full_kv_bytes_per_token,
         )  # fmt: skip
-        self.memory.abort(row)
+
+    def _log_end(self, row: int, record: RowRecord, what: str) -> None:
         self.logical_tokens[row] = 0
         self.num_released += 1
         self.last_release = record
         stats = self.memory.stats()
         logger.info(
-            "Tangram: released row %d: %d tokens, %d pages (%d bytes) vs full KV %d bytes "
-            "(%.3f); pool %d/%d pages used", row, tokens, record.pages, record.bytes_held,
-            record.full_kv_bytes, record.to_dict()["held_fraction"], stats.used_pages,
-            stats.num_usable_pages,
+            "Tangram: %s row %d: %d tokens, %d pages (%d bytes) vs full KV %d bytes "
+            "(%.3f); pool %d/%d pages used", what, row, record.logical_tokens, record.pages,
+            record.bytes_held, record.full_kv_bytes, record.to_dict()["held_fraction"],
+            stats.used_pages, stats.num_usable_pages,
         )  # fmt: skip
+
+    def release(self, row: int) -> RowRecord | None:
+        """Free every page of ``row`` (finish, abort or retraction); None if it holds none.
+
+        Ownership: the row's own pages go back to the free list; borrowed radix pages lose
+        the row's reference (their nodes keep them).
+        """
+        if not 0 <= row < len(self.memory.rids) or self.memory.rids[row] is None:
+            return None
+        record = self._record(row)
+        self.memory.abort(row)
+        self._log_end(row, record, "released")
         return record
 
     # ---- reports -----------------------------------------------------------------------------
@@ -266,4 +333,5 @@ class TangramState:
             "active_rows": stats.num_active_rows,
             "requests_released": self.num_released,
             "last_release": None if self.last_release is None else self.last_release.to_dict(),
+            "radix": None if self.radix is None else self.radix.stats(),
         }

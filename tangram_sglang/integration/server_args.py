@@ -151,17 +151,17 @@ def check_flags(server_args: Any) -> None:
 def force_milestone_settings(server_args: Any, has_radix: bool) -> None:
     """Turn off what this version of the backend cannot run yet (logged at INFO).
 
-    * radix cache, while no ``tangram`` radix cache backend is registered: reuse of compressed
-      history (DESIGN.md §5) lands with it; until then every request is prefilled (and
-      compressed) from scratch, so SGLang must not match prefixes whose K/V are in no tree
-      (``disable_radix_cache``).
+    * radix cache, only if no ``tangram`` radix cache backend is registered (the plugin
+      registers ``tangram_sglang.radix.factory``, so reuse of compressed history is on by
+      default; ``--disable-radix-cache`` still turns it off): SGLang must not match prefixes
+      whose K/V are in no Tangram tree (``disable_radix_cache``).
     * overlap scheduling: the scheduler would free a finished request's row while the next
       batch, still holding it, runs (``disable_overlap_schedule``).
     """
     if not has_radix and not server_args.disable_radix_cache:
         server_args.disable_radix_cache = True
-        logger.info("Tangram: radix cache disabled (--disable-radix-cache); reuse of compressed "
-                    "history across turns lands later")  # fmt: skip
+        logger.info("Tangram: radix cache disabled (--disable-radix-cache): no 'tangram' radix "
+                    "cache backend registered")  # fmt: skip
     if not server_args.disable_overlap_schedule:
         server_args.disable_overlap_schedule = True
         logger.info("Tangram: overlap scheduling disabled (--disable-overlap-schedule); the "

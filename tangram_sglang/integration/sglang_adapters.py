@@ -178,13 +178,18 @@ def add_one_req(original, adder: Any, req: Any, *args: Any, **kwargs: Any) -> An
     SGLang admits in logical tokens; short segments (sink + window) and page padding can need
     more pages than that estimate. Returns ``AddReqResult.NO_TOKEN`` (the request waits) when
     the pages of this prompt plus those of the requests already picked this round exceed the
-    unreserved free pages; otherwise SGLang's own checks run.
+    unreserved free pages plus the pages of unlocked radix nodes (evicted by the backend when
+    it allocates; the request's own matched path is not counted); otherwise SGLang's own
+    checks run.
     """
     state = getattr(getattr(adder.tree_cache, "req_to_token_pool", None), "tangram_state", None)
     if state is None:
         return original(adder, req, *args, **kwargs)
-    lens = [_extend_len(r) for r in adder.can_run_list] + [_extend_len(req)]
-    if not state.can_prefill(lens):
+    reqs = [*adder.can_run_list, req]
+    lens = [_extend_len(r) for r in reqs]
+    num_prefixed = sum(1 for r in reqs if len(r.prefix_indices) > 0)
+    evictable = state.evictable_pages(getattr(req, "last_node", None))
+    if not state.can_prefill(lens, num_prefixed, evictable):
         from sglang.srt.managers.schedule_policy import AddReqResult
 
         return AddReqResult.NO_TOKEN
@@ -203,4 +208,8 @@ def check_decode_mem(original, batch: Any, *args: Any, **kwargs: Any) -> bool:
         return ok
     selected = kwargs.get("selected_indices", args[0] if args else None)
     reqs = batch.reqs if selected is None else [batch.reqs[i] for i in selected]
-    return state.can_decode([int(r.req_pool_idx) for r in reqs if r.req_pool_idx is not None])
+    rows = [int(r.req_pool_idx) for r in reqs if r.req_pool_idx is not None]
+    if state.can_decode(rows):
+        return True
+    state.make_room_for_decode(rows)  # evict unlocked radix nodes before retracting anyone
+    return state.can_decode(rows)

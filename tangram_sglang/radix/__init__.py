@@ -1,0 +1,6 @@
+"""Radix-tree reuse of compressed history across turns (DESIGN.md §5).
+
+``segment`` (no sglang): a boundary node's :class:`SegmentValue` and chain -> PrefixMatch;
+``cache``: :class:`TangramRadixCache` (SGLang ``RadixCache`` subclass); ``factory``: registers
+it as ``--radix-cache-backend tangram`` on import.
+"""

@@ -1,0 +1,268 @@
+"""TangramRadixCache: SGLang's radix tree whose boundary nodes own compressed segments' pages.
+
+SGLang's Python :class:`~sglang.srt.mem_cache.radix_cache.RadixCache` keeps doing what it does
+for the scheduler: token keys, logical token-slot values (``req_to_token`` ids), lock counts,
+``evictable_size`` / ``protected_size`` and LRU leaf eviction, so SGLang's own accounting and its
+idle self-check stay exact. On top, each node where a finished request's segment ends holds a
+:class:`~tangram_sglang.radix.segment.SegmentValue` (the segment's per-group pages):
+
+* ``match_prefix`` stops at the deepest boundary node on the matched path (whole segments only),
+  so ``prefix_indices`` / ``extend_prefix_lens`` / ``cached_tokens`` are exactly the reused
+  tokens and the next turn extends from them without recomputation;
+* ``cache_finished_req`` takes the row's pages (``TangramMemory.finish``) BEFORE SGLang frees the
+  row (the ``ReqToTokenPool.free`` hook then finds an empty row), inserts the tokens, and puts
+  each segment on the node ending at its last token (a duplicate's pages are freed at once);
+* ``cache_unfinished_req`` (chunked prefill) does not insert the chunk (as SGLang's
+  ``ChunkCache``): a row's chunks go to the tree together at finish;
+* evicting a node (SGLang's token eviction, :meth:`evict_pages`, ``reset`` on ``/flush_cache``)
+  frees its pages exactly once through ``TangramMemory.free_pages``.
+
+The backend asks :meth:`prefix_for` for a new row's :class:`~tangram_sglang.mem.prefix.
+PrefixMatch` (the matched node is found from the last prefix token slot, which the tree owns).
+
+Why a ``RadixCache`` subclass and not a ``FullComponent`` override of ``UnifiedRadixCache``: the
+0.5.17 unified tree needs ``SGLANG_ENABLE_UNIFIED_RADIX_TREE`` or a hybrid model to be chosen by
+the default factory, and its component hooks split node values per component; a registered
+factory (``register_radix_cache_backend("tangram")``) returning this subclass is the smallest
+seam that works on the pinned version.
+
+Source: DESIGN.md §5; SGLang 0.5.17 ``radix_cache.py`` / ``chunk_cache.py`` / ``registry.py``.
+"""
+
+from __future__ import annotations
+
+import heapq
+import logging
+from typing import TYPE_CHECKING, Any
+
+import torch
+from sglang.srt.mem_cache.base_prefix_cache import InsertParams, MatchPrefixParams, MatchResult
+from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey, TreeNode
+
+from tangram_sglang.errors import PoolError
+from tangram_sglang.mem.page_table import SegmentPages
+from tangram_sglang.mem.prefix import PrefixMatch
+from tangram_sglang.radix.segment import SegmentValue, chain_prefix, segment_depths
+
+if TYPE_CHECKING:
+    from sglang.srt.managers.schedule_batch import Req
+    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+
+logger = logging.getLogger(__name__)
+
+VALUE_ATTR = "tangram_value"  # TreeNode attribute holding a boundary node's SegmentValue
+
+
+def value_of(node: TreeNode) -> SegmentValue | None:
+    """The node's segment value (boundary node), or None (plain token node, root)."""
+    return getattr(node, VALUE_ATTR, None)
+
+
+def node_depth(node: TreeNode) -> int:
+    """Tokens from the root to the end of ``node``."""
+    depth = 0
+    while node.parent is not None:
+        depth += len(node.key)
+        node = node.parent
+    return depth
+
+
+class TangramRadixCache(RadixCache):
+    """Radix tree over logical token slots whose boundary nodes own segments' pages.
+
+    Args:
+        params: SGLang's cache parameters; ``params.req_to_token_pool.tangram_state`` must be
+            the server's :class:`~tangram_sglang.backend.state.TangramState` (set by the
+            attention backend, which the model runner builds before the scheduler's tree).
+
+    Raises:
+        PoolError: no Tangram state on the request pool (server not started with --tangram).
+    """
+
+    def __init__(self, params: CacheInitParams) -> None:
+        self._boundaries: dict[int, TreeNode] = {}  # last token slot of a boundary -> node
+        super().__init__(params)
+        state = getattr(params.req_to_token_pool, "tangram_state", None)
+        if state is None:
+            raise PoolError(
+                "radix cache backend 'tangram' needs the Tangram KV pool and attention backend; "
+                "start the server with --tangram"
+            )
+        self.state = state
+        self.memory = state.memory
+        state.radix = self
+
+    # ---- matching ----------------------------------------------------------------------------
+    def match_prefix(self, params: MatchPrefixParams) -> MatchResult:
+        """SGLang's match, cut back to the deepest boundary node (whole segments only)."""
+        result = super().match_prefix(params)
+        node = result.last_device_node
+        while node is not self.root_node and value_of(node) is None:
+            node = node.parent
+        if node is result.last_device_node:
+            return result
+        depth = node_depth(node)
+        return result._replace(
+            device_indices=result.device_indices[:depth],
+            last_device_node=node,
+            last_host_node=node,
+            best_match_node=node,
+        )
+
+    def prefix_for(self, row: int, prefix_len: int) -> PrefixMatch:
+        """The compressed prefix of a new row whose first ``prefix_len`` tokens were matched.
+
+        Called by the backend before the row's first extend; the matched node is locked by
+        SGLang (``inc_lock_ref``) from admission to ``cache_finished_req``.
+
+        Raises:
+            PoolError: the row's last prefix slot is no boundary node of the tree.
+        """
+        slot = int(self.req_to_token_pool.req_to_token[row, prefix_len - 1])
+        node = self._boundaries.get(slot)
+        if node is None or value_of(node).end_depth != prefix_len:
+            raise PoolError(
+                f"radix: row {row} starts from a {prefix_len}-token prefix that ends at no "
+                "compressed segment of the tree (prefix must come from TangramRadixCache)"
+            )
+        chain = []
+        while node is not self.root_node:
+            value = value_of(node)
+            chain.append(value)
+            node = value.start_node
+        chain.reverse()
+        return chain_prefix(chain, self.memory.num_head_groups, self.memory.page_size)
+
+    # ---- insertion ---------------------------------------------------------------------------
+    def cache_finished_req(self, req: Req, is_insert: bool = True, *, kv_len_to_handle: int):
+        """Take the row's segments, insert its tokens, hang each segment on its end node.
+
+        Ownership: the row's own pages pass to the boundary nodes (duplicates are freed now);
+        with ``is_insert=False`` (abort, retraction) the row's pages are freed instead.
+        """
+        row = req.req_pool_idx
+        start = req.last_node if req.last_node is not None else self.root_node
+        start_len = int(req.cache_protected_len)
+        if (
+            self.disable_finished_insert or not is_insert or self.memory.rids[row] is None
+            or node_depth(start) != start_len
+        ):  # fmt: skip
+            self.state.release(row)
+            return super().cache_finished_req(req, False, kv_len_to_handle=kv_len_to_handle)
+        segments = self.state.finish_row(row)
+        token_ids = (req.origin_input_ids + req.output_ids)[:kv_len_to_handle]
+        kv_indices = self.req_to_token_pool.req_to_token[row, : len(token_ids)]
+        key = RadixKey(token_ids, req.extra_key)
+        priority = getattr(req, "priority", 0) or 0
+        result = self.insert(
+            InsertParams(key=key, value=kv_indices.to(torch.int64, copy=True), priority=priority)
+        )
+        self.token_to_kv_pool_allocator.free_segment(
+            kv_indices[start_len : result.prefix_len], start_pos=start_len
+        )
+        self._attach(key, start, start_len, segments)
+        if req.last_node is not None:
+            self.dec_lock_ref(req.last_node)
+
+    def _attach(
+        self, key: RadixKey, start: TreeNode, start_len: int, segments: list[SegmentPages]
+    ) -> None:
+        """Put each segment on the node ending at its last token; free what cannot be kept."""
+        parent = start
+        for (lo, hi), seg in zip(segment_depths(start_len, segments), segments, strict=True):
+            if parent is None or seg.num_tokens <= 0 or hi > len(key):
+                self._free(seg.pages)
+                parent = None  # a chain cannot skip a segment
+                continue
+            node = self._node_at(key, hi)
+            if value_of(node) is not None:
+                self._free(seg.pages)  # the same segment is already cached: keep that one
+            else:
+                setattr(node, VALUE_ATTR, SegmentValue(parent, lo, hi, seg))
+                self._boundaries[int(node.value[-1])] = node
+            parent = node
+
+    def _node_at(self, key: RadixKey, depth: int) -> TreeNode:
+        """The node ending exactly at ``depth`` on ``key``'s path (split if needed)."""
+        _, node = self._match_prefix_helper(self.root_node, key[:depth])
+        assert node_depth(node) == depth, "inserted tokens must all be in the tree"
+        return node
+
+    def cache_unfinished_req(self, req: Req, chunked: bool = False) -> None:
+        """Chunked prefill: keep the chunk in the row (no insert), like SGLang's ChunkCache."""
+        kv = self.req_to_token_pool.req_to_token[req.req_pool_idx, : req.extend_range.end]
+        req.prefix_indices = kv.to(dtype=torch.int64, copy=True)
+
+    # ---- eviction ----------------------------------------------------------------------------
+    def _delete_leaf(self, node: TreeNode) -> None:
+        """SGLang's leaf removal, plus: free the node's pages (exactly once)."""
+        value = value_of(node)
+        if value is not None:
+            self._boundaries.pop(int(node.value[-1]), None)
+            setattr(node, VALUE_ATTR, None)
+            self._free(value.segment.pages)
+        super()._delete_leaf(node)
+
+    def evict_pages(self, num_pages: int) -> int:
+        """Evict unlocked leaves, least recently used first, until ``num_pages`` pages are free.
+
+        Token slots of the evicted nodes go back to SGLang's allocator too (its accounting
+        stays exact). Returns pages freed (may be fewer when little is evictable).
+        """
+        heap = [(self.eviction_strategy.get_priority(n), n) for n in self.evictable_leaves]
+        heapq.heapify(heap)
+        freed = 0
+        while freed < num_pages and heap:
+            _, node = heapq.heappop(heap)
+            value = value_of(node)
+            freed += 0 if value is None else value.num_pages
+            self.token_to_kv_pool_allocator.free_segment(node.value, start_pos=0)
+            self._delete_leaf(node)
+            parent = node.parent
+            if not parent.children and parent.lock_ref == 0 and parent is not self.root_node:
+                heapq.heappush(heap, (self.eviction_strategy.get_priority(parent), parent))
+            self._record_remove_event(node)
+        return freed
+
+    def evictable_pages(self, exclude: TreeNode | None = None) -> int:
+        """Pages on unlocked boundary nodes (all evictable), minus those on ``exclude``'s path.
+
+        A node with ``lock_ref == 0`` has no locked descendant, so its whole subtree can go.
+        """
+        keep = set()
+        while exclude is not None:
+            keep.add(id(exclude))
+            exclude = exclude.parent
+        return sum(
+            value_of(n).num_pages
+            for n in self._boundaries.values()
+            if n.lock_ref == 0 and id(n) not in keep
+        )
+
+    def reset(self) -> None:
+        """``/flush_cache`` (and start-up): free every node's pages, then SGLang's reset."""
+        for node in list(getattr(self, "_boundaries", {}).values()):
+            value = value_of(node)
+            setattr(node, VALUE_ATTR, None)
+            if value is not None:
+                self._free(value.segment.pages)
+        if hasattr(self, "_boundaries"):
+            self._boundaries.clear()
+        super().reset()
+
+    # ---- reports -----------------------------------------------------------------------------
+    def stats(self) -> dict[str, Any]:
+        """Pages and nodes the tree holds (plain builtins, for ``/server_info``)."""
+        nodes = list(self._boundaries.values())
+        return {
+            "segments": len(nodes),
+            "pages_held": sum(value_of(n).num_pages for n in nodes),
+            "pages_evictable": self.evictable_pages(),
+            "tokens_evictable": int(self.evictable_size_),
+            "tokens_protected": int(self.protected_size_),
+        }
+
+    def _free(self, pages: list[Any]) -> None:
+        ids = [torch.as_tensor(p, dtype=torch.int64) for p in pages if len(p)]
+        if ids:
+            self.memory.free_pages(torch.cat(ids), "radix node")

@@ -1,0 +1,114 @@
+"""SegmentValue: what one radix node holds for Tangram, and how a node chain becomes a prefix.
+
+A compressed segment is a pure function of its own tokens and the history before it, so a
+conversation's compressed state is the chain of its segments from the root (DESIGN.md §5). A
+segment covering tokens ``[start_depth, end_depth)`` is stored on the tree node that ENDS at
+``end_depth`` (a "boundary" node); the nodes above it down to ``start_depth`` may be plain
+token nodes (SGLang splits nodes wherever two conversations diverge). Matches stop only at
+boundaries: a compressed segment cannot be cut mid-way. Decode-tail segments are matched whole
+too (v1 choice: simpler, and a turn's tail is reused by the next turn of the same chat, which
+contains it whole).
+
+::
+
+    root ──[0, 40)── A ──[40, 52)── B ──[52, 60)── C
+                     plain          boundary:        boundary:
+                                    extend [0, 52)   decode tail [52, 60), start_node = B
+
+Chain of C = [value(B), value(C)]; the dense page list of a group is built by laying each
+segment's pages at its ``first_page_index`` (a segment may start with a copy of its parent's
+partial tail page, which then replaces that page in the list).
+
+No sglang import (unit-testable in milliseconds); :mod:`tangram_sglang.radix.cache` owns the tree.
+
+Source: DESIGN.md §5; notes/INTERFACES.md (dense tables, copy-on-write tail); Tangram arXiv
+2606.06302 (Ragged Paging).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from tangram_sglang.errors import PoolError
+from tangram_sglang.mem.page_table import SegmentPages
+from tangram_sglang.mem.prefix import PrefixMatch
+
+
+@dataclass(slots=True)
+class SegmentValue:
+    """One boundary node's Tangram value: a segment's pages and where its tokens lie.
+
+    Ownership: the node holds one reference to every page in ``segment.pages``; evicting the
+    node hands them to ``TangramMemory.free_pages`` exactly once.
+    """
+
+    start_node: Any  # the boundary node (or root) the segment continues; never evicted first
+    start_depth: int  # tokens from the root where the segment starts
+    end_depth: int  # tokens from the root where it ends (= depth of the holding node)
+    segment: SegmentPages  # per-group pages + kept lengths (the pages this node owns)
+
+    @property
+    def num_pages(self) -> int:
+        """Pages this node owns (all groups)."""
+        return self.segment.num_pages
+
+    @property
+    def group_lens(self) -> np.ndarray:
+        """int64 ``[G]``: kept tokens per group of the whole chain up to this segment's end."""
+        return np.asarray(self.segment.start_len, np.int64) + self.segment.kept_len
+
+
+def segment_depths(prefix_len: int, segments: list[SegmentPages]) -> list[tuple[int, int]]:
+    """``(start_depth, end_depth)`` in tokens of each segment of a finished row, in order.
+
+    Args:
+        prefix_len: tokens of the matched prefix the row started from.
+        segments: ``TangramMemory.finish`` output (chunks, then the decode tail).
+    """
+    out, depth = [], int(prefix_len)
+    for seg in segments:
+        out.append((depth, depth + int(seg.num_tokens)))
+        depth += int(seg.num_tokens)
+    return out
+
+
+def chain_prefix(chain: list[SegmentValue], num_head_groups: int, page_size: int) -> PrefixMatch:
+    """Build the :class:`PrefixMatch` of a root-to-node chain of segments (root first).
+
+    Args:
+        chain: the segments from the root down to the matched boundary node.
+        num_head_groups: G of the profile's grouping.
+        page_size: tokens per page.
+
+    Returns:
+        Per group the dense page list (each segment laid at its ``first_page_index``) and the
+        kept length of the chain's last segment; empty for an empty chain.
+
+    Raises:
+        PoolError: a segment's first page index past the list built so far, or a list whose
+            length does not match ``ceil(kept / page_size)`` (a broken chain).
+    """
+    dense: list[list[int]] = [[] for _ in range(num_head_groups)]
+    lens = np.zeros(num_head_groups, np.int64)
+    for value in chain:
+        seg = value.segment
+        for g in range(num_head_groups):
+            first = int(seg.first_page_index[g])
+            if first > len(dense[g]):
+                raise PoolError(
+                    f"radix chain: segment at depth {value.start_depth} group {g} starts at page "
+                    f"index {first} but the chain above holds {len(dense[g])} pages"
+                )
+            dense[g] = dense[g][:first] + [int(p) for p in seg.pages[g]]
+        lens = value.group_lens
+    pages = [np.asarray(d, np.int64) for d in dense]
+    for g in range(num_head_groups):
+        if pages[g].size != -(-int(lens[g]) // page_size):
+            raise PoolError(
+                f"radix chain: group {g} holds {pages[g].size} pages for {int(lens[g])} kept "
+                f"tokens (page_size {page_size}); the chain is broken"
+            )
+    return PrefixMatch(pages=pages, lens=lens)
