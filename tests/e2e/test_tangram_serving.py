@@ -56,8 +56,13 @@ def ratio_one_profile(path, smollm2_path) -> str:
     return str(path)
 
 
-def greedy_chat(base_url: str, tokenizer, turns, max_new_tokens: int = 24) -> list[list[int]]:
-    """Token ids of each greedy reply; each turn sends the whole history (chat template)."""
+def greedy_chat(
+    base_url: str, tokenizer, turns, max_new_tokens: int = 24, cached: list | None = None
+) -> list[list[int]]:
+    """Token ids of each greedy reply; each turn sends the whole history (chat template).
+
+    ``cached`` (if given) receives each turn's ``meta_info.cached_tokens`` (radix reuse).
+    """
     messages, outputs = [], []
     for user in turns:
         messages.append({"role": "user", "content": user})
@@ -66,6 +71,8 @@ def greedy_chat(base_url: str, tokenizer, turns, max_new_tokens: int = 24) -> li
         )["input_ids"]
         resp = generate(base_url, ids, max_new_tokens)
         outputs.append(resp["output_ids"])
+        if cached is not None:
+            cached.append(resp["meta_info"]["cached_tokens"])
         reply = tokenizer.decode(resp["output_ids"], skip_special_tokens=True)
         messages.append({"role": "assistant", "content": reply})
     return outputs
@@ -88,9 +95,12 @@ def test_ratio_one_profile_is_token_identical_to_stock(smollm2_path, tokenizer, 
     profile = ratio_one_profile(tmp_path / "ratio1.json", smollm2_path)
     args = ["--tangram", "--tangram-profile", profile]
     with SGLangServer(smollm2_path, args=args, log_path="/tmp/tangram-e2e-r1.log") as server:
-        got = greedy_chat(server.base_url, tokenizer, TURNS)
+        cached = []
+        got = greedy_chat(server.base_url, tokenizer, TURNS, cached=cached)
+        flush_radix(server)
         pool = pool_state(server)
     assert got == expected
+    assert all(c > 0 for c in cached[1:]), cached  # turns 2, 3 extend the reused history
     assert pool["pages_free"] == pool["pages_free_at_start"]
 
 
