@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# device_multiturn.sh -- runs THERE (nvidia-h200-x2) after `source scripts/device_setup.sh`:
+# bench.multiturn with the baseline on GPU 0 and the Tangram systems on GPU 1 at the same time
+# (same model, flags and memory per GPU), then `merge` into $OUT/multiturn-h200.json.
+# If a Tangram system fails to start with CUDA graphs, it is rerun once with --disable-cuda-graph
+# (recorded as system name + "-eager" in the JSON).
+# Env: WL (workloads), TSYS (tangram systems), BASE_T / TANG_T (per-workload timeout, s).
+set -u
+R=${OUT:-/tmp/out}; mkdir -p "$R"
+COMMON="--load-format dummy --skip-tokenizer-init --sampling-backend pytorch --mem-fraction-static 0.8 --context-length 20480 --max-running-requests 128 --disable-prefill-cuda-graph --cuda-graph-max-bs 128"
+WL=${WL:-cliff:32,cliff:64,prefill:16x8192}
+bench() {  # GPU SYSTEMS OUTPUT TIMEOUT [extra server flags]
+  CUDA_VISIBLE_DEVICES=$1 python3 -m tangram_sglang.bench.multiturn --model-path "$MODEL" \
+    --device cuda --profile "$PROFILE" --systems "$2" --server-args "$COMMON ${5:-}" \
+    --workloads "$WL" --workload-timeout-s "$4" --startup-timeout-s 400 --log-dir "$R" \
+    --output "$3"
+}
+bench 0 baseline "$R/mt-baseline.json" "${BASE_T:-260}" > "$R/mt-baseline.out" 2>&1 &
+b=$!
+bench 1 "${TSYS:-tangram:0.25,tangram:0.5}" "$R/mt-tangram.json" "${TANG_T:-200}" > "$R/mt-tangram.out" 2>&1
+if python3 -c "import json,sys; d=json.load(open('$R/mt-tangram.json')); sys.exit(0 if any(s.get('error') and 'startup_s' not in s for s in d['systems'].values()) else 1)"; then
+  echo "tangram failed to start with CUDA graphs; rerunning tangram:0.25 eager"
+  grep -E "Error|error|Traceback" "$R"/multiturn-tangram-r0.25.server.log | tail -20
+  cp "$R"/multiturn-tangram-r0.25.server.log "$R/graph-fail.server.log"
+  TSYS=tangram:0.25 bench 1 tangram:0.25 "$R/mt-tangram-eager.json" "${TANG_T:-200}" --disable-cuda-graph > "$R/mt-tangram-eager.out" 2>&1
+fi
+wait $b
+cat "$R"/mt-*.out | grep "\[multiturn\]"
+python3 -m tangram_sglang.bench.multiturn merge "$R"/mt-baseline.json "$R"/mt-tangram*.json --output "$R/multiturn-h200.json"

@@ -1,0 +1,382 @@
+"""Multi-turn serving benchmark: stock SGLang (full KV) vs ``--tangram``, back to back.
+
+    python -m tangram_sglang.bench.multiturn --model-path calibration/synthetic/llama3.1-8b-dummy \
+        --device cuda --server-args "--load-format dummy --skip-tokenizer-init ..." \
+        --profile calibration/synthetic/llama3.1-8b-ada-snapkv-r0.25.json \
+        --systems baseline,tangram:0.25,tangram:0.5 --workloads cliff:32,cliff:64,prefill:16x8192 \
+        --output benchmarks/results/multiturn-h200.json
+    python -m tangram_sglang.bench.multiturn merge a.json b.json --output merged.json
+
+Each system is one server (``baseline``: the same flags without ``--tangram``; ``tangram:R``:
+``--tangram --tangram-profile P --tangram-target-ratio R``), started, loaded with every
+workload in turn (:mod:`multiturn_workloads`, :mod:`multiturn_client`), and stopped. While a
+workload runs, ``/metrics`` is polled once a second (``--enable-metrics``): peak running
+requests, token usage, Tangram pages/bytes held, retractions. The JSON is rewritten after every
+workload, so a run cut short keeps what it measured. ``merge`` joins runs made separately (one
+GPU each) and recomputes the ``summary``:
+
+* ``throughput_ratio_at_25pct`` / ``_50pct``: output tok/s of ``tangram:0.25`` / ``0.5`` over
+  the baseline's on the main workload (``--main-workload``, default ``cliff-64``);
+* ``prefill_time_ratio``: wall time of the prefill workload, Tangram (0.25) / baseline (same
+  requests sent at once, so the same batches);
+* ``max_concurrency_ratio``: peak running requests on the main workload, Tangram / baseline;
+* ``cliff_throughput_ratio_64_clients``: output tok/s on ``cliff-64``, Tangram (0.25) / baseline;
+* ``kv_capacity_ratio``: ``max_total_num_tokens`` (logical token slots), Tangram / baseline.
+A ratio whose runs are missing is null and ``missing`` says why.
+
+Source: issue 7; SGLang ``benchmark/hicache/bench_multiturn.py``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import datetime
+import json
+import shlex
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from tangram_sglang.bench.multiturn_client import LoadSettings, RequestRecord, run_conversations
+from tangram_sglang.bench.multiturn_workloads import WORKLOADS, WorkloadSpec, make_conversations
+from tangram_sglang.errors import ConfigError, TangramError
+
+SCHEMA = "tangram-multiturn/1"
+GAUGES = ("sglang:num_running_reqs", "sglang:token_usage", "sglang:num_used_tokens",
+          "sglang:num_retracted", "tangram:pages_used", "tangram:kv_bytes_held")  # fmt: skip
+
+
+# ---- parsing ----------------------------------------------------------------------------------
+def parse_systems(text: str) -> list[tuple[str, float | None]]:
+    """``baseline,tangram:0.25`` -> [("baseline", None), ("tangram-r0.25", 0.25)].
+
+    Raises:
+        ConfigError: an unknown system or a ratio outside (0, 1].
+    """
+    out = []
+    for item in filter(None, (s.strip() for s in text.split(","))):
+        if item == "baseline":
+            out.append(("baseline", None))
+            continue
+        name, _, ratio = item.partition(":")
+        try:
+            r = float(ratio)
+        except ValueError:
+            r = -1.0
+        if name != "tangram" or not 0 < r <= 1:
+            raise ConfigError(f"--systems item {item!r}: use baseline or tangram:R, 0 < R <= 1")
+        out.append((f"tangram-r{r:g}", r))
+    if not out:
+        raise ConfigError("--systems is empty; e.g. baseline,tangram:0.25")
+    return out
+
+
+def parse_workload(item: str, args: argparse.Namespace) -> WorkloadSpec:
+    """``cliff:64``, ``sharegpt:32x4``, ``long-context:16x3``, ``prefill:16x8192``.
+
+    Raises:
+        ConfigError: unknown name or a malformed size.
+    """
+    name, _, size = item.partition(":")
+    if name not in WORKLOADS:
+        raise ConfigError(f"--workloads item {item!r}: choose from {', '.join(WORKLOADS)}")
+    try:
+        parts = [int(p) for p in size.split("x")] if size else [args.num_clients]
+    except ValueError:
+        msg = f"--workloads item {item!r}: size must be N or NxM (integers)"
+        raise ConfigError(msg) from None
+    clients = parts[0]
+    second = parts[1] if len(parts) > 1 else None
+    common = {
+        "num_clients": clients,
+        "seed": args.seed,
+        "output_length": args.output_length,
+        "context_tokens": args.context_tokens,
+        "shared_context": args.shared_context,
+    }
+    if name == "prefill":
+        return WorkloadSpec(name, request_length=second or args.request_length or 8192, **common)
+    rounds = second or args.num_rounds
+    return WorkloadSpec(name, num_rounds=rounds, request_length=args.request_length, **common)
+
+
+# ---- measuring --------------------------------------------------------------------------------
+def parse_metrics(text: str) -> dict[str, float]:
+    """Prometheus text -> {metric name: value summed over label sets} for :data:`GAUGES`."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("#") or not line.strip():
+            continue
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        key = next((g for g in GAUGES if name.startswith(g)), None)
+        if key is None:
+            continue
+        try:
+            out[key] = out.get(key, 0.0) + float(line.rsplit(" ", 1)[1])
+        except ValueError:
+            continue
+    return out
+
+
+async def _poll_metrics(base_url: str, peaks: dict[str, float], stop: asyncio.Event) -> None:
+    import aiohttp
+
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as session:
+        while not stop.is_set():
+            try:
+                async with session.get(f"{base_url}/metrics") as resp:
+                    for k, v in parse_metrics(await resp.text()).items():
+                        peaks[k] = max(peaks.get(k, v), v)
+            except (aiohttp.ClientError, TimeoutError):
+                pass
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), 1.0)
+
+
+async def measure(base_url: str, spec: WorkloadSpec, vocab: int, settings: LoadSettings) -> dict:
+    """Run one workload against a running server; its metrics (:func:`summarize_run`)."""
+    conversations = make_conversations(spec)
+    peaks: dict[str, float] = {}
+    stop = asyncio.Event()
+    poller = asyncio.create_task(_poll_metrics(base_url, peaks, stop))
+    records, wall = await run_conversations(base_url, conversations, vocab, settings)
+    stop.set()
+    await poller
+    planned = sum(len(c.rounds) for c in conversations)
+    return summarize_run(records, wall, planned, peaks, wall >= settings.timeout_s)
+
+
+def _pcts(values: list[float]) -> dict[str, float | None]:
+    if not values:
+        return {"p50": None, "p90": None, "p99": None}
+    arr = np.asarray(values, float)
+    return {f"p{q}": float(np.percentile(arr, q)) for q in (50, 90, 99)}
+
+
+def summarize_run(records: list[RequestRecord], wall_s: float, planned: int,
+                  peaks: dict[str, float], timed_out: bool) -> dict:  # fmt: skip
+    """Throughput, latency percentiles, cache hit rate and server peaks of one workload run."""
+    ok = [r for r in records if r.error is None]
+    out_tokens = sum(r.output_tokens for r in ok)
+    prompt = sum(r.prompt_tokens for r in ok)
+    cached = sum(r.cached_tokens for r in ok)
+    return {
+        "requests_planned": planned, "requests_ok": len(ok),
+        "requests_failed": len(records) - len(ok), "timed_out": bool(timed_out),
+        "first_errors": [r.error for r in records if r.error][:3],
+        "wall_s": wall_s, "output_tokens": out_tokens, "prompt_tokens": prompt,
+        "output_tok_per_s": out_tokens / wall_s if wall_s else 0.0,
+        "total_tok_per_s": (out_tokens + prompt) / wall_s if wall_s else 0.0,
+        "cache_hit_rate": cached / prompt if prompt else 0.0,
+        "ttft_s": _pcts([r.ttft_s for r in ok if r.ttft_s is not None]),
+        "tpot_s": _pcts([r.tpot_s for r in ok if r.tpot_s is not None]),
+        "latency_s": _pcts([r.latency_s for r in ok]),
+        "peak_running_reqs": peaks.get("sglang:num_running_reqs"),
+        "peak_token_usage": peaks.get("sglang:token_usage"),
+        "peak_used_tokens": peaks.get("sglang:num_used_tokens"),
+        "peak_tangram_pages_used": peaks.get("tangram:pages_used"),
+        "peak_tangram_kv_bytes_held": peaks.get("tangram:kv_bytes_held"),
+        "retracted_reqs_peak_gauge": peaks.get("sglang:num_retracted"),
+    }  # fmt: skip
+
+
+# ---- summary ----------------------------------------------------------------------------------
+def _metric(systems: dict, system: str, workload: str, key: str) -> float | None:
+    run = systems.get(system, {}).get("workloads", {}).get(workload)
+    if not run or run.get("requests_ok", 0) == 0:
+        return None
+    return run.get(key)
+
+
+def _ratio(systems, num, den, workload, key, missing, name) -> float | None:
+    a, b = _metric(systems, num, workload, key), _metric(systems, den, workload, key)
+    if a is None or b in (None, 0):
+        missing[name] = f"needs {key} of {workload} on {num} and {den}"
+        return None
+    return a / b
+
+
+def summarize(systems: dict, main: str, prefill: str | None) -> dict:
+    """The issue-7 ratios from the systems' runs (null + ``missing`` entry when not measured)."""
+    missing: dict[str, str] = {}
+    t25, t50 = "tangram-r0.25", "tangram-r0.5"
+    out = {
+        "main_workload": main,
+        "throughput_ratio_at_25pct": _ratio(systems, t25, "baseline", main, "output_tok_per_s",
+                                            missing, "throughput_ratio_at_25pct"),
+        "throughput_ratio_at_50pct": _ratio(systems, t50, "baseline", main, "output_tok_per_s",
+                                            missing, "throughput_ratio_at_50pct"),
+        "prefill_time_ratio": _ratio(systems, t25, "baseline", prefill or "", "wall_s",
+                                     missing, "prefill_time_ratio"),
+        "max_concurrency_ratio": _ratio(systems, t25, "baseline", main, "peak_running_reqs",
+                                        missing, "max_concurrency_ratio"),
+        "cliff_throughput_ratio_64_clients": _ratio(systems, t25, "baseline", "cliff-64",
+                                                    "output_tok_per_s", missing,
+                                                    "cliff_throughput_ratio_64_clients"),
+    }  # fmt: skip
+    caps = [systems.get(s, {}).get("max_total_num_tokens") for s in (t25, "baseline")]
+    out["kv_capacity_ratio"] = caps[0] / caps[1] if all(caps) else None
+    out["cliff"] = {
+        name: {w: {k: run.get(k) for k in ("output_tok_per_s", "cache_hit_rate", "wall_s",
+                                           "peak_running_reqs")}  # fmt: skip
+               for w, run in sys_.get("workloads", {}).items() if w.startswith("cliff-")}
+        for name, sys_ in systems.items()
+    }  # fmt: skip
+    out["missing"] = missing
+    return out
+
+
+# ---- servers ----------------------------------------------------------------------------------
+def server_flags(ratio: float | None, profile: str | None, common: list[str]) -> list[str]:
+    """Launch flags of one system: the common flags (+ the Tangram ones)."""
+    flags = list(common) + ["--enable-metrics"]
+    if ratio is not None:
+        if not profile:
+            raise ConfigError("a tangram:R system needs --profile PATH")
+        flags += ["--tangram", "--tangram-profile", profile, "--tangram-target-ratio", str(ratio)]
+    return flags
+
+
+def run_system(name: str, flags: list[str], specs: list[WorkloadSpec], args, result: dict) -> None:
+    """Start one server, run every workload, stop it; ``result['systems'][name]`` filled."""
+    from tangram_sglang.serving import SGLangServer
+
+    entry = {"server_args": flags, "workloads": {}, "error": None}
+    result["systems"][name] = entry
+    log = Path(args.log_dir) / f"multiturn-{name}.server.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    server = SGLangServer(args.model_path, flags, args.device, log, args.startup_timeout_s)
+    try:
+        server.start()
+        entry["startup_s"] = time.perf_counter() - t0
+        info = server.server_info()
+        entry["max_total_num_tokens"] = info.get("max_total_num_tokens")
+        entry["tangram"] = info.get("tangram")
+        settings = LoadSettings(args.max_parallel, args.request_rate, args.round_barrier,
+                                args.workload_timeout_s, args.seed)  # fmt: skip
+        for spec in specs:
+            print(f"[multiturn] {name}: {spec.label} ...", flush=True)
+            run = asyncio.run(measure(server.base_url, spec, args.vocab_size, settings))
+            entry["workloads"][spec.label] = run
+            print(f"[multiturn] {name}: {spec.label}: {run['output_tok_per_s']:.1f} out tok/s, "
+                  f"wall {run['wall_s']:.1f} s, cache hit {run['cache_hit_rate']:.3f}, peak "
+                  f"running {run['peak_running_reqs']}, failed {run['requests_failed']}",
+                  flush=True)  # fmt: skip
+            write_result(result, args)
+    except TangramError as exc:
+        entry["error"] = str(exc)[-3000:]
+        print(f"[multiturn] {name}: FAILED: {str(exc)[-1500:]}", flush=True)
+    finally:
+        server.stop()
+        write_result(result, args)
+
+
+def write_result(result: dict, args) -> None:
+    """Recompute the summary and (re)write the JSON."""
+    result["summary"] = summarize(result["systems"], args.main_workload, args.prefill_label)
+    path = Path(args.output)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=1, default=float) + "\n")
+
+
+def merge(paths: list[str], output: str) -> dict:
+    """Join the ``systems`` of several result files (later files win) and recompute the summary."""
+    results = [json.loads(Path(p).read_text()) for p in paths]
+    merged = dict(results[0])
+    merged["systems"] = {k: v for r in results for k, v in r["systems"].items()}
+    merged["merged_from"] = list(paths)
+    settings = merged.get("settings", {})
+    merged["summary"] = summarize(merged["systems"], settings.get("main_workload", "cliff-64"),
+                                  settings.get("prefill_label"))  # fmt: skip
+    Path(output).write_text(json.dumps(merged, indent=1, default=float) + "\n")
+    return merged
+
+
+# ---- CLI --------------------------------------------------------------------------------------
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m tangram_sglang.bench.multiturn",
+                                description=__doc__.splitlines()[0])  # fmt: skip
+    p.add_argument("--model-path", required=True, help="HF folder or a models.py name (smollm2)")
+    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    p.add_argument("--profile", help="Tangram budget profile (for tangram:R systems)")
+    p.add_argument("--systems", default="baseline,tangram:0.25,tangram:0.5")
+    p.add_argument("--server-args", default="", help="flags for every server (one string)")
+    p.add_argument("--workloads", default="cliff:32,cliff:64,prefill:16x8192,sharegpt:64x4")
+    p.add_argument("--main-workload", default="cliff-64", help="label the throughput ratios use")
+    p.add_argument("--num-clients", type=int, default=32)
+    p.add_argument("--num-rounds", type=int, default=4)
+    p.add_argument("--request-length", type=int, default=None, help="tokens (see workloads)")
+    p.add_argument("--output-length", type=int, default=None, help="tokens per round")
+    p.add_argument("--context-tokens", type=int, default=8192, help="long-context round 1")
+    p.add_argument("--shared-context", action="store_true", help="one long context for all")
+    p.add_argument("--max-parallel", type=int, default=128)
+    p.add_argument("--request-rate", type=float, default=float("inf"))
+    p.add_argument("--round-barrier", action="store_true")
+    p.add_argument("--workload-timeout-s", type=float, default=600.0)
+    p.add_argument("--startup-timeout-s", type=float, default=600.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--log-dir", default="/tmp/tangram-multiturn")
+    p.add_argument("--output", default="benchmarks/results/multiturn-h200.json")
+    return p
+
+
+def _resolve_model(path: str) -> Path:
+    if Path(path).is_dir():
+        return Path(path).resolve()
+    from tangram_sglang.models import model_path
+
+    return Path(model_path(path))
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["merge"]:
+        mp = argparse.ArgumentParser(prog="python -m tangram_sglang.bench.multiturn merge")
+        mp.add_argument("inputs", nargs="+")
+        mp.add_argument("--output", required=True)
+        margs = mp.parse_args(argv[1:])
+        print(json.dumps(merge(margs.inputs, margs.output)["summary"], indent=1))
+        return 0
+    args = build_parser().parse_args(argv)
+    try:
+        args.model_path = str(_resolve_model(args.model_path))
+        config = json.loads((Path(args.model_path) / "config.json").read_text())
+        args.vocab_size = int(config["vocab_size"])
+        systems = parse_systems(args.systems)
+        specs = [parse_workload(w, args) for w in args.workloads.split(",") if w.strip()]
+    except (TangramError, OSError, KeyError, ValueError) as exc:
+        print(f"multiturn: error: {exc}", file=sys.stderr)
+        return 2
+    args.prefill_label = next((s.label for s in specs if s.name == "prefill"), None)
+    now = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
+    command = " ".join(["python -m tangram_sglang.bench.multiturn", *map(shlex.quote, argv)])
+    result = {
+        "schema": SCHEMA, "date": now, "machine": _machine(args.device), "command": command,
+        "model_path": args.model_path, "profile": args.profile,
+        "settings": {k: v for k, v in vars(args).items() if k not in ("output", "log_dir")},
+        "systems": {},
+    }  # fmt: skip
+    common = shlex.split(args.server_args)
+    for name, ratio in systems:
+        run_system(name, server_flags(ratio, args.profile, common), specs, args, result)
+    print(json.dumps(result["summary"], indent=1))
+    return 0
+
+
+def _machine(device: str) -> str:
+    if device == "cuda":
+        import torch
+
+        return torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cuda (absent)"
+    import platform
+
+    return f"cpu ({platform.processor() or platform.machine()})"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,179 @@
+"""The multi-turn load generator of ``bench.multiturn``: clients, rounds, barrier, rate, cap.
+
+Every client runs its conversation round by round; round r+1 of a client is sent when its
+round r answered (and, with ``round_barrier``, when every client finished round r). New
+requests start at most ``request_rate`` per second (Poisson arrivals; ``inf`` = no pacing) and
+at most ``max_parallel`` are in flight. Each request is a streaming ``POST /generate`` with
+``input_ids`` = the whole history + the round's new random ids, ``ignore_eos`` and greedy
+sampling, so every round generates exactly its output length. Per request it records TTFT,
+TPOT, end-to-end latency and the server's usage (``prompt_tokens``, ``cached_tokens``:
+SGLang's ``--enable-cache-report``).
+
+Source: SGLang ``benchmark/hicache/bench_multiturn.py`` (same knobs, token ids instead of text).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import dataclass
+
+import aiohttp
+import numpy as np
+
+from tangram_sglang.bench.multiturn_workloads import ID_LOW, Conversation
+
+
+@dataclass(frozen=True, slots=True)
+class LoadSettings:
+    """Client-side knobs (SGLang bench_multiturn's names)."""
+
+    max_parallel: int = 128  # requests in flight at most
+    request_rate: float = float("inf")  # new requests per second (Poisson); inf = no pacing
+    round_barrier: bool = False  # every client finishes round r before any starts r + 1
+    timeout_s: float = 600.0  # wall-clock cap of the whole workload (s)
+    seed: int = 0
+
+
+@dataclass(slots=True)
+class RequestRecord:
+    """One answered (or failed) request."""
+
+    client: int
+    round: int
+    prompt_tokens: int  # the server's count
+    cached_tokens: int  # prompt tokens the server took from its prefix cache
+    output_tokens: int
+    ttft_s: float | None
+    tpot_s: float | None  # mean time per output token after the first (s)
+    latency_s: float
+    end_s: float  # finish time since the workload's start (s)
+    error: str | None = None
+
+
+class _Pacer:
+    """Poisson start times shared by all clients (request_rate per second)."""
+
+    def __init__(self, rate: float, seed: int) -> None:
+        self.rate, self.rng, self.next_t = rate, np.random.default_rng(seed), time.perf_counter()
+        self.lock = asyncio.Lock()
+
+    async def wait(self) -> None:
+        if not np.isfinite(self.rate):
+            return
+        async with self.lock:
+            self.next_t = max(self.next_t, time.perf_counter()) + self.rng.exponential(
+                1.0 / self.rate
+            )
+            delay = self.next_t - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
+
+
+async def _generate(session, url: str, ids: list[int], out_len: int) -> tuple[dict, list[int]]:
+    """Stream one ``/generate``; returns (timing + usage dict, output ids)."""
+    payload = {
+        "input_ids": ids,
+        "stream": True,
+        "sampling_params": {"max_new_tokens": out_len, "ignore_eos": True, "temperature": 0.0},
+    }
+    t0 = time.perf_counter()
+    ttft, last, meta, out_ids = None, t0, {}, []
+    async with session.post(url, json=payload) as resp:
+        if resp.status != 200:
+            raise RuntimeError(f"HTTP {resp.status}: {(await resp.text())[:300]}")
+        async for raw in resp.content:
+            line = raw.strip()
+            if not line.startswith(b"data:") or line == b"data: [DONE]":
+                continue
+            chunk = json.loads(line[5:])
+            if "error" in chunk:
+                raise RuntimeError(str(chunk["error"])[:300])
+            last = time.perf_counter()
+            ttft = last - t0 if ttft is None else ttft
+            meta = chunk.get("meta_info", meta)
+            new = chunk.get("output_ids") or []
+            done = int(meta.get("completion_tokens", 0))
+            out_ids = list(new) if len(new) == done else out_ids + list(new)  # cumulative or delta
+    n = int(meta.get("completion_tokens", len(out_ids)))
+    tpot = (last - t0 - ttft) / (n - 1) if ttft is not None and n > 1 else None
+    timing = {
+        "ttft_s": ttft,
+        "tpot_s": tpot,
+        "latency_s": time.perf_counter() - t0,
+        "prompt_tokens": int(meta.get("prompt_tokens", len(ids))),
+        "cached_tokens": int(meta.get("cached_tokens", 0) or 0),
+        "output_tokens": n,
+    }
+    return timing, out_ids
+
+
+async def run_conversations(
+    base_url: str, conversations: list[Conversation], vocab_size: int, settings: LoadSettings
+) -> tuple[list[RequestRecord], float]:
+    """Run every conversation to its end (or ``settings.timeout_s``).
+
+    Returns:
+        (records of the requests that ended, wall time in seconds).
+    """
+    rng = np.random.default_rng(settings.seed)
+    shared = max((c.shared_prefix for c in conversations), default=0)
+    shared_ids = rng.integers(ID_LOW, vocab_size - ID_LOW, shared).tolist()
+    sem, pacer = (
+        asyncio.Semaphore(settings.max_parallel),
+        _Pacer(settings.request_rate, settings.seed),
+    )
+    num_rounds = max(len(c.rounds) for c in conversations)
+    barriers = [asyncio.Event() for _ in range(num_rounds)]
+    left = [sum(len(c.rounds) > r for c in conversations) for r in range(num_rounds)]
+    records: list[RequestRecord] = []
+    t_start = time.perf_counter()
+
+    async def client(i: int, conv: Conversation, session) -> None:
+        history: list[int] = []
+        for r, (new_tokens, out_len) in enumerate(conv.rounds):
+            if settings.round_barrier and r > 0:
+                await barriers[r - 1].wait()
+            new = rng.integers(ID_LOW, vocab_size - ID_LOW, new_tokens).tolist()
+            if r == 0 and conv.shared_prefix:
+                new[: conv.shared_prefix] = shared_ids[: conv.shared_prefix]
+            await pacer.wait()
+            async with sem:
+                try:
+                    timing, out_ids = await _generate(
+                        session, f"{base_url}/generate", history + new, out_len
+                    )
+                    records.append(
+                        RequestRecord(i, r, end_s=time.perf_counter() - t_start, **timing)
+                    )
+                except (TimeoutError, RuntimeError, aiohttp.ClientError) as exc:
+                    records.append(
+                        RequestRecord(
+                            i,
+                            r,
+                            0,
+                            0,
+                            0,
+                            None,
+                            None,
+                            0.0,
+                            time.perf_counter() - t_start,
+                            repr(exc)[:300],
+                        )
+                    )
+                    out_ids = []
+            history += new + out_ids
+            left[r] -= 1
+            if left[r] == 0:
+                barriers[r].set()
+
+    timeout = aiohttp.ClientTimeout(total=None, sock_read=settings.timeout_s)
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
+        tasks = [asyncio.create_task(client(i, c, session)) for i, c in enumerate(conversations)]
+        _, pending = await asyncio.wait(tasks, timeout=settings.timeout_s)
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+    return records, time.perf_counter() - t_start

@@ -1,0 +1,91 @@
+"""bench.multiturn pieces without a server: workloads, flag parsing, metrics text, summary."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from tangram_sglang.bench import multiturn as mt
+from tangram_sglang.bench.multiturn_workloads import WorkloadSpec, make_conversations
+from tangram_sglang.errors import ConfigError
+
+
+def args(**kw) -> argparse.Namespace:
+    return mt.build_parser().parse_args(["--model-path", "m", *kw.pop("argv", [])])
+
+
+def test_cliff_is_16k_then_three_rounds_of_256_with_128_out():
+    convs = make_conversations(WorkloadSpec("cliff", num_clients=3))
+    assert len(convs) == 3
+    assert convs[0].rounds == ((16384, 128), (256, 128), (256, 128), (256, 128))
+    assert convs[0].total_tokens == 16384 + 3 * 256 + 4 * 128
+
+
+def test_sharegpt_rounds_come_from_the_table_and_respect_caps():
+    spec = WorkloadSpec("sharegpt", num_clients=5, num_rounds=3, request_length=50,
+                        output_length=20)  # fmt: skip
+    convs = make_conversations(spec)
+    assert len(convs) == 5 and all(len(c.rounds) == 3 for c in convs)
+    assert all(1 <= a <= 50 and 1 <= b <= 20 for c in convs for a, b in c.rounds)
+    assert make_conversations(spec) == convs  # seeded
+
+
+def test_long_context_shares_its_context_only_when_asked():
+    spec = WorkloadSpec("long-context", num_clients=2, num_rounds=3, request_length=8,
+                        output_length=4, context_tokens=100, shared_context=True)  # fmt: skip
+    conv = make_conversations(spec)[0]
+    assert conv.rounds == ((108, 4), (8, 4), (8, 4)) and conv.shared_prefix == 100
+    assert spec.label == "long-context-shared-2x3"
+
+
+ITEMS = [
+    ("cliff:64", "cliff-64"),
+    ("prefill:4x512", "prefill-4x512"),
+    ("sharegpt:8x2", "sharegpt-8x2"),
+]
+
+
+@pytest.mark.parametrize("item,label", ITEMS)
+def test_workload_items_parse_to_labels(item, label):
+    assert mt.parse_workload(item, args()).label == label
+
+
+@pytest.mark.parametrize("bad", ["nope:3", "cliff:x", "sharegpt:2xq"])
+def test_bad_workload_items_are_config_errors(bad):
+    with pytest.raises(ConfigError, match="--workloads"):
+        mt.parse_workload(bad, args())
+
+
+def test_systems_parse_and_reject_bad_ratios():
+    assert mt.parse_systems("baseline, tangram:0.25") == [("baseline", None),
+                                                          ("tangram-r0.25", 0.25)]  # fmt: skip
+    for bad in ("tangram:0", "tangram:1.5", "vllm", ""):
+        with pytest.raises(ConfigError, match="--systems"):
+            mt.parse_systems(bad)
+
+
+def test_metrics_text_sums_label_sets_of_the_wanted_gauges():
+    text = (
+        '# HELP x\nsglang:num_running_reqs{tp_rank="0"} 3.0\n'
+        'sglang:num_running_reqs{tp_rank="1"} 2.0\ntangram:pages_used 17\nother 9\n'
+    )
+    assert mt.parse_metrics(text) == {"sglang:num_running_reqs": 5.0, "tangram:pages_used": 17.0}
+
+
+def test_summary_ratios_and_missing_runs():
+    def run(tok_s, wall, peak):
+        return {"requests_ok": 4, "output_tok_per_s": tok_s, "wall_s": wall,
+                "peak_running_reqs": peak, "cache_hit_rate": 0.5}  # fmt: skip
+
+    systems = {
+        "baseline": {"max_total_num_tokens": 100,
+                     "workloads": {"cliff-64": run(100, 10, 40), "prefill-2x8": run(1, 4.0, 2)}},
+        "tangram-r0.25": {"max_total_num_tokens": 400,
+                          "workloads": {"cliff-64": run(300, 5, 64), "prefill-2x8": run(1, 5, 2)}},
+    }  # fmt: skip
+    s = mt.summarize(systems, "cliff-64", "prefill-2x8")
+    assert s["throughput_ratio_at_25pct"] == 3.0 and s["cliff_throughput_ratio_64_clients"] == 3.0
+    assert s["prefill_time_ratio"] == 1.25 and s["max_concurrency_ratio"] == 1.6
+    assert s["kv_capacity_ratio"] == 4.0
+    assert s["throughput_ratio_at_50pct"] is None and "throughput_ratio_at_50pct" in s["missing"]
