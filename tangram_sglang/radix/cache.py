@@ -81,6 +81,8 @@ class TangramRadixCache(RadixCache):
 
     def __init__(self, params: CacheInitParams) -> None:
         self._boundaries: dict[int, TreeNode] = {}  # last token slot of a boundary -> node
+        self.num_evicted_pages = 0  # pages freed by evicting nodes since start-up
+        self.num_duplicate_pages = 0  # pages of segments already cached, freed at insert
         super().__init__(params)
         state = getattr(params.req_to_token_pool, "tangram_state", None)
         if state is None:
@@ -177,6 +179,7 @@ class TangramRadixCache(RadixCache):
             node = self._node_at(key, hi)
             if value_of(node) is not None:
                 self._free(seg.pages)  # the same segment is already cached: keep that one
+                self.num_duplicate_pages += seg.num_pages
             else:
                 setattr(node, VALUE_ATTR, SegmentValue(parent, lo, hi, seg))
                 self._boundaries[int(node.value[-1])] = node
@@ -201,6 +204,7 @@ class TangramRadixCache(RadixCache):
             self._boundaries.pop(int(node.value[-1]), None)
             setattr(node, VALUE_ATTR, None)
             self._free(value.segment.pages)
+            self.num_evicted_pages += value.num_pages
         super()._delete_leaf(node)
 
     def evict_pages(self, num_pages: int) -> int:
@@ -260,6 +264,8 @@ class TangramRadixCache(RadixCache):
             "pages_evictable": self.evictable_pages(),
             "tokens_evictable": int(self.evictable_size_),
             "tokens_protected": int(self.protected_size_),
+            "pages_evicted": self.num_evicted_pages,
+            "pages_duplicate_freed": self.num_duplicate_pages,
         }
 
     def _free(self, pages: list[Any]) -> None:

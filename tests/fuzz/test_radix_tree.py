@@ -1,0 +1,205 @@
+"""Hypothesis lifecycles of the real TangramRadixCache over a real TangramState (CPU, no model).
+
+SGLang's own ``ReqToTokenPool`` and ``TokenToKVPoolAllocator`` hold the logical token slots; the
+test plays the scheduler's part (match, lock, slot allocation, finish/abort) and the backend's
+(``TangramState.begin_extend`` / ``begin_decode``) for requests whose tokens extend earlier
+conversations (so matches, forks, duplicates and node splits happen). After every step:
+  - pages: used pages == pages held by tree nodes + pages owned by running rows (every page
+    has exactly one owner; ``TANGRAM_DEBUG``-style invariants run inside TangramMemory);
+  - token slots: free + evictable + protected + slots owned by running rows == all slots
+    (SGLang's idle self-check relies on this);
+  - every boundary node's chain builds a PrefixMatch whose lengths match its pages;
+  - a new request's cached prefix ends on a whole segment (never mid-segment).
+At teardown all requests end and the tree is flushed: free pages and slots return to the start.
+"""
+
+from __future__ import annotations
+
+from array import array
+from dataclasses import dataclass
+from types import SimpleNamespace
+
+import numpy as np
+import torch
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
+from sglang.srt.mem_cache.base_prefix_cache import EvictParams, MatchPrefixParams
+from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
+from sglang.srt.mem_cache.radix_cache import RadixKey
+
+from tangram_sglang.backend.state import TangramState
+from tangram_sglang.bench.synthetic import make_profile
+from tangram_sglang.errors import PoolError
+from tangram_sglang.mem.kv_pool import KVPool
+from tangram_sglang.mem.manager import TangramMemory
+from tangram_sglang.radix.cache import TangramRadixCache, node_depth, value_of
+from tangram_sglang.radix.segment import chain_prefix
+
+PAGE, NUM_PAGES, ROWS, WIDTH, SLOTS = 4, 64, 4, 16, 96
+RATIOS = [[1.0, 0.5, 0.25, 0.25]]
+
+
+@dataclass
+class Running:
+    req: SimpleNamespace  # the scheduler's Req fields the tree reads
+    prefix_len: int  # matched tokens (tokens)
+    decoded: int = 0  # decode-tail tokens written (tokens)
+
+
+def build_tree() -> tuple[TangramRadixCache, TangramState, ReqToTokenPool, TokenToKVPoolAllocator]:
+    prof = make_profile(RATIOS, heads_per_group=2, scope="global", sink_tokens=1,
+                        recent_window=2, head_dim=1)  # fmt: skip
+    pool = KVPool.create(NUM_PAGES, 2, PAGE, 1, torch.float32)
+    memory = TangramMemory(prof, PAGE, NUM_PAGES, ROWS + 1, WIDTH, pool, debug=True)
+    state = TangramState(memory, full_kv_bytes_per_token=32, device="cpu")
+    req_pool = ReqToTokenPool(ROWS, WIDTH * PAGE, "cpu", False)
+    req_pool.tangram_state = state
+    slots = TokenToKVPoolAllocator(SLOTS, torch.float32, "cpu", None, False)
+    params = CacheInitParams(disable=False, req_to_token_pool=req_pool,
+                             token_to_kv_pool_allocator=slots, page_size=1)  # fmt: skip
+    return TangramRadixCache(params), state, req_pool, slots
+
+
+class RadixLifecycle(RuleBasedStateMachine):
+    def __init__(self):
+        super().__init__()
+        self.tree, self.state, self.req_pool, self.slots = build_tree()
+        self.memory = self.state.memory
+        self.start_free = self.memory.allocator.num_free()
+        self.running: dict[int, Running] = {}
+        self.histories: list[list[int]] = [[]]  # token ids of finished requests (KV-covered)
+        self.next_rid = 0
+
+    # ---- helpers -------------------------------------------------------------------------------
+    def alloc_slots(self, n: int):
+        short = n - self.slots.available_size()
+        if short > 0:
+            self.tree.evict(EvictParams(num_tokens=short))
+        return self.slots.alloc(n)
+
+    def end(self, row: int, insert: bool) -> None:
+        run = self.running.pop(row)
+        kv_len = len(run.req.origin_input_ids) + run.decoded
+        self.tree.cache_finished_req(run.req, insert, kv_len_to_handle=kv_len)
+        self.state.release(row)  # SGLang's ReqToTokenPool.free hook (a no-op after finish)
+        self.req_pool.free_slots.append(row)
+        if insert:
+            self.histories.append(list((run.req.origin_input_ids + run.req.output_ids)[:kv_len]))
+
+    # ---- rules ---------------------------------------------------------------------------------
+    @precondition(lambda self: len(self.running) < ROWS)
+    @rule(base=st.integers(0, 50), new=st.lists(st.integers(1, 3), min_size=1, max_size=10))
+    def start(self, base, new):
+        ids = array("q", self.histories[base % len(self.histories)] + new)
+        key = RadixKey(ids, None, limit=len(ids) - 1)
+        match = self.tree.match_prefix(MatchPrefixParams(key=key))
+        node, p = match.last_device_node, len(match.device_indices)
+        assert node_depth(node) == p and (p == 0 or value_of(node) is not None)
+        self.tree.inc_lock_ref(node)
+        row, n = self.req_pool.free_slots.pop(0), len(ids) - p
+        fresh = self.alloc_slots(n)
+        req = SimpleNamespace(req_pool_idx=row, last_node=node, cache_protected_len=p,
+                              origin_input_ids=ids, output_ids=array("q"), extra_key=None,
+                              priority=0)  # fmt: skip
+        if fresh is None:
+            self.tree.dec_lock_ref(node)
+            self.req_pool.free_slots.append(row)
+            return
+        self.req_pool.req_to_token[row, :p] = match.device_indices.to(torch.int32)
+        self.req_pool.req_to_token[row, p : p + n] = fresh.to(torch.int32)
+        self.running[row] = Running(req, p)
+        try:
+            self.state.begin_extend([row], [n], [p])
+        except PoolError:  # pages short even after eviction: the request ends (abort)
+            self.end(row, insert=False)
+            return
+        self.state.commit_extend([row])
+
+    @precondition(lambda self: self.running)
+    @rule(pick=st.integers(0, ROWS), token=st.integers(1, 3))
+    def decode(self, pick, token):
+        row = sorted(self.running)[pick % len(self.running)]
+        run = self.running[row]
+        seq = len(run.req.origin_input_ids) + run.decoded
+        slot = self.alloc_slots(1) if seq < WIDTH * PAGE - 1 else None
+        if slot is None:
+            return
+        self.req_pool.req_to_token[row, seq] = int(slot[0])
+        run.req.output_ids.append(token)
+        try:
+            self.state.begin_decode([row], [seq + 1])
+        except PoolError:  # out of pages: retract (abort) the request
+            run.req.output_ids.pop()
+            self.slots.free(slot)
+            self.end(row, insert=False)
+            return
+        run.decoded += 1
+
+    @precondition(lambda self: self.running)
+    @rule(pick=st.integers(0, ROWS), insert=st.booleans(), last=st.integers(1, 3))
+    def finish(self, pick, insert, last):
+        row = sorted(self.running)[pick % len(self.running)]
+        self.running[row].req.output_ids.append(last)  # the last sampled token: no KV
+        self.end(row, insert)
+
+    @rule(num_pages=st.integers(1, 24))
+    def evict_pages(self, num_pages):
+        evictable = self.tree.evictable_pages()
+        freed = self.tree.evict_pages(num_pages)
+        assert freed >= min(num_pages, evictable) or not self.tree.evictable_leaves
+
+    @rule(num_tokens=st.integers(1, 30))
+    def evict_tokens(self, num_tokens):
+        self.tree.evict(EvictParams(num_tokens=num_tokens))
+
+    @precondition(lambda self: not self.running)
+    @rule()
+    def flush(self):
+        self.tree.reset()
+        self.slots.clear()
+        assert self.memory.allocator.num_free() == self.start_free
+
+    # ---- invariants ----------------------------------------------------------------------------
+    @invariant()
+    def pages_have_one_owner(self):
+        own = sum(self.memory.row_usage(r).own_pages for r in self.running)
+        used = self.memory.allocator.num_usable_pages - self.memory.allocator.num_free()
+        assert used == self.tree.stats()["pages_held"] + own
+
+    @invariant()
+    def token_slots_add_up(self):
+        own = sum(len(r.req.origin_input_ids) - r.prefix_len + r.decoded
+                  for r in self.running.values())  # fmt: skip
+        total = (self.slots.available_size() + self.tree.evictable_size()
+                 + self.tree.protected_size() + own)  # fmt: skip
+        assert total == SLOTS
+
+    @invariant()
+    def chains_build(self):
+        for node in self.tree._boundaries.values():
+            chain = []
+            while node is not self.tree.root_node:
+                chain.append(value_of(node))
+                node = value_of(node).start_node
+            match = chain_prefix(chain[::-1], self.memory.num_head_groups, PAGE)
+            assert np.array_equal(match.lens, chain[0].group_lens)
+
+    def teardown(self):
+        for row in list(self.running):
+            self.end(row, insert=False)
+        self.tree.reset()
+        assert self.memory.allocator.num_free() == self.start_free
+        assert self.memory.stats().reserved_pages == 0
+        self.memory.check_invariants()
+
+
+RadixLifecycle.TestCase.settings = settings(
+    max_examples=40,
+    stateful_step_count=30,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+TestRadixLifecycle = RadixLifecycle.TestCase
