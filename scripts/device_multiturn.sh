@@ -6,11 +6,11 @@
 # (recorded as system name + "-eager" in the JSON).
 # Env: WL (workloads), TSYS (tangram systems), BASE_T / TANG_T (per-workload timeout, s).
 set -u
-R=${OUT:-/tmp/out}; mkdir -p "$R"
+R=/tmp/mt; mkdir -p "$R" "${OUT:=/tmp/out}"  # at most 8 files may come back: copy a few
 COMMON="--load-format dummy --skip-tokenizer-init --sampling-backend pytorch --mem-fraction-static 0.8 --context-length 20480 --max-running-requests 128 --disable-prefill-cuda-graph --cuda-graph-max-bs 128"
-WL=${WL:-cliff:32,cliff:64,prefill:16x8192}
-bench() {  # GPU SYSTEMS OUTPUT TIMEOUT [extra server flags]
-  CUDA_VISIBLE_DEVICES=$1 python3 -m tangram_sglang.bench.multiturn --model-path "$MODEL" \
+WL=${WL:-cliff:64,prefill:16x8192,cliff:32}
+bench() {  # GPU SYSTEMS OUTPUT TIMEOUT [extra server flags]; all cut at ${CAP_S:-520} s
+  CUDA_VISIBLE_DEVICES=$1 timeout -s INT "${CAP_S:-520}" python3 -m tangram_sglang.bench.multiturn --model-path "$MODEL" \
     --device cuda --profile "$PROFILE" --systems "$2" --server-args "$COMMON ${5:-}" \
     --workloads "$WL" --workload-timeout-s "$4" --startup-timeout-s 400 --log-dir "$R" \
     --output "$3"
@@ -26,4 +26,6 @@ if python3 -c "import json,sys; d=json.load(open('$R/mt-tangram.json')); sys.exi
 fi
 wait $b
 cat "$R"/mt-*.out | grep "\[multiturn\]"
-python3 -m tangram_sglang.bench.multiturn merge "$R"/mt-baseline.json "$R"/mt-tangram*.json --output "$R/multiturn-h200.json"
+python3 -m tangram_sglang.bench.multiturn merge "$R"/mt-baseline.json "$R"/mt-tangram*.json --output "$OUT/multiturn-h200.json"
+cat "$R"/mt-*.out > "$OUT/bench.out"
+for f in "$R"/*.server.log; do echo "=== $f"; grep -E "Error|Traceback|error|Capture|max_total_num_tokens=|Tangram KV pool|retract" "$f" | head -40; grep -E "Decode batch|Prefill batch" "$f" | awk 'NR % 25 == 0' | tail -60; tail -15 "$f"; done > "$OUT/server-logs.txt" 2>&1

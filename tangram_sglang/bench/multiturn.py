@@ -32,11 +32,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import datetime
 import json
 import shlex
 import sys
 import time
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -138,8 +140,20 @@ async def _poll_metrics(base_url: str, peaks: dict[str, float], stop: asyncio.Ev
 
 
 async def measure(base_url: str, spec: WorkloadSpec, vocab: int, settings: LoadSettings) -> dict:
-    """Run one workload against a running server; its metrics (:func:`summarize_run`)."""
+    """Run one workload on a running server (cache flushed first, token ids seeded by label).
+
+    Returns:
+        Its metrics (:func:`summarize_run`).
+    """
+    import aiohttp
+
     conversations = make_conversations(spec)
+    async with (
+        aiohttp.ClientSession() as session,  # start cold: no prefix from earlier runs
+        session.post(f"{base_url}/flush_cache") as resp,
+    ):
+        await resp.read()
+    settings = dataclasses.replace(settings, seed=settings.seed + zlib.crc32(spec.label.encode()))
     peaks: dict[str, float] = {}
     stop = asyncio.Event()
     poller = asyncio.create_task(_poll_metrics(base_url, peaks, stop))
