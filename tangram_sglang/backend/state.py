@@ -134,6 +134,19 @@ class TangramState:
         self.num_released = 0  # requests released since start-up
         self.last_release: RowRecord | None = None
         self.radix: Any = None  # TangramRadixCache once the scheduler built it (prefix, evict)
+        self.plans: dict[int, tuple[int, int]] = {}  # row -> (prompt tokens, decode-tail tokens)
+        self.trim_after_commit: dict[int, int] = {}  # row -> decode-tail tokens to keep
+
+    # ---- per request (scheduler side) -----------------------------------------------------------
+    def plan_row(self, row: int, prompt_tokens: int, decode_tokens: int) -> None:
+        """Record a new row's Budget Reservation inputs (when SGLang assigns the row).
+
+        Args:
+            row: SGLang ``req_pool_idx``.
+            prompt_tokens: tokens the row prefills in all, cached prefix included (tokens).
+            decode_tokens: decode-tail tokens it may write, ``T - 1`` (tokens).
+        """
+        self.plans[int(row)] = (int(prompt_tokens), max(int(decode_tokens), 0))
 
     # ---- per batch ---------------------------------------------------------------------------
     def begin_extend(
@@ -141,9 +154,13 @@ class TangramState:
     ) -> np.ndarray:
         """Reserve and allocate each row's segment pages (before the forward).
 
-        A row without a table is a new request (admitted with no decode reservation: decode
-        growth takes unreserved pages), starting from the radix tree's compressed prefix when
-        ``prefix_len > 0``; a row with one continues a chunked prefill. Page shortfalls evict
+        A row without a table is a new request, starting from the radix tree's compressed
+        prefix when ``prefix_len > 0``. With a plan (:meth:`plan_row`) admission reserves the
+        whole footprint (Budget Reservation): this segment, the prompt's later chunks as an
+        uncompressed upper bound (SGLang sizes each chunk when it schedules it) and the
+        ``T - 1`` decode tail; after the last chunk the grant is trimmed to the exact tail, so
+        later chunks and decode steps never wait for pages. Without a plan only the segment is
+        reserved. A row with a table continues a chunked prefill. Page shortfalls evict
         unlocked radix nodes first.
 
         Returns:
@@ -160,13 +177,19 @@ class TangramState:
                 logger.warning("Tangram: row %d was not released before reuse; freeing it", row)
                 self.release(row)
                 active = False
-            if active:
+            plan = self.plans.get(row)
+            if active and plan is not None:
+                res = True  # reserved at admission with the first chunk
+            elif active:
                 self._make_room(self.memory.table.append_need(row, self._kept(n)).sum())
                 res = self.memory.admit_chunk(row, n, 0)
             else:
                 match = self._prefix(row, prefix)
-                self._make_room(self.memory.footprint(n, 0, match))
-                res = self.memory.admit(row, f"row{row}", n, 0, prefix=match)
+                later = None if plan is None else max(plan[0] - prefix - n, 0) + plan[1]
+                self._make_room(self.memory.footprint(n, 0, match, decode_tokens=later))
+                res = self.memory.admit(row, f"row{row}", n, 0, prefix=match, decode_tokens=later)
+            if plan is not None and prefix + n >= plan[0]:
+                self.trim_after_commit[row] = plan[1]
             if res is None:
                 raise PoolError(
                     f"Tangram pool: segment of {n} tokens (row {row}) does not fit: "
@@ -212,6 +235,8 @@ class TangramState:
         """After the last layer wrote its kept K/V: each group's length grows by ``k_g``."""
         for row in rows:
             self.memory.commit_extend(row)
+            if row in self.trim_after_commit:
+                self.memory.trim_reservation(row, self.trim_after_commit.pop(row))
 
     def begin_decode(self, rows: list[int], seq_lens: list[int]) -> None:
         """Append one decode token to every group of each row (before the forward).
@@ -251,13 +276,42 @@ class TangramState:
         need += int(num_prefixed) * self.memory.num_head_groups
         return need <= self.memory.ledger.unreserved_free() + int(evictable_pages)
 
+    def reservation_pages(self, prompt_tokens: int, first_chunk: int, decode_tokens: int) -> int:
+        """Pages :meth:`begin_extend` reserves for a new request from an empty table.
+
+        ``kept(first_chunk)`` + the rest of the prompt uncompressed + ``decode_tokens`` per head
+        group, in pages (``mem.reservation.group_pages_needed``). A matched prefix can add at most
+        one copy-on-write page per group on top (callers add it).
+        """
+        first = min(int(first_chunk), int(prompt_tokens))
+        add = self._kept(first) + (int(prompt_tokens) - first) + max(int(decode_tokens), 0)
+        zeros = np.zeros_like(add)
+        return int(group_pages_needed(zeros, zeros.astype(bool), add, self.memory.page_size).sum())
+
+    def can_admit_prefills(
+        self, requests: list[tuple[int, int, int]], num_prefixed: int = 0,
+        evictable_pages: int = 0,
+    ) -> bool:  # fmt: skip
+        """No side effects: would these new requests' whole reservations fit now?
+
+        Args:
+            requests: per request ``(prompt tokens left to prefill, first chunk tokens,
+                decode-tail tokens)``.
+            num_prefixed: how many extend a cached prefix (one COW page per group each).
+            evictable_pages: pages unlocked radix nodes would give back.
+        """
+        need = sum(self.reservation_pages(m, n1, tail) for m, n1, tail in requests)
+        need += int(num_prefixed) * self.memory.num_head_groups
+        return need <= self.memory.ledger.unreserved_free() + int(evictable_pages)
+
     def can_decode(self, rows: list[int]) -> bool:
         """No side effects: does one decode step of ``rows`` fit (see ``TangramMemory``)?"""
         return self.memory.can_decode([r for r in rows if self.memory.rids[r] is not None])
 
     def too_large(self, prompt_len: int, max_new_tokens: int) -> str | None:
         """Error message when the request needs more pages than the whole pool, else None."""
-        need = self.footprint_pages(prompt_len, max_new_tokens)
+        first = prompt_len if self.chunk_tokens <= 0 else min(prompt_len, self.chunk_tokens)
+        need = self.reservation_pages(prompt_len, first, decode_tail_tokens(max_new_tokens))
         usable = self.memory.allocator.num_usable_pages
         if need <= usable:
             return None
@@ -275,9 +329,14 @@ class TangramState:
         so the ``ReqToTokenPool.free`` hook that follows finds nothing to release.
         """
         record = self._record(row)
+        self._forget(row)
         segments = self.memory.finish(row)
         self._log_end(row, record, "cached")
         return segments
+
+    def _forget(self, row: int) -> None:
+        self.plans.pop(row, None)
+        self.trim_after_commit.pop(row, None)
 
     def _record(self, row: int) -> RowRecord:
         usage = self.memory.row_usage(row)
@@ -308,6 +367,7 @@ class TangramState:
         if not 0 <= row < len(self.memory.rids) or self.memory.rids[row] is None:
             return None
         record = self._record(row)
+        self._forget(row)
         self.memory.abort(row)
         self._log_end(row, record, "released")
         return record

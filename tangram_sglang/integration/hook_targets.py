@@ -96,6 +96,12 @@ HOOKS: tuple[HookTarget, ...] = (
         purpose="free a request row's pages on finish, abort and retraction",
     ),
     HookTarget(
+        target="sglang.srt.mem_cache.memory_pool.ReqToTokenPool.alloc",
+        hook_type="after",
+        body="tangram_sglang.integration.hooks:plan_tangram_rows",
+        purpose="Budget Reservation: a new row's prompt and decode-tail tokens, for admission",
+    ),
+    HookTarget(
         target="sglang.srt.utils.common.support_triton",
         hook_type="around",
         body="tangram_sglang.integration.hooks:tangram_support_triton",

@@ -67,6 +67,14 @@ def release_tangram_row(*args: Any, **kwargs: Any) -> None:
     sglang_adapters.release_row(*args, **kwargs)
 
 
+def plan_tangram_rows(
+    result: Any, req_to_token_pool: Any, reqs: Any, *args: Any, **kw: Any
+) -> None:
+    """AFTER ``ReqToTokenPool.alloc(self, reqs)``: Budget Reservation inputs of each new row."""
+    if result is not None:
+        sglang_adapters.plan_rows(req_to_token_pool, reqs)
+
+
 def tangram_support_triton(original: Any, *args: Any, **kwargs: Any) -> bool:
     """AROUND ``sglang.srt.utils.common.support_triton``: see ``sglang_adapters``."""
     return sglang_adapters.support_triton(original, *args, **kwargs)

@@ -29,6 +29,7 @@ from sglang.srt.mem_cache.memory_pool import NoOpMHATokenToKVPool
 from tangram_sglang.integration import profile_loader
 from tangram_sglang.integration.server_args import profile_from_server_args
 from tangram_sglang.mem.kv_pool import KVPool, bytes_per_page, num_pages_for_budget
+from tangram_sglang.mem.reservation import decode_tail_tokens
 from tangram_sglang.profile import BudgetProfile
 
 logger = logging.getLogger(__name__)
@@ -172,24 +173,63 @@ def _extend_len(req: Any) -> int:
     return len(req.full_untruncated_fill_ids) - len(req.prefix_indices)
 
 
-def add_one_req(original, adder: Any, req: Any, *args: Any, **kwargs: Any) -> Any:
-    """AROUND ``PrefillAdder.add_one_req``: stop admitting when the prefill pages do not fit.
+def _decode_tail(req: Any) -> int:
+    """Decode-tail tokens the request may still write: ``T - 1`` minus what it already has."""
+    left = int(req.sampling_params.max_new_tokens or 0) - len(req.output_ids)
+    return decode_tail_tokens(left)
 
-    SGLang admits in logical tokens; short segments (sink + window) and page padding can need
-    more pages than that estimate. Returns ``AddReqResult.NO_TOKEN`` (the request waits) when
-    the pages of this prompt plus those of the requests already picked this round exceed the
-    unreserved free pages plus the pages of unlocked radix nodes (evicted by the backend when
-    it allocates; the request's own matched path is not counted); otherwise SGLang's own
-    checks run.
+
+def plan_rows(req_to_token_pool: Any, reqs: list[Any]) -> None:
+    """AFTER ``ReqToTokenPool.alloc``: record each NEW row's Budget Reservation inputs.
+
+    Rows continuing a chunked prefill (their pages are reserved) are skipped. A retracted
+    request gets a new row and re-plans: prompt = input + output so far, tail = what is left.
+    """
+    state = getattr(req_to_token_pool, "tangram_state", None)
+    if state is None:
+        return
+    for req in reqs:
+        row = req.req_pool_idx
+        if row is not None and state.memory.rids[int(row)] is None:
+            prompt = len(req.origin_input_ids) + len(req.output_ids)
+            state.plan_row(int(row), prompt, _decode_tail(req))
+
+
+def _reservation_request(adder: Any, req: Any, picked: bool) -> tuple[int, int, int]:
+    """``(prompt tokens left, first chunk, decode tail)`` as :meth:`TangramState.begin_extend`
+    will reserve them: SGLang gives a new request ``min(left, rem_chunk_tokens)`` tokens."""
+    left = _extend_len(req)
+    if picked:
+        first = req.extend_range.length
+    else:
+        budget = getattr(adder, "rem_chunk_tokens", None)
+        first = left if budget is None else max(min(left, int(budget)), 1)
+    return left, first, _decode_tail(req)
+
+
+def add_one_req(original, adder: Any, req: Any, *args: Any, **kwargs: Any) -> Any:
+    """AROUND ``PrefillAdder.add_one_req``: admit only when the whole reservation fits (pages).
+
+    Budget Reservation (DESIGN.md §3.1): the request's footprint (this chunk, the prompt's later
+    chunks uncompressed, the ``T - 1`` decode tail), plus those of the new requests already
+    picked this round, must fit in the unreserved free pages plus the pages of unlocked radix
+    nodes (evicted by the backend when it allocates; the request's own matched path is not
+    counted). Running requests hold their grants (not unreserved), so an admitted request never
+    waits for a page later and is never retracted for pages. Returns ``AddReqResult.NO_TOKEN``
+    (the request waits) when it does not fit; otherwise SGLang's own checks run.
     """
     state = getattr(getattr(adder.tree_cache, "req_to_token_pool", None), "tangram_state", None)
     if state is None:
         return original(adder, req, *args, **kwargs)
-    reqs = [*adder.can_run_list, req]
-    lens = [_extend_len(r) for r in reqs]
-    num_prefixed = sum(1 for r in reqs if len(r.prefix_indices) > 0)
+    picked = [
+        r for r in adder.can_run_list
+        if r.req_pool_idx is None or state.memory.rids[int(r.req_pool_idx)] is None
+    ]  # fmt: skip
+    wanted = [_reservation_request(adder, r, True) for r in picked]
+    wanted.append(_reservation_request(adder, req, False))
+    num_prefixed = sum(1 for r in [*picked, req] if len(r.prefix_indices) > 0)
     evictable = state.evictable_pages(getattr(req, "last_node", None))
-    if not state.can_prefill(lens, num_prefixed, evictable):
+    if not state.can_admit_prefills(wanted, num_prefixed, evictable):
         from sglang.srt.managers.schedule_policy import AddReqResult
 
         return AddReqResult.NO_TOKEN

@@ -279,6 +279,21 @@ class TangramMemory:
         self.pending[row] = None
         self._after("commit_extend")
 
+    def trim_reservation(self, row: int, decode_tokens: int) -> int:
+        """Keep only the pages ``decode_tokens`` more decode tokens need; return the rest.
+
+        For a row that reserved an upper bound at admission (later chunks uncompressed) once its
+        last chunk is committed. Returns pages given back to admission.
+
+        Raises:
+            PoolError: row not active or with an uncommitted extend.
+        """
+        self._check_committed(row, "trim_reservation")
+        keep = int(self.table.append_need(row, max(int(decode_tokens), 0)).sum())
+        freed = self.ledger.trim(row, keep)
+        self._after("trim_reservation")
+        return freed
+
     # ---- decode ----------------------------------------------------------------------------
     def decode_pages_needed(self, rows: np.ndarray | list[int]) -> int:
         """Pages the next decode step allocates for ``rows`` (full or shared last pages)."""

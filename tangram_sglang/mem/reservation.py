@@ -199,6 +199,18 @@ class ReservationLedger:
         res.overflow_pages += over
         self._outstanding -= from_grant
 
+    def trim(self, row: int, keep_pages: int) -> int:
+        """Return ``row``'s unused grant beyond ``keep_pages`` to admission; returns pages given.
+
+        Used when a request reserved an upper bound (later prefill chunks, uncompressed) and
+        its exact remaining need (the decode tail) is known.
+        """
+        res = self.by_row[row]
+        surplus = max(res.remaining_pages - max(int(keep_pages), 0), 0)
+        res.reserved_pages -= surplus
+        self._outstanding -= surplus
+        return surplus
+
     def release(self, row: int) -> Reservation:
         """Drop ``row``'s reservation; its unused grant returns to admission. Returns it."""
         res = self.by_row.pop(row)
