@@ -245,10 +245,18 @@ def summarize(systems: dict, main: str, prefill: str | None) -> dict:
 
 
 # ---- servers ----------------------------------------------------------------------------------
-def server_flags(ratio: float | None, profile: str | None, common: list[str]) -> list[str]:
-    """Launch flags of one system: the common flags (+ the Tangram ones)."""
+def server_flags(ratio: float | None, profile: str | None, common: list[str],
+                 baseline_only: list[str] = ()) -> list[str]:  # fmt: skip
+    """Launch flags of one system: the common flags + the Tangram ones (or the baseline's own).
+
+    ``baseline_only`` holds flags that ``--tangram`` rejects, e.g. the stock attention backend
+    (``--attention-backend triton``: FA3, SGLang's default on Hopper, is not carried to the
+    device machine).
+    """
     flags = list(common) + ["--enable-metrics"]
-    if ratio is not None:
+    if ratio is None:
+        flags += list(baseline_only)
+    else:
         if not profile:
             raise ConfigError("a tangram:R system needs --profile PATH")
         flags += ["--tangram", "--tangram-profile", profile, "--tangram-target-ratio", str(ratio)]
@@ -320,6 +328,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--profile", help="Tangram budget profile (for tangram:R systems)")
     p.add_argument("--systems", default="baseline,tangram:0.25,tangram:0.5")
     p.add_argument("--server-args", default="", help="flags for every server (one string)")
+    p.add_argument("--baseline-args", default="", help="flags for the baseline server only")
     p.add_argument("--workloads", default="cliff:32,cliff:64,prefill:16x8192,sharegpt:64x4")
     p.add_argument("--main-workload", default="cliff-64", help="label the throughput ratios use")
     p.add_argument("--num-clients", type=int, default=32)
@@ -377,7 +386,8 @@ def main(argv: list[str] | None = None) -> int:
     }  # fmt: skip
     common = shlex.split(args.server_args)
     for name, ratio in systems:
-        run_system(name, server_flags(ratio, args.profile, common), specs, args, result)
+        flags = server_flags(ratio, args.profile, common, shlex.split(args.baseline_args))
+        run_system(name, flags, specs, args, result)
     print(json.dumps(result["summary"], indent=1))
     return 0
 
