@@ -19,6 +19,10 @@ bench() {  # GPU SYSTEMS OUTPUT TIMEOUT [extra server flags]; all cut at ${CAP_S
 }
 bench 0 baseline "$R/mt-baseline.json" "${BASE_T:-260}" > "$R/mt-baseline.out" 2>&1 &
 b=$!
+if [ -n "${BASE2_BACKEND:-}" ]; then  # a second stock run on GPU 1 (e.g. flashinfer)
+  BASE_BACKEND=$BASE2_BACKEND bench 1 "baseline-$BASE2_BACKEND" "$R/mt-baseline2.json" "${BASE_T:-260}" > "$R/mt-baseline2.out" 2>&1 &
+  c=$!
+fi
 if [ -z "${TSYS-x}" ]; then :; else bench 1 "${TSYS:-tangram:0.25,tangram:0.5}" "$R/mt-tangram.json" "${TANG_T:-200}" > "$R/mt-tangram.out" 2>&1
 if python3 -c "import json,sys; d=json.load(open('$R/mt-tangram.json')); sys.exit(0 if any(s.get('error') and 'startup_s' not in s for s in d['systems'].values()) else 1)"; then
   echo "tangram failed to start with CUDA graphs; rerunning tangram:0.25 eager"
@@ -28,6 +32,7 @@ if python3 -c "import json,sys; d=json.load(open('$R/mt-tangram.json')); sys.exi
 fi
 fi
 wait $b
+if [ -n "${c:-}" ]; then wait $c; fi
 cat "$R"/mt-*.out | grep "\[multiturn\]"
 python3 -m tangram_sglang.bench.multiturn merge $(ls "$R"/mt-*.json) --output "$OUT/multiturn-h200.json"
 cat "$R"/mt-*.out > "$OUT/bench.out"

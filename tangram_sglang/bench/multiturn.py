@@ -56,13 +56,16 @@ GAUGES = ("sglang:num_running_reqs", "sglang:token_usage", "sglang:num_used_toke
 def parse_systems(text: str) -> list[tuple[str, float | None]]:
     """``baseline,tangram:0.25`` -> [("baseline", None), ("tangram-r0.25", 0.25)].
 
+    ``baseline-<label>`` names another stock run (e.g. ``baseline-flashinfer`` with its own
+    ``--baseline-args``); the summary ratios use ``baseline``.
+
     Raises:
         ConfigError: an unknown system or a ratio outside (0, 1].
     """
     out = []
     for item in filter(None, (s.strip() for s in text.split(","))):
-        if item == "baseline":
-            out.append(("baseline", None))
+        if item == "baseline" or item.startswith("baseline-"):  # baseline-<label>: another run
+            out.append((item, None))
             continue
         name, _, ratio = item.partition(":")
         try:
