@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import openai
+import requests
 
 from tangram_sglang.errors import TangramError
 from tangram_sglang.models import model_path
@@ -119,15 +120,24 @@ def full_kv_bytes_per_token(model_dir: Path, dtype_bytes: int) -> int:
 
 
 def report_turn(server: SGLangServer, per_token_bytes: int, i: int, turn: TurnResult) -> None:
-    """Print one answered turn: the reply, radix-cache hits, KV bytes held vs full KV."""
+    """Print one answered turn: the reply, radix-cache reuse, KV bytes held vs full KV.
+
+    Under ``--tangram`` the finished turn's compressed segments stay in the radix tree, so the
+    next turn reports them as cached tokens (reused, not recomputed); the tree's pages are the
+    whole conversation's KV (the demo flushes the cache first, so nothing else is in it).
+    """
     print(f"\n--- turn {i} ---\nuser:      ...{turn.user[-60:]}\nassistant: {turn.reply}")
-    print(f"prompt tokens {turn.prompt_tokens}, served from the radix cache {turn.cached_tokens}")
+    print(f"prompt tokens {turn.prompt_tokens}, served from the radix cache {turn.cached_tokens}"
+          " (earlier turns' compressed KV, reused without recomputation)")  # fmt: skip
     full = (turn.prompt_tokens + turn.completion_tokens) * per_token_bytes
     pool = tangram_pool(server)
     if pool and pool.get("last_release"):
-        held = pool["last_release"]["bytes_held"]
-        print(f"KV held by the request: {held / 2**20:.2f} MiB in Tangram pages vs "
-              f"{full / 2**20:.2f} MiB full KV (saved {1 - held / full:.0%}); pool pages free "
+        new = pool["last_release"]["bytes_held"]
+        radix = pool.get("radix") or {}
+        held = radix.get("pages_held", 0) * pool["bytes_per_page"] or new
+        print(f"KV of this turn's new tokens: {new / 2**20:.2f} MiB in Tangram pages; whole "
+              f"conversation held: {held / 2**20:.2f} MiB vs {full / 2**20:.2f} MiB full KV "
+              f"(saved {1 - held / full:.0%}); pool pages free "
               f"{pool['pages_free']}/{pool['pages_total']}")  # fmt: skip
     else:
         print(f"KV held by the request (full KV): {full / 2**20:.2f} MiB")
@@ -168,6 +178,7 @@ def run_demo(args: argparse.Namespace) -> int:
             ratio, groups = t.get("mean_kept_ratio", 0.0), t.get("num_head_groups")
             print(f"Tangram profile {t.get('profile_path')}: mean kept ratio {ratio:.3f}, "
                   f"{groups} head groups")  # fmt: skip
+        requests.post(f"{server.base_url}/flush_cache", timeout=60)  # drop the warm-up request
         per_token = full_kv_bytes_per_token(folder, 4 if info.get("dtype") == "float32" else 2)
         chat(server.base_url, DEMO_TURNS,
              on_turn=lambda i, turn: report_turn(server, per_token, i, turn))  # fmt: skip

@@ -136,6 +136,7 @@ class TangramState:
         self.radix: Any = None  # TangramRadixCache once the scheduler built it (prefix, evict)
         self.plans: dict[int, tuple[int, int]] = {}  # row -> (prompt tokens, decode-tail tokens)
         self.trim_after_commit: dict[int, int] = {}  # row -> decode-tail tokens to keep
+        self.num_page_retractions = 0  # decode checks failed for pages (SGLang then retracts)
 
     # ---- per request (scheduler side) -----------------------------------------------------------
     def plan_row(self, row: int, prompt_tokens: int, decode_tokens: int) -> None:
@@ -393,5 +394,6 @@ class TangramState:
             "active_rows": stats.num_active_rows,
             "requests_released": self.num_released,
             "last_release": None if self.last_release is None else self.last_release.to_dict(),
+            "page_retractions": self.num_page_retractions,
             "radix": None if self.radix is None else self.radix.stats(),
         }

@@ -221,4 +221,5 @@ def test_tiny_pool_many_short_requests_complete_and_pages_return(smollm2_path):
     # 16 x (prompt + 23 decode tokens) needs ~16 x 69 pages > the pool: pages capped the batch.
     assert pool["peak_pages_used"] <= pool["pages_total"] < 16 * 69
     assert pool["requests_released"] >= 16
+    assert pool["page_retractions"] == 0  # Budget Reservation: admitted ones never wait for pages
     assert pool["pages_free"] == pool["pages_free_at_start"] and pool["active_rows"] == 0
