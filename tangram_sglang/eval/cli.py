@@ -12,6 +12,7 @@ Every flag is checked before a model or server starts; bad values exit 2 with th
 from __future__ import annotations
 
 import argparse
+import shlex
 import sys
 from pathlib import Path
 
@@ -20,6 +21,9 @@ from tangram_sglang.eval.runner import SYSTEMS, RunConfig, run
 from tangram_sglang.eval.tasks import TASKS
 
 REPO = Path(__file__).resolve().parents[2]
+# SGLang's automatic static-memory fraction goes negative on a shared CPU host with little free
+# memory (it refuses to start); 0.4 leaves room for weights + KV of both embedded models.
+DEFAULT_SERVER_ARGS = "--mem-fraction-static 0.4"
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -35,6 +39,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--systems", default=",".join(SYSTEMS), help=f"subset of {SYSTEMS}")
     p.add_argument("--profile-dir", default=None,
                    help="folder with ada-snapkv-r*.json (default calibration/<model>)")  # fmt: skip
+    p.add_argument("--server-args", default=DEFAULT_SERVER_ARGS,
+                   help="extra launch_server flags for both servers (one string)")  # fmt: skip
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None, help="torch threads (kvpress side)")
     p.add_argument("--json", default=None, help="write the report here")
@@ -74,7 +80,7 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
         lengths=tuple(_split(args.lengths, "--lengths", int)),
         depths=tuple(_split(args.depths, "--depths", float)), num_turns=args.num_turns,
         systems=systems, seed=args.seed, json_path=Path(args.json) if args.json else None,
-        threads=args.threads,
+        threads=args.threads, server_args=tuple(shlex.split(args.server_args)),
     )  # fmt: skip
 
 

@@ -1,0 +1,64 @@
+"""Answer scoring and the report's aggregation/summary (tangram_sglang.eval.scoring, .report)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tangram_sglang.eval.report import aggregate, markdown_table, summary
+from tangram_sglang.eval.scoring import contains_answer, exact_match, normalize, score
+
+
+def test_normalize_is_squads():
+    assert normalize("  The  Eiffel-Tower, in PARIS!  ") == "eiffeltower in paris"
+    assert normalize("an apple a day") == "apple day"
+
+
+@pytest.mark.parametrize(
+    ("prediction", "answers", "contains", "exact"),
+    [
+        ("The special magic number for canyon is 1618065.", ("1618065",), 1.0, 0.0),
+        ("1618065", ("1618065",), 1.0, 1.0),
+        ("The special magic number is 161806.", ("1618065",), 0.0, 0.0),
+        ("16180655", ("1618065",), 0.0, 0.0),  # whole words: a longer number is wrong
+        ("the British", ("British", "English"), 1.0, 1.0),
+        ("Germany", ("British", "English"), 0.0, 0.0),
+        ("", ("France",), 0.0, 0.0),
+        ("anything", ("the",), 0.0, 0.0),  # an answer that normalises to "" never matches
+    ],
+    ids=["needle-sentence", "needle-exact", "needle-cut", "needle-longer", "squad-article",
+         "squad-wrong", "empty", "empty-answer"],
+)  # fmt: skip
+def test_known_good_and_bad_answers(prediction, answers, contains, exact):
+    assert contains_answer(prediction, answers) == contains
+    assert exact_match(prediction, answers) == exact
+    assert score(prediction, answers) == {"contains_answer": contains, "exact_match": exact}
+
+
+def _rec(task, system, ratio, ok, turn=0):
+    return {"task": task, "system": system, "ratio": ratio, "turn": turn, "contains_answer": ok,
+            "exact_match": 0.0, "kept_fraction": ratio or 1.0, "cached_tokens": 0}  # fmt: skip
+
+
+def test_summary_is_tangram_minus_each_method_in_points_over_tasks_and_ratios():
+    recs = [_rec("needle", "full", None, 1.0), _rec("needle", "full", None, 1.0)]
+    for r, t, d, u in [(0.5, [1, 1], [1, 0], [1, 0]), (0.25, [1, 0], [1, 0], [0, 0])]:
+        for system, oks in (("tangram", t), ("dynamic-ada-snapkv", d), ("uniform-snapkv", u)):
+            recs += [_rec("needle", system, r, float(ok)) for ok in oks]
+    results = aggregate(recs, (0.5, 0.25))
+    assert results["needle"]["0.5"]["full"]["contains_answer"] == 100.0  # full under every ratio
+    assert results["needle"]["0.25"]["tangram"]["contains_answer"] == 50.0
+    s = summary(results)
+    assert s["tangram_minus_dynamic_points"] == 25.0  # (50 + 0) / 2
+    assert s["tangram_minus_uniform_points_by_ratio"] == {"0.25": 50.0, "0.5": 50.0}
+    assert s["tangram_minus_full_points_by_task"]["needle"]["0.5"] == 0.0
+    assert s["targets"] == {"within_2_points_of_dynamic": True, "above_uniform_at_0.25": True,
+                            "needle_0.5_within_3_points_of_full": True}  # fmt: skip
+    assert "| needle | 0.25 | 0.25 | 100.0 | 50.0 | 50.0 | 0.0 | - | 2 |" in markdown_table(
+        {"results": results}
+    )
+
+
+def test_missing_systems_give_none_not_a_number():
+    s = summary(aggregate([_rec("squad", "full", None, 1.0)], (0.5,)))
+    assert s["tangram_minus_dynamic_points"] is None
+    assert s["targets"]["within_2_points_of_dynamic"] is None
