@@ -36,6 +36,7 @@ import dataclasses
 import datetime
 import json
 import shlex
+import signal
 import sys
 import time
 import zlib
@@ -49,7 +50,8 @@ from tangram_sglang.errors import ConfigError, TangramError
 
 SCHEMA = "tangram-multiturn/1"
 GAUGES = ("sglang:num_running_reqs", "sglang:token_usage", "sglang:num_used_tokens",
-          "sglang:num_retracted", "tangram:pages_used", "tangram:kv_bytes_held")  # fmt: skip
+          "sglang:num_retracted_requests_total", "tangram:pages_used",
+          "tangram:kv_bytes_held")  # fmt: skip
 
 
 # ---- parsing ----------------------------------------------------------------------------------
@@ -111,13 +113,16 @@ def parse_workload(item: str, args: argparse.Namespace) -> WorkloadSpec:
 
 # ---- measuring --------------------------------------------------------------------------------
 def parse_metrics(text: str) -> dict[str, float]:
-    """Prometheus text -> {metric name: value summed over label sets} for :data:`GAUGES`."""
+    """Prometheus text -> {metric name: value summed over label sets} for :data:`GAUGES`.
+
+    Counters are cumulative since the server started (``retracted_requests_total``).
+    """
     out: dict[str, float] = {}
     for line in text.splitlines():
         if line.startswith("#") or not line.strip():
             continue
         name = line.split("{", 1)[0].split(" ", 1)[0]
-        key = next((g for g in GAUGES if name.startswith(g)), None)
+        key = name if name in GAUGES else None
         if key is None:
             continue
         try:
@@ -197,7 +202,7 @@ def summarize_run(records: list[RequestRecord], wall_s: float, planned: int,
         "peak_used_tokens": peaks.get("sglang:num_used_tokens"),
         "peak_tangram_pages_used": peaks.get("tangram:pages_used"),
         "peak_tangram_kv_bytes_held": peaks.get("tangram:kv_bytes_held"),
-        "retracted_reqs_peak_gauge": peaks.get("sglang:num_retracted"),
+        "retracted_requests_total": peaks.get("sglang:num_retracted_requests_total"),
     }  # fmt: skip
 
 
@@ -327,7 +332,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m tangram_sglang.bench.multiturn",
                                 description=__doc__.splitlines()[0])  # fmt: skip
     p.add_argument("--model-path", required=True, help="HF folder or a models.py name (smollm2)")
-    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    p.add_argument("--device", default=None, choices=["cuda", "cpu"],
+                   help="default: cuda when torch sees a GPU, else cpu")  # fmt: skip
     p.add_argument("--profile", help="Tangram budget profile (for tangram:R systems)")
     p.add_argument("--systems", default="baseline,tangram:0.25,tangram:0.5")
     p.add_argument("--server-args", default="", help="flags for every server (one string)")
@@ -369,6 +375,11 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(merge(margs.inputs, margs.output)["summary"], indent=1))
         return 0
     args = build_parser().parse_args(argv)
+    signal.signal(signal.SIGTERM, _interrupt)  # `timeout` / kill: stop the server, keep the JSON
+    if args.device is None:
+        import torch
+
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
     try:
         args.model_path = str(_resolve_model(args.model_path))
         config = json.loads((Path(args.model_path) / "config.json").read_text())
@@ -393,6 +404,11 @@ def main(argv: list[str] | None = None) -> int:
         run_system(name, flags, specs, args, result)
     print(json.dumps(result["summary"], indent=1))
     return 0
+
+
+def _interrupt(signum, frame) -> None:
+    """SIGTERM -> KeyboardInterrupt, so ``run_system``'s ``finally`` stops the server."""
+    raise KeyboardInterrupt(f"signal {signum}")
 
 
 def _machine(device: str) -> str:
