@@ -150,3 +150,52 @@ def markdown_table(rep: dict[str, Any]) -> str:
                 + f" | {n} |"
             )
     return "\n".join(lines)
+
+
+def merge(reports: list[dict[str, Any]]) -> dict[str, Any]:
+    """One report from runs of different systems on the same samples (e.g. servers | kvpress).
+
+    Raises:
+        ConfigError: the runs used different samples (ids differ) or overlap in systems.
+    """
+    from tangram_sglang.errors import ConfigError
+
+    first = reports[0]
+    ids = [s["sample_id"] for s in first["samples"]]
+    seen: set[str] = set()
+    for rep in reports:
+        if [s["sample_id"] for s in rep["samples"]] != ids:
+            raise ConfigError("merge: the reports were run on different samples")
+        systems = set(rep["config"]["systems"])
+        if systems & seen:
+            raise ConfigError(f"merge: systems {sorted(systems & seen)} appear twice")
+        seen |= systems
+    records = [r for rep in reports for r in rep["records"]]
+    ratios = tuple(first["config"]["ratios"])
+    results = aggregate(records, ratios)
+    config = dict(first["config"], systems=[s for rep in reports for s in rep["config"]["systems"]])
+    return dict(
+        first, config=config, results=results, summary=summary(results), records=records,
+        command=[rep["command"] for rep in reports], wall_s=[rep["wall_s"] for rep in reports],
+    )  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m tangram_sglang.eval.report A.json B.json --json OUT``: merge, print table."""
+    import argparse
+    import json
+    from pathlib import Path
+
+    p = argparse.ArgumentParser(prog="python -m tangram_sglang.eval.report")
+    p.add_argument("reports", nargs="+", help="accuracy JSON files of the same samples")
+    p.add_argument("--json", required=True, help="merged output")
+    args = p.parse_args(argv)
+    rep = merge([json.loads(Path(path).read_text()) for path in args.reports])
+    Path(args.json).write_text(json.dumps(rep, indent=1) + "\n")
+    print(markdown_table(rep))
+    print(json.dumps({k: v for k, v in rep["summary"].items() if k != "records"}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -32,6 +32,7 @@ from tangram_sglang.profile import BudgetProfile
 
 MAX_NEW_TOKENS = {"needle": 28, "squad": 24, "multiturn-squad": 24}
 SYSTEMS = ("full", "tangram", *PRESS_SYSTEMS, "full-hf")
+STARTUP_S = 1800.0  # server start-up limit: minutes on a busy shared CPU
 CHUNKED_PREFILL_TOKENS = 16384  # > any prompt here: the whole prompt is one Tangram segment
 
 
@@ -141,7 +142,8 @@ class _Context:
                 self.profiles[ratio].save(path)
                 args = ["--tangram", "--tangram-profile", str(path), *args]
             start = time.monotonic()
-            with SGLangServer(self.cfg.model_dir, args=args) as server:
+            server = SGLangServer(self.cfg.model_dir, args=args, startup_timeout_s=STARTUP_S)
+            with server:
                 self.log(f"[eval] {system} r={ratio} server up in {time.monotonic() - start:.0f} s")
                 client = ServerClient(server.base_url)
                 for sample in self.samples:
