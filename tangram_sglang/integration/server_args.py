@@ -157,6 +157,8 @@ def force_milestone_settings(server_args: Any, has_radix: bool) -> None:
       whose K/V are in no Tangram tree (``disable_radix_cache``).
     * overlap scheduling: the scheduler would free a finished request's row while the next
       batch, still holding it, runs (``disable_overlap_schedule``).
+    * prefill CUDA graphs: the backend plans extend batches on the host (pages, scorer) and
+      captures decode only (``disable_prefill_cuda_graph``; decode graphs stay on).
     """
     if not has_radix and not server_args.disable_radix_cache:
         server_args.disable_radix_cache = True
@@ -166,6 +168,9 @@ def force_milestone_settings(server_args: Any, has_radix: bool) -> None:
         server_args.disable_overlap_schedule = True
         logger.info("Tangram: overlap scheduling disabled (--disable-overlap-schedule); the "
                     "backend frees a row's pages when SGLang frees the row")  # fmt: skip
+    if not server_args.disable_prefill_cuda_graph:
+        server_args.disable_prefill_cuda_graph = True
+        logger.info("Tangram: prefill CUDA graphs disabled (decode graphs stay on)")
 
 
 def registered_backends() -> tuple[bool, bool]:
