@@ -19,7 +19,8 @@ checks the static decode buffers (:class:`~tangram_sglang.backend.metadata.Decod
 built at start-up and also used by eager decode on CUDA); ``init_forward_metadata_out_graph``
 runs on the host before capture/replay (page allocation, then the plan written in place into
 the buffers, padded entries -> row 0 / page 0); ``init_forward_metadata_in_graph`` has nothing
-to record. Prefill stays eager: start with ``--disable-prefill-cuda-graph``.
+to record. Prefill stays eager (``--tangram`` sets ``--disable-prefill-cuda-graph``). Ran on the
+H200 with graphs for batch sizes 1-128 (benchmarks/RESULTS.md, issue 7).
 
 Importing this module registers the backend as ``"tangram"`` in SGLang's attention registry and
 its ``--attention-backend`` choices (the plugin's ``REGISTRATIONS`` row imports it).
