@@ -62,3 +62,24 @@ def test_missing_systems_give_none_not_a_number():
     s = summary(aggregate([_rec("squad", "full", None, 1.0)], (0.5,)))
     assert s["tangram_minus_dynamic_points"] is None
     assert s["targets"]["within_2_points_of_dynamic"] is None
+
+
+def _rep(systems, recs, sample_ids=("needle:0",)):
+    return {"samples": [{"sample_id": s} for s in sample_ids], "records": recs, "command": "c",
+            "wall_s": 1.0, "config": {"systems": list(systems), "ratios": [0.5]}}  # fmt: skip
+
+
+def test_merge_joins_runs_of_other_systems_on_the_same_samples():
+    from tangram_sglang.errors import ConfigError
+    from tangram_sglang.eval.report import merge
+
+    servers = _rep(("full", "tangram"), [_rec("needle", "full", None, 1.0),
+                                         _rec("needle", "tangram", 0.5, 1.0)])  # fmt: skip
+    presses = _rep(("dynamic-ada-snapkv",), [_rec("needle", "dynamic-ada-snapkv", 0.5, 0.0)])
+    merged = merge([servers, presses])
+    assert merged["summary"]["tangram_minus_dynamic_points"] == 100.0
+    assert merged["config"]["systems"] == ["full", "tangram", "dynamic-ada-snapkv"]
+    with pytest.raises(ConfigError, match="different samples"):
+        merge([servers, _rep(("uniform-snapkv",), [], sample_ids=("needle:1",))])
+    with pytest.raises(ConfigError, match="appear twice"):
+        merge([servers, servers])
