@@ -1,0 +1,90 @@
+"""The backend's CUDA-graph decode plan on a GPU (run on the device: ``pytest -m gpu``).
+
+One decode step as ``TangramAttnBackend.forward_decode`` runs it (new token's K/V into its group
+slots, then the AOT-split ragged decode), captured in a ``torch.cuda.CUDAGraph`` over the views
+of :class:`~tangram_sglang.backend.metadata.DecodeGraphBuffers` while every entry is padding
+(SGLang's capture), then replayed for real batches of different rows and lengths refilled in
+place (SGLang's replay): the real entries match the torch reference, padded entries are zeros.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from tangram_sglang.backend import metadata as md
+from tangram_sglang.backend.state import TangramState
+from tangram_sglang.bench.synthetic import make_profile
+from tangram_sglang.kernels.decode_attention import decode_scratch, ragged_decode_attention
+from tangram_sglang.kernels.reference import decode_reference
+from tangram_sglang.kernels.split_table import build_split_tables
+from tangram_sglang.mem.manager import TangramMemory
+
+pytestmark = pytest.mark.gpu
+
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA GPU", allow_module_level=True)
+
+DEV = torch.device("cuda")
+PAGE, HQ, HKV, D, BS, LAYER = 16, 8, 4, 64, 4, 1
+
+
+def make_state() -> TangramState:
+    ratio = np.array([[1.0, 0.5, 0.3, 0.1], [0.8, 0.25, 0.6, 0.05]])
+    profile = make_profile(ratio, 2, "global", sink_tokens=4, recent_window=16, head_dim=D,
+                           gqa_size=HQ // HKV)  # fmt: skip
+    mem = TangramMemory.create(profile, memory_bytes=64 << 20, page_size=PAGE, max_rows=8,
+                               max_context_tokens=2048, dtype=torch.bfloat16,
+                               device=DEV)  # fmt: skip
+    state = TangramState(mem, full_kv_bytes_per_token=2 * 2 * HKV * D * 2, device=DEV)
+    for row, n in ((1, 300), (2, 45), (3, 700)):
+        state.begin_extend([row], [n], [0])
+        state.commit_extend([row])
+    mem.kv_pool.k_pool.normal_()
+    mem.kv_pool.v_pool.normal_()
+    return state
+
+
+def test_decode_step_captured_on_padding_replays_real_batches():
+    state = make_state()
+    mem = state.memory
+    pools = (mem.kv_pool.k_pool, mem.kv_pool.v_pool, mem.table.page_table, mem.table.group_len)
+    goh, coh = state.group_of_head[LAYER], state.column_of_head[LAYER]
+    profile = state.profile
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    tables = build_split_tables(profile.grouping, profile.group_ratios, sms, 8).to(DEV)
+    mid_o, mid_lse = decode_scratch(8, HQ, tables.max_splits, D, DEV)
+    buf = md.DecodeGraphBuffers.create(8, mem.num_head_groups, HQ, D, torch.bfloat16, DEV)
+    q = torch.zeros(BS, HQ, D, dtype=torch.bfloat16, device=DEV)
+    k = torch.zeros(BS, HKV, D, dtype=torch.bfloat16, device=DEV)
+    v = torch.zeros_like(k)
+
+    def step(meta):
+        md.write_decode_token(pools[0], pools[1], k, v, meta, goh, coh)
+        return ragged_decode_attention(q, *pools, meta.req_rows, goh, coh,
+                                       tables.for_batch(BS).layer(LAYER), 0.125, meta.out,
+                                       mid_o, mid_lse)  # fmt: skip
+
+    meta = buf.fill([], BS, mem.table.pages, mem.table.lens, PAGE)  # capture: all padding
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step(meta)  # warm-up (Triton compiles outside the capture)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step(meta)
+    for rows, lens in (([1, 3], [301, 701]), ([2], [46]), ([3, 2, 1], [702, 47, 302])):
+        state.begin_decode(rows, lens)  # host: pages for the new token (outside the graph)
+        buf.fill(rows, BS, mem.table.pages, mem.table.lens, PAGE)
+        for t in (q, k, v):
+            t.copy_(torch.randn_like(t, dtype=torch.float32))
+        graph.replay()
+        torch.cuda.synchronize()
+        n = len(rows)
+        want = decode_reference(q[:n].float(), pools[0].float(), pools[1].float(), *pools[2:],
+                                buf.req_rows[:n], goh, coh, 0.125)  # fmt: skip
+        torch.testing.assert_close(out[:n].float(), want, atol=2e-2, rtol=2e-2)
+        assert out[n:].abs().sum().item() == 0  # padded entries read row 0: zeros, not NaN
+        assert torch.isfinite(out).all()
