@@ -22,8 +22,8 @@ from tangram_sglang.eval.tasks import TASKS
 
 REPO = Path(__file__).resolve().parents[2]
 # SGLang's automatic static-memory fraction goes negative on a shared CPU host with little free
-# memory (it refuses to start); 0.4 leaves room for weights + KV of both embedded models.
-DEFAULT_SERVER_ARGS = "--mem-fraction-static 0.4"
+# memory (it refuses to start); 0.85 lets it start, and --max-total-tokens bounds the KV pool.
+DEFAULT_SERVER_ARGS = "--mem-fraction-static 0.85"
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

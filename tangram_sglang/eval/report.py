@@ -156,24 +156,25 @@ def merge(reports: list[dict[str, Any]]) -> dict[str, Any]:
     """One report from runs of different systems on the same samples (e.g. servers | kvpress).
 
     Raises:
-        ConfigError: the runs used different samples (ids differ) or overlap in systems.
+        ConfigError: the runs used different samples (ids differ) or share a (system, ratio).
     """
     from tangram_sglang.errors import ConfigError
 
     first = reports[0]
     ids = [s["sample_id"] for s in first["samples"]]
-    seen: set[str] = set()
+    seen: set[tuple] = set()
     for rep in reports:
         if [s["sample_id"] for s in rep["samples"]] != ids:
             raise ConfigError("merge: the reports were run on different samples")
-        systems = set(rep["config"]["systems"])
-        if systems & seen:
-            raise ConfigError(f"merge: systems {sorted(systems & seen)} appear twice")
-        seen |= systems
+        cells = {(r["system"], r["ratio"]) for r in rep["records"]}
+        if cells & seen:
+            raise ConfigError(f"merge: (system, ratio) {sorted(cells & seen, key=str)} twice")
+        seen |= cells
     records = [r for rep in reports for r in rep["records"]]
-    ratios = tuple(first["config"]["ratios"])
+    ratios = tuple(sorted({r for rep in reports for r in rep["config"]["ratios"]}, reverse=True))
     results = aggregate(records, ratios)
-    config = dict(first["config"], systems=[s for rep in reports for s in rep["config"]["systems"]])
+    systems = list(dict.fromkeys(s for rep in reports for s in rep["config"]["systems"]))
+    config = dict(first["config"], systems=systems, ratios=list(ratios))
     return dict(
         first, config=config, results=results, summary=summary(results), records=records,
         command=[rep["command"] for rep in reports], wall_s=[rep["wall_s"] for rep in reports],
