@@ -353,7 +353,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--startup-timeout-s", type=float, default=600.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log-dir", default="/tmp/tangram-multiturn")
-    p.add_argument("--output", default="benchmarks/results/multiturn-h200.json")
+    p.add_argument("--output", default=None, help="result JSON (default: "
+                   "benchmarks/results/multiturn-h200.json on CUDA, /tmp/... on CPU)")  # fmt: skip
     return p
 
 
@@ -372,7 +373,11 @@ def main(argv: list[str] | None = None) -> int:
         mp.add_argument("inputs", nargs="+")
         mp.add_argument("--output", required=True)
         margs = mp.parse_args(argv[1:])
-        print(json.dumps(merge(margs.inputs, margs.output)["summary"], indent=1))
+        try:
+            print(json.dumps(merge(margs.inputs, margs.output)["summary"], indent=1))
+        except (OSError, ValueError, KeyError) as exc:
+            print(f"multiturn merge: error: {exc!r}", file=sys.stderr)
+            return 2
         return 0
     args = build_parser().parse_args(argv)
     signal.signal(signal.SIGTERM, _interrupt)  # `timeout` / kill: stop the server, keep the JSON
@@ -386,6 +391,7 @@ def main(argv: list[str] | None = None) -> int:
         args.vocab_size = int(config["vocab_size"])
         systems = parse_systems(args.systems)
         specs = [parse_workload(w, args) for w in args.workloads.split(",") if w.strip()]
+        check_args(args, systems, specs)
     except (TangramError, OSError, KeyError, ValueError) as exc:
         print(f"multiturn: error: {exc}", file=sys.stderr)
         return 2
@@ -404,6 +410,44 @@ def main(argv: list[str] | None = None) -> int:
         run_system(name, flags, specs, args, result)
     print(json.dumps(result["summary"], indent=1))
     return 0
+
+
+MAX_CLIENTS = 10_000  # conversations per workload (a bench, not a soak test)
+
+
+def check_args(args: argparse.Namespace, systems: list, specs: list[WorkloadSpec]) -> None:
+    """Every flag checked before a server starts (and before the output file is touched).
+
+    Also fills the default ``--output``: ``benchmarks/results/multiturn-h200.json`` on CUDA,
+    ``/tmp/tangram-multiturn/multiturn-cpu.json`` on CPU (a toy run never overwrites results).
+
+    Raises:
+        ConfigError: names the flag, the value and the allowed range.
+    """
+    wants_profile = any(ratio is not None for _, ratio in systems)
+    if wants_profile and (not args.profile or not Path(args.profile).is_file()):
+        raise ConfigError(f"--profile {args.profile!r}: tangram:R systems need an existing "
+                          "budget profile file")  # fmt: skip
+    positive = {"--max-parallel": args.max_parallel, "--request-rate": args.request_rate,
+                "--workload-timeout-s": args.workload_timeout_s,
+                "--startup-timeout-s": args.startup_timeout_s, "--num-rounds": args.num_rounds,
+                "--context-tokens": args.context_tokens, "--request-length": args.request_length,
+                "--output-length": args.output_length}  # fmt: skip
+    for flag, value in positive.items():
+        if value is not None and not value > 0:
+            raise ConfigError(f"{flag} {value}: must be > 0")
+    if not specs:
+        raise ConfigError("--workloads is empty; e.g. cliff:64,prefill:16x8192")
+    if not 1 <= args.num_clients <= MAX_CLIENTS:
+        raise ConfigError(f"--num-clients {args.num_clients}: must be 1..{MAX_CLIENTS}")
+    for spec in specs:
+        if not 1 <= spec.num_clients <= MAX_CLIENTS or not 1 <= spec.num_rounds <= 1000:
+            raise ConfigError(f"--workloads {spec.label}: clients must be 1..{MAX_CLIENTS} and "
+                              "rounds 1..1000")  # fmt: skip
+    if args.output is None:
+        args.output = ("benchmarks/results/multiturn-h200.json" if args.device == "cuda"
+                       else "/tmp/tangram-multiturn/multiturn-cpu.json")  # fmt: skip
+    Path(args.output).parent.mkdir(parents=True, exist_ok=True)
 
 
 def _interrupt(signum, frame) -> None:

@@ -89,3 +89,30 @@ def test_summary_ratios_and_missing_runs():
     assert s["prefill_time_ratio"] == 1.25 and s["max_concurrency_ratio"] == 1.6
     assert s["kv_capacity_ratio"] == 4.0
     assert s["throughput_ratio_at_50pct"] is None and "throughput_ratio_at_50pct" in s["missing"]
+
+
+@pytest.mark.parametrize(
+    "argv,match",
+    [
+        (["--num-clients", "100000000", "--systems", "baseline"], "--num-clients"),
+        (["--systems", "baseline", "--workloads", "sharegpt:20000x2"], "clients must be"),
+        (["--systems", "tangram:0.25"], "--profile"),
+        (["--systems", "baseline", "--max-parallel", "0"], "--max-parallel"),
+        (["--systems", "baseline", "--workloads", ","], "--workloads is empty"),
+    ],
+    ids=["huge-clients", "huge-workload", "no-profile", "zero-parallel", "no-workloads"],
+)
+def test_bad_flags_stop_before_any_server_or_file(tmp_path, capsys, argv, match):
+    out = tmp_path / "r.json"
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "config.json").write_text('{"vocab_size": 5000}')
+    code = mt.main(["--model-path", str(model), "--device", "cpu", "--output", str(out), *argv])
+    assert code == 2 and match in capsys.readouterr().err and not out.exists()
+
+
+def test_cpu_runs_never_default_to_the_committed_results():
+    a = args(argv=["--systems", "baseline"])
+    a.device = "cpu"
+    mt.check_args(a, mt.parse_systems("baseline"), [mt.parse_workload("cliff:2", a)])
+    assert a.output.startswith("/tmp/")
