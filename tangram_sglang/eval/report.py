@@ -6,7 +6,8 @@ Scores are means in points (0-100) over every scored turn. The full-KV systems (
 * ``tangram_minus_dynamic_points``: mean over tasks and the ratios 0.25 and 0.5 (those run) of
   Tangram's score minus kvpress dynamic Ada-SnapKV's (same samples, same kept KV entries);
 * ``tangram_minus_uniform_points``: the same against uniform SnapKV;
-* per-ratio breakdowns and the three targets with met / missed.
+* per-ratio breakdowns and the three targets with met / missed; the full-KV reference is stock
+  SGLang (``full``), or ``full-hf`` when the stock server did not run (``full_reference``).
 """
 
 from __future__ import annotations
@@ -97,8 +98,10 @@ def summary(results: dict[str, Any]) -> dict[str, Any]:
         out[f"tangram_minus_{key}_points_by_ratio"] = {
             str(r): _mean([d for rr, d in per if rr == r]) for r in sorted({r for r, _ in per})
         }
+    ref = _full_reference(results)
+    out["full_reference"] = ref
     out["tangram_minus_full_points_by_task"] = {
-        task: {r: _sub(cells.get("tangram"), cells.get("full")) for r, cells in by_ratio.items()}
+        task: {r: _sub(cells.get("tangram"), cells.get(ref)) for r, cells in by_ratio.items()}
         for task, by_ratio in results.items()
     }
     dyn = out["tangram_minus_dynamic_points"]
@@ -110,6 +113,12 @@ def summary(results: dict[str, Any]) -> dict[str, Any]:
         "needle_0.5_within_3_points_of_full": None if needle is None else bool(needle >= -3.0),
     }
     return out
+
+
+def _full_reference(results: dict[str, Any]) -> str:
+    """``full`` (stock SGLang) when it ran, else ``full-hf`` (same weights in transformers)."""
+    ran = {system for by_ratio in results.values() for c in by_ratio.values() for system in c}
+    return "full" if "full" in ran or "full-hf" not in ran else "full-hf"
 
 
 def _diffs(results: dict[str, Any], a: str, b: str) -> list[tuple[float, float]]:
