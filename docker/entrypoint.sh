@@ -36,9 +36,13 @@ except OSError as exc:
     sys.exit(1)' "http://127.0.0.1:${port}/health"
 fi
 
-[[ $port =~ ^[0-9]+$ ]] || fail "TANGRAM_PORT must be a port number, got '$port'"
+if [[ ! $port =~ ^[0-9]{1,5}$ ]] || ((10#$port < 1 || 10#$port > 65535)); then
+  fail "TANGRAM_PORT must be a port number in 1..65535, got '$port'"
+fi
 [[ -d $model_path ]] || fail "TANGRAM_MODEL_PATH=$model_path is not a folder: mount the HF model \
 folder there (docker run -v /path/to/model:$model_path:ro, or MODEL_DIR in docker/compose.yaml)"
+[[ -f $model_path/config.json ]] || fail "TANGRAM_MODEL_PATH=$model_path has no config.json: \
+mount the HF model folder itself (the one holding config.json and the weights) there"
 if [[ -n $profile && ! -f $profile ]]; then
   fail "TANGRAM_PROFILE=$profile is not a file: mount the profile JSON there, or unset \
 TANGRAM_PROFILE to use the shipped profile of the model (calibrate one: README 'Serve your model')"

@@ -127,12 +127,20 @@ def run_entrypoint(env: dict[str, str], *args: str) -> subprocess.CompletedProce
     )  # fmt: skip
 
 
+@pytest.fixture
+def model_dir(tmp_path):
+    """A folder the entrypoint accepts as an HF model folder (it holds config.json)."""
+    (tmp_path / "config.json").write_text("{}")
+    return tmp_path
+
+
 def test_entrypoint_is_valid_bash():
     subprocess.run(["bash", "-n", str(ENTRYPOINT)], check=True, timeout=30)
     assert os.access(ENTRYPOINT, os.X_OK)
 
 
-def test_entrypoint_passes_tangram_and_the_environment_through(tmp_path):
+def test_entrypoint_passes_tangram_and_the_environment_through(model_dir):
+    tmp_path = model_dir
     profile = tmp_path / "profile.json"
     profile.write_text("{}")
     env = {"DRY_RUN": "1", "TANGRAM_MODEL_PATH": str(tmp_path), "TANGRAM_PROFILE": str(profile),
@@ -147,8 +155,8 @@ def test_entrypoint_passes_tangram_and_the_environment_through(tmp_path):
     ]  # fmt: skip
 
 
-def test_entrypoint_without_profile_uses_the_shipped_default(tmp_path):
-    result = run_entrypoint({"DRY_RUN": "1", "TANGRAM_MODEL_PATH": str(tmp_path)})
+def test_entrypoint_without_profile_uses_the_shipped_default(model_dir):
+    result = run_entrypoint({"DRY_RUN": "1", "TANGRAM_MODEL_PATH": str(model_dir)})
     assert result.returncode == 0, result.stderr
     command = shlex.split(result.stdout)
     assert "--tangram" in command and "--tangram-profile" not in command
@@ -161,11 +169,23 @@ def test_entrypoint_without_profile_uses_the_shipped_default(tmp_path):
         ({"TANGRAM_MODEL_PATH": "/nonexistent/model"}, "TANGRAM_MODEL_PATH=/nonexistent/model"),
         ({"TANGRAM_PROFILE": "/nonexistent/p.json"}, "TANGRAM_PROFILE=/nonexistent/p.json"),
         ({"TANGRAM_PORT": "http"}, "TANGRAM_PORT must be a port number"),
+        ({"TANGRAM_PORT": "0"}, "TANGRAM_PORT must be a port number in 1..65535, got '0'"),
+        ({"TANGRAM_PORT": "99999"}, "TANGRAM_PORT must be a port number in 1..65535"),
+        ({"TANGRAM_PORT": " 8080"}, "TANGRAM_PORT must be a port number"),
+        ({"TANGRAM_MODEL_PATH": "/"}, "TANGRAM_MODEL_PATH=/ has no config.json"),
     ],
-    ids=["missing-model", "missing-profile", "bad-port"],
+    ids=[
+        "missing-model",
+        "missing-profile",
+        "bad-port",
+        "port-0",
+        "port-too-big",
+        "port-space",
+        "model-without-config",
+    ],
 )
-def test_entrypoint_refuses_bad_settings(tmp_path, env, message):
-    result = run_entrypoint({"DRY_RUN": "1", "TANGRAM_MODEL_PATH": str(tmp_path), **env})
+def test_entrypoint_refuses_bad_settings(model_dir, env, message):
+    result = run_entrypoint({"DRY_RUN": "1", "TANGRAM_MODEL_PATH": str(model_dir), **env})
     assert result.returncode == 2
     assert message in result.stderr and result.stdout == ""
 
