@@ -40,7 +40,8 @@ FACT = "My name is Ada and I live in Lyon, near the river, with two cats and a p
 def server(smollm2_path):
     args = ["--tangram", "--tangram-profile", PROFILE_05,
             "--max-total-tokens", str(MAX_TOTAL_TOKENS)]  # fmt: skip
-    with SGLangServer(smollm2_path, args=args, log_path="/tmp/tangram-e2e-radix.log") as srv:
+    log = "/tmp/tangram-e2e-radix.log"
+    with SGLangServer(smollm2_path, args=args, log_path=log, startup_timeout_s=900) as srv:
         yield srv
 
 
