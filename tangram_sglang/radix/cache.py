@@ -35,6 +35,7 @@ import heapq
 import logging
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 from sglang.srt.mem_cache.base_prefix_cache import InsertParams, MatchPrefixParams, MatchResult
 from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey, TreeNode
@@ -177,9 +178,15 @@ class TangramRadixCache(RadixCache):
                 parent = None  # a chain cannot skip a segment
                 continue
             node = self._node_at(key, hi)
-            if value_of(node) is not None:
+            cached = value_of(node)
+            if cached is not None:
                 self._free(seg.pages)  # the same segment is already cached: keep that one
                 self.num_duplicate_pages += seg.num_pages
+                if not np.array_equal(cached.group_lens, seg.start_len + seg.kept_len):
+                    # Compressed differently (other chunking): the row's later segments were
+                    # laid on its own lengths, not the cached node's; they cannot hang here.
+                    parent = None
+                    continue
             else:
                 setattr(node, VALUE_ATTR, SegmentValue(parent, lo, hi, seg))
                 self._boundaries[int(node.value[-1])] = node
