@@ -8,6 +8,7 @@ so a run cut short still leaves its finished phases on disk.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 import tempfile
@@ -28,7 +29,7 @@ from tangram_sglang.eval.systems import (
     tangram_profile,
 )
 from tangram_sglang.eval.tasks import Sample, build_samples, turn_input_ids
-from tangram_sglang.profile import BudgetProfile
+from tangram_sglang.profile import BudgetProfile, ModelIdentity
 
 MAX_NEW_TOKENS = {"needle": 28, "squad": 24, "multiturn-squad": 24}
 SYSTEMS = ("full", "tangram", *PRESS_SYSTEMS, "full-hf")
@@ -73,13 +74,30 @@ class RunConfig:
     threads: int | None = None
 
 
-def shipped_profile(profile_dir: Path, ratio: float) -> BudgetProfile:
-    """The shipped Ada-SnapKV profile nearest to ``ratio`` (r0.25 or r0.5), or a ConfigError."""
+def shipped_profile(profile_dir: Path, ratio: float, model_dir: Path) -> BudgetProfile:
+    """The shipped Ada-SnapKV profile nearest to ``ratio`` (r0.25 or r0.5), for ``model_dir``.
+
+    The shipped Qwen profiles were calibrated on a conversion of the same GGUF by another
+    transformers version, and the server's config fingerprint of the local conversion differs
+    (fields such as ``rope_theta`` moved into ``rope_parameters``), so the server refuses them.
+    The harness checks the KV geometry here (architecture, layers, KV/query heads, head_dim;
+    the server checks it again) and clears the fingerprint (``ModelIdentity``: compared only
+    when both sides have one); ``provenance.eval_fingerprint_cleared`` records the old value.
+
+    Raises:
+        ConfigError: no profile in the folder, or a different KV geometry.
+    """
     candidates = sorted(profile_dir.glob("ada-snapkv-r*.json"))
     if not candidates:
         raise ConfigError(f"--profile-dir {profile_dir} holds no ada-snapkv-r*.json profile")
     best = min(candidates, key=lambda p: abs(float(p.stem.split("-r")[-1]) - ratio))
-    return BudgetProfile.load(best)
+    profile = BudgetProfile.load(best)
+    local = ModelIdentity.from_hf_config(json.loads((model_dir / "config.json").read_text()))
+    mine = dataclasses.replace(profile.model, config_fingerprint="")
+    if mine != dataclasses.replace(local, config_fingerprint=""):
+        raise ConfigError(f"{best} was calibrated for {profile.model}, not {local}")
+    provenance = dict(profile.provenance, eval_fingerprint_cleared=profile.model.config_fingerprint)
+    return dataclasses.replace(profile, model=mine, provenance=provenance)
 
 
 def run(cfg: RunConfig, log: Callable[[str], None] | None = None) -> dict[str, Any]:
@@ -97,7 +115,10 @@ def run(cfg: RunConfig, log: Callable[[str], None] | None = None) -> dict[str, A
         )
     ]
     prompts = {s.sample_id: turn_input_ids(s, tok) for s in samples}
-    profiles = {r: tangram_profile(shipped_profile(cfg.profile_dir, r), r) for r in cfg.ratios}
+    profiles = {
+        r: tangram_profile(shipped_profile(cfg.profile_dir, r, cfg.model_dir), r)
+        for r in cfg.ratios
+    }
     eos = GenerationConfig.from_pretrained(cfg.model_dir).eos_token_id
     eos_ids = set(eos if isinstance(eos, list) else [eos]) | {tok.eos_token_id}
     records: list[dict[str, Any]] = []
