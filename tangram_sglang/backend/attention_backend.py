@@ -112,7 +112,7 @@ class TangramAttnBackend(AttentionBackend):
         m = self.state.profile.model
         self.decode_buffers = md.DecodeGraphBuffers.create(
             self.memory.table.max_rows, self.memory.num_head_groups, m.num_qo_heads, m.head_dim,
-            self.k_pool.dtype, self.device,
+            model_runner.dtype, self.device,  # attention output: the model's dtype (q's)
         )  # fmt: skip
 
     def support_triton(self) -> bool:

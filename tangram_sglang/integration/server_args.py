@@ -94,8 +94,9 @@ INCOMPATIBLE_FLAGS: tuple[Incompatible, ...] = (
     Incompatible("enable_single_batch_overlap", _on, "single-batch overlap is not supported"),
     Incompatible("enable_mixed_chunk", _on,
                  "mixed prefill+decode batches are not supported by the tangram backend yet"),
-    Incompatible("kv_cache_dtype", lambda v: v not in ("auto", "bf16", "bfloat16", "float16"),
-                 "quantized KV caches (fp8/fp4/mxfp8) are not supported by Tangram's pool"),
+    Incompatible("kv_cache_dtype", lambda v: v != "auto",
+                 "Tangram's pool stores K/V in the model's dtype (quantized or other-dtype KV "
+                 "caches are not supported); drop --kv-cache-dtype"),
     Incompatible("enable_streaming_session", _on,
                  "streaming sessions keep a request's KV row outside the radix tree; Tangram "
                  "reuses compressed history through the radix tree"),
@@ -106,6 +107,10 @@ INCOMPATIBLE_FLAGS: tuple[Incompatible, ...] = (
     Incompatible("enable_unified_memory", _on, f"unified memory pool: {KV_LAYOUT}"),
     Incompatible("prefill_only_disable_kv_cache", _on, "there is no KV cache to compress"),
     Incompatible("encoder_only", _on, "encoder-only serving keeps no decoder KV"),
+    Incompatible("page_size", _above_one,
+                 "SGLang's token pages would page-align radix keys that Tangram's compressed "
+                 "segments do not follow; Tangram pages its pool itself: use "
+                 "--tangram-page-size"),
 )  # fmt: skip
 
 

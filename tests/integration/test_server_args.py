@@ -33,7 +33,7 @@ FLAGS = ("--tangram", "--tangram-profile", "--tangram-page-group-size", "--tangr
 BAD_VALUES = {
     "speculative_algorithm": "EAGLE", "disaggregation_mode": "prefill", "tp_size": 2,
     "pp_size": 2, "dp_size": 2, "attn_cp_size": 2, "dcp_size": 2, "lora_paths": ["a=/tmp/a"],
-    "kv_cache_dtype": "fp8_e4m3", "dllm_algorithm": "LowConfidence",
+    "kv_cache_dtype": "float16", "dllm_algorithm": "LowConfidence", "page_size": 16,
 }  # fmt: skip
 
 
