@@ -339,7 +339,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--server-args", default="", help="flags for every server (one string)")
     p.add_argument("--baseline-args", default="", help="flags for the baseline server only")
     p.add_argument("--workloads", default="cliff:32,cliff:64,prefill:16x8192,sharegpt:64x4")
-    p.add_argument("--main-workload", default="cliff-64", help="label the throughput ratios use")
+    p.add_argument("--main-workload", default=None,
+                   help="label the throughput ratios use (default: cliff-64 if run, else the "
+                        "first of --workloads)")  # fmt: skip
     p.add_argument("--num-clients", type=int, default=32)
     p.add_argument("--num-rounds", type=int, default=4)
     p.add_argument("--request-length", type=int, default=None, help="tokens (see workloads)")
@@ -444,6 +446,18 @@ def check_args(args: argparse.Namespace, systems: list, specs: list[WorkloadSpec
         if not 1 <= spec.num_clients <= MAX_CLIENTS or not 1 <= spec.num_rounds <= 1000:
             raise ConfigError(f"--workloads {spec.label}: clients must be 1..{MAX_CLIENTS} and "
                               "rounds 1..1000")  # fmt: skip
+    labels = [spec.label for spec in specs]
+    if args.main_workload is None:
+        args.main_workload = "cliff-64" if "cliff-64" in labels else labels[0]
+    if args.main_workload not in labels:
+        raise ConfigError(f"--main-workload {args.main_workload!r}: not one of --workloads "
+                          f"({', '.join(labels)})")  # fmt: skip
+    for flag, text in (("--server-args", args.server_args),
+                       ("--baseline-args", args.baseline_args)):  # fmt: skip
+        try:
+            shlex.split(text)
+        except ValueError as exc:
+            raise ConfigError(f"{flag} {text!r}: {exc}; quote it as one shell word") from None
     if args.output is None:
         args.output = ("benchmarks/results/multiturn-h200.json" if args.device == "cuda"
                        else "/tmp/tangram-multiturn/multiturn-cpu.json")  # fmt: skip

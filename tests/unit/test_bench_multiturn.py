@@ -111,6 +111,30 @@ def test_bad_flags_stop_before_any_server_or_file(tmp_path, capsys, argv, match)
     assert code == 2 and match in capsys.readouterr().err and not out.exists()
 
 
+@pytest.mark.parametrize(
+    ("argv", "match"),
+    [
+        (["--workloads", "cliff:2", "--main-workload", "zzz"], "--main-workload 'zzz': not one"),
+        (["--server-args", '"x'], "--server-args '\"x': No closing quotation"),
+        (["--baseline-args", "'y"], '--baseline-args "\'y": No closing quotation'),
+    ],
+)
+def test_main_workload_and_server_args_are_checked_before_any_server(tmp_path, capsys, argv, match):
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "config.json").write_text('{"vocab_size": 5000}')
+    argv = ["--model-path", str(model), "--device", "cpu", "--systems", "baseline", *argv]
+    assert mt.main([*argv, "--output", str(tmp_path / "r.json")]) == 2
+    assert match in capsys.readouterr().err
+
+
+def test_main_workload_defaults_to_cliff_64_else_the_first_workload():
+    a = args(argv=["--systems", "baseline"])
+    a.device = "cpu"
+    mt.check_args(a, mt.parse_systems("baseline"), [mt.parse_workload("sharegpt:2x2", a)])
+    assert a.main_workload == "sharegpt-2x2"
+
+
 def test_cpu_runs_never_default_to_the_committed_results():
     a = args(argv=["--systems", "baseline"])
     a.device = "cpu"
