@@ -55,8 +55,9 @@ class PoolSnapshot:
 
     Attributes:
         pages_total / pages_used / pages_reserved / pages_free: pages.
-        bytes_held: bytes in held pages (K and V, all layers).
-        full_kv_bytes: bytes a full-KV pool would hold for the live logical tokens.
+        bytes_held: bytes in held pages (K and V, all layers; running requests and radix tree).
+        full_kv_bytes: bytes a full-KV pool would hold for the same logical tokens (the token
+            slots SGLang counts as used or evictable: running requests and radix tree).
         fragmentation: unused (token, head) slots / slots of held pages, in [0, 1].
     """
 
@@ -86,8 +87,14 @@ class PoolSnapshot:
         return {**asdict(self), "bytes_saved": self.bytes_saved}
 
 
-def snapshot(state: Any) -> PoolSnapshot:
-    """Snapshot a ``backend.state.TangramState`` (O(num_pages) host work)."""
+def snapshot(state: Any, held_tokens: int) -> PoolSnapshot:
+    """Snapshot a ``backend.state.TangramState`` (O(num_pages) host work).
+
+    Args:
+        state: the scheduler's Tangram state.
+        held_tokens: logical tokens whose KV the server holds (tokens; SGLang's used +
+            evictable token slots), priced at full KV for ``full_kv_bytes``.
+    """
     info = state.pool_info()
     return PoolSnapshot(
         pages_total=int(info["pages_total"]),
@@ -95,7 +102,7 @@ def snapshot(state: Any) -> PoolSnapshot:
         pages_reserved=int(state.memory.ledger.outstanding_pages()),
         pages_free=int(info["pages_free"]),
         bytes_held=int(info["bytes_held"]),
-        full_kv_bytes=int(info["full_kv_bytes_of_live_tokens"]),
+        full_kv_bytes=int(held_tokens) * int(state.full_kv_bytes_per_token),
         fragmentation=float(info["fragmentation_fraction"]),
     )
 
@@ -113,7 +120,9 @@ def tag_pool_stats(result: Any, observer: Any) -> None:
 
 def _snapshot_of(pool_stats: Any) -> PoolSnapshot | None:
     state = getattr(pool_stats, STATE_ATTR, None)
-    return None if state is None else snapshot(state)
+    if state is None:
+        return None
+    return snapshot(state, pool_stats.full_num_used + pool_stats.full_evictable_size)
 
 
 def add_usage_msg_part(result: list[str], pool_stats: Any) -> list[str] | None:
