@@ -105,12 +105,29 @@ class ModelIdentity:
 
 
 def config_fingerprint(cfg: dict[str, Any]) -> str:
-    """sha256 (first 16 hex chars) of the config fields that shape the KV cache and attention."""
-    keys = (
-        "architectures", "hidden_size", "num_hidden_layers", "num_attention_heads",
-        "num_key_value_heads", "head_dim", "rope_theta", "max_position_embeddings", "vocab_size",
-    )  # fmt: skip
-    picked = {k: cfg.get(k) for k in keys}
+    """sha256 (first 16 hex chars) of the config fields that shape the KV cache and attention.
+
+    Values are normalised so that one model converted by different transformers versions gets
+    one fingerprint: ``rope_theta`` is read from the top level or from ``rope_parameters``
+    (transformers >= 5 moves it there), a missing ``head_dim`` / ``num_key_value_heads`` is
+    derived (``hidden_size // num_attention_heads``; MHA), numbers are compared as floats.
+    """
+    rope = cfg.get("rope_theta") or (cfg.get("rope_parameters") or {}).get("rope_theta")
+    heads = cfg.get("num_attention_heads")
+    head_dim = cfg.get("head_dim") or (
+        cfg["hidden_size"] // heads if cfg.get("hidden_size") and heads else None
+    )
+    picked = {
+        "architectures": cfg.get("architectures"),
+        "hidden_size": cfg.get("hidden_size"),
+        "num_hidden_layers": cfg.get("num_hidden_layers"),
+        "num_attention_heads": heads,
+        "num_key_value_heads": cfg.get("num_key_value_heads") or heads,
+        "head_dim": head_dim,
+        "rope_theta": None if rope is None else float(rope),
+        "max_position_embeddings": cfg.get("max_position_embeddings"),
+        "vocab_size": cfg.get("vocab_size"),
+    }
     return hashlib.sha256(json.dumps(picked, sort_keys=True).encode()).hexdigest()[:16]
 
 

@@ -8,7 +8,6 @@ so a run cut short still leaves its finished phases on disk.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import sys
 import tempfile
@@ -77,15 +76,9 @@ class RunConfig:
 def shipped_profile(profile_dir: Path, ratio: float, model_dir: Path) -> BudgetProfile:
     """The shipped Ada-SnapKV profile nearest to ``ratio`` (r0.25 or r0.5), for ``model_dir``.
 
-    The shipped Qwen profiles were calibrated on a conversion of the same GGUF by another
-    transformers version, and the server's config fingerprint of the local conversion differs
-    (fields such as ``rope_theta`` moved into ``rope_parameters``), so the server refuses them.
-    The harness checks the KV geometry here (architecture, layers, KV/query heads, head_dim;
-    the server checks it again) and clears the fingerprint (``ModelIdentity``: compared only
-    when both sides have one); ``provenance.eval_fingerprint_cleared`` records the old value.
-
     Raises:
-        ConfigError: no profile in the folder, or a different KV geometry.
+        ConfigError: no profile in the folder.
+        ProfileError: the profile was calibrated for another model (``check_model``).
     """
     candidates = sorted(profile_dir.glob("ada-snapkv-r*.json"))
     if not candidates:
@@ -93,11 +86,8 @@ def shipped_profile(profile_dir: Path, ratio: float, model_dir: Path) -> BudgetP
     best = min(candidates, key=lambda p: abs(float(p.stem.split("-r")[-1]) - ratio))
     profile = BudgetProfile.load(best)
     local = ModelIdentity.from_hf_config(json.loads((model_dir / "config.json").read_text()))
-    mine = dataclasses.replace(profile.model, config_fingerprint="")
-    if mine != dataclasses.replace(local, config_fingerprint=""):
-        raise ConfigError(f"{best} was calibrated for {profile.model}, not {local}")
-    provenance = dict(profile.provenance, eval_fingerprint_cleared=profile.model.config_fingerprint)
-    return dataclasses.replace(profile, model=mine, provenance=provenance)
+    profile.check_model(local)
+    return profile
 
 
 def run(cfg: RunConfig, log: Callable[[str], None] | None = None) -> dict[str, Any]:

@@ -4,13 +4,20 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from tangram_sglang.errors import ProfileError
 from tangram_sglang.grouping import HeadGrouping
-from tangram_sglang.profile import BudgetProfile, CalibrationStats, ModelIdentity, kept_len
+from tangram_sglang.profile import (
+    BudgetProfile,
+    CalibrationStats,
+    ModelIdentity,
+    config_fingerprint,
+    kept_len,
+)
 
 L, H = 4, 3  # layers x KV heads of the synthetic model
 MODEL = ModelIdentity("LlamaForCausalLM", L, H, 9, 64, "abcd1234abcd1234")
@@ -219,3 +226,24 @@ def test_cluster_ids_with_a_gap_are_rejected():
     ]
     with pytest.raises(ProfileError, match=rf"grouping.cluster_of skips group ids \[{last}, "):
         BudgetProfile.from_dict(data)
+
+
+def test_config_fingerprint_is_the_same_across_transformers_config_layouts():
+    # transformers >= 5 moves rope_theta into rope_parameters and may drop a derivable head_dim.
+    old = {
+        "architectures": ["Qwen2ForCausalLM"], "hidden_size": 896, "num_hidden_layers": 24,
+        "num_attention_heads": 14, "num_key_value_heads": 2, "head_dim": 64,
+        "rope_theta": 1000000, "max_position_embeddings": 32768, "vocab_size": 151936,
+    }  # fmt: skip
+    new = {k: v for k, v in old.items() if k not in ("rope_theta", "head_dim")}
+    new["rope_parameters"] = {"rope_theta": 1000000.0, "rope_type": "default"}
+    assert config_fingerprint(old) == config_fingerprint(new)
+    assert config_fingerprint(old) != config_fingerprint({**old, "num_hidden_layers": 23})
+
+
+def test_shipped_smollm2_profiles_match_the_embedded_model(smollm2_path):
+    local = ModelIdentity.from_hf_config(json.loads((smollm2_path / "config.json").read_text()))
+    for path in sorted(Path("calibration/smollm2").glob("*.json")):
+        profile = BudgetProfile.load(path)
+        assert profile.model.config_fingerprint == local.config_fingerprint, path
+        profile.check_model(local)
