@@ -67,6 +67,21 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
     systems = tuple(_split(args.systems, "--systems", str))
     if any(s not in SYSTEMS for s in systems):
         raise ConfigError(f"--systems {args.systems!r}: use a subset of {', '.join(SYSTEMS)}")
+    if args.model not in MODELS and not Path(args.model).is_dir():
+        raise ConfigError(f"--model {args.model!r}: not an embedded model ({', '.join(MODELS)}) "
+                          "nor an HF model folder")  # fmt: skip
+    lengths = tuple(_split(args.lengths, "--lengths", int))
+    depths = tuple(_split(args.depths, "--depths", float))
+    for flag, bad in (("--num-samples", args.num_samples < 1), ("--num-turns", args.num_turns < 1),
+                      ("--lengths", min(lengths) < 1),
+                      ("--depths", not all(0 <= d <= 1 for d in depths)),
+                      ("--threads", args.threads is not None and args.threads < 1)):  # fmt: skip
+        if bad:
+            raise ConfigError(f"{flag}: must be >= 1 (depths: in [0, 1]); see --help")
+    try:
+        server_args = tuple(shlex.split(args.server_args))
+    except ValueError as exc:
+        raise ConfigError(f"--server-args {args.server_args!r}: {exc}") from None
     name = args.model if args.model in MODELS else Path(args.model).name
     profile_dir = Path(args.profile_dir or REPO / "calibration" / name)
     if not profile_dir.is_dir():
@@ -76,11 +91,10 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
         raise ConfigError(f"--model {args.model}: no config.json in {model_dir}")
     return RunConfig(
         model=args.model, model_dir=model_dir, profile_dir=profile_dir, tasks=tasks,
-        ratios=ratios, num_samples=args.num_samples,
-        lengths=tuple(_split(args.lengths, "--lengths", int)),
-        depths=tuple(_split(args.depths, "--depths", float)), num_turns=args.num_turns,
-        systems=systems, seed=args.seed, json_path=Path(args.json) if args.json else None,
-        threads=args.threads, server_args=tuple(shlex.split(args.server_args)),
+        ratios=ratios, num_samples=args.num_samples, lengths=lengths, depths=depths,
+        num_turns=args.num_turns, systems=systems, seed=args.seed,
+        json_path=Path(args.json) if args.json else None, threads=args.threads,
+        server_args=server_args,
     )  # fmt: skip
 
 
