@@ -24,22 +24,13 @@ import torch
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
-from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
+from radix_world import PAGE, ROWS, SLOTS, WIDTH, build_tree
 from sglang.srt.mem_cache.base_prefix_cache import EvictParams, MatchPrefixParams
-from sglang.srt.mem_cache.cache_init_params import CacheInitParams
-from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
 from sglang.srt.mem_cache.radix_cache import RadixKey
 
-from tangram_sglang.backend.state import TangramState
-from tangram_sglang.bench.synthetic import make_profile
 from tangram_sglang.errors import PoolError
-from tangram_sglang.mem.kv_pool import KVPool
-from tangram_sglang.mem.manager import TangramMemory
-from tangram_sglang.radix.cache import TangramRadixCache, node_depth, value_of
+from tangram_sglang.radix.cache import node_depth, value_of
 from tangram_sglang.radix.segment import chain_prefix
-
-PAGE, NUM_PAGES, ROWS, WIDTH, SLOTS = 4, 64, 4, 16, 96
-RATIOS = [[1.0, 0.5, 0.25, 0.25]]
 
 
 @dataclass
@@ -47,20 +38,6 @@ class Running:
     req: SimpleNamespace  # the scheduler's Req fields the tree reads
     prefix_len: int  # matched tokens (tokens)
     decoded: int = 0  # decode-tail tokens written (tokens)
-
-
-def build_tree() -> tuple[TangramRadixCache, TangramState, ReqToTokenPool, TokenToKVPoolAllocator]:
-    prof = make_profile(RATIOS, heads_per_group=2, scope="global", sink_tokens=1,
-                        recent_window=2, head_dim=1)  # fmt: skip
-    pool = KVPool.create(NUM_PAGES, 2, PAGE, 1, torch.float32)
-    memory = TangramMemory(prof, PAGE, NUM_PAGES, ROWS + 1, WIDTH, pool, debug=True)
-    state = TangramState(memory, full_kv_bytes_per_token=32, device="cpu")
-    req_pool = ReqToTokenPool(ROWS, WIDTH * PAGE, "cpu", False)
-    req_pool.tangram_state = state
-    slots = TokenToKVPoolAllocator(SLOTS, torch.float32, "cpu", None, False)
-    params = CacheInitParams(disable=False, req_to_token_pool=req_pool,
-                             token_to_kv_pool_allocator=slots, page_size=1)  # fmt: skip
-    return TangramRadixCache(params), state, req_pool, slots
 
 
 class RadixLifecycle(RuleBasedStateMachine):

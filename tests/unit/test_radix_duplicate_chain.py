@@ -14,33 +14,12 @@ from types import SimpleNamespace
 
 import numpy as np
 import torch
-from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
-from sglang.srt.mem_cache.cache_init_params import CacheInitParams
-from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
+from radix_world import PAGE, build_tree
 
-from tangram_sglang.backend.state import TangramState
-from tangram_sglang.bench.synthetic import make_profile
-from tangram_sglang.mem.kv_pool import KVPool
-from tangram_sglang.mem.manager import TangramMemory
-from tangram_sglang.radix.cache import TangramRadixCache, value_of
+from tangram_sglang.radix.cache import value_of
 from tangram_sglang.radix.segment import chain_prefix
 
-PAGE, NUM_PAGES, ROWS, WIDTH, SLOTS = 4, 64, 4, 16, 96
 PROMPT = [1, 2, 3] * 4  # 12 tokens
-
-
-def build_tree():
-    prof = make_profile([[1.0, 0.5, 0.25, 0.25]], heads_per_group=2, scope="global",
-                        sink_tokens=1, recent_window=2, head_dim=1)  # fmt: skip
-    pool = KVPool.create(NUM_PAGES, 2, PAGE, 1, torch.float32)
-    memory = TangramMemory(prof, PAGE, NUM_PAGES, ROWS + 1, WIDTH, pool, debug=True)
-    state = TangramState(memory, full_kv_bytes_per_token=32, device="cpu")
-    req_pool = ReqToTokenPool(ROWS, WIDTH * PAGE, "cpu", False)
-    req_pool.tangram_state = state
-    slots = TokenToKVPoolAllocator(SLOTS, torch.float32, "cpu", None, False)
-    params = CacheInitParams(disable=False, req_to_token_pool=req_pool,
-                             token_to_kv_pool_allocator=slots, page_size=1)  # fmt: skip
-    return TangramRadixCache(params), state, req_pool, slots
 
 
 def prefill(tree, state, req_pool, slots, chunks: list[int]) -> SimpleNamespace:
