@@ -118,7 +118,8 @@ def test_compressed_server_reports_its_pool(server05):
     summary = info["tangram"]
     assert summary["scorer"] == "ada-snapkv"
     assert info["attention_backend"] == "tangram"
-    assert info["disable_radix_cache"] is True
+    # radix reuse of compressed history is on by default, through the tangram cache backend
+    assert info["disable_radix_cache"] is False and info["radix_cache_backend"] == "tangram"
     pool = summary["pool"]
     assert pool["pages_total"] > 0 and pool["pages_used"] == 0
     # The pool takes the bytes SGLang gives the KV cache, sized in Tangram's cell.

@@ -70,10 +70,11 @@ def test_valid_tangram_setup_starts_with_the_tangram_backend(smollm2_path, tmp_p
     with SGLangServer(smollm2_path, args=args, log_path="/tmp/tangram-e2e-info.log") as server:
         info = server.server_info()
     assert info["tangram_page_size"] == 8 and info["tangram_target_ratio"] == 0.4
-    assert info["attention_backend"] == "tangram" and info["disable_radix_cache"] is True
+    assert info["attention_backend"] == "tangram" and info["disable_radix_cache"] is False
+    assert info["radix_cache_backend"] == "tangram"  # reuse of compressed history, by default
     summary = info["tangram"]  # the scheduler's resolved summary, with the pool
     assert summary["page_size"] == 8 and summary["mean_kept_ratio"] == pytest.approx(0.4)
     assert summary["pool"]["pages_used"] == 0 and summary["pool"]["pages_total"] > 0
     log = server.log_path.read_text()
     assert "Tangram KV pool:" in log and "full-size token K/V buffers not allocated" in log
-    assert "reuse of compressed history across turns lands later" in log
+    assert "impl=TangramRadixCache" in log  # SGLang built the tangram radix cache backend
