@@ -59,6 +59,25 @@ def value_of(node: TreeNode) -> SegmentValue | None:
     return getattr(node, VALUE_ATTR, None)
 
 
+def same_segment(
+    cached: SegmentValue, parent: TreeNode, start_depth: int, seg: SegmentPages
+) -> bool:
+    """Is ``cached`` the very segment a row computed as ``seg`` over ``[start_depth, ...)``?
+
+    A compressed segment is a function of its own tokens and the chain before it, so the
+    cached node holds the row's segment only when it continues the same chain node (which, by
+    induction from the root, means the same chunking of every earlier segment), starts at the
+    same depth and kept the same tokens per group. Kept lengths alone are not enough: two
+    chunkings of one prompt (say 4 + 8 and 8 + 4 tokens) can end with equal per-group lengths
+    but different kept tokens (DESIGN.md §5).
+    """
+    return (
+        cached.start_node is parent
+        and cached.start_depth == start_depth
+        and np.array_equal(cached.group_lens, seg.start_len + seg.kept_len)
+    )
+
+
 def node_depth(node: TreeNode) -> int:
     """Tokens from the root to the end of ``node``."""
     depth = 0
@@ -180,11 +199,12 @@ class TangramRadixCache(RadixCache):
             node = self._node_at(key, hi)
             cached = value_of(node)
             if cached is not None:
-                self._free(seg.pages)  # the same segment is already cached: keep that one
+                self._free(seg.pages)  # a segment ending here is already cached: keep that one
                 self.num_duplicate_pages += seg.num_pages
-                if not np.array_equal(cached.group_lens, seg.start_len + seg.kept_len):
-                    # Compressed differently (other chunking): the row's later segments were
-                    # laid on its own lengths, not the cached node's; they cannot hang here.
+                if not same_segment(cached, parent, lo, seg):
+                    # Another chain (other chunking) ends here: the row's later segments were
+                    # compressed on its own history, not the cached node's; they cannot hang
+                    # here (equal kept lengths are not enough: the content differs).
                     parent = None
                     continue
             else:

@@ -5,6 +5,9 @@ compress it differently (per-group kept lengths differ). When the second to fini
 prompt's node already cached, its own prompt pages are freed as a duplicate; its decode tail
 was compressed on top of ITS layout, so hanging the tail under the other request's node would
 make the chain read pages of one layout with the lengths of the other (stale slots, no error).
+Equal per-group lengths are not enough either: chunkings 4 + 8 and 8 + 4 of one prompt end with
+the same kept lengths but keep different tokens, so the node fingerprint is the chain (segment
+boundaries), not the lengths.
 """
 
 from __future__ import annotations
@@ -91,3 +94,28 @@ def test_tail_under_an_identically_compressed_duplicate_is_cached():
     depths = sorted(chain[-1].end_depth for chain in chains(tree))
     assert depths == [12, 15]  # the tail continues the shared prompt node
     assert tree.num_duplicate_pages > 0
+
+
+def test_tail_under_an_equally_long_but_differently_chunked_duplicate_is_not_cached():
+    tree, state, req_pool, slots = build_tree()
+    start_free = state.memory.allocator.num_free()
+    first = prefill(tree, state, req_pool, slots, [4, 8])
+    second = prefill(tree, state, req_pool, slots, [8, 4])
+    decode(state, req_pool, slots, second, [2, 3, 1, 2, 3])
+    finish(tree, req_pool, first, len(PROMPT))
+    end_lens = next(c[-1].group_lens for c in chains(tree) if c[-1].end_depth == len(PROMPT))
+    finish(tree, req_pool, second, len(PROMPT) + 5)
+    # the case this test is about: both chunkings end the prompt with equal kept lengths
+    kept = state.profile.group_kept_lens
+    assert np.array_equal(end_lens, np.add(kept(8), kept(4)))
+    layouts = {((0, 4), (4, 12)), ((0, 8), (8, 12), (12, 17))}  # each request's own chain
+    for chain in chains(tree):
+        depths = tuple((v.start_depth, v.end_depth) for v in chain)
+        assert any(depths == layout[: len(depths)] for layout in layouts), (
+            f"a chain mixes two requests' chunkings: {depths}"
+        )
+    boundaries = sorted(chain[-1].end_depth for chain in chains(tree))
+    assert boundaries == [4, 8, 12]  # the second request's tail could not hang under node 12
+    tree.reset()
+    assert state.memory.allocator.num_free() == start_free
+    state.memory.check_invariants()
