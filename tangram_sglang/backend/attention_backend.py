@@ -40,10 +40,9 @@ from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 from sglang.srt.server_args import add_attention_backend_choices
 
 from tangram_sglang.backend import metadata as md
-from tangram_sglang.backend.compress import batch_kept_indices
+from tangram_sglang.backend.layer_ops import extend_layer, kernels_for
 from tangram_sglang.backend.state import TangramState
 from tangram_sglang.errors import ConfigError, KernelError
-from tangram_sglang.kernels import reference
 from tangram_sglang.mem.manager import TangramMemory
 
 if TYPE_CHECKING:
@@ -106,9 +105,10 @@ class TangramAttnBackend(AttentionBackend):
         self.k_pool = self.memory.kv_pool.k_pool
         self.v_pool = self.memory.kv_pool.v_pool
         self.last_layer = self.state.profile.model.num_layers - 1
-        self.group_of_head_host = self.state.profile.grouping.cluster_of
         self.forward_metadata: md.TangramForwardMetadata | None = None
-        self.kernels = _kernels_for(self.device, self.state, model_runner)
+        self.kernels = kernels_for(
+            self.device, self.state, int(model_runner.req_to_token_pool.size)
+        )
         m = self.state.profile.model
         self.decode_buffers = md.DecodeGraphBuffers.create(
             self.memory.table.max_rows, self.memory.num_head_groups, m.num_qo_heads, m.head_dim,
@@ -133,7 +133,9 @@ class TangramAttnBackend(AttentionBackend):
             extend_lens = list(forward_batch.extend_seq_lens_cpu)
             prefix_lens = list(forward_batch.extend_prefix_lens_cpu)
             kept = self.state.begin_extend(rows, extend_lens, prefix_lens)
-            self.forward_metadata = md.extend_metadata(rows, extend_lens, kept, self.device)
+            self.forward_metadata = md.extend_metadata(
+                rows, extend_lens, kept, self.device, self.state.profile.grouping.cluster_of
+            )
         else:
             raise ConfigError(f"the {BACKEND_NAME} backend does not run forward mode {mode.name}")
 
@@ -212,24 +214,9 @@ class TangramAttnBackend(AttentionBackend):
         meta = self._meta(md.EXTEND, save_kv_cache)
         lid = layer.layer_id
         q3, k3, v3 = _split_heads(q, k, v, layer)
-        goh, coh = self.state.group_of_head[lid], self.state.column_of_head[lid]
-        out, lse = self.kernels.extend(
-            q3, k3, v3, meta.qo_indptr, self.k_pool, self.v_pool, self.memory.table.page_table,
-            self.memory.table.group_len, meta.req_rows, goh, coh, layer.scaling,
-            meta.max_extend_len,
-        )  # fmt: skip
-        profile = self.state.profile
-        kept_idx = batch_kept_indices(
-            self.state.scorer, q3, k3, lse, meta.bounds,
-            meta.kept_per_head(self.group_of_head_host[lid]), layer.scaling,
-            profile.sink_tokens, profile.recent_window,
-        )  # fmt: skip
-        self.kernels.kv_write(
-            k3, v3, meta.qo_indptr, kept_idx, meta.kept_count, self.k_pool, self.v_pool,
-            self.memory.table.page_table, self.memory.table.group_len, meta.req_rows, goh, coh,
-        )  # fmt: skip
+        out = extend_layer(self.kernels, self.state, meta, q3, k3, v3, lid, layer.scaling)
         if lid == self.last_layer:
-            self.state.commit_extend(meta.req_rows.tolist())
+            self.state.commit_extend(list(meta.host_rows))
         return out.reshape(out.shape[0], -1)
 
     def forward_decode(self, q, k, v, layer: RadixAttention, forward_batch: ForwardBatch,
@@ -274,80 +261,6 @@ def _split_heads(q, k, v, layer) -> tuple[torch.Tensor, torch.Tensor, torch.Tens
         k.reshape(-1, layer.tp_k_head_num, layer.qk_head_dim).contiguous(),
         v.reshape(-1, layer.tp_v_head_num, layer.v_head_dim).contiguous(),
     )
-
-
-class _ReferenceKernels:
-    """CPU path: :mod:`tangram_sglang.kernels.reference` (also the tests' oracle)."""
-
-    def extend(self, q, k, v, qo_indptr, k_pool, v_pool, page_table, group_len, rows, goh, coh,
-               sm_scale, max_extend_len):  # fmt: skip
-        return reference.extend_reference(
-            q, k, v, qo_indptr, k_pool, v_pool, page_table, group_len, rows, goh, coh, sm_scale
-        )
-
-    def kv_write(self, *args) -> None:
-        reference.kv_write_reference(*args)
-
-    def decode(self, q, k_pool, v_pool, page_table, group_len, rows, goh, coh, sm_scale, lid,
-               out=None):  # fmt: skip
-        return reference.decode_reference(
-            q, k_pool, v_pool, page_table, group_len, rows, goh, coh, sm_scale
-        )
-
-
-class _TritonKernels(_ReferenceKernels):
-    """CUDA path: the Triton extend, kv-write and AOT-split ragged decode kernels.
-
-    Split tables and the decode scratch are built once here (start-up); decode writes into the
-    caller's static ``out`` (no allocation per step, CUDA-graph safe).
-    """
-
-    def __init__(self, state: TangramState, max_batch_size: int, device: torch.device) -> None:
-        from tangram_sglang.kernels.decode_attention import decode_scratch
-        from tangram_sglang.kernels.split_table import build_split_tables
-
-        profile = state.profile
-        num_sms = torch.cuda.get_device_properties(device).multi_processor_count
-        self.tables = build_split_tables(
-            profile.grouping, profile.group_ratios, num_sms, max_batch_size
-        ).to(device)
-        m = profile.model
-        self.mid_o, self.mid_lse = decode_scratch(
-            max_batch_size, m.num_qo_heads, self.tables.max_splits, m.head_dim, device
-        )
-
-    def extend(self, q, k, v, qo_indptr, k_pool, v_pool, page_table, group_len, rows, goh, coh,
-               sm_scale, max_extend_len):  # fmt: skip
-        from tangram_sglang.kernels.extend_attention import ragged_extend_attention
-
-        out = torch.empty_like(q)
-        lse = torch.empty(q.shape[0], q.shape[1], dtype=torch.float32, device=q.device)
-        return ragged_extend_attention(
-            q, k, v, qo_indptr, k_pool, v_pool, page_table, group_len, rows, goh, coh,
-            sm_scale, out, lse, max_extend_len,
-        )  # fmt: skip
-
-    def kv_write(self, *args) -> None:
-        from tangram_sglang.kernels.kv_write import write_kept_kv
-
-        write_kept_kv(*args)
-
-    def decode(self, q, k_pool, v_pool, page_table, group_len, rows, goh, coh, sm_scale, lid,
-               out=None):  # fmt: skip
-        from tangram_sglang.kernels.decode_attention import ragged_decode_attention
-
-        table = self.tables.for_batch(q.shape[0]).layer(lid)
-        out = torch.empty_like(q) if out is None else out
-        return ragged_decode_attention(
-            q, k_pool, v_pool, page_table, group_len, rows, goh, coh, table, sm_scale, out,
-            self.mid_o, self.mid_lse,
-        )  # fmt: skip
-
-
-def _kernels_for(device: torch.device, state: TangramState, model_runner) -> _ReferenceKernels:
-    if device.type == "cuda":
-        return _TritonKernels(state, int(model_runner.req_to_token_pool.size), device)
-    return _ReferenceKernels()
 
 
 @register_attention_backend(BACKEND_NAME)

@@ -59,6 +59,9 @@ class TangramForwardMetadata:
     dest_slot: torch.Tensor | None  # int64 [bs, G] device (decode)
     max_extend_len: int  # longest segment of the batch (tokens; 0 for decode)
     out: torch.Tensor | None = None  # [bs, num_qo_heads, D] decode output buffer, or None
+    host_rows: tuple[int, ...] = ()  # req_rows on the host (extend: commit without a device sync)
+    kept_heads_host: np.ndarray | None = None  # int64 [L, bs, H_kv] k_g per layer and KV head
+    kept_heads: torch.Tensor | None = None  # the same on the device (one copy per batch)
 
     @property
     def batch_size(self) -> int:
@@ -69,10 +72,22 @@ class TangramForwardMetadata:
         assert self.kept_lens is not None, "kept_per_head is for extend batches"
         return self.kept_lens[:, np.asarray(group_of_head, np.int64)].tolist()
 
+    def layer_kept(self, layer: int, group_of_head: np.ndarray) -> tuple:
+        """``(host int64 [bs, H_kv], device int64 [bs, H_kv] or None)``: k_g of layer's heads.
+
+        From the per-batch tables when :func:`extend_metadata` got every layer's group map
+        (no host-to-device copy per layer), else computed on the host (device part None).
+        """
+        if self.kept_heads_host is not None and self.kept_heads is not None:
+            return self.kept_heads_host[layer], self.kept_heads[layer]
+        assert self.kept_lens is not None, "layer_kept is for extend batches"
+        return self.kept_lens[:, np.asarray(group_of_head, np.int64)], None
+
 
 def extend_metadata(
-    rows: list[int], extend_lens: list[int], kept_lens: np.ndarray, device: torch.device | str
-) -> TangramForwardMetadata:
+    rows: list[int], extend_lens: list[int], kept_lens: np.ndarray, device: torch.device | str,
+    group_of_head: np.ndarray | None = None,
+) -> TangramForwardMetadata:  # fmt: skip
     """Plan an extend batch.
 
     Args:
@@ -80,9 +95,18 @@ def extend_metadata(
         extend_lens: ``bs`` segment lengths (tokens).
         kept_lens: int ``[bs, num_head_groups]`` kept tokens per group (from ``alloc_extend``).
         device: attention device.
+        group_of_head: optional int ``[num_layers, H_kv]`` head-group map of every layer: then
+            the per-layer kept counts of every KV head are built here once (host and device,
+            :meth:`TangramForwardMetadata.layer_kept`), so no layer copies to the device.
     """
     bounds = np.concatenate([[0], np.cumsum(np.asarray(extend_lens, np.int64))]).tolist()
     kept = np.asarray(kept_lens, np.int64).reshape(len(rows), -1)
+    heads_host = heads = None
+    if group_of_head is not None:
+        heads_host = np.ascontiguousarray(
+            kept[:, np.asarray(group_of_head, np.int64)].swapaxes(0, 1)
+        )
+        heads = torch.from_numpy(heads_host).to(device)
     return TangramForwardMetadata(
         mode=EXTEND,
         req_rows=torch.tensor(rows, dtype=torch.int32, device=device),
@@ -93,6 +117,9 @@ def extend_metadata(
         dest_page=None,
         dest_slot=None,
         max_extend_len=max(extend_lens, default=0),
+        host_rows=tuple(int(r) for r in rows),
+        kept_heads_host=heads_host,
+        kept_heads=heads,
     )
 
 

@@ -110,9 +110,13 @@ def window_attention(
         )
     n = k_seg.shape[-2]
     w = min(q_obs.shape[-2], n)
-    q = q_obs[..., -w:, :].float()
-    k = k_seg.float().repeat_interleave(num_qo_heads // num_kv_heads, dim=-3)
-    logits = torch.matmul(q, k.transpose(-1, -2)) * sm_scale  # [..., Hq, w, n]
+    gqa = num_qo_heads // num_kv_heads
+    lead = q_obs.shape[:-3]
+    # Query heads h*gqa ... (h+1)*gqa-1 read KV head h: fold them into the query axis instead of
+    # repeating K (one [gqa*w, n] product per KV head; K is never copied gqa times).
+    q = q_obs[..., -w:, :].float().reshape(*lead, num_kv_heads, gqa * w, q_obs.shape[-1])
+    logits = torch.matmul(q, k_seg.float().transpose(-1, -2)) * sm_scale  # [..., H_kv, gqa*w, n]
+    logits = logits.reshape(*lead, num_qo_heads, w, n)  # [..., Hq, w, n]
     # Query i of the window sits at token n - w + i and sees tokens <= n - w + i.
     future = torch.triu(torch.ones(w, n, dtype=torch.bool, device=q.device), diagonal=n - w + 1)
     logits = logits.masked_fill(future, float("-inf"))

@@ -1,0 +1,154 @@
+"""Per-layer Tangram operations shared by the SGLang backend and the offline benchmarks.
+
+No sglang import: the attention backend (``attention_backend.py``) and ``bench.prefill_profile``
+call the same code, so what the profiler times is what the server runs.
+
+* :class:`ReferenceKernels` (CPU, :mod:`tangram_sglang.kernels.reference`) and
+  :class:`TritonKernels` (CUDA: Triton extend, kept-KV write, AOT-split ragged decode), picked by
+  :func:`kernels_for`;
+* :func:`extend_layer`: one layer of an extend batch (extend attention over compressed history +
+  causal new tokens, scorer + per-head top-``k_g``, kept-KV write).
+
+Source: Tangram arXiv 2606.06302 (Budget Reservation, Ragged Paging, AOT load balancing);
+notes/INTERFACES.md (kernel calling conventions).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tangram_sglang.backend import metadata as md
+from tangram_sglang.backend.compress import batch_kept_indices
+from tangram_sglang.backend.state import TangramState
+from tangram_sglang.kernels import reference
+
+
+class ReferenceKernels:
+    """CPU path: :mod:`tangram_sglang.kernels.reference` (also the tests' oracle)."""
+
+    def extend(self, q, k, v, qo_indptr, k_pool, v_pool, page_table, group_len, rows, goh, coh,
+               sm_scale, max_extend_len):  # fmt: skip
+        """``(out [T, H_q, D], lse float32 [T, H_q])`` of one extend layer."""
+        return reference.extend_reference(
+            q, k, v, qo_indptr, k_pool, v_pool, page_table, group_len, rows, goh, coh, sm_scale
+        )
+
+    def kv_write(self, *args) -> None:
+        """Kept-KV write (arguments of ``kernels.kv_write.write_kept_kv``)."""
+        reference.kv_write_reference(*args)
+
+    def decode(self, q, k_pool, v_pool, page_table, group_len, rows, goh, coh, sm_scale, lid,
+               out=None):  # fmt: skip
+        """``[bs, H_q, D]`` ragged decode of one layer."""
+        return reference.decode_reference(
+            q, k_pool, v_pool, page_table, group_len, rows, goh, coh, sm_scale
+        )
+
+
+class TritonKernels(ReferenceKernels):
+    """CUDA path: the Triton extend, kv-write and AOT-split ragged decode kernels.
+
+    Split tables and the decode scratch are built once here (start-up); decode writes into the
+    caller's static ``out`` (no allocation per step, CUDA-graph safe).
+
+    Args:
+        state: the server's TangramState (profile: grouping, group ratios, model shape).
+        max_batch_size: largest decode batch (requests; SGLang's request rows).
+        device: a CUDA device.
+    """
+
+    def __init__(self, state: TangramState, max_batch_size: int, device: torch.device) -> None:
+        from tangram_sglang.kernels.decode_attention import decode_scratch
+        from tangram_sglang.kernels.split_table import build_split_tables
+
+        profile = state.profile
+        num_sms = torch.cuda.get_device_properties(device).multi_processor_count
+        self.tables = build_split_tables(
+            profile.grouping, profile.group_ratios, num_sms, max_batch_size
+        ).to(device)
+        m = profile.model
+        self.mid_o, self.mid_lse = decode_scratch(
+            max_batch_size, m.num_qo_heads, self.tables.max_splits, m.head_dim, device
+        )
+
+    def extend(self, q, k, v, qo_indptr, k_pool, v_pool, page_table, group_len, rows, goh, coh,
+               sm_scale, max_extend_len):  # fmt: skip
+        """``(out, lse)`` from ``kernels.extend_attention.ragged_extend_attention``."""
+        from tangram_sglang.kernels.extend_attention import ragged_extend_attention
+
+        out = torch.empty_like(q)
+        lse = torch.empty(q.shape[0], q.shape[1], dtype=torch.float32, device=q.device)
+        return ragged_extend_attention(
+            q, k, v, qo_indptr, k_pool, v_pool, page_table, group_len, rows, goh, coh,
+            sm_scale, out, lse, max_extend_len,
+        )  # fmt: skip
+
+    def kv_write(self, *args) -> None:
+        """``kernels.kv_write.write_kept_kv`` (one launch per layer)."""
+        from tangram_sglang.kernels.kv_write import write_kept_kv
+
+        write_kept_kv(*args)
+
+    def decode(self, q, k_pool, v_pool, page_table, group_len, rows, goh, coh, sm_scale, lid,
+               out=None):  # fmt: skip
+        """AOT-split ragged decode with layer ``lid``'s split table."""
+        from tangram_sglang.kernels.decode_attention import ragged_decode_attention
+
+        table = self.tables.for_batch(q.shape[0]).layer(lid)
+        out = torch.empty_like(q) if out is None else out
+        return ragged_decode_attention(
+            q, k_pool, v_pool, page_table, group_len, rows, goh, coh, table, sm_scale, out,
+            self.mid_o, self.mid_lse,
+        )  # fmt: skip
+
+
+def kernels_for(device: torch.device, state: TangramState, max_batch_size: int) -> ReferenceKernels:
+    """Triton kernels on CUDA, the torch reference elsewhere (start-up)."""
+    if device.type == "cuda":
+        return TritonKernels(state, max_batch_size, device)
+    return ReferenceKernels()
+
+
+def extend_layer(
+    kernels: ReferenceKernels,
+    state: TangramState,
+    meta: md.TangramForwardMetadata,
+    q3: torch.Tensor,
+    k3: torch.Tensor,
+    v3: torch.Tensor,
+    layer_id: int,
+    sm_scale: float,
+) -> torch.Tensor:
+    """One layer of an extend batch: attention, per-head top-``k_g``, kept-KV write.
+
+    Args:
+        kernels: :func:`kernels_for`'s kernels.
+        state: the server's TangramState (pool, tables, scorer, layer maps).
+        meta: the batch's extend plan (``metadata.extend_metadata``).
+        q3: ``[T, H_q, D]``; k3, v3: ``[T, H_kv, D]`` post-RoPE, contiguous, the pool's dtype.
+        layer_id: layer index (its group/column maps and group ratios).
+        sm_scale: softmax scale.
+
+    Returns:
+        ``[T, H_q, D]`` attention output. The pool holds the kept K/V of this layer afterwards
+        (``group_len`` is not advanced: ``state.commit_extend`` does it after the last layer).
+    """
+    memory = state.memory
+    table = memory.table
+    goh, coh = state.group_of_head[layer_id], state.column_of_head[layer_id]
+    out, lse = kernels.extend(
+        q3, k3, v3, meta.qo_indptr, memory.kv_pool.k_pool, memory.kv_pool.v_pool,
+        table.page_table, table.group_len, meta.req_rows, goh, coh, sm_scale,
+        meta.max_extend_len,
+    )  # fmt: skip
+    profile = state.profile
+    kept_host, kept_dev = meta.layer_kept(layer_id, profile.grouping.cluster_of[layer_id])
+    kept_idx = batch_kept_indices(
+        state.scorer, q3, k3, lse, meta.bounds, kept_host, sm_scale, profile.sink_tokens,
+        profile.recent_window, kept_dev,
+    )  # fmt: skip
+    kernels.kv_write(
+        k3, v3, meta.qo_indptr, kept_idx, meta.kept_count, memory.kv_pool.k_pool,
+        memory.kv_pool.v_pool, table.page_table, table.group_len, meta.req_rows, goh, coh,
+    )  # fmt: skip
+    return out
