@@ -6,6 +6,8 @@ Example (issue 8)::
         --ratios 0.5,0.25 --num-samples 4 --lengths 1024,2048 \
         --json benchmarks/results/accuracy.json
 
+Protocol: query-agnostic (``tasks.PROTOCOL``): the context is compressed without the question.
+
 Every flag is checked before a model or server starts; bad values exit 2 with the flag named.
 """
 
@@ -18,7 +20,7 @@ from pathlib import Path
 
 from tangram_sglang.errors import TangramError
 from tangram_sglang.eval.runner import SYSTEMS, RunConfig, run
-from tangram_sglang.eval.tasks import TASKS
+from tangram_sglang.eval.tasks import TASKS, check_sizes
 
 REPO = Path(__file__).resolve().parents[2]
 # SGLang's automatic static-memory fraction goes negative on a shared CPU host with little free
@@ -45,6 +47,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=None, help="torch threads (kvpress side)")
     p.add_argument("--json", default=None, help="write the report here")
     p.add_argument("--markdown", action="store_true", help="print the RESULTS.md table")
+    p.add_argument("--resume", action="store_true",
+                   help="keep the records in --json and run only the missing ones")  # fmt: skip
     return p.parse_args(argv)
 
 
@@ -58,9 +62,11 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
     from tangram_sglang.models import MODELS, model_path
 
     tasks = TASKS if args.task == "all" else tuple(_split(args.task, "--task", str))
-    for t in tasks:
-        if t not in TASKS:
-            raise ConfigError(f"--task {t!r} is unknown; use one of {', '.join(TASKS)} or all")
+    lengths = tuple(_split(args.lengths, "--lengths", int))
+    depths = tuple(_split(args.depths, "--depths", float))
+    check_sizes(tasks, args.num_samples, lengths, depths, args.num_turns)
+    if args.threads is not None and args.threads < 1:
+        raise ConfigError(f"--threads must be >= 1, got {args.threads}")
     ratios = tuple(_split(args.ratios, "--ratios", float))
     if any(not 0 < r <= 1 for r in ratios):
         raise ConfigError(f"--ratios must lie in (0, 1], got {args.ratios}")
@@ -70,14 +76,6 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
     if args.model not in MODELS and not Path(args.model).is_dir():
         raise ConfigError(f"--model {args.model!r}: not an embedded model ({', '.join(MODELS)}) "
                           "nor an HF model folder")  # fmt: skip
-    lengths = tuple(_split(args.lengths, "--lengths", int))
-    depths = tuple(_split(args.depths, "--depths", float))
-    for flag, bad in (("--num-samples", args.num_samples < 1), ("--num-turns", args.num_turns < 1),
-                      ("--lengths", min(lengths) < 1),
-                      ("--depths", not all(0 <= d <= 1 for d in depths)),
-                      ("--threads", args.threads is not None and args.threads < 1)):  # fmt: skip
-        if bad:
-            raise ConfigError(f"{flag}: must be >= 1 (depths: in [0, 1]); see --help")
     try:
         server_args = tuple(shlex.split(args.server_args))
     except ValueError as exc:
@@ -94,7 +92,7 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
         ratios=ratios, num_samples=args.num_samples, lengths=lengths, depths=depths,
         num_turns=args.num_turns, systems=systems, seed=args.seed,
         json_path=Path(args.json) if args.json else None, threads=args.threads,
-        server_args=server_args,
+        server_args=server_args, resume=args.resume,
     )  # fmt: skip
 
 

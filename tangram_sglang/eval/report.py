@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from tangram_sglang.eval.scoring import METRIC
+from tangram_sglang.eval.tasks import PROTOCOL
 
 FULL_SYSTEMS = ("full", "full-hf")
 SUMMARY_RATIOS = (0.25, 0.5)
@@ -33,6 +34,9 @@ def build(cfg: Any, samples: list, records: list[dict[str, Any]], wall_s: float)
         "metric": METRIC,
         "metric_definition": "1 if any normalised gold answer occurs (whole words) in the "
         "normalised greedy reply (RULER string_match_part); exact_match also given",
+        "protocol": PROTOCOL,
+        "kept_fraction_definition": "share of the context's KV entries kept (sink, window and "
+        "group padding included; the same for every compressed system of a ratio)",
         "model": cfg.model,
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
         "machine": f"{platform.node()} {platform.machine()} CPU, python {sys.version.split()[0]}",
@@ -107,6 +111,7 @@ def summary(results: dict[str, Any]) -> dict[str, Any]:
     dyn = out["tangram_minus_dynamic_points"]
     uni = out["tangram_minus_uniform_points_by_ratio"].get("0.25")
     needle = out["tangram_minus_full_points_by_task"].get("needle", {}).get("0.5")
+    out["needle_0.5_tangram_minus_full_points"] = needle
     out["targets"] = {
         "within_2_points_of_dynamic": None if dyn is None else bool(dyn >= -2.0),
         "above_uniform_at_0.25": None if uni is None else bool(uni > 0.0),
@@ -164,6 +169,9 @@ def markdown_table(rep: dict[str, Any]) -> str:
 def merge(reports: list[dict[str, Any]]) -> dict[str, Any]:
     """One report from runs of other systems on the first run's samples (or a subset of them).
 
+    Scores are over the samples every system of a task finished (:func:`common_samples`); the
+    merged report lists them in ``scored_samples``.
+
     Raises:
         ConfigError: the runs used different samples (ids differ) or share a (system, ratio).
     """
@@ -179,15 +187,31 @@ def merge(reports: list[dict[str, Any]]) -> dict[str, Any]:
         if cells & seen:
             raise ConfigError(f"merge: (system, ratio) {sorted(cells & seen, key=str)} twice")
         seen |= cells
-    records = [r for rep in reports for r in rep["records"]]
+    records = common_samples([r for rep in reports for r in rep["records"]])
     ratios = tuple(sorted({r for rep in reports for r in rep["config"]["ratios"]}, reverse=True))
     results = aggregate(records, ratios)
     systems = list(dict.fromkeys(s for rep in reports for s in rep["config"]["systems"]))
     config = dict(first["config"], systems=systems, ratios=list(ratios))
+    scored = sorted({r["sample_id"] for r in records})
     return dict(
         first, config=config, results=results, summary=summary(results), records=records,
         command=[rep["command"] for rep in reports], wall_s=[rep["wall_s"] for rep in reports],
+        scored_samples=scored,
     )  # fmt: skip
+
+
+def common_samples(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Only the records of samples that every (system, ratio) run on that task has finished.
+
+    Runs cut short (a time limit) end on different samples; comparing their means would compare
+    different samples. Per task, the kept samples are the intersection over its (system, ratio)
+    cells; a system that did not run a task at all does not shrink it.
+    """
+    done: dict[str, dict[tuple, set[str]]] = defaultdict(lambda: defaultdict(set))
+    for rec in records:
+        done[rec["task"]][(rec["system"], rec["ratio"])].add(rec["sample_id"])
+    keep = {task: set.intersection(*cells.values()) for task, cells in done.items()}
+    return [rec for rec in records if rec["sample_id"] in keep[rec["task"]]]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -2,8 +2,14 @@
 
 Order (server starts are the expensive part on CPU): stock SGLang once (full KV), one
 ``--tangram`` server per ratio, then one transformers model for every kvpress press and ratio
-(one shared prefill per prompt). After each phase the partial report is written to the JSON path,
-so a run cut short still leaves its finished phases on disk.
+(one shared context prefill per sample). After every sample the partial report is written to the
+JSON path, so a run cut short still leaves its finished samples on disk.
+
+Protocol (``tasks.PROTOCOL``, query-agnostic): on a server, each sample's context is sent alone
+first (``max_new_tokens`` 1: it is prefilled, compressed under ``--tangram``, and kept in the
+radix tree), then each turn's full prompt; a turn whose ``cached_tokens`` is below the context's
+length (the context was recomputed together with the question) stops the run with an error.
+On the kvpress side the press compresses the context prefill only (``KvpressRunner.generate``).
 """
 
 from __future__ import annotations
@@ -17,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tangram_sglang.errors import ConfigError
+from tangram_sglang.errors import ConfigError, TangramError
 from tangram_sglang.eval import report
 from tangram_sglang.eval.scoring import score
 from tangram_sglang.eval.systems import (
@@ -27,7 +33,7 @@ from tangram_sglang.eval.systems import (
     tangram_kept_fraction,
     tangram_profile,
 )
-from tangram_sglang.eval.tasks import Sample, build_samples, turn_input_ids
+from tangram_sglang.eval.tasks import Conversation, Sample, build_samples, conversation_ids
 from tangram_sglang.profile import BudgetProfile, ModelIdentity
 
 MAX_NEW_TOKENS = {"needle": 28, "squad": 24, "multiturn-squad": 24}
@@ -55,6 +61,8 @@ class RunConfig:
         json_path: where the report goes (None: not written).
         server_args: extra ``launch_server`` flags for both servers.
         threads: torch threads of the kvpress side.
+        resume: keep the records already in ``json_path`` (same samples) and run only the
+            (system, ratio, sample) cells it lacks (a run killed by a time or memory limit).
     """
 
     model: str
@@ -71,6 +79,7 @@ class RunConfig:
     json_path: Path | None
     server_args: tuple[str, ...] = ()
     threads: int | None = None
+    resume: bool = False
 
 
 def shipped_profile(profile_dir: Path, ratio: float, model_dir: Path) -> BudgetProfile:
@@ -97,21 +106,21 @@ def run(cfg: RunConfig, log: Callable[[str], None] | None = None) -> dict[str, A
     log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
     t0 = time.monotonic()
     tok = AutoTokenizer.from_pretrained(cfg.model_dir)
-    samples = [
-        s
+    per_task = [
+        build_samples(task, tok, cfg.num_samples, cfg.lengths, cfg.depths, cfg.num_turns, cfg.seed)
         for task in cfg.tasks
-        for s in build_samples(
-            task, tok, cfg.num_samples, cfg.lengths, cfg.depths, cfg.num_turns, cfg.seed
-        )
     ]
-    prompts = {s.sample_id: turn_input_ids(s, tok) for s in samples}
+    # tasks interleaved (needle 0, squad 0, multi-turn 0, needle 1, ...): a run cut short still
+    # holds every task at nearly the same sample count
+    samples = [s for group in zip(*per_task, strict=True) for s in group]
+    prompts = {s.sample_id: conversation_ids(s, tok) for s in samples}
     profiles = {
         r: tangram_profile(shipped_profile(cfg.profile_dir, r, cfg.model_dir), r)
         for r in cfg.ratios
     }
     eos = GenerationConfig.from_pretrained(cfg.model_dir).eos_token_id
     eos_ids = set(eos if isinstance(eos, list) else [eos]) | {tok.eos_token_id}
-    records: list[dict[str, Any]] = []
+    records = _resumed(cfg, {s.sample_id for s in samples}, log)
     ctx = _Context(cfg, tok, samples, prompts, profiles, records, log, t0)
     if "full" in cfg.systems:
         ctx.server_phase("full", None)
@@ -123,12 +132,23 @@ def run(cfg: RunConfig, log: Callable[[str], None] | None = None) -> dict[str, A
     return ctx.write()
 
 
+def _resumed(cfg: RunConfig, sample_ids: set[str], log: Callable[[str], None]) -> list[dict]:
+    """The records of ``cfg.json_path`` to keep when resuming (none otherwise)."""
+    if not cfg.resume or cfg.json_path is None or not cfg.json_path.is_file():
+        return []
+    records = json.loads(cfg.json_path.read_text())["records"]
+    if not {r["sample_id"] for r in records} <= sample_ids:
+        raise ConfigError(f"--resume: {cfg.json_path} holds other samples; use another --json")
+    log(f"[eval] resuming: {len(records)} records kept from {cfg.json_path}")
+    return records
+
+
 @dataclass
 class _Context:
     cfg: RunConfig
     tok: Any
     samples: list[Sample]
-    prompts: dict[str, list[list[int]]]
+    prompts: dict[str, Conversation]
     profiles: dict[float, BudgetProfile]
     records: list[dict[str, Any]]
     log: Callable[[str], None]
@@ -144,6 +164,9 @@ class _Context:
     def server_phase(self, system: str, ratio: float | None) -> None:
         from tangram_sglang.serving import SGLangServer
 
+        todo = [s for s in self.samples if not self._done(system, ratio, s)]
+        if not todo:
+            return
         args = list(self.cfg.server_args)
         if "--chunked-prefill-size" not in args:  # one prompt = one compressed segment
             args += ["--chunked-prefill-size", str(CHUNKED_PREFILL_TOKENS)]
@@ -157,46 +180,72 @@ class _Context:
             with server:
                 self.log(f"[eval] {system} r={ratio} server up in {time.monotonic() - start:.0f} s")
                 client = ServerClient(server.base_url)
-                for sample in self.samples:
+                for sample in todo:
                     self._run_server_sample(client, system, ratio, sample)
                     self.write()  # progress on disk after every sample
 
     def _run_server_sample(self, client, system, ratio, sample: Sample) -> None:
         start = time.monotonic()
-        for turn, ids in enumerate(self.prompts[sample.sample_id]):
+        conv = self.prompts[sample.sample_id]
+        n = len(conv.context_ids)
+        client.generate(conv.context_ids, 1)  # the context alone: compressed, kept in the tree
+        kept = 1.0 if ratio is None else tangram_kept_fraction(self.profiles[ratio], n)
+        for turn, ids in enumerate(conv.turn_ids):
             out, cached = client.generate(ids, MAX_NEW_TOKENS[sample.task])
-            kept = 1.0 if ratio is None else tangram_kept_fraction(self.profiles[ratio], len(ids))
-            self._record(system, ratio, sample, turn, ids, out, cached, kept)
+            if cached < n:
+                raise TangramError(
+                    f"{system} r={ratio} {sample.sample_id} turn {turn}: cached_tokens {cached} < "
+                    f"context {n} tokens: the compressed context was not reused from the radix "
+                    "tree (is --disable-radix-cache in --server-args, or the KV pool too small?)"
+                )
+            self._record(system, ratio, sample, turn, conv, ids, out, cached, kept)
         self.log(f"[eval] {system} r={ratio} {sample.sample_id}: {time.monotonic() - start:.0f} s")
 
     def kvpress_phase(self, eos_ids: set[int]) -> None:
         start = time.monotonic()
         runner = KvpressRunner(str(self.cfg.model_dir), eos_ids, self.cfg.threads)
         self.log(f"[eval] transformers model loaded in {time.monotonic() - start:.0f} s")
+        press = next((s for s in PRESS_SYSTEMS if s in self.cfg.systems), None)
+        first = ("full-hf", None) if press is None else (press, self.cfg.ratios[0])
         for sample in self.samples:
+            if self._done(*first, sample):
+                continue
             start = time.monotonic()
-            for turn, ids in enumerate(self.prompts[sample.sample_id]):
-                kept = {r: tangram_kept_fraction(p, len(ids)) for r, p in self.profiles.items()}
-                presses = {} if "full-hf" not in self.cfg.systems else {("full-hf", None): None}
-                for system in PRESS_SYSTEMS:
-                    if system in self.cfg.systems:
-                        for r in self.cfg.ratios:
-                            presses[(system, r)] = KvpressRunner.make_press(system, 1 - kept[r])
-                outs = runner.generate(ids, presses, MAX_NEW_TOKENS[sample.task])
-                for (system, r), out in outs.items():
-                    frac = 1.0 if r is None else kept[r]
-                    self._record(system, r, sample, turn, ids, out, 0, frac)
+            conv = self.prompts[sample.sample_id]
+            n = len(conv.context_ids)
+            kept = {r: tangram_kept_fraction(p, n) for r, p in self.profiles.items()}
+            presses = {} if "full-hf" not in self.cfg.systems else {("full-hf", None): None}
+            for system in PRESS_SYSTEMS:
+                if system in self.cfg.systems:
+                    for r in self.cfg.ratios:
+                        presses[(system, r)] = KvpressRunner.make_press(system, 1 - kept[r])
+            outs = runner.generate(conv.context_ids, conv.turn_ids, presses,
+                                   MAX_NEW_TOKENS[sample.task])  # fmt: skip
+            for (system, r), per_turn in outs.items():
+                frac = 1.0 if r is None else kept[r]
+                for turn, (ids, out) in enumerate(zip(conv.turn_ids, per_turn, strict=True)):
+                    # the context's (compressed) cache is reused by construction: cached = n
+                    self._record(system, r, sample, turn, conv, ids, out, n, frac)
+                    if r is not None and turn == 0:  # the method's own per-head allocation
+                        self.records[-1]["kept_per_head"] = runner.kept_per_head[(system, r)]
             self.log(f"[eval] kvpress {sample.sample_id}: {time.monotonic() - start:.0f} s")
             self.write()
 
-    def _record(self, system, ratio, sample, turn, ids, out, cached, kept) -> None:
+    def _done(self, system: str, ratio: float | None, sample: Sample) -> bool:
+        return any(
+            r["system"] == system and r["ratio"] == ratio and r["sample_id"] == sample.sample_id
+            for r in self.records
+        )
+
+    def _record(self, system, ratio, sample, turn, conv, ids, out, cached, kept) -> None:
         text = self.tok.decode(out, skip_special_tokens=True)
         answers = sample.turns[turn].answers
         self.records.append(
             {
                 "task": sample.task, "sample_id": sample.sample_id, "turn": turn,
                 "system": system, "ratio": ratio, "prompt_tokens": len(ids),
-                "cached_tokens": cached, "kept_fraction": round(kept, 4),
+                "context_prompt_tokens": len(conv.context_ids), "cached_tokens": cached,
+                "kept_fraction": round(kept, 4),
                 "output_ids": out, "prediction": text, "answers": list(answers),
                 **score(text, answers),
             }

@@ -1,13 +1,19 @@
 """The systems compared: SGLang servers (full KV, Tangram) and kvpress presses in transformers.
 
-Owns how one prompt (token ids) becomes greedy output ids for each system, and the budget match
-between Tangram and the presses. Samples come from ``tasks``; scoring from ``scoring``.
+Owns how one sample's token ids (``tasks.Conversation``: a context, then per-turn prompts that
+extend it) become greedy output ids for each system, and the budget match between Tangram and
+the presses. Samples come from ``tasks``; scoring from ``scoring``. Protocol (``tasks.PROTOCOL``):
+query-agnostic, the context is compressed before any question exists, the questions are appended
+uncompressed (servers: the context is its own request and later requests reuse it from the
+radix tree; kvpress: the press runs on the context prefill only).
 
 * ``full``: stock SGLang (``SGLangServer`` without ``--tangram``), ``POST /generate`` with the
   prompt ids, ``temperature 0``; radix cache on (multi-turn turns reuse the uncompressed prefix).
 * ``tangram``: the ``--tangram`` SGLang server with a static profile (``tangram_profile``: the
-  shipped matching-ratio Ada-SnapKV profile rescaled to the ratio); radix reuse on, so turn k of
-  a conversation extends the compressed history of turn k-1 (``cached_tokens`` reported).
+  shipped matching-ratio Ada-SnapKV profile rescaled to the ratio); radix reuse on, so every
+  question extends the compressed context segment (``cached_tokens`` reported and checked). A
+  question segment longer than sink + window (36 tokens) is itself compressed (Tangram compresses
+  every extend segment); the presses never compress the questions.
 * ``dynamic-ada-snapkv``: NVIDIA kvpress 0.5.5 ``AdaKVPress(SnapKVPress)``, per request and
   per layer (heads of a layer compete for the layer's budget; it masks, never frees: the paper's
   "w/o Tangram" reference, Tangram arXiv 2606.06302 §5.2).
@@ -18,15 +24,16 @@ kvpress on transformers 5.12.1 (checked 2026-11-30): ``with press(model): model.
 fails (``KeyError: 'cache_position'``: 5.12's ``generate`` no longer passes it to attention
 layers), but kvpress's hooks and attention patch work when the forward gets ``cache_position``
 (``calibrate/crosscheck.py`` does the same). So :class:`KvpressRunner` runs its own greedy loop
-(prefill + one token per step, explicit ``cache_position``/``position_ids``); with no press it
-reproduces ``model.generate``'s greedy ids. One prefill serves every press: the presses only
+(context prefill, then each turn's new tokens as one forward, then one token per step, explicit
+logical ``position_ids``); with no press it reproduces ``model.generate``'s greedy ids. One
+context prefill serves every press: the presses only
 change the cache after each layer's attention (``BasePress.forward_hook``), never the prefill's
 hidden states, so the hook below calls each press's own ``compress`` on a copy of the layer's K/V.
 
-Budget match: per prompt of ``n`` tokens, Tangram keeps ``sum_heads kept_len(n, r_group(head))``
+Budget match: per context of ``n`` tokens, Tangram keeps ``sum_heads kept_len(n, r_group(head))``
 entries (sink, recent window and group padding included); the presses get
 ``compression_ratio = 1 - that / (num_heads * n)``, so all compressed systems keep the same
-number of KV entries per prompt.
+number of KV entries of the context.
 """
 
 from __future__ import annotations
@@ -118,6 +125,8 @@ class KvpressRunner:
             model_path, dtype=torch.float32, attn_implementation="sdpa"
         ).eval()
         self.eos_ids = eos_ids
+        # press name -> [layer][kv_head] context entries kept by the last ``generate`` (tokens)
+        self.kept_per_head: dict[Any, list[list[int]]] = {}
 
     @staticmethod
     def make_press(system: str, compression_ratio: float) -> Any:
@@ -136,32 +145,54 @@ class KvpressRunner:
         raise TangramError(f"unknown press system {system!r}; use one of {PRESS_SYSTEMS}")
 
     def generate(
-        self, input_ids: list[int], presses: dict[Any, Any], max_new_tokens: int
-    ) -> dict[Any, list[int]]:
-        """Greedy output ids per press name (``None`` = no press) after one shared prefill.
+        self,
+        context_ids: list[int],
+        turn_ids: list[list[int]],
+        presses: dict[Any, Any],
+        max_new_tokens: int,
+    ) -> dict[Any, list[list[int]]]:
+        """Greedy output ids per press name (``None`` press = full KV) and turn.
+
+        Query-agnostic protocol (kvpress's pipeline with ``question=``): one shared prefill of
+        the context, each press compresses the context's K/V; then for every turn the rest of
+        that turn's prompt (questions, earlier gold answers, chat template) is prefilled
+        uncompressed on a copy of the compressed context cache, and decoding continues from it.
 
         Args:
-            input_ids: the prompt (tokens).
+            context_ids: the context (tokens), a prefix of every ``turn_ids`` entry.
+            turn_ids: each turn's full prompt (tokens).
             presses: name -> kvpress press (or None for full KV).
-            max_new_tokens: decode steps at most; stops at an eos id.
+            max_new_tokens: decode steps at most per turn; stops at an eos id.
+
+        Returns:
+            name -> one list of output ids per turn.
+
+        Raises:
+            TangramError: a turn's prompt does not extend ``context_ids``.
         """
         import torch
 
-        n = len(input_ids)
+        n = len(context_ids)
+        if any(ids[:n] != context_ids or len(ids) <= n for ids in turn_ids):
+            raise TangramError("every turn's prompt must extend the context ids by >= 1 token")
         with torch.inference_mode():
-            logits, caches, masks = self._prefill(torch.tensor([input_ids]), presses)
+            caches, masks = self._prefill(torch.tensor([context_ids]), presses)
             return {
-                name: self._decode(logits, caches[name], masks[name], n, max_new_tokens)
+                name: [
+                    self._answer(copy.deepcopy(caches[name]), masks[name], ids, n, max_new_tokens)
+                    for ids in turn_ids
+                ]
                 for name in presses
             }
 
-    def _prefill(self, ids: Any, presses: dict[str, Any]) -> tuple[Any, dict, dict]:
+    def _prefill(self, ids: Any, presses: dict[str, Any]) -> tuple[dict, dict]:
         import torch
         from transformers import DynamicCache
 
         layers = self.model.model.layers
         cache = DynamicCache(config=self.model.config)
         kept: dict[str, dict[int, tuple]] = {name: {} for name in presses}
+        self.kept_per_head = {name: [[]] * len(layers) for name in presses}
         masks: dict[str, dict[int, Any]] = {name: {} for name in presses}
 
         def fan_out(module, args, kwargs, output):  # after the layer's attention: full K/V
@@ -176,6 +207,9 @@ class KvpressRunner:
                     masks[name][module.layer_idx] = getattr(module, "masked_key_indices", None)
                     module.masked_key_indices = None
                 kept[name][module.layer_idx] = (keys, values)
+                self.kept_per_head[name][module.layer_idx] = _kept_counts(
+                    keys.shape[1], keys.shape[2], masks[name].get(module.layer_idx)
+                )
             return output
 
         n = ids.shape[1]
@@ -187,37 +221,58 @@ class KvpressRunner:
                 handle = layer.self_attn.register_forward_hook(fan_out, with_kwargs=True)
                 stack.callback(handle.remove)
             pos = torch.arange(n)
-            logits = self.model(
+            # the body only: the context's logits are not needed (no token follows it yet)
+            self.model.model(
                 input_ids=ids, past_key_values=cache, use_cache=True,
                 cache_position=pos, position_ids=pos[None],
-            ).logits[:, -1]  # fmt: skip
+            )  # fmt: skip
         caches = {}
         for name in presses:
             c = copy.deepcopy(cache)
             for i, layer in enumerate(c.layers):
                 layer.keys, layer.values = kept[name][i]
             caches[name] = c
-        return logits, caches, masks
+        return caches, masks
 
-    def _decode(self, logits, cache, masks: dict, n: int, max_new_tokens: int) -> list[int]:
+    def _answer(self, cache, masks: dict, ids: list[int], n: int, max_new_tokens: int) -> list[int]:
+        """Prefill ``ids[n:]`` uncompressed on the (compressed) context cache, then greedy decode.
+
+        Positions are logical (``n`` onwards, whatever the cache kept); transformers 5.12 builds
+        the causal mask from the cache's stored length, so the new tokens are causal among
+        themselves and see every kept context entry.
+        """
         import torch
 
         attns = [layer.self_attn for layer in self.model.model.layers]
         out: list[int] = []
+        step_ids, pos = ids[n:], torch.arange(n, len(ids))
         try:
+            for i, attn in enumerate(attns):  # AdaKV: kvpress's attention patch masks these
+                attn.masked_key_indices = masks.get(i)
             for step in range(max_new_tokens):
+                logits = self.model(
+                    input_ids=torch.tensor([step_ids]), past_key_values=cache, use_cache=True,
+                    cache_position=pos, position_ids=pos[None], logits_to_keep=1,
+                ).logits[:, -1]  # fmt: skip
                 token = int(logits.argmax(-1))
                 out.append(token)
-                if token in self.eos_ids or step == max_new_tokens - 1:
+                if token in self.eos_ids:
                     break
-                for i, attn in enumerate(attns):  # AdaKV: kvpress's attention patch masks these
-                    attn.masked_key_indices = masks.get(i)
-                pos = torch.tensor([n + step])
-                logits = self.model(
-                    input_ids=torch.tensor([[token]]), past_key_values=cache, use_cache=True,
-                    cache_position=pos, position_ids=pos[None],
-                ).logits[:, -1]  # fmt: skip
+                step_ids, pos = [token], torch.tensor([len(ids) + step])
         finally:
             for attn in attns:
                 attn.masked_key_indices = None
         return out
+
+
+def _kept_counts(num_heads: int, num_stored: int, masked: tuple | None) -> list[int]:
+    """Entries each KV head of a layer kept: stored minus AdaKV's masked ones (tokens).
+
+    ``masked`` is kvpress's ``masked_key_indices`` (batch, head, position index tensors) or None.
+    """
+    if masked is None:
+        return [num_stored] * num_heads
+    import torch
+
+    dropped = torch.bincount(masked[1].flatten(), minlength=num_heads)
+    return [num_stored - int(d) for d in dropped]

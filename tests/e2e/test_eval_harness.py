@@ -1,10 +1,12 @@
 """The accuracy harness end to end on CPU (SmolLM2): stock SGLang vs the ``--tangram`` server.
 
 One stock server start and one Tangram server start (the shipped profile rescaled to ratio 1.0,
-radix reuse on), one short sample of each task. Checks the issue-8 invariants of the harness:
-Tangram at ratio 1.0 gives exactly full KV's answers (same greedy ids on every turn), later
-multi-turn turns are served from the radix cache, and the harness's scores are the scorer's
-on the real replies (a known-good and a known-bad answer for each sample score 1 and 0).
+radix reuse on), one short sample of each task, query-agnostic protocol (each context is its own
+request, the questions follow). Checks the issue-8 invariants of the harness: Tangram at ratio
+1.0 gives exactly full KV's answers (same greedy ids on every turn), every question is served on
+the context reused from the radix cache (and later multi-turn turns on the earlier turns too),
+and the harness's scores are the scorer's on the real replies (a known-good and a known-bad
+answer for each sample score 1 and 0).
 """
 
 from __future__ import annotations
@@ -52,9 +54,12 @@ def test_tangram_at_ratio_one_answers_exactly_like_full_kv(report):
         assert cells["tangram"]["contains_answer"] == cells["full"]["contains_answer"]
 
 
-def test_later_turns_reuse_the_cached_history(report):
+def test_every_question_runs_on_the_reused_context_and_later_turns_on_the_history(report):
+    assert report["protocol"].startswith("query-agnostic")
     for system in ("full", "tangram"):
         recs = _by_key(report, system)
+        for rec in recs.values():
+            assert rec["context_prompt_tokens"] <= rec["cached_tokens"] < rec["prompt_tokens"]
         turn2 = next(r for (sid, t), r in recs.items() if sid.startswith("multiturn") and t == 1)
         turn1 = recs[(turn2["sample_id"], 0)]
         assert turn1["prompt_tokens"] - 64 <= turn2["cached_tokens"] < turn2["prompt_tokens"]

@@ -1,10 +1,12 @@
-"""The kvpress side of the harness equals kvpress's own context manager, press by press.
+"""The kvpress side of the harness equals kvpress's own pipeline protocol, press by press.
 
-``KvpressRunner`` runs one prefill for several presses (each press's ``compress`` on a copy of
-the layer's K/V) and its own greedy loop (transformers 5.12's ``generate`` does not pass
-``cache_position``, which kvpress's hook needs). Reference: ``with press(model)`` around a plain
-prefill + greedy loop per press, and ``model.generate`` without a press. SmolLM2, a real needle
-sample of ~200 tokens, compression 0.6.
+``KvpressRunner`` runs one context prefill for several presses (each press's ``compress`` on a
+copy of the layer's K/V) and its own greedy loop (transformers 5.12's ``generate`` does not pass
+``cache_position``, which kvpress's hook needs). Reference: kvpress 0.5.5's
+``KVPressTextGenerationPipeline._forward`` + ``generate_answer`` written out (``with press(model)``
+around the context prefill only, then the question and greedy decoding on the compressed cache,
+logical positions), per press; and ``model.generate`` on the whole prompt without a press.
+SmolLM2, a real needle sample of ~200 tokens (query-agnostic split), compression 0.6.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import pytest
 import torch
 
 from tangram_sglang.eval.systems import KvpressRunner, tangram_kept_fraction, tangram_profile
-from tangram_sglang.eval.tasks import build_samples, turn_input_ids
+from tangram_sglang.eval.tasks import build_samples, conversation_ids
 from tangram_sglang.profile import BudgetProfile
 
 MAX_NEW = 8
@@ -29,42 +31,64 @@ def setup(smollm2_path):
     tok = AutoTokenizer.from_pretrained(smollm2_path)
     runner = KvpressRunner(str(smollm2_path), {tok.eos_token_id})
     (sample,) = build_samples("needle", tok, 1, (160,), depths=(0.5,))
-    return runner, turn_input_ids(sample, tok)[0]
+    return runner, conversation_ids(sample, tok)
 
 
-def _reference(runner, press, ids):
+def _reference(runner, press, context_ids, ids):
+    """kvpress's pipeline: press on the context prefill only, then question + greedy decode."""
     from transformers import DynamicCache
 
-    model, n, out = runner.model, len(ids), []
+    model, n, out = runner.model, len(context_ids), []
     cache = DynamicCache(config=model.config)
-    with torch.inference_mode(), press(model) if press else contextlib.nullcontext():
-        pos = torch.arange(n)
-        logits = model(input_ids=torch.tensor([ids]), past_key_values=cache,
-                       cache_position=pos, position_ids=pos[None]).logits[:, -1]  # fmt: skip
-        for step in range(MAX_NEW):
+    with torch.inference_mode():
+        with press(model) if press else contextlib.nullcontext():
+            pos = torch.arange(n)  # kvpress's hook reads cache_position (5.12 no longer sets it)
+            model.model(input_ids=torch.tensor([context_ids]), past_key_values=cache,
+                        cache_position=pos, position_ids=pos[None])  # fmt: skip
+        position_ids = torch.arange(n, len(ids))[None]
+        logits = model(input_ids=torch.tensor([ids[n:]]), past_key_values=cache,
+                       position_ids=position_ids).logits[:, -1]  # fmt: skip
+        for i in range(MAX_NEW):
             out.append(int(logits.argmax(-1)))
-            if out[-1] in runner.eos_ids or step == MAX_NEW - 1:
+            if out[-1] in runner.eos_ids or i == MAX_NEW - 1:
                 break
-            pos = torch.tensor([n + step])
             logits = model(input_ids=torch.tensor([[out[-1]]]), past_key_values=cache,
-                           cache_position=pos, position_ids=pos[None]).logits[:, -1]  # fmt: skip
+                           position_ids=position_ids[:, -1:] + 1 + i).logits[:, -1]  # fmt: skip
     return out, cache
 
 
-def test_shared_prefill_equals_each_press_run_alone(setup):
-    runner, ids = setup
+def test_shared_context_prefill_equals_each_press_run_alone(setup):
+    runner, conv = setup
+    (ids,) = conv.turn_ids
+    assert ids[: len(conv.context_ids)] == conv.context_ids
     presses = {
         "full": None,
         "uniform": KvpressRunner.make_press("uniform-snapkv", 0.6),
         "dynamic": KvpressRunner.make_press("dynamic-ada-snapkv", 0.6),
     }
-    outs = runner.generate(ids, presses, MAX_NEW)
+    outs = runner.generate(conv.context_ids, conv.turn_ids, presses, MAX_NEW)
     for name, press in presses.items():
-        ref, cache = _reference(runner, press, ids)
-        assert outs[name] == ref, name
+        ref, cache = _reference(runner, press, conv.context_ids, ids)
+        assert outs[name] == [ref], name
+        if name == "uniform":  # the context was compressed (the question was not)
+            n, q = len(conv.context_ids), len(ids) - len(conv.context_ids)
+            assert cache.layers[0].keys.shape[2] == int(n * 0.4) + q + len(ref) - 1
     assert cache.layers[0].keys.shape[2] == len(ids) + len(ref) - 1  # AdaKV masks, never frees
+    k, heads = int(len(conv.context_ids) * 0.4), runner.model.config.num_key_value_heads
+    assert all(per_layer == [k] * heads for per_layer in runner.kept_per_head["uniform"])
+    dynamic = runner.kept_per_head["dynamic"]  # AdaKV: a layer's heads share heads * k slots
+    assert all(sum(per_layer) == heads * k for per_layer in dynamic)
+    assert any(len(set(per_layer)) > 1 for per_layer in dynamic)  # and split them unevenly
     generated = runner.model.generate(torch.tensor([ids]), max_new_tokens=MAX_NEW, do_sample=False)
-    assert generated[0, len(ids) :].tolist()[: len(outs["full"])] == outs["full"]
+    assert generated[0, len(ids) :].tolist()[: len(outs["full"][0])] == outs["full"][0]
+
+
+def test_a_turn_that_does_not_extend_the_context_is_refused(setup):
+    from tangram_sglang.errors import TangramError
+
+    runner, conv = setup
+    with pytest.raises(TangramError, match="extend the context"):
+        runner.generate(conv.context_ids, [conv.context_ids], {"full": None}, MAX_NEW)
 
 
 def test_uniform_press_keeps_the_budget_tangram_keeps(smollm2_path):

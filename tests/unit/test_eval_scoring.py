@@ -35,8 +35,9 @@ def test_known_good_and_bad_answers(prediction, answers, contains, exact):
 
 
 def _rec(task, system, ratio, ok, turn=0):
-    return {"task": task, "system": system, "ratio": ratio, "turn": turn, "contains_answer": ok,
-            "exact_match": 0.0, "kept_fraction": ratio or 1.0, "cached_tokens": 0}  # fmt: skip
+    return {"task": task, "sample_id": f"{task}:0", "system": system, "ratio": ratio,
+            "turn": turn, "contains_answer": ok, "exact_match": 0.0,
+            "kept_fraction": ratio or 1.0, "cached_tokens": 0}  # fmt: skip
 
 
 def test_summary_is_tangram_minus_each_method_in_points_over_tasks_and_ratios():
@@ -83,3 +84,20 @@ def test_merge_joins_runs_of_other_systems_on_the_same_samples():
         merge([servers, _rep(("uniform-snapkv",), [], sample_ids=("needle:1",))])
     with pytest.raises(ConfigError, match="twice"):
         merge([servers, servers])
+
+
+def test_merge_scores_only_the_samples_every_system_finished():
+    from tangram_sglang.eval.report import merge
+
+    ids = ("needle:0", "needle:1", "squad:0")
+    cut = _rep(("tangram",), [dict(_rec("needle", "tangram", 0.5, 1.0), sample_id="needle:0")],
+               sample_ids=ids)  # fmt: skip
+    full = _rep(("dynamic-ada-snapkv",), [
+        dict(_rec(t, "dynamic-ada-snapkv", 0.5, ok), sample_id=sid)
+        for t, sid, ok in (("needle", "needle:0", 1.0), ("needle", "needle:1", 0.0),
+                           ("squad", "squad:0", 1.0))
+    ], sample_ids=ids)  # fmt: skip
+    merged = merge([full, cut])
+    assert merged["scored_samples"] == ["needle:0", "squad:0"]  # squad: tangram did not run it
+    assert merged["results"]["needle"]["0.5"]["dynamic-ada-snapkv"]["contains_answer"] == 100.0
+    assert merged["summary"]["tangram_minus_dynamic_points"] == 0.0

@@ -5,7 +5,12 @@ from __future__ import annotations
 import pytest
 
 from tangram_sglang.errors import ConfigError
-from tangram_sglang.eval.tasks import build_samples, squad_paragraphs, turn_input_ids
+from tangram_sglang.eval.tasks import (
+    build_samples,
+    check_sizes,
+    conversation_ids,
+    squad_paragraphs,
+)
 
 
 @pytest.fixture(scope="module")
@@ -21,10 +26,11 @@ def test_needle_is_hidden_at_its_depth_in_a_haystack_of_the_asked_length(tok, de
     (turn,) = sample.turns
     (number,) = turn.answers
     assert len(number) == 7 and number.isdigit()
-    context = turn.user.split("afterwards.\n", 1)[1].rsplit("\nWhat is the special", 1)[0]
+    context = sample.context.split("afterwards.\n", 1)[1].removesuffix("\n")
     pos = context.index(f"is: {number}.")
     assert abs(pos / len(context) - depth) < 0.1
-    assert sample.meta["key"] in turn.user.rsplit("\n", 1)[1]  # the question names the key
+    assert sample.meta["key"] in turn.user and turn.user.startswith("What is the special")
+    assert sample.meta["key"] not in sample.context.replace(f"for {sample.meta['key']} is:", "")
     assert 380 <= len(tok(context, add_special_tokens=False)["input_ids"]) <= 420
 
 
@@ -43,9 +49,9 @@ def test_squad_sample_holds_the_gold_paragraph_and_its_answers(tok):
     (turn,) = sample.turns
     (qid,) = sample.meta["squad_ids"]
     context, qas = next((c, q) for c, q in squad_paragraphs() if any(x[0] == qid for x in q))
-    assert context in turn.user
+    assert context in sample.context and context not in turn.user
     question, answers = next((x[1], x[2]) for x in qas if x[0] == qid)
-    assert turn.user.endswith(f"Question: {question}")
+    assert turn.user == f"Question: {question}" and question not in sample.context
     assert turn.answers == answers and all(a in context for a in answers)
     assert sample.meta["num_documents"] > 1 and sample.meta["document_tokens"] <= 500
 
@@ -53,16 +59,32 @@ def test_squad_sample_holds_the_gold_paragraph_and_its_answers(tok):
 def test_multiturn_shares_one_document_and_each_turn_extends_the_last(tok):
     (sample,) = build_samples("multiturn-squad", tok, 1, (500,), num_turns=3)
     assert len(sample.turns) == 3
-    assert "Document 1:" in sample.turns[0].user
-    assert all("Document 1:" not in t.user for t in sample.turns[1:])
-    for qid in sample.meta["squad_ids"]:  # every question's gold paragraph is in turn 1
+    assert "Document 1:" in sample.context
+    assert all("Document 1:" not in t.user for t in sample.turns)
+    for qid in sample.meta["squad_ids"]:  # every question's gold paragraph is in the context
         context = next(c for c, q in squad_paragraphs() if any(x[0] == qid for x in q))
-        assert context in sample.turns[0].user
-    ids = turn_input_ids(sample, tok)
+        assert context in sample.context
+    conv = conversation_ids(sample, tok)
+    ids = [conv.context_ids, *conv.turn_ids]
     for earlier, later in zip(ids, ids[1:], strict=False):  # a radix prefix of the next turn
         assert later[: len(earlier)] == earlier and len(later) > len(earlier)
+    ids = conv.turn_ids
     gold = tok(sample.turns[0].answers[0], add_special_tokens=False)["input_ids"]
     assert ids[1][len(ids[0]) : len(ids[0]) + len(gold)] == gold  # history = gold answer
+
+
+@pytest.mark.parametrize("task", ["needle", "squad"])
+def test_the_context_ids_hold_no_question_and_the_whole_prompt_is_the_chat_template(tok, task):
+    (sample,) = build_samples(task, tok, 1, (300,))
+    conv = conversation_ids(sample, tok)
+    (ids,) = conv.turn_ids
+    context_text = tok.decode(conv.context_ids)
+    assert context_text.endswith(sample.context) and sample.turns[0].user not in context_text
+    question_text = tok.decode(ids[len(conv.context_ids) :])
+    assert question_text.startswith(sample.turns[0].user)
+    messages = [{"role": "user", "content": sample.context + sample.turns[0].user}]
+    rendered = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert tok.decode(ids) == rendered  # the split changes no text, only where tokens are cut
 
 
 @pytest.mark.parametrize(
@@ -80,3 +102,6 @@ def test_bad_sizes_are_config_errors_naming_the_flag(tok, task, kwargs, field):
     args = {"num_samples": 1, "lengths": (200,)} | kwargs
     with pytest.raises(ConfigError, match=field):
         build_samples(task, tok, **args)
+    with pytest.raises(ConfigError, match=field):  # the CLI's check, before any model loads
+        check_sizes((task,), args["num_samples"], args["lengths"], args.get("depths", (0.5,)),
+                    args.get("num_turns", 3))  # fmt: skip
