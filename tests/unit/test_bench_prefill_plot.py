@@ -1,0 +1,44 @@
+"""bench.prefill_profile case parsing and bench.plot_multiturn (points and the PNG)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tangram_sglang.bench.plot_multiturn import plot, points
+from tangram_sglang.bench.prefill_profile import Case, parse_cases
+from tangram_sglang.errors import ConfigError
+
+
+def test_parse_cases_with_and_without_history():
+    assert parse_cases("1x8192, 64x384+16384") == [Case(1, 8192), Case(64, 384, 16384)]
+    assert Case(64, 384, 16384).label == "64x384+16384" and Case(2, 8).label == "2x8"
+
+
+@pytest.mark.parametrize("bad", ["", "8192", "0x10", "2x10+-1", "ax3"])
+def test_parse_cases_rejects_bad_entries(bad):
+    with pytest.raises(ConfigError, match="--cases"):
+        parse_cases(bad)
+
+
+RESULT = {
+    "machine": "NVIDIA H200",
+    "systems": {
+        "baseline": {"workloads": {"cliff-64": {"output_tok_per_s": 148.0}}},
+        "tangram-r0.5": {"workloads": {"cliff-64": {"output_tok_per_s": 340.0}}},
+        "tangram-r0.1": {"workloads": {"cliff-64": {"output_tok_per_s": 474.0}}},
+        "tangram-r0.25": {"workloads": {"cliff-32": {"output_tok_per_s": 411.0}}},
+    },
+}
+
+
+def test_points_sorted_by_ratio_and_unmeasured_left_out():
+    tangram, stock = points(RESULT, "cliff-64")
+    assert tangram == [(0.1, 474.0), (0.5, 340.0)] and stock == {"baseline": 148.0}
+    with pytest.raises(ConfigError, match="cliff-96"):
+        points(RESULT, "cliff-96")
+
+
+def test_plot_writes_a_png(tmp_path):
+    out = tmp_path / "p.png"
+    plot(RESULT, "cliff-64", str(out))
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
