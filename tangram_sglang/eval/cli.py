@@ -49,6 +49,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--markdown", action="store_true", help="print the RESULTS.md table")
     p.add_argument("--resume", action="store_true",
                    help="keep the records in --json and run only the missing ones")  # fmt: skip
+    p.add_argument("--skip", type=int, default=0,
+                   help="leave out the first N samples (a 2nd process filling a run)")  # fmt: skip
     return p.parse_args(argv)
 
 
@@ -67,6 +69,8 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
     check_sizes(tasks, args.num_samples, lengths, depths, args.num_turns)
     if args.threads is not None and args.threads < 1:
         raise ConfigError(f"--threads must be >= 1, got {args.threads}")
+    if not 0 <= args.skip < args.num_samples * len(tasks):
+        raise ConfigError(f"--skip must lie in [0, num_samples x tasks), got {args.skip}")
     ratios = tuple(_split(args.ratios, "--ratios", float))
     if any(not 0 < r <= 1 for r in ratios):
         raise ConfigError(f"--ratios must lie in (0, 1], got {args.ratios}")
@@ -92,7 +96,7 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
         ratios=ratios, num_samples=args.num_samples, lengths=lengths, depths=depths,
         num_turns=args.num_turns, systems=systems, seed=args.seed,
         json_path=Path(args.json) if args.json else None, threads=args.threads,
-        server_args=server_args, resume=args.resume,
+        server_args=server_args, resume=args.resume, skip=args.skip,
     )  # fmt: skip
 
 

@@ -172,8 +172,12 @@ def merge(reports: list[dict[str, Any]]) -> dict[str, Any]:
     Scores are over the samples every system of a task finished (:func:`common_samples`); the
     merged report lists them in ``scored_samples``.
 
+    A (system, ratio) may come from several runs (processes that split the samples, e.g.
+    ``--skip``) as long as no sample of it is in two of them.
+
     Raises:
-        ConfigError: the runs used different samples (ids differ) or share a (system, ratio).
+        ConfigError: a run used samples the first run does not hold, or two runs hold the same
+            (system, ratio, sample).
     """
     from tangram_sglang.errors import ConfigError
 
@@ -183,9 +187,10 @@ def merge(reports: list[dict[str, Any]]) -> dict[str, Any]:
     for rep in reports:
         if not {s["sample_id"] for s in rep["samples"]} <= set(ids):
             raise ConfigError("merge: the reports were run on different samples")
-        cells = {(r["system"], r["ratio"]) for r in rep["records"]}
+        cells = {(r["system"], r["ratio"], r["sample_id"]) for r in rep["records"]}
         if cells & seen:
-            raise ConfigError(f"merge: (system, ratio) {sorted(cells & seen, key=str)} twice")
+            twice = sorted(cells & seen, key=str)[:3]
+            raise ConfigError(f"merge: (system, ratio, sample) {twice} in two reports")
         seen |= cells
     records = common_samples([r for rep in reports for r in rep["records"]])
     ratios = tuple(sorted({r for rep in reports for r in rep["config"]["ratios"]}, reverse=True))

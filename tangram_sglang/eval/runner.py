@@ -63,6 +63,8 @@ class RunConfig:
         threads: torch threads of the kvpress side.
         resume: keep the records already in ``json_path`` (same samples) and run only the
             (system, ratio, sample) cells it lacks (a run killed by a time or memory limit).
+        skip: leave out the first ``skip`` samples of the (interleaved) order: a second process
+            that fills a run from the middle (``report.merge`` joins the JSON files).
     """
 
     model: str
@@ -80,6 +82,7 @@ class RunConfig:
     server_args: tuple[str, ...] = ()
     threads: int | None = None
     resume: bool = False
+    skip: int = 0
 
 
 def shipped_profile(profile_dir: Path, ratio: float, model_dir: Path) -> BudgetProfile:
@@ -113,6 +116,7 @@ def run(cfg: RunConfig, log: Callable[[str], None] | None = None) -> dict[str, A
     # tasks interleaved (needle 0, squad 0, multi-turn 0, needle 1, ...): a run cut short still
     # holds every task at nearly the same sample count
     samples = [s for group in zip(*per_task, strict=True) for s in group]
+    samples = samples[cfg.skip :]
     prompts = {s.sample_id: conversation_ids(s, tok) for s in samples}
     profiles = {
         r: tangram_profile(shipped_profile(cfg.profile_dir, r, cfg.model_dir), r)

@@ -15,6 +15,7 @@ from tangram_sglang.eval.cli import main
         (["--lengths", "1024,0"], "--lengths"),
         (["--depths", "0.5,7"], "--depths"),
         (["--threads", "-1"], "--threads"),
+        (["--skip", "4", "--num-samples", "4"], "--skip must lie in"),
         (["--server-args", '"x'], "--server-args '\"x': No closing quotation"),
         (["--ratios", "0"], "--ratios must lie in (0, 1]"),
         (["--task", "nope"], "--task 'nope' is unknown"),

@@ -82,7 +82,7 @@ def test_merge_joins_runs_of_other_systems_on_the_same_samples():
     assert merged["config"]["systems"] == ["full", "tangram", "dynamic-ada-snapkv"]
     with pytest.raises(ConfigError, match="different samples"):
         merge([servers, _rep(("uniform-snapkv",), [], sample_ids=("needle:1",))])
-    with pytest.raises(ConfigError, match="twice"):
+    with pytest.raises(ConfigError, match="in two reports"):
         merge([servers, servers])
 
 
@@ -101,3 +101,19 @@ def test_merge_scores_only_the_samples_every_system_finished():
     assert merged["scored_samples"] == ["needle:0", "squad:0"]  # squad: tangram did not run it
     assert merged["results"]["needle"]["0.5"]["dynamic-ada-snapkv"]["contains_answer"] == 100.0
     assert merged["summary"]["tangram_minus_dynamic_points"] == 0.0
+
+
+def test_merge_joins_one_system_run_by_two_processes_on_disjoint_samples():
+    from tangram_sglang.eval.report import merge
+
+    ids = ("needle:0", "needle:1")
+    a, b = (
+        _rep(("uniform-snapkv",), [dict(_rec("needle", "uniform-snapkv", 0.5, ok), sample_id=sid)],
+             sample_ids=ids if sid == "needle:0" else (sid,))
+        for sid, ok in (("needle:0", 1.0), ("needle:1", 0.0))
+    )  # fmt: skip
+    tangram = _rep(("tangram",), [dict(_rec("needle", "tangram", 0.5, 1.0), sample_id=sid)
+                                  for sid in ids], sample_ids=ids)  # fmt: skip
+    merged = merge([a, b, tangram])
+    assert merged["scored_samples"] == ["needle:0", "needle:1"]
+    assert merged["summary"]["tangram_minus_uniform_points"] == 50.0
