@@ -7,8 +7,11 @@
   admission and decode answer in pages (retraction); every request completes, pages return.
 * The shipped 0.5 profile (chunked prefill of 128 tokens, so every chunk is a compressed
   segment) answers, holds exactly the pages Budget Reservation predicts, and fewer bytes than
-  full KV; a request larger than the whole pool is refused (HTTP 400) while the server stays up;
-  free pages return to their start value once every request has ended.
+  full KV; a fact given in turn 1 (in the compressed middle of a chunk) is recalled in turn 3
+  from the reused compressed history, and every turn's row (turns 2-3 extend a matched
+  compressed prefix) owns exactly the pages the kept-length formula gives; a request larger
+  than the whole pool is refused (HTTP 400) while the server stays up; free pages return to
+  their start value once every request has ended.
 """
 
 from __future__ import annotations
@@ -20,10 +23,12 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 import requests
+from recall_chat import KEYWORD, recall_chat
 
 from tangram_sglang.backend.state import chunked_footprint_pages
 from tangram_sglang.grouping import HeadGrouping
 from tangram_sglang.integration.metrics import GAUGES
+from tangram_sglang.mem.reservation import group_pages_needed
 from tangram_sglang.profile import BudgetProfile, ModelIdentity
 from tangram_sglang.serving import SGLangServer
 
@@ -109,7 +114,8 @@ def server05(smollm2_path):
     args = ["--tangram", "--tangram-profile", PROFILE_05, "--chunked-prefill-size",
             str(CHUNK_TOKENS), "--max-total-tokens", str(MAX_TOTAL_TOKENS),
             "--enable-metrics"]  # fmt: skip
-    with SGLangServer(smollm2_path, args=args, log_path="/tmp/tangram-e2e-r05.log") as srv:
+    log = "/tmp/tangram-e2e-r05.log"
+    with SGLangServer(smollm2_path, args=args, log_path=log, startup_timeout_s=900) as srv:
         yield srv
 
 
@@ -133,6 +139,52 @@ def test_compressed_server_answers(server05):
         "messages": [{"role": "user", "content": "What is the capital of France?"}],
     }, timeout=600).json()  # fmt: skip
     assert "Paris" in resp["choices"][0]["message"]["content"]
+
+
+def test_fact_from_turn1_is_recalled_in_turn3_with_exact_pages_per_turn(server05):
+    """The recall probe (stock SGLang recalls it too: ``test_stock_server.py``) at ratio 0.5.
+
+    Per turn the finished row's own pages follow the formula: the matched prefix's per-group
+    kept lengths (the chain of earlier chunks and decode tails), plus ``k_g`` of each 128-token
+    chunk of the extend, plus the ``T - 1`` decode tail, in pages past the shared prefix pages
+    (a partial shared last page is copied: copy-on-write). The tree keeps every row's pages, so
+    pages used = the sum over turns.
+    """
+    flush_radix(server05)  # turn 1 starts from an empty tree
+    profile = BudgetProfile.load(PROFILE_05)
+    page = server05.server_info()["tangram"]["page_size"]
+    lens_at = {0: np.zeros(profile.grouping.num_head_groups, np.int64)}  # chain depth -> lens
+    owned, checked = 0, []
+
+    def check_pages(turn) -> None:
+        nonlocal owned
+        assert turn.cached_tokens in lens_at, (turn.cached_tokens, sorted(lens_at))
+        depth, prefix = turn.cached_tokens, lens_at[turn.cached_tokens]
+        lens, left = prefix.copy(), turn.prompt_tokens - depth
+        while left > 0:  # each chunk of the extend is a segment
+            chunk = min(left, CHUNK_TOKENS)
+            lens, depth, left = lens + profile.group_kept_lens(chunk), depth + chunk, left - chunk
+            lens_at[depth] = lens
+        tail = turn.completion_tokens - 1  # the last sampled token has no KV
+        lens, depth = lens + tail, depth + tail
+        lens_at[depth] = lens
+        want = int(group_pages_needed(prefix, prefix > 0, lens - prefix, page).sum())
+        pool = pool_state(server05)
+        record = pool["last_release"]
+        assert record["logical_tokens"] == depth
+        assert record["pages"] == want  # exact to the page
+        owned += want
+        assert pool["pages_used"] == pool["radix"]["pages_held"] == owned
+        checked.append(want)
+
+    turns = recall_chat(server05.base_url, on_turn=check_pages)
+    replies = [t.reply for t in turns]
+    assert len(checked) == 3
+    assert KEYWORD not in turns[0].reply  # the fact is only in turn 1's prompt
+    assert turns[0].prompt_tokens > CHUNK_TOKENS  # the fact lies in a full, compressed chunk
+    assert turns[1].cached_tokens > 0 and turns[2].cached_tokens > 0  # compressed history reused
+    assert turns[2].cached_tokens == turns[1].prompt_tokens + turns[1].completion_tokens - 1
+    assert KEYWORD in turns[2].reply, replies
 
 
 def test_long_prompt_holds_the_reserved_pages_and_fewer_bytes(server05, tokenizer):
