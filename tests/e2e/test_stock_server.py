@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import requests
 import torch
+from recall_chat import KEYWORD, recall_chat
 
 from tangram_sglang.demo import DEFAULT_TURNS, chat
 from tangram_sglang.serving import SGLangServer
@@ -29,6 +30,14 @@ def test_three_turn_chat_reuses_the_radix_cache(server):
         assert cur.cached_tokens > 0
         assert cur.cached_tokens >= prev.prompt_tokens  # all of the previous prompt was reused
         assert cur.cached_tokens < cur.prompt_tokens
+
+
+def test_fact_from_turn1_is_recalled_in_turn3(server):
+    """Full KV recalls the probe's fact (the reference for the Tangram 0.5 recall test)."""
+    turns = recall_chat(server.base_url)
+    assert KEYWORD not in turns[0].reply  # the fact is only in turn 1's prompt
+    assert KEYWORD in turns[2].reply, [t.reply for t in turns]
+    assert turns[2].cached_tokens > 0  # turn 3 extends the cached history
 
 
 def test_greedy_tokens_match_transformers(server, smollm2_path):
