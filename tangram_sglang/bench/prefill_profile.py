@@ -13,6 +13,9 @@ events (median over layers after a warm-up pass):
   GPU time between events (includes launch gaps when the host is the bottleneck);
 * ``select_host_ms``: host wall time of the same call (no sync inside): > ``select_ms`` means
   the host issues launches slower than the GPU runs them;
+* ``select_ref_ms`` / ``select_ref_host_ms``: the same for ``backend.compress.
+  reference_kept_indices`` (the per-request path the backend ran before), and
+  ``select_equals_reference``: both gave the same indices on every layer;
 * ``kv_write_ms``: the kept-KV write kernel;
 * ``layer_ms``: the whole ``extend_layer`` (host clock, synchronised, per layer);
 * ``stock_extend_ms``: SGLang's own Triton ``extend_attention_fwd`` on the same q/k/v with the
