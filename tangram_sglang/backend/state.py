@@ -309,17 +309,32 @@ class TangramState:
         """No side effects: does one decode step of ``rows`` fit (see ``TangramMemory``)?"""
         return self.memory.can_decode([r for r in rows if self.memory.rids[r] is not None])
 
-    def too_large(self, prompt_len: int, max_new_tokens: int) -> str | None:
-        """Error message when the request needs more pages than the whole pool, else None."""
+    def too_large(
+        self, prompt_len: int, max_new_tokens: int, asked: int | None = None
+    ) -> str | None:
+        """Error message when the request needs more pages than the whole pool, else None.
+
+        Args:
+            prompt_len: prompt tokens.
+            max_new_tokens: T after SGLang capped it to its token pool (tokens); the pages are
+                computed for this value.
+            asked: the ``max_new_tokens`` the client sent (None: not set); the message names it
+                (and the cap, when SGLang lowered it).
+        """
         first = prompt_len if self.chunk_tokens <= 0 else min(prompt_len, self.chunk_tokens)
         need = self.reservation_pages(prompt_len, first, decode_tail_tokens(max_new_tokens))
         usable = self.memory.allocator.num_usable_pages
         if need <= usable:
             return None
+        if asked is not None and int(asked) == int(max_new_tokens):
+            wanted = f"max_new_tokens {max_new_tokens}"
+        else:
+            sent = "not set" if asked is None else str(int(asked))
+            wanted = f"max_new_tokens {sent}, capped to {max_new_tokens} by the server"
         return (
-            f"Tangram: request needs {need} KV pages ({prompt_len} prompt tokens, max_new_tokens "
-            f"{max_new_tokens}) but the whole pool holds {usable}; shorten the prompt or "
-            "max_new_tokens, or give the server more KV memory"
+            f"Tangram: request needs {need} KV pages ({prompt_len} prompt tokens, {wanted}) but "
+            f"the whole pool holds {usable}; shorten the prompt or max_new_tokens, or give the "
+            "server more KV memory"
         )
 
     # ---- end of a request --------------------------------------------------------------------

@@ -109,7 +109,7 @@ HOOKS: tuple[HookTarget, ...] = (
     ),
     HookTarget(
         target="sglang.srt.managers.scheduler.Scheduler.init_req_max_new_tokens",
-        hook_type="after",
+        hook_type="around",
         body="tangram_sglang.integration.hooks:refuse_too_large_request",
         purpose="abort (HTTP 400) a request whose page footprint exceeds the whole pool",
     ),

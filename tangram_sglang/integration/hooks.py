@@ -80,9 +80,9 @@ def tangram_support_triton(original: Any, *args: Any, **kwargs: Any) -> bool:
     return sglang_adapters.support_triton(original, *args, **kwargs)
 
 
-def refuse_too_large_request(result: Any, scheduler: Any, req: Any) -> None:
-    """AFTER ``Scheduler.init_req_max_new_tokens``: abort a request larger than the pool."""
-    sglang_adapters.refuse_too_large(scheduler, req)
+def refuse_too_large_request(original: Any, *args: Any, **kwargs: Any) -> Any:
+    """AROUND ``Scheduler.init_req_max_new_tokens``: abort a request larger than the pool."""
+    return sglang_adapters.refuse_too_large(original, *args, **kwargs)
 
 
 def tangram_add_one_req(original: Any, *args: Any, **kwargs: Any) -> Any:

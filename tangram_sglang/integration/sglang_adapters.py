@@ -153,19 +153,24 @@ def pool_info_of(scheduler: Any) -> dict[str, Any] | None:
     return None if state is None else state.pool_info()
 
 
-def refuse_too_large(scheduler: Any, req: Any) -> None:
-    """Abort (HTTP 400, server stays up) a request whose footprint exceeds the whole pool.
+def refuse_too_large(original: Any, scheduler: Any, req: Any, *args: Any, **kwargs: Any) -> Any:
+    """AROUND ``Scheduler.init_req_max_new_tokens``: HTTP 400 for a request larger than the pool.
 
-    Runs when the scheduler receives the request, after its ``max_new_tokens`` is resolved.
+    SGLang first resolves (and caps to its token pool) ``max_new_tokens``; the pages are counted
+    for that value, the message names what the client asked. The request is aborted (HTTP 400,
+    the server stays up) when its footprint exceeds the whole pool.
     """
+    asked = req.sampling_params.max_new_tokens
+    result = original(scheduler, req, *args, **kwargs)
     state = state_of(scheduler)
     if state is None or req.to_finish is not None:
-        return
+        return result
     message = state.too_large(
-        len(req.origin_input_ids), int(req.sampling_params.max_new_tokens or 0)
+        len(req.origin_input_ids), int(req.sampling_params.max_new_tokens or 0), asked
     )
     if message is not None:
         req.set_finish_with_abort(message)
+    return result
 
 
 def _extend_len(req: Any) -> int:

@@ -216,6 +216,13 @@ def test_request_larger_than_the_pool_is_refused_and_the_server_stays_up(server0
     }, timeout=600)  # fmt: skip
     assert resp.status_code == 400, resp.text
     assert "but the whole pool holds" in resp.text
+    # SGLang caps max_new_tokens to its token pool (to 198 here); the message names the ask.
+    resp = requests.post(f"{server05.base_url}/generate", json={
+        "input_ids": [1000 + i % 500 for i in range(MAX_TOTAL_TOKENS - 200)],
+        "sampling_params": {"temperature": 0, "max_new_tokens": 4000},
+    }, timeout=600)  # fmt: skip
+    assert resp.status_code == 400, resp.text
+    assert "max_new_tokens 4000, capped to" in resp.text
     ok = generate(server05.base_url, [1, 2, 3, 4], 4)
     assert len(ok["output_ids"]) == 4
 

@@ -133,6 +133,14 @@ def test_too_large_names_the_pool():
     assert "whole pool holds 7" in msg and "200 prompt tokens" in msg
 
 
+def test_too_large_names_the_asked_max_new_tokens_not_the_cap():
+    state = make_state(num_pages=8)
+    assert "max_new_tokens 8)" in state.too_large(200, 8, asked=8)
+    capped = state.too_large(200, 8, asked=5000)  # SGLang capped 5000 to its token pool
+    assert "max_new_tokens 5000, capped to 8 by the server" in capped
+    assert "max_new_tokens not set, capped to 8" in state.too_large(200, 8, asked=None)
+
+
 def test_prefill_and_decode_checks_count_pages_not_tokens():
     state = make_state(num_pages=9)  # 8 usable pages, 2 head groups, 4-token pages
     assert state.profile.group_kept_lens(8) == [8, 6]
