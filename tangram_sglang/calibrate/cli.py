@@ -70,7 +70,10 @@ def build_parser() -> argparse.ArgumentParser:
         default="sharegpt",
         help="sharegpt | ruler-squad | PATH.jsonl; several joined by commas",
     )
-    p.add_argument("--page-group-size", type=int, default=4, help="H_p, KV heads per head group")
+    p.add_argument(
+        "--page-group-size", type=int, default=4,
+        help="H_p, KV heads per head group (with --scope per_layer: a divisor of the KV heads)",
+    )  # fmt: skip
     p.add_argument("--scope", choices=SCOPES, default="global")
     p.add_argument("--output", required=True, help="profile JSON to write")
     p.add_argument("--alpha", type=float, default=2.0, help="r = mean + alpha * std")
@@ -148,7 +151,8 @@ def calibrate(args: argparse.Namespace, command: str) -> BudgetProfile:
     config = AutoConfig.from_pretrained(path)
     identity = ModelIdentity.from_hf_config(config)
     shape = (identity.num_layers, identity.num_kv_heads)
-    HeadGrouping.build(np.ones(shape), args.page_group_size, args.scope)  # fail before the run
+    check_grouping(args, identity.num_kv_heads)  # fail before the run
+    HeadGrouping.build(np.ones(shape), args.page_group_size, args.scope)
     max_tokens = args.max_tokens or min(int(config.max_position_embeddings), 8192)
     tok = AutoTokenizer.from_pretrained(path)
     samples = load_samples(
@@ -220,12 +224,33 @@ def check_args(args: argparse.Namespace) -> None:
         "--max-tokens": (args.min_tokens if args.max_tokens is None else args.max_tokens, 1),
         "--sink-tokens": (args.sink_tokens, 0),
         "--recent-window": (args.recent_window, 0),
+        "--page-group-size": (args.page_group_size, 1),
     }
     for flag, (value, low) in counts.items():
         if value < low:
             raise ConfigError(f"{flag} {value} must be >= {low}")
     get_scorer(args.scorer, obs_window=args.obs_window, kernel_size=args.kernel_size)
     _check_output(Path(args.output))
+
+
+def check_grouping(args: argparse.Namespace, num_kv_heads: int) -> None:
+    """``--page-group-size`` fits the model's KV heads for ``--scope`` (config read, no weights).
+
+    ``per_layer`` groups never span layers, so H_p must divide the KV heads of a layer;
+    ``global`` groups span layers and any H_p >= 1 works (the last group may be partial).
+
+    Raises:
+        ConfigError: naming both flags, the model's KV head count and the divisors to pick.
+    """
+    from tangram_sglang.errors import ConfigError
+
+    h_p = int(args.page_group_size)
+    if args.scope == "per_layer" and num_kv_heads % h_p:
+        divisors = ", ".join(str(d) for d in range(1, num_kv_heads + 1) if num_kv_heads % d == 0)
+        raise ConfigError(
+            f"--page-group-size {h_p} does not divide the model's {num_kv_heads} KV heads per "
+            f"layer, which --scope per_layer needs; pick one of {divisors} or use --scope global"
+        )
 
 
 def _check_output(out: Path) -> None:

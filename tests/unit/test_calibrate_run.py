@@ -122,7 +122,11 @@ def test_bad_arguments_fail_before_running_and_write_nothing(smollm2_path, tmp_p
         *TINY,
     ]
     assert calibrate_main([*args, "--page-group-size", "2", "--scope", "per_layer"]) == 2
-    assert "does not divide num_kv_heads=3" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "--page-group-size 2 does not divide the model's 3 KV heads" in err
+    assert "--scope per_layer needs; pick one of 1, 3 or use --scope global" in err
+    assert calibrate_main([*args, "--page-group-size", "7", "--scope", "per_layer"]) == 2
+    assert "--page-group-size 7 does not divide" in capsys.readouterr().err
     assert calibrate_main([*args[:5], "1.5", *args[6:]]) == 2
     assert "--target-ratio 1.5" in capsys.readouterr().err
     assert calibrate_main([*args, "--dataset", "nope"]) == 2
@@ -145,6 +149,7 @@ def test_show_rejects_a_bad_profile(tmp_path, capsys):
         (["--max-tokens", "0"], "--max-tokens 0 must be >= 1"),  # used to mean "the default"
         (["--sink-tokens", "-1"], "--sink-tokens -1 must be >= 0"),
         (["--recent-window", "-1"], "--recent-window -1 must be >= 0"),
+        (["--page-group-size", "0"], "--page-group-size 0 must be >= 1"),
         (["--obs-window", "0"], "obs_window=0 must be >= 1"),
         (["--output", "{tmp}/file.txt/p.json"], "is not a writable folder"),
         (["--output", "{tmp}"], "is a folder"),
