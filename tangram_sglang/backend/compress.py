@@ -23,6 +23,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from tangram_sglang.errors import KernelError
 from tangram_sglang.scoring.base import Scorer
 from tangram_sglang.scoring.select import priority_key, select_kept
 
@@ -113,6 +114,9 @@ def batch_kept_indices(
         keeps tokens ``out[i, h, :k]`` (ascending, indices into the request's new tokens), 0
         after. Identical to ``select_kept`` on each request's scores.
 
+    Raises:
+        KernelError: a count outside ``[1, n]`` for a non-empty segment (host check).
+
     Source: notes/INTERFACES.md (``Scorer.score``, ``select_kept``).
     """
     kept_host = np.asarray(kept_per_head, np.int64).reshape(len(bounds) - 1, k_new.shape[1])
@@ -129,6 +133,11 @@ def batch_kept_indices(
             continue
         run_k = kept_host[first:end]
         run_max = int(run_k.max())
+        if int(run_k.min()) < 1 or run_max > n:  # host check: select_kept's contract, no sync
+            raise KernelError(
+                f"batch_kept_indices: kept_per_head of requests {first}..{end - 1} must lie in "
+                f"[1, n={n}] (no head keeps 0 tokens), got {run_k.min()}..{run_max}"
+            )
         if int(run_k.min()) == n:  # every head keeps the whole segment: no scoring needed
             out[first:end, :, :n] = torch.arange(n, device=device)
             continue

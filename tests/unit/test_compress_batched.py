@@ -81,3 +81,13 @@ def test_extend_metadata_builds_every_layers_kept_counts_once():
     plain = md.extend_metadata([3, 4], [9, 6], kept, "cpu")
     host, dev = plain.layer_kept(1, group_of_head[1])
     assert dev is None and host.tolist() == [[2, 5, 2], [1, 3, 1]]
+
+
+@pytest.mark.parametrize("bad", [0, 7], ids=["zero", "above-n"])
+def test_kept_counts_outside_one_to_n_raise(bad):
+    from tangram_sglang.errors import KernelError
+
+    scorer = SnapKVScorer(obs_window=4, kernel_size=1)
+    q, k, lse, bounds = _batch([6, 6], 0)
+    with pytest.raises(KernelError, match=r"\[1, n=6\]"):
+        batch_kept_indices(scorer, q, k, lse, bounds, [[2, 3, 4], [2, bad, 4]], 0.3, 1, 1)
