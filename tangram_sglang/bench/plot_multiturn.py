@@ -25,16 +25,23 @@ def points(result: dict, workload: str) -> tuple[list[tuple[float, float]], dict
     """``(tangram [(ratio, tok/s)] sorted by ratio, {stock system: tok/s})`` of ``workload``.
 
     Raises:
-        ConfigError: no system measured ``workload``.
+        ConfigError: not a ``bench.multiturn`` result (no ``systems`` object, a ``tangram-rR``
+            name without a number), or no system measured ``workload``.
     """
+    systems = result.get("systems") if isinstance(result, dict) else None
+    if not isinstance(systems, dict):
+        raise ConfigError("result: not a bench.multiturn JSON (no 'systems' object)")
     tangram, stock = [], {}
-    for name, system in result.get("systems", {}).items():
-        run = (system.get("workloads") or {}).get(workload) or {}
+    for name, system in systems.items():
+        run = ((system or {}).get("workloads") or {}).get(workload) or {}
         tok_s = run.get("output_tok_per_s")
         if tok_s is None:
             continue
         if name.startswith("tangram-r"):
-            tangram.append((float(name.removeprefix("tangram-r")), float(tok_s)))
+            try:
+                tangram.append((float(name.removeprefix("tangram-r")), float(tok_s)))
+            except ValueError:
+                raise ConfigError(f"result: system {name!r} is not tangram-r<ratio>") from None
         elif name.startswith("baseline"):
             stock[name] = float(tok_s)
     if not tangram and not stock:
@@ -86,9 +93,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--output", required=True, help="PNG path")
     args = p.parse_args(argv)
     try:
-        plot(json.loads(Path(args.result).read_text()), args.workload, args.output)
+        result = json.loads(Path(args.result).read_text())
+    except (OSError, ValueError) as exc:
+        print(f"plot_multiturn: result {args.result!r} is not a readable JSON file: {exc}",
+              file=sys.stderr)  # fmt: skip
+        return 2
+    try:
+        plot(result, args.workload, args.output)
     except ConfigError as exc:
         print(f"plot_multiturn: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:
+        print(f"plot_multiturn: --output {args.output!r} cannot be written: {exc}", file=sys.stderr)
         return 2
     print(f"wrote {args.output}")
     return 0

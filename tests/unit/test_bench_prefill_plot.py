@@ -42,3 +42,17 @@ def test_plot_writes_a_png(tmp_path):
     out = tmp_path / "p.png"
     plot(RESULT, "cliff-64", str(out))
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize(
+    "text", [None, "[1,", "[1, 2]", '{"systems": {"tangram-rX": {"workloads": {"w": {}}}}}']
+)
+def test_plot_cli_bad_result_exits_2_without_a_traceback(tmp_path, capsys, text):
+    from tangram_sglang.bench.plot_multiturn import main
+
+    path = tmp_path / "r.json"
+    if text is not None:
+        text = text.replace("{}", '{"output_tok_per_s": 1.0}')
+        path.write_text(text)
+    assert main([str(path), "--workload", "w", "--output", str(tmp_path / "p.png")]) == 2
+    assert "plot_multiturn: result" in capsys.readouterr().err
