@@ -43,7 +43,7 @@ from typing import Any
 
 import torch
 
-from tangram_sglang.errors import ConfigError
+from tangram_sglang.errors import ConfigError, TangramError
 
 
 @dataclass(frozen=True, slots=True)
@@ -267,10 +267,22 @@ def profile_case(profile, case: Case, device: torch.device, page_size: int,
     return res
 
 
-def main(argv: list[str] | None = None) -> int:
-    """CLI (see the module docstring); prints one line per case and a table."""
+def _load_profile(path: str, target_ratio: float):
+    """``BudgetProfile.load(path).rescaled(target_ratio)``; ConfigError names the flag."""
     from tangram_sglang.profile import BudgetProfile
 
+    try:
+        profile = BudgetProfile.load(path)
+    except TangramError as exc:
+        raise ConfigError(f"--profile: {exc}") from None
+    try:
+        return profile.rescaled(target_ratio)
+    except TangramError as exc:
+        raise ConfigError(f"--target-ratio: {exc}") from None
+
+
+def main(argv: list[str] | None = None) -> int:
+    """CLI (see the module docstring); prints one line per case and a table."""
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--profile", required=True, help="budget profile JSON (the server's)")
     p.add_argument("--target-ratio", type=float, default=0.25, help="mean kept fraction")
@@ -279,11 +291,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", default=None, help="write the results here")
     p.add_argument("--trace-table", default=None, help="torch.profiler tables (first case)")
     args = p.parse_args(argv)
+    try:  # every flag checked before the GPU is touched
+        cases = parse_cases(args.cases)
+        if args.page_size < 1:
+            raise ConfigError(f"--page-size must be >= 1 (tokens), got {args.page_size}")
+        profile = _load_profile(args.profile, args.target_ratio)
+    except TangramError as exc:
+        print(f"prefill_profile: {exc}", file=sys.stderr)
+        return 2
     if not torch.cuda.is_available():
         print("prefill_profile: needs a CUDA device", file=sys.stderr)
         return 2
-    cases = parse_cases(args.cases)
-    profile = BudgetProfile.load(args.profile).rescaled(args.target_ratio)
     device = torch.device("cuda")
     results = []
     for i, case in enumerate(cases):

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from tangram_sglang.bench.plot_multiturn import plot, points
 from tangram_sglang.bench.prefill_profile import Case, parse_cases
 from tangram_sglang.errors import ConfigError
+
+PROFILE = Path(__file__).resolve().parents[2] / "calibration/qwen2.5-0.5b/ada-snapkv-r0.25.json"
 
 
 def test_parse_cases_with_and_without_history():
@@ -56,3 +60,22 @@ def test_plot_cli_bad_result_exits_2_without_a_traceback(tmp_path, capsys, text)
         path.write_text(text)
     assert main([str(path), "--workload", "w", "--output", str(tmp_path / "p.png")]) == 2
     assert "plot_multiturn: result" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("extra", "flag"),
+    [
+        (["--cases", "0x1"], "--cases"),
+        (["--page-size", "0"], "--page-size"),
+        (["--target-ratio", "2"], "--target-ratio"),
+    ],
+    ids=["cases", "page-size", "target-ratio"],
+)
+def test_prefill_profile_cli_checks_flags_before_the_gpu(tmp_path, capsys, extra, flag):
+    from tangram_sglang.bench.prefill_profile import main
+
+    profile = PROFILE
+    assert main(["--profile", str(profile), *extra]) == 2
+    assert flag in capsys.readouterr().err
+    assert main(["--profile", str(tmp_path / "none.json")]) == 2
+    assert "--profile" in capsys.readouterr().err
