@@ -16,6 +16,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -100,12 +101,31 @@ class SGLangServer:
         self.stop()
 
     def start(self) -> None:
-        """Launch and wait until ``/health`` answers 200 (the server's warm-up has run)."""
+        """Launch and wait until ``/health`` answers 200 (the server's warm-up has run).
+
+        The server runs in its own session, so signals to the caller never reach it: SIGTERM
+        to the caller (``timeout``, CI) becomes ``KeyboardInterrupt`` like Ctrl-C (when the
+        caller runs on the main thread and kept the default SIGTERM action), and an interrupt
+        during start-up stops the server before it propagates; afterwards ``with`` blocks and
+        pytest fixture teardowns stop it.
+        """
+        if (
+            threading.current_thread() is threading.main_thread()
+            and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+        ):
+            signal.signal(signal.SIGTERM, signal.default_int_handler)
         log = self.log_path.open("w")
         self.process = subprocess.Popen(
             self.command, env=self._env, stdout=log, stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL, start_new_session=True,
         )  # fmt: skip
+        try:
+            self._wait_healthy()
+        except BaseException:
+            self.stop()
+            raise
+
+    def _wait_healthy(self) -> None:
         deadline = time.monotonic() + self._timeout
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
@@ -119,7 +139,6 @@ class SGLangServer:
             except requests.RequestException:
                 pass
             time.sleep(1.0)
-        self.stop()
         raise TangramError(
             f"SGLang server not healthy after {self._timeout:.0f} s; log {self.log_path}:\n"
             f"{self.log_tail()}"
