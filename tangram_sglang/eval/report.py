@@ -219,6 +219,26 @@ def common_samples(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [rec for rec in records if rec["sample_id"] in keep[rec["task"]]]
 
 
+def load_report(path: Any) -> dict[str, Any]:
+    """One accuracy JSON (``python -m tangram_sglang.eval --json``) from ``path``.
+
+    Raises:
+        ConfigError: unreadable, not JSON, or without the ``config``/``samples``/``records``
+            keys of a report.
+    """
+    import json
+
+    from tangram_sglang.errors import ConfigError
+
+    try:
+        rep = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"report {str(path)!r} is not a readable JSON file: {exc}") from None
+    if not isinstance(rep, dict) or not {"config", "samples", "records"} <= rep.keys():
+        raise ConfigError(f"report {str(path)!r}: not an eval report (config, samples, records)")
+    return rep
+
+
 def main(argv: list[str] | None = None) -> int:
     """``python -m tangram_sglang.eval.report A.json B.json --json OUT``: merge, print table."""
     import argparse
@@ -229,8 +249,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("reports", nargs="+", help="accuracy JSON files of the same samples")
     p.add_argument("--json", required=True, help="merged output")
     args = p.parse_args(argv)
-    rep = merge([json.loads(Path(path).read_text()) for path in args.reports])
-    Path(args.json).write_text(json.dumps(rep, indent=1) + "\n")
+    from tangram_sglang.errors import TangramError
+
+    try:
+        rep = merge([load_report(Path(path)) for path in args.reports])
+        Path(args.json).write_text(json.dumps(rep, indent=1) + "\n")
+    except TangramError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:
+        print(f"error: --json {args.json!r} cannot be written: {exc}", file=sys.stderr)
+        return 2
     print(markdown_table(rep))
     print(json.dumps({k: v for k, v in rep["summary"].items() if k != "records"}, indent=1))
     return 0

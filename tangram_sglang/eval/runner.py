@@ -140,7 +140,10 @@ def _resumed(cfg: RunConfig, sample_ids: set[str], log: Callable[[str], None]) -
     """The records of ``cfg.json_path`` to keep when resuming (none otherwise)."""
     if not cfg.resume or cfg.json_path is None or not cfg.json_path.is_file():
         return []
-    records = json.loads(cfg.json_path.read_text())["records"]
+    try:
+        records = report.load_report(cfg.json_path)["records"]
+    except ConfigError as exc:
+        raise ConfigError(f"--resume: {exc}; use another --json") from None
     if not {r["sample_id"] for r in records} <= sample_ids:
         raise ConfigError(f"--resume: {cfg.json_path} holds other samples; use another --json")
     log(f"[eval] resuming: {len(records)} records kept from {cfg.json_path}")

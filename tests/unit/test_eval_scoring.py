@@ -117,3 +117,14 @@ def test_merge_joins_one_system_run_by_two_processes_on_disjoint_samples():
     merged = merge([a, b, tangram])
     assert merged["scored_samples"] == ["needle:0", "needle:1"]
     assert merged["summary"]["tangram_minus_uniform_points"] == 50.0
+
+
+@pytest.mark.parametrize("text", [None, "{", "[]", '{"records": []}'], ids=str)
+def test_merge_cli_bad_report_exits_2_naming_the_file(tmp_path, capsys, text):
+    from tangram_sglang.eval.report import main
+
+    path = tmp_path / "a.json"
+    if text is not None:
+        path.write_text(text)
+    assert main([str(path), "--json", str(tmp_path / "out.json")]) == 2
+    assert f"report '{path}'" in capsys.readouterr().err
