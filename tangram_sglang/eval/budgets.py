@@ -21,6 +21,8 @@ from typing import Any
 import numpy as np
 from scipy.stats import spearmanr
 
+from tangram_sglang.errors import TangramError
+from tangram_sglang.eval.report import load_report
 from tangram_sglang.eval.runner import shipped_profile
 from tangram_sglang.eval.systems import tangram_profile
 from tangram_sglang.profile import BudgetProfile
@@ -93,14 +95,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("report", help="accuracy JSON with kvpress records (kept_per_head)")
     p.add_argument("--profile-dir", default=None, help="default calibration/<model>")
     args = p.parse_args(argv)
-    rep = json.loads(Path(args.report).read_text())
-    repo = Path(__file__).resolve().parents[2]
-    profile_dir = Path(args.profile_dir or repo / "calibration" / rep["model"])
-    model_dir = model_path(rep["model"])
-    ratios = {r["ratio"] for r in rep["records"] if r["system"] == DYNAMIC and r["ratio"]}
-    profiles = {
-        r: tangram_profile(shipped_profile(profile_dir, r, model_dir), r) for r in sorted(ratios)
-    }
+    try:
+        rep = load_report(Path(args.report))
+        repo = Path(__file__).resolve().parents[2]
+        profile_dir = Path(args.profile_dir or repo / "calibration" / rep["model"])
+        model_dir = model_path(rep["model"])
+        ratios = {r["ratio"] for r in rep["records"] if r["system"] == DYNAMIC and r["ratio"]}
+        profiles = {
+            r: tangram_profile(shipped_profile(profile_dir, r, model_dir), r)
+            for r in sorted(ratios)
+        }
+    except TangramError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     print(json.dumps(compare(rep, profiles), indent=1))
     return 0
 

@@ -223,8 +223,8 @@ def load_report(path: Any) -> dict[str, Any]:
     """One accuracy JSON (``python -m tangram_sglang.eval --json``) from ``path``.
 
     Raises:
-        ConfigError: unreadable, not JSON, or without the ``config``/``samples``/``records``
-            keys of a report.
+        ConfigError: unreadable, not JSON, or without the ``model``/``config``/``samples``/
+            ``records`` keys of a report.
     """
     import json
 
@@ -234,8 +234,10 @@ def load_report(path: Any) -> dict[str, Any]:
         rep = json.loads(path.read_text())
     except (OSError, ValueError) as exc:
         raise ConfigError(f"report {str(path)!r} is not a readable JSON file: {exc}") from None
-    if not isinstance(rep, dict) or not {"config", "samples", "records"} <= rep.keys():
-        raise ConfigError(f"report {str(path)!r}: not an eval report (config, samples, records)")
+    if not isinstance(rep, dict) or not {"model", "config", "samples", "records"} <= rep.keys():
+        raise ConfigError(
+            f"report {str(path)!r}: not an eval report (model, config, samples, records)"
+        )
     return rep
 
 
