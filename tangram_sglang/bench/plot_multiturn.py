@@ -76,8 +76,8 @@ def plot(result: dict, workload: str, output: str) -> None:
     ax.set_xticks([0.1, 0.25, 0.5, 1.0])
     ax.set_xlim(0, 1.08)
     ax.set_ylim(bottom=0)
-    ax.set_title(f"{workload}, {result.get('machine', '')}, Llama-3.1-8B shape (dummy weights)",
-                 fontsize=9)  # fmt: skip
+    model = Path(str(result.get("model_path", ""))).name  # the result's model, not a fixed one
+    ax.set_title(f"{workload}, {result.get('machine', '')}, {model}", fontsize=9)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, loc="lower left")
     fig.tight_layout()
