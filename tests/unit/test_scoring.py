@@ -191,3 +191,18 @@ def test_scorers_run_on_half_precision_inputs():
     for name in available_scorers():
         scores = get_scorer(name, obs_window=8).score(q, k, 0.25)
         assert scores.dtype == torch.float32 and scores.shape == (2, 30)
+
+
+@pytest.mark.parametrize("lead", [(), (2,)], ids=["no-batch", "batch"])
+def test_window_attention_gqa_matches_repeated_kv_heads(lead):
+    # 6 query heads over 3 KV heads (gqa 2): each query head must read its own KV head exactly as
+    # HF's repeat_kv does; random tensors so every wrong head mapping changes the numbers.
+    torch.manual_seed(0)
+    q, k = torch.randn(*lead, 6, 5, D), torch.randn(*lead, 3, 11, D)
+    k_rep = k.repeat_interleave(2, dim=-3)  # query head h reads KV head h // 2
+    logits = (q @ k_rep.transpose(-1, -2)) * 0.2
+    future = torch.triu(torch.ones(5, 11, dtype=torch.bool), diagonal=7)
+    logits = logits.masked_fill(future, float("-inf"))
+    torch.testing.assert_close(window_attention(q, k, 0.2, None), torch.softmax(logits, -1))
+    lse = torch.logsumexp(logits, dim=-1) + 0.5
+    torch.testing.assert_close(window_attention(q, k, 0.2, lse), torch.exp(logits - lse[..., None]))
