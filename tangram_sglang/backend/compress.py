@@ -147,40 +147,6 @@ def batch_kept_indices(
     return out
 
 
-def segment_kept_indices(
-    scorer: Scorer,
-    q_seg: torch.Tensor,
-    k_seg: torch.Tensor,
-    lse_seg: torch.Tensor,
-    kept_per_head: list[int],
-    sm_scale: float,
-    sink_tokens: int,
-    recent_window: int,
-) -> torch.Tensor:
-    """Kept token indices of one request's segment, per KV head of one layer (per layer).
-
-    Args:
-        scorer: the profile's scorer (its ``obs_window`` = w).
-        q_seg: ``[n, num_qo_heads, D]`` the segment's queries (post-RoPE).
-        k_seg: ``[n, H_kv, D]`` the segment's keys (post-RoPE, transient).
-        lse_seg: float32 ``[n, num_qo_heads]`` extend-attention normaliser (history + segment).
-        kept_per_head: ``H_kv`` ints, ``k_g`` of each head's group (tokens, 1 <= k <= n).
-        sm_scale: softmax scale of the layer.
-        sink_tokens, recent_window: the profile's always-kept tokens.
-
-    Returns:
-        int64 ``[H_kv, max(kept_per_head)]``: head h's kept indices (ascending) in its first
-        ``kept_per_head[h]`` entries, 0-padded after (the kv-write reads only the counted ones).
-
-    Source: notes/INTERFACES.md (``Scorer.score``, ``select_kept``).
-    """
-    bounds = [0, int(k_seg.shape[0])]
-    return batch_kept_indices(
-        scorer, q_seg, k_seg, lse_seg, bounds, [list(kept_per_head)], sm_scale, sink_tokens,
-        recent_window,
-    )[0]  # fmt: skip
-
-
 def reference_kept_indices(
     scorer: Scorer,
     q: torch.Tensor,

@@ -67,16 +67,14 @@ class TangramForwardMetadata:
     def batch_size(self) -> int:
         return int(self.req_rows.shape[0])
 
-    def kept_per_head(self, group_of_head: np.ndarray) -> list[list[int]]:
-        """Per request, ``k_g`` of each KV head of one layer (``group_of_head`` int ``[H_kv]``)."""
-        assert self.kept_lens is not None, "kept_per_head is for extend batches"
-        return self.kept_lens[:, np.asarray(group_of_head, np.int64)].tolist()
-
-    def layer_kept(self, layer: int, group_of_head: np.ndarray) -> tuple:
+    def layer_kept(
+        self, layer: int, group_of_head: np.ndarray
+    ) -> tuple[np.ndarray, torch.Tensor | None]:
         """``(host int64 [bs, H_kv], device int64 [bs, H_kv] or None)``: k_g of layer's heads.
 
         From the per-batch tables when :func:`extend_metadata` got every layer's group map
-        (no host-to-device copy per layer), else computed on the host (device part None).
+        (no host-to-device copy per layer; ``group_of_head`` is then not read), else computed on
+        the host from ``group_of_head`` int ``[H_kv]`` (device part None).
         """
         if self.kept_heads_host is not None and self.kept_heads is not None:
             return self.kept_heads_host[layer], self.kept_heads[layer]

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from tangram_sglang.backend import metadata as md
-from tangram_sglang.backend.compress import batch_kept_indices, segment_kept_indices
+from tangram_sglang.backend.compress import batch_kept_indices
 from tangram_sglang.backend.state import TangramState, build_scorer, chunked_footprint_pages
 from tangram_sglang.errors import KernelError
 from tangram_sglang.grouping import HeadGrouping
@@ -48,7 +48,7 @@ def test_extend_metadata_builds_indptr_and_counts_once():
     assert meta.req_rows.tolist() == [3, 1] and meta.req_rows.dtype == torch.int32
     assert meta.kept_count.tolist() == kept.tolist() and meta.kept_count.dtype == torch.int32
     assert meta.max_extend_len == 7
-    assert meta.kept_per_head(np.array([1, 0])) == [[3, 5], [1, 2]]
+    assert meta.layer_kept(0, np.array([1, 0]))[0].tolist() == [[3, 5], [1, 2]]
 
 
 def test_decode_metadata_points_at_the_new_token_slot():
@@ -64,7 +64,7 @@ def test_decode_metadata_points_at_the_new_token_slot():
 def test_ratio_one_keeps_the_whole_segment_without_scoring():
     scorer = build_scorer(make_profile())
     q, k = torch.randn(6, 4, 16), torch.randn(6, 2, 16)
-    idx = segment_kept_indices(scorer, q, k, torch.zeros(6, 4), [6, 6], 0.35, 1, 2)
+    idx = batch_kept_indices(scorer, q, k, torch.zeros(6, 4), [0, 6], [[6, 6]], 0.35, 1, 2)[0]
     assert idx.tolist() == [list(range(6))] * 2
 
 
@@ -75,7 +75,7 @@ def test_each_head_keeps_its_own_top_k():
     )  # calibration options, unknown dropped
     q, k = torch.randn(10, 4, 16), torch.randn(10, 2, 16)
     lse = torch.randn(10, 4)
-    idx = segment_kept_indices(scorer, q, k, lse, [4, 7], 0.35, 1, 2)
+    idx = batch_kept_indices(scorer, q, k, lse, [0, 10], [[4, 7]], 0.35, 1, 2)[0]
     scores = scorer.score(q[7:].transpose(0, 1), k.transpose(0, 1), 0.35, lse[7:].transpose(0, 1))
     assert idx.shape == (2, 7)
     assert idx[0, :4].tolist() == select_kept(scores[:1], 4, 1, 2)[0].tolist()
@@ -168,7 +168,7 @@ def test_extend_then_decode_matches_attention_over_the_kept_tokens(ratio):
     pools = (mem.kv_pool.k_pool, mem.kv_pool.v_pool, mem.table.page_table, mem.table.group_len)
     out, lse = reference.extend_reference(q, k, v, meta.qo_indptr, *pools, meta.req_rows, goh,
                                           coh, 0.35)  # fmt: skip
-    per_head = meta.kept_per_head(profile.grouping.cluster_of[layer])
+    per_head, _ = meta.layer_kept(layer, profile.grouping.cluster_of[layer])
     kept = batch_kept_indices(state.scorer, q, k, lse, meta.bounds, per_head, 0.35, 1, 2)
     reference.kv_write_reference(k, v, meta.qo_indptr, kept, meta.kept_count, *pools,
                                  meta.req_rows, goh, coh)  # fmt: skip
