@@ -32,6 +32,29 @@ CPU_DEFAULTS = {
 }
 
 
+_LIVE: set[int] = set()  # id() of servers that turned SIGTERM into KeyboardInterrupt
+_SAVED_SIGTERM: list = []  # the caller's SIGTERM action while _LIVE is not empty
+
+
+def _sigterm_as_interrupt(server: object, on: bool) -> None:
+    """While any server runs, SIGTERM raises ``KeyboardInterrupt`` (main thread, default action).
+
+    The server lives in its own session, so a SIGTERM to the caller (``timeout``, CI) would
+    otherwise kill the caller and leave the server running; the caller's action comes back when
+    the last server stops.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        return
+    if on and not _LIVE and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+        _SAVED_SIGTERM.append(signal.signal(signal.SIGTERM, signal.default_int_handler))
+    if on and _SAVED_SIGTERM:
+        _LIVE.add(id(server))
+    elif not on and id(server) in _LIVE:
+        _LIVE.discard(id(server))
+        if not _LIVE:
+            signal.signal(signal.SIGTERM, _SAVED_SIGTERM.pop())
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that was free a moment ago."""
     with socket.socket() as s:
@@ -109,11 +132,7 @@ class SGLangServer:
         during start-up stops the server before it propagates; afterwards ``with`` blocks and
         pytest fixture teardowns stop it.
         """
-        if (
-            threading.current_thread() is threading.main_thread()
-            and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
-        ):
-            signal.signal(signal.SIGTERM, signal.default_int_handler)
+        _sigterm_as_interrupt(self, True)
         log = self.log_path.open("w")
         self.process = subprocess.Popen(
             self.command, env=self._env, stdout=log, stderr=subprocess.STDOUT,
@@ -157,6 +176,7 @@ class SGLangServer:
             os.killpg(proc.pid, signal.SIGKILL)  # children that outlived the launcher
         proc.wait()
         self.process = None
+        _sigterm_as_interrupt(self, False)
 
     def log_tail(self, num_lines: int = 40) -> str:
         """The last lines of the server log."""

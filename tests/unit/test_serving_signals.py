@@ -71,3 +71,24 @@ def test_sigterm_to_the_holder_stops_the_server(tmp_path: Path, phase: str):
             holder.kill()
         if pid_file.exists() and pid_file.read_text() and _alive(int(pid_file.read_text())):
             os.kill(int(pid_file.read_text()), signal.SIGKILL)  # only when the test failed
+
+
+def test_the_callers_sigterm_action_returns_when_the_last_server_stops(tmp_path: Path):
+    from tangram_sglang.serving import SGLangServer
+
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    servers = [SGLangServer("unused", device="gpu-not-used") for _ in range(2)]
+    for i, srv in enumerate(servers):
+        pid_file = str(tmp_path / f"{i}.pid")
+        srv.command = [sys.executable, "-c", CHILD, pid_file, "healthy", str(srv.port)]
+    try:
+        for srv in servers:
+            srv.start()
+            assert signal.getsignal(signal.SIGTERM) is signal.default_int_handler
+        servers[0].stop()
+        assert signal.getsignal(signal.SIGTERM) is signal.default_int_handler  # one still runs
+        servers[1].stop()
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    finally:
+        for srv in servers:
+            srv.stop()
