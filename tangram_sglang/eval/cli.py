@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 
 from tangram_sglang.errors import TangramError
-from tangram_sglang.eval.runner import SYSTEMS, RunConfig, run
+from tangram_sglang.eval.runner import CHUNKED_PREFILL_TOKENS, SYSTEMS, RunConfig, run
 from tangram_sglang.eval.tasks import TASKS, check_sizes
 
 REPO = Path(__file__).resolve().parents[2]
@@ -84,6 +84,15 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
         server_args = tuple(shlex.split(args.server_args))
     except ValueError as exc:
         raise ConfigError(f"--server-args {args.server_args!r}: {exc}") from None
+    # Tangram must compress each context as ONE segment (same scope as kvpress's press) for the
+    # per-head budgets and scores to be comparable; the template adds < 1k tokens.
+    if any(a.startswith("--chunked-prefill-size") for a in server_args):
+        raise ConfigError("--server-args: --chunked-prefill-size is set by the harness (each "
+                          "context is one compressed segment); remove it")  # fmt: skip
+    if max(lengths) + 1024 > CHUNKED_PREFILL_TOKENS:
+        limit = CHUNKED_PREFILL_TOKENS - 1024
+        raise ConfigError(f"--lengths {max(lengths)}: contexts must stay under {limit} tokens "
+                          "(one prefill chunk)")  # fmt: skip
     name = args.model if args.model in MODELS else Path(args.model).name
     profile_dir = Path(args.profile_dir or REPO / "calibration" / name)
     if not profile_dir.is_dir():

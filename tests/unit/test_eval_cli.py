@@ -20,6 +20,8 @@ from tangram_sglang.eval.cli import main
         (["--ratios", "0"], "--ratios must lie in (0, 1]"),
         (["--task", "nope"], "--task 'nope' is unknown"),
         (["--systems", "nope"], "--systems 'nope'"),
+        (["--server-args", "--chunked-prefill-size 64"], "--chunked-prefill-size is set by"),
+        (["--lengths", "1024,16000"], "--lengths 16000: contexts must stay under"),
     ],
 )
 def test_bad_flags_exit_2_naming_the_flag(capsys, argv, match):
