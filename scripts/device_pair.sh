@@ -8,7 +8,7 @@
 #      (per-workload timeout, s), CAP_S (each bench, s), PROFILE_CASES (e.g.
 #      1x8192,64x384+16384; empty = none), G1 (GPU of SYS1 and the profile: 1; on a one-GPU
 #      machine set G1=0 and run SYS0 and SYS1 in separate calls).
-set -u
+set -u -o pipefail
 R=/tmp/mt; mkdir -p "$R" "${OUT:=/tmp/out}"
 COMMON="--load-format dummy --skip-tokenizer-init --sampling-backend pytorch --mem-fraction-static 0.8 --context-length 20480 --max-running-requests 128 --disable-prefill-cuda-graph --cuda-graph-max-bs 128"
 WL=${WL:-cliff:64,prefill:16x8192,cliff:32}
@@ -34,6 +34,8 @@ if [ -n "${SYS1-tangram:0.25}" ]; then
 fi
 if [ -n "$b" ]; then wait $b; fi
 cat "$R"/mt-*.out | grep "\[multiturn\]"
-python3 -m tangram_sglang.bench.multiturn merge $(ls "$R"/mt-*.json) --output "$OUT/multiturn-part.json"
+parts=$(ls "$R"/mt-*.json 2>/dev/null)
+if [ -z "$parts" ]; then echo "device_pair: no bench wrote $R/mt-*.json (see $R/mt-*.out)" >&2
+else python3 -m tangram_sglang.bench.multiturn merge $parts --output "$OUT/multiturn-part.json"; fi
 cat "$R"/mt-*.out > "$OUT/bench.out"
 for f in "$R"/*.server.log; do echo "=== $f"; grep -E "Error|Traceback|error|Capture|max_total_num_tokens=|Tangram KV pool|retract" "$f" | head -40; grep -E "Prefill batch" "$f" | head -20; grep -E "Decode batch" "$f" | awk 'NR % 25 == 0' | tail -30; tail -15 "$f"; done > "$OUT/server-logs.txt" 2>&1
