@@ -19,19 +19,10 @@ from dataclasses import dataclass
 
 import requests
 
-NOTES = (  # filler after the fact: pushes it out of the recent window of turn 1's chunks
-    "Here are my travel notes. Paris is the capital of France and sits on the Seine; its museums "
-    "include the Louvre and the Musee d'Orsay. Lyon, the third largest French city, is known for "
-    "its food and lies where the Rhone meets the Saone. Marseille is an old port on the "
-    "Mediterranean. Rome is the capital of Italy; the Colosseum and the Forum stand in its "
-    "centre, and the Vatican lies within the city. Milan is the business capital of northern "
-    "Italy, with its cathedral and its fashion houses. Naples, further south, faces Mount "
-    "Vesuvius and is said to be the home of pizza. Madrid is the capital of Spain, high on the "
-    "central plateau, with the Prado museum. Barcelona, on the coast of Catalonia, is famous for "
-    "the buildings of Gaudi. Lisbon is the capital of Portugal, built on hills above the Tagus "
-    "river, with yellow trams and tiled facades. Berlin is the capital of Germany and Vienna the "
-    "capital of Austria, on the Danube. "
-)
+from tangram_sglang.demo import NOTES
+
+# The demo's travel notes, after the fact: they push it out of the recent window of turn 1's
+# chunks.
 FACT_TURNS = (
     "My dog is called Max. " + NOTES + "What is the capital of France?",
     "What is the capital of Italy?",
