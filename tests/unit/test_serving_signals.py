@@ -76,7 +76,7 @@ def test_sigterm_to_the_holder_stops_the_server(tmp_path: Path, phase: str):
 def test_the_callers_sigterm_action_returns_when_the_last_server_stops(tmp_path: Path):
     from tangram_sglang.serving import SGLangServer
 
-    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    previous = signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a CLI test may have set its own
     servers = [SGLangServer("unused", device="gpu-not-used") for _ in range(2)]
     for i, srv in enumerate(servers):
         pid_file = str(tmp_path / f"{i}.pid")
@@ -92,3 +92,4 @@ def test_the_callers_sigterm_action_returns_when_the_last_server_stops(tmp_path:
     finally:
         for srv in servers:
             srv.stop()
+        signal.signal(signal.SIGTERM, previous)
