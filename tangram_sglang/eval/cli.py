@@ -6,7 +6,13 @@ Example (issue 8)::
         --ratios 0.5,0.25 --num-samples 4 --lengths 1024,2048 \
         --json benchmarks/results/accuracy.json
 
-Protocol: query-agnostic (``tasks.PROTOCOL``): the context is compressed without the question.
+On a GPU (the servers and the transformers model in bfloat16)::
+
+    python -m tangram_sglang.eval --device cuda --protocol query-aware --lengths 2048,4096,8192 \
+        --task all --num-samples 30 --json /tmp/accuracy-qa.json
+
+Protocols (``tasks.PROTOCOLS``): query-agnostic (default): the context is compressed without the
+question; query-aware (SnapKV): the whole first prompt, question included, is compressed.
 
 Every flag is checked before a model or server starts; bad values exit 2 with the flag named.
 """
@@ -19,13 +25,24 @@ import sys
 from pathlib import Path
 
 from tangram_sglang.errors import TangramError
-from tangram_sglang.eval.runner import CHUNKED_PREFILL_TOKENS, SYSTEMS, RunConfig, run
-from tangram_sglang.eval.tasks import TASKS, check_sizes
+from tangram_sglang.eval.runner import (
+    CHUNKED_PREFILL_TOKENS,
+    SYSTEMS,
+    TEMPLATE_MARGIN,
+    RunConfig,
+    run,
+)
+from tangram_sglang.eval.tasks import PROTOCOLS, TASKS, check_sizes
 
 REPO = Path(__file__).resolve().parents[2]
 # SGLang's automatic static-memory fraction goes negative on a shared CPU host with little free
 # memory (it refuses to start); 0.85 lets it start, and --max-total-tokens bounds the KV pool.
-DEFAULT_SERVER_ARGS = "--mem-fraction-static 0.85"
+# On cuda: half the GPU for a server's weights + KV pool, the rest for CUDA graphs and for a
+# transformers model of another eval process on the same GPU (a 0.5B model needs ~2 GB).
+DEFAULT_SERVER_ARGS = {
+    "cpu": "--mem-fraction-static 0.85",
+    "cuda": "--mem-fraction-static 0.5 --disable-prefill-cuda-graph",
+}
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -41,8 +58,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--systems", default=",".join(SYSTEMS), help=f"subset of {SYSTEMS}")
     p.add_argument("--profile-dir", default=None,
                    help="folder with ada-snapkv-r*.json (default calibration/<model>)")  # fmt: skip
-    p.add_argument("--server-args", default=DEFAULT_SERVER_ARGS,
-                   help="extra launch_server flags for both servers (one string)")  # fmt: skip
+    p.add_argument("--server-args", default=None,
+                   help="extra launch_server flags for both servers (one string; default "
+                        f"{DEFAULT_SERVER_ARGS})")  # fmt: skip
+    p.add_argument(
+        "--device",
+        default="cpu",
+        choices=("cpu", "cuda"),
+        help="where the servers and the transformers model run (cuda: bfloat16)",
+    )
+    p.add_argument("--protocol", default="query-agnostic", choices=tuple(PROTOCOLS),
+                   help="what is compressed: the context alone, or the first prompt with "
+                        "its question (SnapKV)")  # fmt: skip
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None, help="torch threads (kvpress side)")
     p.add_argument("--json", default=None, help="write the report here")
@@ -80,19 +107,30 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
     if args.model not in MODELS and not Path(args.model).is_dir():
         raise ConfigError(f"--model {args.model!r}: not an embedded model ({', '.join(MODELS)}) "
                           "nor an HF model folder")  # fmt: skip
+    text = DEFAULT_SERVER_ARGS[args.device] if args.server_args is None else args.server_args
     try:
-        server_args = tuple(shlex.split(args.server_args))
+        server_args = tuple(shlex.split(text))
     except ValueError as exc:
         raise ConfigError(f"--server-args {args.server_args!r}: {exc}") from None
+    if args.threads is not None and args.device != "cpu":
+        raise ConfigError("--threads sets CPU threads; leave it out with --device cuda")
+    if any(a.startswith("--dtype") for a in server_args):
+        raise ConfigError("--server-args: --dtype is set by the harness from --device (the same "
+                          "dtype as the transformers model); remove it")  # fmt: skip
     # Tangram must compress each context as ONE segment (same scope as kvpress's press) for the
     # per-head budgets and scores to be comparable; the template adds < 1k tokens.
     if any(a.startswith("--chunked-prefill-size") for a in server_args):
         raise ConfigError("--server-args: --chunked-prefill-size is set by the harness (each "
                           "context is one compressed segment); remove it")  # fmt: skip
-    if max(lengths) + 1024 > CHUNKED_PREFILL_TOKENS:
-        limit = CHUNKED_PREFILL_TOKENS - 1024
+    if args.device == "cpu" and max(lengths) + TEMPLATE_MARGIN > CHUNKED_PREFILL_TOKENS:
+        limit = CHUNKED_PREFILL_TOKENS - TEMPLATE_MARGIN
         raise ConfigError(f"--lengths {max(lengths)}: contexts must stay under {limit} tokens "
-                          "(one prefill chunk)")  # fmt: skip
+                          "on cpu (one prefill chunk, the CPU KV pool)")  # fmt: skip
+    if args.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ConfigError("--device cuda: no CUDA device is visible here; use --device cpu")
     name = args.model if args.model in MODELS else Path(args.model).name
     profile_dir = Path(args.profile_dir or REPO / "calibration" / name)
     if not profile_dir.is_dir():
@@ -100,13 +138,37 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
     model_dir = model_path(args.model) if args.model in MODELS else Path(args.model)
     if not (model_dir / "config.json").is_file():
         raise ConfigError(f"--model {args.model}: no config.json in {model_dir}")
+    chunk = _chunk_tokens(max(lengths), args.device, model_dir)
     return RunConfig(
         model=args.model, model_dir=model_dir, profile_dir=profile_dir, tasks=tasks,
         ratios=ratios, num_samples=args.num_samples, lengths=lengths, depths=depths,
         num_turns=args.num_turns, systems=systems, seed=args.seed,
         json_path=Path(args.json) if args.json else None, threads=args.threads,
-        server_args=server_args, resume=args.resume, skip=args.skip,
+        server_args=server_args, resume=args.resume, skip=args.skip, device=args.device,
+        protocol=args.protocol, chunked_prefill_tokens=chunk,
     )  # fmt: skip
+
+
+def _chunk_tokens(max_length: int, device: str, model_dir: Path) -> int:
+    """The servers' prefill chunk (tokens): >= every prompt, so each one is ONE Tangram segment
+    (the scope kvpress's press compresses). cuda: up to the model's context length.
+
+    Raises:
+        ConfigError: ``--lengths`` + the template margin exceeds the model's context (cuda).
+    """
+    import json
+
+    from tangram_sglang.errors import ConfigError
+
+    need = max_length + TEMPLATE_MARGIN
+    if device == "cuda":
+        config = json.loads((model_dir / "config.json").read_text())
+        context = int(config.get("max_position_embeddings", need))
+        if need > context:
+            raise ConfigError(f"--lengths {max_length}: contexts must stay under "
+                              f"{context - TEMPLATE_MARGIN} tokens (the model's context "
+                              f"length {context})")  # fmt: skip
+    return max(CHUNKED_PREFILL_TOKENS, need)
 
 
 def _split(text: str, flag: str, kind: type) -> list:

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from tangram_sglang.eval.scoring import METRIC
-from tangram_sglang.eval.tasks import PROTOCOL
+from tangram_sglang.eval.tasks import PROTOCOLS
 
 FULL_SYSTEMS = ("full", "full-hf")
 SUMMARY_RATIOS = (0.25, 0.5)
@@ -34,12 +34,13 @@ def build(cfg: Any, samples: list, records: list[dict[str, Any]], wall_s: float)
         "metric": METRIC,
         "metric_definition": "1 if any normalised gold answer occurs (whole words) in the "
         "normalised greedy reply (RULER string_match_part); exact_match also given",
-        "protocol": PROTOCOL,
+        "protocol": cfg.protocol,
+        "protocol_definition": PROTOCOLS[cfg.protocol],
         "kept_fraction_definition": "share of the context's KV entries kept (sink, window and "
         "group padding included; the same for every compressed system of a ratio)",
         "model": cfg.model,
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
-        "machine": f"{platform.node()} {platform.machine()} CPU, python {sys.version.split()[0]}",
+        "machine": machine(cfg.device),
         "command": " ".join(sys.argv),
         "config": {
             "tasks": list(cfg.tasks),
@@ -50,6 +51,9 @@ def build(cfg: Any, samples: list, records: list[dict[str, Any]], wall_s: float)
             "num_turns": cfg.num_turns,
             "systems": list(cfg.systems),
             "seed": cfg.seed,
+            "device": cfg.device,
+            "dtype": cfg.dtype,
+            "protocol": cfg.protocol,
         },  # fmt: skip
         "samples": [
             {
@@ -66,6 +70,22 @@ def build(cfg: Any, samples: list, records: list[dict[str, Any]], wall_s: float)
         "wall_s": round(wall_s, 1),
         "records": records,
     }
+
+
+def machine(device: str) -> str:
+    """Host, CPU or GPU name, python version: the ``machine`` field of a report."""
+    where = f"{platform.node()} {platform.machine()} CPU"
+    if device == "cuda":
+        import torch
+
+        where = f"{platform.node()} {torch.cuda.get_device_name(0)} (cuda)"
+    return f"{where}, python {sys.version.split()[0]}"
+
+
+def protocol_name(rep: dict[str, Any]) -> str:
+    """The protocol of a report (``query-agnostic`` / ``query-aware``; reports written before the
+    ``--protocol`` flag hold its definition, which starts with the name and a colon)."""
+    return str(rep.get("protocol", "")).split(":")[0]
 
 
 def aggregate(records: list[dict[str, Any]], ratios: tuple[float, ...]) -> dict[str, Any]:
@@ -176,12 +196,15 @@ def merge(reports: list[dict[str, Any]]) -> dict[str, Any]:
     ``--skip``) as long as no sample of it is in two of them.
 
     Raises:
-        ConfigError: a run used samples the first run does not hold, or two runs hold the same
-            (system, ratio, sample).
+        ConfigError: a run used samples the first run does not hold, two runs hold the same
+            (system, ratio, sample), or the runs used different protocols.
     """
     from tangram_sglang.errors import ConfigError
 
     first = reports[0]
+    protocols = [protocol_name(rep) for rep in reports]
+    if len(set(protocols)) > 1:
+        raise ConfigError(f"merge: the reports were run with different protocols {protocols}")
     ids = [s["sample_id"] for s in first["samples"]]
     seen: set[tuple] = set()
     for rep in reports:
@@ -201,6 +224,7 @@ def merge(reports: list[dict[str, Any]]) -> dict[str, Any]:
     return dict(
         first, config=config, results=results, summary=summary(results), records=records,
         command=[rep["command"] for rep in reports], wall_s=[rep["wall_s"] for rep in reports],
+        machine=[rep.get("machine") for rep in reports],
         scored_samples=scored,
     )  # fmt: skip
 

@@ -5,11 +5,19 @@ Order (server starts are the expensive part on CPU): stock SGLang once (full KV)
 (one shared context prefill per sample). After every sample the partial report is written to the
 JSON path, so a run cut short still leaves its finished samples on disk.
 
-Protocol (``tasks.PROTOCOL``, query-agnostic): on a server, each sample's context is sent alone
-first (``max_new_tokens`` 1: it is prefilled, compressed under ``--tangram``, and kept in the
-radix tree), then each turn's full prompt; a turn whose ``cached_tokens`` is below the context's
-length (the context was recomputed together with the question) stops the run with an error.
-On the kvpress side the press compresses the context prefill only (``KvpressRunner.generate``).
+Protocols (``tasks.PROTOCOLS``, ``RunConfig.protocol``). Query-agnostic (default): on a server,
+each sample's context is sent alone first (``max_new_tokens`` 1: it is prefilled, compressed under
+``--tangram``, and kept in the radix tree), then each turn's full prompt; a turn whose
+``cached_tokens`` is below the context's length (the context was recomputed together with the
+question) stops the run with an error. On the kvpress side the press compresses the context
+prefill only (``KvpressRunner.generate``). Query-aware (SnapKV): the compressed part is the whole
+first prompt (``tasks.for_protocol``): on a server turn 0 is the first request (one segment),
+later turns must reuse it from the radix tree (same check); kvpress compresses that prefill.
+
+Devices (``RunConfig.device``): ``cpu`` (float32, SGLang's CPU engine) or ``cuda`` (bfloat16 for
+the servers and the transformers model alike, ``systems.DEVICE_DTYPES``; the stock server uses
+the triton attention backend, FA3 is not installed there). The servers and the transformers
+model never run at the same time in one process (server phases first, then the kvpress phase).
 """
 
 from __future__ import annotations
@@ -27,19 +35,31 @@ from tangram_sglang.errors import ConfigError, TangramError
 from tangram_sglang.eval import report
 from tangram_sglang.eval.scoring import score
 from tangram_sglang.eval.systems import (
+    DEVICE_DTYPES,
     PRESS_SYSTEMS,
     KvpressRunner,
     ServerClient,
     tangram_kept_fraction,
     tangram_profile,
 )
-from tangram_sglang.eval.tasks import Conversation, Sample, build_samples, conversation_ids
+from tangram_sglang.eval.tasks import (
+    Conversation,
+    Sample,
+    build_samples,
+    conversation_ids,
+    for_protocol,
+)
 from tangram_sglang.profile import BudgetProfile, ModelIdentity
 
 MAX_NEW_TOKENS = {"needle": 28, "squad": 24, "multiturn-squad": 24}
 SYSTEMS = ("full", "tangram", *PRESS_SYSTEMS, "full-hf")
 STARTUP_S = 1800.0  # server start-up limit: minutes on a busy shared CPU
 CHUNKED_PREFILL_TOKENS = 16384  # > any prompt here: the whole prompt is one Tangram segment
+TEMPLATE_MARGIN = 1024  # tokens the chat template, questions and multi-turn history add at most
+# launch_server flags the harness adds on cuda unless --server-args has the flag (the stock
+# server's backend: FA3, SGLang's Hopper default, is not installed on the device machine)
+CUDA_SERVER_FLAGS = {"--sampling-backend": "pytorch"}
+CUDA_STOCK_FLAGS = {"--attention-backend": "triton"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,6 +85,11 @@ class RunConfig:
             (system, ratio, sample) cells it lacks (a run killed by a time or memory limit).
         skip: leave out the first ``skip`` samples of the (interleaved) order: a second process
             that fills a run from the middle (``report.merge`` joins the JSON files).
+        device: ``cpu`` or ``cuda`` (servers and the transformers model; dtype from
+            ``systems.DEVICE_DTYPES``).
+        protocol: ``query-agnostic`` or ``query-aware`` (``tasks.PROTOCOLS``).
+        chunked_prefill_tokens: the servers' ``--chunked-prefill-size`` (tokens), above every
+            prompt so that each compressed part is one segment.
     """
 
     model: str
@@ -83,6 +108,14 @@ class RunConfig:
     threads: int | None = None
     resume: bool = False
     skip: int = 0
+    device: str = "cpu"
+    protocol: str = "query-agnostic"
+    chunked_prefill_tokens: int = CHUNKED_PREFILL_TOKENS
+
+    @property
+    def dtype(self) -> str:
+        """The model dtype of every system on ``device`` (``float32`` / ``bfloat16``)."""
+        return DEVICE_DTYPES[self.device]
 
 
 def shipped_profile(profile_dir: Path, ratio: float, model_dir: Path) -> BudgetProfile:
@@ -102,6 +135,21 @@ def shipped_profile(profile_dir: Path, ratio: float, model_dir: Path) -> BudgetP
     return profile
 
 
+def server_flags(cfg: RunConfig, tangram: bool) -> list[str]:
+    """``launch_server`` flags of one server (before the ``--tangram`` ones): ``--server-args``,
+    the chunk size that keeps each compressed part one segment, and on cuda the dtype
+    (``cfg.dtype``) and :data:`CUDA_SERVER_FLAGS` (+ :data:`CUDA_STOCK_FLAGS` for a stock server)
+    where ``--server-args`` does not set them. On cpu ``SGLangServer`` adds the CPU engine's."""
+    args = list(cfg.server_args)
+    args += ["--chunked-prefill-size", str(cfg.chunked_prefill_tokens)]
+    if cfg.device == "cuda":
+        extra = {"--dtype": cfg.dtype, **CUDA_SERVER_FLAGS, **({} if tangram else CUDA_STOCK_FLAGS)}
+        for flag, value in extra.items():
+            if flag not in args:
+                args += [flag, value]
+    return args
+
+
 def run(cfg: RunConfig, log: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Build the samples, run the systems, score; returns the report dict (see ``report``)."""
     from transformers import AutoTokenizer, GenerationConfig
@@ -117,7 +165,7 @@ def run(cfg: RunConfig, log: Callable[[str], None] | None = None) -> dict[str, A
     # holds every task at nearly the same sample count
     samples = [s for group in zip(*per_task, strict=True) for s in group]
     samples = samples[cfg.skip :]
-    prompts = {s.sample_id: conversation_ids(s, tok) for s in samples}
+    prompts = {s.sample_id: for_protocol(conversation_ids(s, tok), cfg.protocol) for s in samples}
     profiles = {
         r: tangram_profile(shipped_profile(cfg.profile_dir, r, cfg.model_dir), r)
         for r in cfg.ratios
@@ -146,6 +194,12 @@ def _resumed(cfg: RunConfig, sample_ids: set[str], log: Callable[[str], None]) -
         raise ConfigError(f"--resume: {exc}; use another --json") from None
     if not {r["sample_id"] for r in records} <= sample_ids:
         raise ConfigError(f"--resume: {cfg.json_path} holds other samples; use another --json")
+    theirs = report.protocol_name(report.load_report(cfg.json_path))
+    if theirs != cfg.protocol:
+        raise ConfigError(
+            f"--resume: {cfg.json_path} was run with --protocol {theirs}, not {cfg.protocol}; "
+            "use another --json"
+        )
     log(f"[eval] resuming: {len(records)} records kept from {cfg.json_path}")
     return records
 
@@ -174,16 +228,16 @@ class _Context:
         todo = [s for s in self.samples if not self._done(system, ratio, s)]
         if not todo:
             return
-        args = list(self.cfg.server_args)
-        if "--chunked-prefill-size" not in args:  # one prompt = one compressed segment
-            args += ["--chunked-prefill-size", str(CHUNKED_PREFILL_TOKENS)]
+        args = server_flags(self.cfg, tangram=ratio is not None)
         with tempfile.TemporaryDirectory(prefix="tangram-eval-") as tmp:
             if ratio is not None:
                 path = Path(tmp) / f"profile-r{ratio}.json"
                 self.profiles[ratio].save(path)
                 args = ["--tangram", "--tangram-profile", str(path), *args]
             start = time.monotonic()
-            server = SGLangServer(self.cfg.model_dir, args=args, startup_timeout_s=STARTUP_S)
+            server = SGLangServer(
+                self.cfg.model_dir, args=args, device=self.cfg.device, startup_timeout_s=STARTUP_S
+            )
             with server:
                 self.log(f"[eval] {system} r={ratio} server up in {time.monotonic() - start:.0f} s")
                 client = ServerClient(server.base_url)
@@ -195,11 +249,12 @@ class _Context:
         start = time.monotonic()
         conv = self.prompts[sample.sample_id]
         n = len(conv.context_ids)
-        client.generate(conv.context_ids, 1)  # the context alone: compressed, kept in the tree
+        if len(conv.turn_ids[0]) > n:  # query-agnostic: the context alone, kept in the tree
+            client.generate(conv.context_ids, 1)
         kept = 1.0 if ratio is None else tangram_kept_fraction(self.profiles[ratio], n)
         for turn, ids in enumerate(conv.turn_ids):
             out, cached = client.generate(ids, MAX_NEW_TOKENS[sample.task])
-            if cached < n:
+            if cached < n and len(ids) > n:  # (query-aware turn 0 is the compressed request)
                 raise TangramError(
                     f"{system} r={ratio} {sample.sample_id} turn {turn}: cached_tokens {cached} < "
                     f"context {n} tokens: the compressed context was not reused from the radix "
@@ -210,7 +265,7 @@ class _Context:
 
     def kvpress_phase(self, eos_ids: set[int]) -> None:
         start = time.monotonic()
-        runner = KvpressRunner(str(self.cfg.model_dir), eos_ids, self.cfg.threads)
+        runner = KvpressRunner(str(self.cfg.model_dir), eos_ids, self.cfg.threads, self.cfg.device)
         self.log(f"[eval] transformers model loaded in {time.monotonic() - start:.0f} s")
         press = next((s for s in PRESS_SYSTEMS if s in self.cfg.systems), None)
         first = ("full-hf", None) if press is None else (press, self.cfg.ratios[0])

@@ -2,10 +2,11 @@
 
 Owns how one sample's token ids (``tasks.Conversation``: a context, then per-turn prompts that
 extend it) become greedy output ids for each system, and the budget match between Tangram and
-the presses. Samples come from ``tasks``; scoring from ``scoring``. Protocol (``tasks.PROTOCOL``):
-query-agnostic, the context is compressed before any question exists, the questions are appended
-uncompressed (servers: the context is its own request and later requests reuse it from the
-radix tree; kvpress: the press runs on the context prefill only).
+the presses. Samples come from ``tasks``; scoring from ``scoring``. Protocols (``tasks.PROTOCOLS``):
+query-agnostic (default), the context is compressed before any question exists, the questions are
+appended uncompressed (servers: the context is its own request and later requests reuse it from
+the radix tree; kvpress: the press runs on the context prefill only); query-aware (SnapKV), the
+whole first prompt is the compressed part (``tasks.for_protocol``), later turns extend it.
 
 * ``full``: stock SGLang (``SGLangServer`` without ``--tangram``), ``POST /generate`` with the
   prompt ids, ``temperature 0``; radix cache on (multi-turn turns reuse the uncompressed prefix).
@@ -49,6 +50,10 @@ from tangram_sglang.errors import TangramError
 from tangram_sglang.profile import BudgetProfile
 
 PRESS_SYSTEMS = ("dynamic-ada-snapkv", "uniform-snapkv")
+# model dtype per --device, for the transformers side and the SGLang servers alike (cpu: the CPU
+# engine's float32; cuda: bfloat16, the Qwen2.5 / SmolLM2 training dtype; SGLang's "auto" would
+# pick float16 for the float32-saved conversions)
+DEVICE_DTYPES = {"cpu": "float32", "cuda": "bfloat16"}
 SNAPKV_WINDOW = 32  # kvpress SnapKV observation window = the profiles' scorer window
 SNAPKV_KERNEL = 5  # avg-pool kernel, as in calibration/README.md
 ADAKV_ALPHA = 0.2  # AdaKV safeguard (kvpress default; the profiles' calibration value)
@@ -109,21 +114,29 @@ class KvpressRunner:
         model_path: HF folder of the model.
         eos_ids: token ids that end generation (the model's generation config).
         threads: torch CPU threads (None: torch's default).
+        device: ``cpu`` (float32) or ``cuda`` (bfloat16, the first GPU); :data:`DEVICE_DTYPES`.
 
     Raises:
         ImportError: kvpress is not installed (``scripts/install_calibrate_deps.sh``).
     """
 
-    def __init__(self, model_path: str, eos_ids: set[int], threads: int | None = None) -> None:
+    def __init__(
+        self, model_path: str, eos_ids: set[int], threads: int | None = None, device: str = "cpu"
+    ) -> None:
         import kvpress  # noqa: F401  (patches transformers' attention table: needed for AdaKV)
         import torch
         from transformers import AutoModelForCausalLM
 
         if threads:
             torch.set_num_threads(threads)
-        self.model = AutoModelForCausalLM.from_pretrained(
-            model_path, dtype=torch.float32, attn_implementation="sdpa"
-        ).eval()
+        self.device = torch.device(device)
+        self.model = (
+            AutoModelForCausalLM.from_pretrained(
+                model_path, dtype=getattr(torch, DEVICE_DTYPES[device]), attn_implementation="sdpa"
+            )
+            .to(self.device)
+            .eval()
+        )
         self.eos_ids = eos_ids
         # press name -> [layer][kv_head] context entries kept by the last ``generate`` (tokens)
         self.kept_per_head: dict[Any, list[list[int]]] = {}
@@ -153,13 +166,16 @@ class KvpressRunner:
     ) -> dict[Any, list[list[int]]]:
         """Greedy output ids per press name (``None`` press = full KV) and turn.
 
-        Query-agnostic protocol (kvpress's pipeline with ``question=``): one shared prefill of
-        the context, each press compresses the context's K/V; then for every turn the rest of
-        that turn's prompt (questions, earlier gold answers, chat template) is prefilled
-        uncompressed on a copy of the compressed context cache, and decoding continues from it.
+        One shared prefill of ``context_ids``, each press compresses its K/V; then for every turn
+        the rest of that turn's prompt (questions, earlier gold answers, chat template) is
+        prefilled uncompressed on a copy of the compressed cache, and decoding continues from it.
+        Query-agnostic protocol (kvpress's pipeline with ``question=``): ``context_ids`` is the
+        context alone. Query-aware (SnapKV, ``tasks.for_protocol``): ``context_ids`` is the whole
+        first prompt; turn 0 adds nothing, its first token comes from the prefill's logits (full
+        attention, as in kvpress's pipeline and SnapKV), the next ones from the compressed cache.
 
         Args:
-            context_ids: the context (tokens), a prefix of every ``turn_ids`` entry.
+            context_ids: the compressed part (tokens), a prefix of every ``turn_ids`` entry.
             turn_ids: each turn's full prompt (tokens).
             presses: name -> kvpress press (or None for full KV).
             max_new_tokens: decode steps at most per turn; stops at an eos id.
@@ -168,24 +184,29 @@ class KvpressRunner:
             name -> one list of output ids per turn.
 
         Raises:
-            TangramError: a turn's prompt does not extend ``context_ids``.
+            TangramError: a turn's prompt does not start with ``context_ids``.
         """
         import torch
 
         n = len(context_ids)
-        if any(ids[:n] != context_ids or len(ids) <= n for ids in turn_ids):
-            raise TangramError("every turn's prompt must extend the context ids by >= 1 token")
+        if any(ids[:n] != context_ids or len(ids) < n for ids in turn_ids):
+            raise TangramError("every turn's prompt must extend the context ids (or equal them)")
         with torch.inference_mode():
-            caches, masks = self._prefill(torch.tensor([context_ids]), presses)
+            prompt = torch.tensor([context_ids], device=self.device)
+            logits, caches, masks = self._prefill(prompt, presses)
             return {
                 name: [
-                    self._answer(copy.deepcopy(caches[name]), masks[name], ids, n, max_new_tokens)
+                    self._answer(
+                        copy.deepcopy(caches[name]), masks[name], ids, n, max_new_tokens, logits
+                    )
                     for ids in turn_ids
                 ]
                 for name in presses
             }
 
-    def _prefill(self, ids: Any, presses: dict[str, Any]) -> tuple[dict, dict]:
+    def _prefill(self, ids: Any, presses: dict[str, Any]) -> tuple[Any, dict, dict]:
+        """One forward of ``ids`` ``[1, n]``; returns the last position's logits ``[1, vocab]``,
+        and per press the compressed cache and AdaKV's masked indices per layer."""
         import torch
         from transformers import DynamicCache
 
@@ -220,45 +241,52 @@ class KvpressRunner:
             for layer in layers:
                 handle = layer.self_attn.register_forward_hook(fan_out, with_kwargs=True)
                 stack.callback(handle.remove)
-            pos = torch.arange(n)
-            # the body only: the context's logits are not needed (no token follows it yet)
-            self.model.model(
+            pos = torch.arange(n, device=self.device)
+            # the last position's logits: turn 0's first token in the query-aware protocol
+            logits = self.model(
                 input_ids=ids, past_key_values=cache, use_cache=True,
-                cache_position=pos, position_ids=pos[None],
-            )  # fmt: skip
+                cache_position=pos, position_ids=pos[None], logits_to_keep=1,
+            ).logits[:, -1]  # fmt: skip
         caches = {}
         for name in presses:
             c = copy.deepcopy(cache)
             for i, layer in enumerate(c.layers):
                 layer.keys, layer.values = kept[name][i]
             caches[name] = c
-        return caches, masks
+        return logits, caches, masks
 
-    def _answer(self, cache, masks: dict, ids: list[int], n: int, max_new_tokens: int) -> list[int]:
+    def _answer(
+        self, cache, masks: dict, ids: list[int], n: int, max_new_tokens: int, prefill_logits
+    ) -> list[int]:
         """Prefill ``ids[n:]`` uncompressed on the (compressed) context cache, then greedy decode.
 
         Positions are logical (``n`` onwards, whatever the cache kept); transformers 5.12 builds
         the causal mask from the cache's stored length, so the new tokens are causal among
-        themselves and see every kept context entry.
+        themselves and see every kept context entry. When ``ids`` adds nothing (query-aware turn
+        0), the first token is the argmax of ``prefill_logits`` (``[1, vocab]``).
         """
         import torch
 
         attns = [layer.self_attn for layer in self.model.model.layers]
         out: list[int] = []
-        step_ids, pos = ids[n:], torch.arange(n, len(ids))
+        step_ids, pos = ids[n:], torch.arange(n, len(ids), device=self.device)
+        logits = None if step_ids else prefill_logits
         try:
             for i, attn in enumerate(attns):  # AdaKV: kvpress's attention patch masks these
                 attn.masked_key_indices = masks.get(i)
             for step in range(max_new_tokens):
-                logits = self.model(
-                    input_ids=torch.tensor([step_ids]), past_key_values=cache, use_cache=True,
-                    cache_position=pos, position_ids=pos[None], logits_to_keep=1,
-                ).logits[:, -1]  # fmt: skip
+                if logits is None:
+                    logits = self.model(
+                        input_ids=torch.tensor([step_ids], device=self.device),
+                        past_key_values=cache, use_cache=True, cache_position=pos,
+                        position_ids=pos[None], logits_to_keep=1,
+                    ).logits[:, -1]  # fmt: skip
                 token = int(logits.argmax(-1))
+                logits = None
                 out.append(token)
                 if token in self.eos_ids:
                     break
-                step_ids, pos = [token], torch.tensor([len(ids) + step])
+                step_ids, pos = [token], torch.tensor([len(ids) + step], device=self.device)
         finally:
             for attn in attns:
                 attn.masked_key_indices = None

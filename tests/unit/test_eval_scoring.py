@@ -128,3 +128,18 @@ def test_merge_cli_bad_report_exits_2_naming_the_file(tmp_path, capsys, text):
         path.write_text(text)
     assert main([str(path), "--json", str(tmp_path / "out.json")]) == 2
     assert f"report '{path}'" in capsys.readouterr().err
+
+
+def test_merge_refuses_reports_of_different_protocols():
+    from tangram_sglang.errors import ConfigError
+    from tangram_sglang.eval.report import merge
+
+    old = "query-agnostic: the context (instruction + documents / haystack) is compressed ..."
+    agnostic = dict(_rep(("tangram",), [_rec("needle", "tangram", 0.5, 1.0)]), protocol=old)
+    aware = dict(_rep(("uniform-snapkv",), [_rec("needle", "uniform-snapkv", 0.5, 0.0)]),
+                 protocol="query-aware")  # fmt: skip
+    with pytest.raises(ConfigError, match="different protocols"):
+        merge([agnostic, aware])
+    # a report written before --protocol (its definition text) merges with a named one
+    same = merge([agnostic, dict(aware, protocol="query-agnostic")])
+    assert same["summary"]["tangram_minus_uniform_points"] == 100.0

@@ -105,3 +105,20 @@ def test_bad_sizes_are_config_errors_naming_the_flag(tok, task, kwargs, field):
     with pytest.raises(ConfigError, match=field):  # the CLI's check, before any model loads
         check_sizes((task,), args["num_samples"], args["lengths"], args.get("depths", (0.5,)),
                     args.get("num_turns", 3))  # fmt: skip
+
+
+@pytest.mark.parametrize("task", ["needle", "multiturn-squad"])
+def test_query_aware_compresses_the_whole_first_prompt(tok, task):
+    from tangram_sglang.eval.tasks import for_protocol
+
+    (sample,) = build_samples(task, tok, 1, (200,), num_turns=2)
+    conv = conversation_ids(sample, tok)
+    assert for_protocol(conv, "query-agnostic") is conv
+    aware = for_protocol(conv, "query-aware")
+    assert aware.context_ids == conv.turn_ids[0] and aware.turn_ids == conv.turn_ids
+    question = tok.decode(aware.context_ids[len(conv.context_ids) :])
+    assert sample.turns[0].user in question  # the question is inside the compressed part
+    for ids in aware.turn_ids[1:]:
+        assert ids[: len(aware.context_ids)] == aware.context_ids
+    with pytest.raises(ConfigError, match="--protocol 'nope'"):
+        for_protocol(conv, "nope")
