@@ -12,7 +12,8 @@ The hook chain follows SGLang 0.5.17's own path from pool to log line and gauge:
 ``TangramState``) -> ``PoolStats.get_{prefill,decode}_usage_msg_parts`` (log parts) and
 ``PoolStats.update_scheduler_stats`` (copies a :class:`PoolSnapshot` onto ``SchedulerStats``) ->
 ``SchedulerMetricsCollector.log_stats`` (sets the gauges). The snapshot is taken only where a
-log line or the metrics need it (O(num_pages) host work), never per forward.
+log line or the metrics need it, never per forward; its only O(num_pages) part (fragmentation)
+is refreshed at most every :data:`FRAGMENTATION_MAX_AGE_S` seconds.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from typing import Any
 STATE_ATTR = "tangram_state"  # attribute we put on SGLang's PoolStats
 SNAPSHOT_ATTR = "tangram"  # attribute we put on SGLang's SchedulerStats
 MIB = 1 << 20
+FRAGMENTATION_MAX_AGE_S = 5.0  # seconds a log line / gauge may reuse a fragmentation value
 
 # gauge name -> (PoolSnapshot field, documentation)
 GAUGES: dict[str, tuple[str, str]] = {
@@ -88,22 +90,27 @@ class PoolSnapshot:
 
 
 def snapshot(state: Any, held_tokens: int) -> PoolSnapshot:
-    """Snapshot a ``backend.state.TangramState`` (O(num_pages) host work).
+    """Snapshot a ``backend.state.TangramState`` for a log line or the gauges.
+
+    Page and byte counts are O(1) and current; the fragmentation is O(num_pages) and at most
+    :data:`FRAGMENTATION_MAX_AGE_S` old (``TangramState.fragmentation``): a snapshot runs for
+    every prefill batch and decode log line, while the GPU waits.
 
     Args:
         state: the scheduler's Tangram state.
         held_tokens: logical tokens whose KV the server holds (tokens; SGLang's used +
             evictable token slots), priced at full KV for ``full_kv_bytes``.
     """
-    info = state.pool_info()
+    allocator = state.memory.allocator
+    used = allocator.num_used()
     return PoolSnapshot(
-        pages_total=int(info["pages_total"]),
-        pages_used=int(info["pages_used"]),
+        pages_total=int(allocator.num_usable_pages),
+        pages_used=int(used),
         pages_reserved=int(state.memory.ledger.outstanding_pages()),
-        pages_free=int(info["pages_free"]),
-        bytes_held=int(info["bytes_held"]),
+        pages_free=int(allocator.num_free()),
+        bytes_held=int(used) * int(state.memory.bytes_per_page),
         full_kv_bytes=int(held_tokens) * int(state.full_kv_bytes_per_token),
-        fragmentation=float(info["fragmentation_fraction"]),
+        fragmentation=float(state.fragmentation(FRAGMENTATION_MAX_AGE_S)),
     )
 
 

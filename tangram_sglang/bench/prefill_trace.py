@@ -1,0 +1,191 @@
+"""``python -m tangram_sglang.bench.prefill_trace``: where a server's prefill wall time goes.
+
+Starts one real SGLang server (stock, or ``--tangram`` with a profile), warms it with one round
+of prompts, then records a second round (``N`` prompts of ``L`` random token ids, 1 output token,
+sent at once) under SGLang's own torch profiler (``POST /start_profile``, CPU + GPU activities,
+Python stacks) and reads the Chrome trace it writes:
+
+* GPU busy time: the union of all kernel and memcpy intervals (ms);
+* GPU idle time inside the round: span minus busy, and its largest gaps;
+* which host functions ran while the GPU was idle (each Python function's overlap with the idle
+  intervals, ms). A host function that the GPU waits for shows up here; one that runs while
+  kernels are queued does not.
+
+Two systems' idle times, side by side, are the host-side cost of one over the other at equal
+batch (issue 7's ``prefill_time_ratio``). Needs CUDA: the trace's GPU side is CUPTI's.
+
+Example (device machine, after ``source scripts/device_setup.sh``)::
+
+    python3 -m tangram_sglang.bench.prefill_trace --model-path $MODEL --label tangram \\
+        --server-args "--load-format dummy ... --tangram --tangram-profile $PROFILE" \\
+        --num-prompts 16 --prompt-len 8192 --json $OUT/trace-tangram.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import shlex
+import sys
+import time
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import requests
+
+GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
+
+
+def send_round(base_url: str, num_prompts: int, prompt_len: int, seed: int) -> float:
+    """Send ``num_prompts`` prompts of ``prompt_len`` random token ids at once; wall seconds."""
+    rng = np.random.default_rng(seed)
+    prompts = rng.integers(100, 20000, size=(num_prompts, prompt_len)).tolist()
+
+    def one(ids: list[int]) -> None:
+        body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 1, "temperature": 0}}
+        requests.post(f"{base_url}/generate", json=body, timeout=600).raise_for_status()
+
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(num_prompts) as pool:
+        list(pool.map(one, prompts))
+    return time.perf_counter() - t0
+
+
+def union(intervals: np.ndarray) -> np.ndarray:
+    """Merge ``[n, 2]`` (start, end) intervals (any order) into disjoint sorted ones."""
+    if len(intervals) == 0:
+        return intervals.reshape(0, 2)
+    iv = intervals[np.argsort(intervals[:, 0])]
+    merged = [iv[0].copy()]
+    for s, e in iv[1:]:
+        if s <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], e)
+        else:
+            merged.append(np.array([s, e]))
+    return np.array(merged)
+
+
+def overlap(a0: float, a1: float, idle: np.ndarray) -> float:
+    """Length of ``[a0, a1]`` covered by the disjoint sorted intervals ``idle`` [n, 2]."""
+    lo = np.searchsorted(idle[:, 1], a0)
+    hi = np.searchsorted(idle[:, 0], a1)
+    if hi <= lo:
+        return 0.0
+    seg = idle[lo:hi]
+    return float(np.clip(np.minimum(seg[:, 1], a1) - np.maximum(seg[:, 0], a0), 0, None).sum())
+
+
+def analyse(trace: dict, top: int = 40) -> dict:
+    """GPU busy/idle times (ms) and the host functions overlapping idle time in one trace."""
+    events = [e for e in trace["traceEvents"] if e.get("ph") == "X" and "dur" in e]
+    gpu = np.array(
+        [(e["ts"], e["ts"] + e["dur"]) for e in events if e.get("cat") in GPU_CATEGORIES], float
+    )
+    if len(gpu) == 0:
+        raise SystemExit("prefill_trace: the trace holds no GPU events (CUPTI off?)")
+    busy = union(gpu)
+    span = (busy[0, 0], busy[-1, 1])
+    idle = np.stack([busy[:-1, 1], busy[1:, 0]], axis=1)
+    idle = idle[idle[:, 1] > idle[:, 0]]
+    by_func: Counter = Counter()
+    for e in events:
+        if e.get("cat") in ("python_function", "cpu_op", "user_annotation"):
+            ov = overlap(e["ts"], e["ts"] + e["dur"], idle)
+            if ov > 0:
+                by_func[f"{e.get('cat')}: {e['name']}"] += ov / 1e3
+    gaps = np.sort(idle[:, 1] - idle[:, 0])[::-1] / 1e3
+    return {
+        "span_ms": float(span[1] - span[0]) / 1e3,
+        "gpu_busy_ms": float((busy[:, 1] - busy[:, 0]).sum() / 1e3),
+        "gpu_idle_ms": float(gaps.sum()),
+        "idle_gaps_over_1ms": int((gaps > 1.0).sum()),
+        "largest_gaps_ms": [round(float(g), 3) for g in gaps[:20]],
+        "host_during_idle_ms": {k: round(v, 3) for k, v in by_func.most_common(top)},
+    }
+
+
+def newest_trace(folder: Path, since: float, wait_s: float = 300.0) -> Path:
+    """The trace file SGLang writes after ``/stop_profile`` (waits until its size settles)."""
+    deadline = time.time() + wait_s
+    last = -1
+    while time.time() < deadline:
+        files = [p for p in folder.rglob("*.json*") if p.stat().st_mtime >= since]
+        if files:
+            path = max(files, key=lambda p: p.stat().st_mtime)
+            size = path.stat().st_size
+            if size == last and size > 0:
+                return path
+            last = size
+        time.sleep(2.0)
+    raise SystemExit(f"prefill_trace: no trace appeared under {folder} in {wait_s:.0f} s")
+
+
+def load_trace(path: Path) -> dict:
+    """Read a Chrome trace (``.json`` or ``.json.gz``)."""
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt") as f:
+        return json.load(f)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m tangram_sglang.bench.prefill_trace",
+                                description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    p.add_argument("--model-path", required=True)
+    p.add_argument("--label", required=True, help="name of this system in the output")
+    p.add_argument("--server-args", default="", help="launch_server flags (one string)")
+    p.add_argument("--num-prompts", type=int, default=16)
+    p.add_argument("--prompt-len", type=int, default=8192, help="tokens per prompt")
+    p.add_argument("--trace-dir", default="/tmp/prefill-trace", help="where SGLang writes")
+    p.add_argument("--json", default=None, help="write the analysis here")
+    p.add_argument("--no-trace", action="store_true", help="wall times only (no profiler round)")
+    args = p.parse_args(argv)
+    if args.num_prompts < 1 or args.prompt_len < 1:
+        p.error("--num-prompts and --prompt-len must be >= 1")
+
+    from tangram_sglang.serving import SGLangServer
+
+    trace_dir = Path(args.trace_dir) / args.label
+    trace_dir.mkdir(parents=True, exist_ok=True)
+    flags = shlex.split(args.server_args)
+    with SGLangServer(args.model_path, flags, "cuda", trace_dir / "server.log", 600) as server:
+        warm_s = send_round(server.base_url, args.num_prompts, args.prompt_len, seed=1)
+        plain_s = send_round(server.base_url, args.num_prompts, args.prompt_len, seed=2)
+        if args.no_trace:
+            return finish(args, {"label": args.label, "server_args": flags,
+                                 "num_prompts": args.num_prompts, "prompt_len": args.prompt_len,
+                                 "warmup_wall_s": warm_s, "wall_s": plain_s})  # fmt: skip
+        since = time.time()
+        body = {"output_dir": str(trace_dir), "activities": ["CPU", "GPU"], "with_stack": True}
+        requests.post(f"{server.base_url}/start_profile", json=body, timeout=60).raise_for_status()
+        traced_s = send_round(server.base_url, args.num_prompts, args.prompt_len, seed=3)
+        requests.post(f"{server.base_url}/stop_profile", timeout=600).raise_for_status()
+        path = newest_trace(trace_dir, since)
+    result = {
+        "label": args.label,
+        "server_args": flags,
+        "num_prompts": args.num_prompts,
+        "prompt_len": args.prompt_len,
+        "warmup_wall_s": warm_s,
+        "wall_s": plain_s,
+        "traced_wall_s": traced_s,
+        "trace": str(path),
+        **analyse(load_trace(path)),
+    }
+    return finish(args, result)
+
+
+def finish(args: argparse.Namespace, result: dict) -> int:
+    """Print ``result`` as JSON and write it to ``--json``."""
+    text = json.dumps(result, indent=1)
+    print(text)
+    if args.json:
+        Path(args.json).write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,45 @@
+"""bench.prefill_trace's trace reading: GPU busy/idle union and host time during idle gaps."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tangram_sglang.bench.prefill_trace import analyse, overlap, union
+
+
+def test_union_merges_overlapping_and_touching_intervals():
+    iv = np.array([[5.0, 7.0], [0.0, 2.0], [1.0, 3.0], [3.0, 4.0], [9.0, 10.0]])
+    assert union(iv).tolist() == [[0.0, 4.0], [5.0, 7.0], [9.0, 10.0]]
+
+
+def test_overlap_counts_only_the_covered_part():
+    idle = np.array([[2.0, 4.0], [6.0, 9.0]])
+    assert overlap(0.0, 3.0, idle) == 1.0
+    assert overlap(3.0, 7.0, idle) == 2.0
+    assert overlap(4.0, 6.0, idle) == 0.0
+
+
+def test_analyse_attributes_gpu_idle_time_to_the_host_functions_running_then():
+    us = 1000.0  # trace timestamps are microseconds
+    trace = {
+        "traceEvents": [
+            {"ph": "X", "cat": "kernel", "name": "gemm", "ts": 0, "dur": 1 * us},
+            {"ph": "X", "cat": "kernel", "name": "attn", "ts": 0.5 * us, "dur": 1 * us},
+            {"ph": "X", "cat": "gpu_memcpy", "name": "HtoD", "ts": 4 * us, "dur": 1 * us},
+            {"ph": "X", "cat": "python_function", "name": "stats", "ts": 1 * us, "dur": 2 * us},
+            {"ph": "X", "cat": "python_function", "name": "launch", "ts": 0, "dur": 1 * us},
+            {"ph": "i", "cat": "kernel", "name": "marker", "ts": 2 * us},
+        ]
+    }
+    out = analyse(trace)
+    assert out["span_ms"] == pytest.approx(5.0)
+    assert out["gpu_busy_ms"] == pytest.approx(2.5)
+    assert out["gpu_idle_ms"] == pytest.approx(2.5)
+    assert out["largest_gaps_ms"] == [2.5]
+    assert out["host_during_idle_ms"] == {"python_function: stats": 1.5}
+
+
+def test_analyse_refuses_a_trace_without_gpu_events():
+    with pytest.raises(SystemExit, match="no GPU events"):
+        analyse({"traceEvents": [{"ph": "X", "cat": "cpu_op", "name": "x", "ts": 0, "dur": 1}]})
