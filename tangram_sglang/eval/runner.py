@@ -286,8 +286,10 @@ class _Context:
             for (system, r), per_turn in outs.items():
                 frac = 1.0 if r is None else kept[r]
                 for turn, (ids, out) in enumerate(zip(conv.turn_ids, per_turn, strict=True)):
-                    # the context's (compressed) cache is reused by construction: cached = n
-                    self._record(system, r, sample, turn, conv, ids, out, n, frac)
+                    # the context's (compressed) cache is reused by construction: cached = n,
+                    # except a query-aware turn 0 (its prompt is the compressed prefill: 0)
+                    cached = n if len(ids) > n else 0
+                    self._record(system, r, sample, turn, conv, ids, out, cached, frac)
                     if r is not None and turn == 0:  # the method's own per-head allocation
                         self.records[-1]["kept_per_head"] = runner.kept_per_head[(system, r)]
             self.log(f"[eval] kvpress {sample.sample_id}: {time.monotonic() - start:.0f} s")

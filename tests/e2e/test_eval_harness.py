@@ -1,12 +1,13 @@
 """The accuracy harness end to end on CPU (SmolLM2): stock SGLang vs the ``--tangram`` server.
 
-One stock server start and one Tangram server start (the shipped profile rescaled to ratio 1.0,
-radix reuse on), one short sample of each task, query-agnostic protocol (each context is its own
-request, the questions follow). Checks the issue-8 invariants of the harness: Tangram at ratio
-1.0 gives exactly full KV's answers (same greedy ids on every turn), every question is served on
-the context reused from the radix cache (and later multi-turn turns on the earlier turns too),
-and the harness's scores are the scorer's on the real replies (a known-good and a known-bad
-answer for each sample score 1 and 0).
+Per protocol, one stock server start and one Tangram server start (the shipped profile rescaled to
+ratio 1.0, radix reuse on), one short sample of each task; query-agnostic (each context is its own
+request, the questions follow) and query-aware (the first prompt, question included, is the
+compressed request; later turns extend it). Checks the issue-8 invariants of the harness: Tangram at
+ratio 1.0 gives exactly full KV's answers (same greedy ids on every turn), every question is served
+on the context reused from the radix cache (and later multi-turn turns on the earlier turns too),
+and the harness's scores are the scorer's on the real replies (a known-good and a known-bad answer
+for each sample score 1 and 0).
 """
 
 from __future__ import annotations
@@ -25,14 +26,15 @@ pytestmark = pytest.mark.e2e
 REPO = Path(__file__).resolve().parents[2]
 
 
-@pytest.fixture(scope="module")
-def report(smollm2_path, tmp_path_factory):
+@pytest.fixture(scope="module", params=["query-agnostic", "query-aware"])
+def report(smollm2_path, tmp_path_factory, request):
     out = tmp_path_factory.mktemp("eval") / "accuracy.json"
     cfg = RunConfig(
         model="smollm2", model_dir=smollm2_path, profile_dir=REPO / "calibration" / "smollm2",
         tasks=TASKS, ratios=(1.0,), num_samples=1, lengths=(160,), depths=(0.5,), num_turns=2,
         systems=("full", "tangram"), seed=0, json_path=out,
         server_args=("--mem-fraction-static", "0.85"),  # as the CLI: shared hosts run low
+        protocol=request.param,
     )  # fmt: skip
     rep = run(cfg)
     assert json.loads(out.read_text())["summary"] == rep["summary"]
@@ -55,11 +57,15 @@ def test_tangram_at_ratio_one_answers_exactly_like_full_kv(report):
 
 
 def test_every_question_runs_on_the_reused_context_and_later_turns_on_the_history(report):
-    assert report["protocol"].startswith("query-agnostic")
+    aware = report["protocol"] == "query-aware" == report["config"]["protocol"]
+    assert aware or report["protocol"] == "query-agnostic"
     for system in ("full", "tangram"):
         recs = _by_key(report, system)
-        for rec in recs.values():
-            assert rec["context_prompt_tokens"] <= rec["cached_tokens"] < rec["prompt_tokens"]
+        for (_, turn), rec in recs.items():
+            if aware and turn == 0:  # the first prompt is the compressed request itself
+                assert rec["cached_tokens"] < rec["context_prompt_tokens"] == rec["prompt_tokens"]
+            else:
+                assert rec["context_prompt_tokens"] <= rec["cached_tokens"] < rec["prompt_tokens"]
         turn2 = next(r for (sid, t), r in recs.items() if sid.startswith("multiturn") and t == 1)
         turn1 = recs[(turn2["sample_id"], 0)]
         assert turn1["prompt_tokens"] - 64 <= turn2["cached_tokens"] < turn2["prompt_tokens"]
