@@ -38,10 +38,11 @@ REPO = Path(__file__).resolve().parents[2]
 # SGLang's automatic static-memory fraction goes negative on a shared CPU host with little free
 # memory (it refuses to start); 0.85 lets it start, and --max-total-tokens bounds the KV pool.
 # On cuda: half the GPU for a server's weights + KV pool, the rest for CUDA graphs and for a
-# transformers model of another eval process on the same GPU (a 0.5B model needs ~2 GB).
+# transformers model of another eval process on the same GPU (a 0.5B model needs ~2 GB); the
+# harness sends one request at a time, so decode CUDA graphs up to batch 8 only (faster start).
 DEFAULT_SERVER_ARGS = {
     "cpu": "--mem-fraction-static 0.85",
-    "cuda": "--mem-fraction-static 0.5 --disable-prefill-cuda-graph",
+    "cuda": "--mem-fraction-static 0.5 --disable-prefill-cuda-graph --cuda-graph-max-bs-decode 8",
 }
 
 
