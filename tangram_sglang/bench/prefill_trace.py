@@ -143,14 +143,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", default=None, help="write the analysis here")
     p.add_argument("--no-trace", action="store_true", help="wall times only (no profiler round)")
     args = p.parse_args(argv)
-    if args.num_prompts < 1 or args.prompt_len < 1:
-        p.error("--num-prompts and --prompt-len must be >= 1")
+    flags = check_args(p, args)
 
     from tangram_sglang.serving import SGLangServer
 
     trace_dir = Path(args.trace_dir) / args.label
     trace_dir.mkdir(parents=True, exist_ok=True)
-    flags = shlex.split(args.server_args)
     with SGLangServer(args.model_path, flags, "cuda", trace_dir / "server.log", 600) as server:
         warm_s = send_round(server.base_url, args.num_prompts, args.prompt_len, seed=1)
         plain_s = send_round(server.base_url, args.num_prompts, args.prompt_len, seed=2)
@@ -176,6 +174,20 @@ def main(argv: list[str] | None = None) -> int:
         **analyse(load_trace(path)),
     }
     return finish(args, result)
+
+
+def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> list[str]:
+    """The ``--server-args`` flags; a bad flag exits 2 naming it (``p.error``), before a server."""
+    if args.num_prompts < 1 or args.prompt_len < 1:
+        p.error("--num-prompts and --prompt-len must be >= 1")
+    if not Path(args.model_path).is_dir():
+        p.error(f"--model-path {args.model_path!r}: no such folder (give a local model folder)")
+    if args.json and not Path(args.json).parent.is_dir():
+        p.error(f"--json {args.json!r}: no folder {str(Path(args.json).parent)!r}; create it")
+    try:
+        return shlex.split(args.server_args)
+    except ValueError as exc:
+        p.error(f"--server-args {args.server_args!r}: {exc}")
 
 
 def finish(args: argparse.Namespace, result: dict) -> int:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tangram_sglang.bench.prefill_trace import analyse, overlap, union
+from tangram_sglang.bench.prefill_trace import analyse, main, overlap, union
 
 
 def test_union_merges_overlapping_and_touching_intervals():
@@ -43,3 +43,23 @@ def test_analyse_attributes_gpu_idle_time_to_the_host_functions_running_then():
 def test_analyse_refuses_a_trace_without_gpu_events():
     with pytest.raises(SystemExit, match="no GPU events"):
         analyse({"traceEvents": [{"ph": "X", "cat": "cpu_op", "name": "x", "ts": 0, "dur": 1}]})
+
+
+@pytest.mark.parametrize(
+    "argv, match",
+    [
+        (["--num-prompts", "0"], "--num-prompts and --prompt-len must be >= 1"),
+        (["--server-args", "--foo 'bar"], '--server-args "--foo \'bar": No closing quotation'),
+        (["--model-path", "/nonexistent/model"], "--model-path '/nonexistent/model': no such"),
+        (["--json", "/nonexistent/dir/out.json"], "--json '/nonexistent/dir/out.json': no folder"),
+    ],
+    ids=["no-prompts", "unbalanced-quote", "missing-model", "json-folder-missing"],
+)
+def test_bad_flags_exit_2_naming_the_flag_before_any_server(tmp_path, capsys, argv, match):
+    base = {"--model-path": str(tmp_path), "--label": "x", "--trace-dir": str(tmp_path / "t")}
+    flags = dict(zip(argv[::2], argv[1::2], strict=True))
+    with pytest.raises(SystemExit) as exc:
+        main([a for kv in {**base, **flags}.items() for a in kv])
+    assert exc.value.code == 2
+    assert match in capsys.readouterr().err
+    assert not (tmp_path / "t").exists()  # nothing written, no server started
