@@ -88,6 +88,12 @@ def protocol_name(rep: dict[str, Any]) -> str:
     return str(rep.get("protocol", "")).split(":")[0]
 
 
+def device_name(rep: dict[str, Any]) -> str:
+    """The device of a report (``cpu`` / ``cuda``; reports written before ``--device`` ran on
+    cpu). Records of two devices differ in dtype (``systems.DEVICE_DTYPES``): never one report."""
+    return str(rep.get("config", {}).get("device", "cpu"))
+
+
 def aggregate(records: list[dict[str, Any]], ratios: tuple[float, ...]) -> dict[str, Any]:
     """``results[task][ratio][system]`` = points, n, kept fraction, cached tokens."""
     groups: dict[tuple, list[dict[str, Any]]] = defaultdict(list)
@@ -197,7 +203,7 @@ def merge(reports: list[dict[str, Any]]) -> dict[str, Any]:
 
     Raises:
         ConfigError: a run used samples the first run does not hold, two runs hold the same
-            (system, ratio, sample), or the runs used different protocols.
+            (system, ratio, sample), or the runs used different protocols or devices.
     """
     from tangram_sglang.errors import ConfigError
 
@@ -205,6 +211,9 @@ def merge(reports: list[dict[str, Any]]) -> dict[str, Any]:
     protocols = [protocol_name(rep) for rep in reports]
     if len(set(protocols)) > 1:
         raise ConfigError(f"merge: the reports were run with different protocols {protocols}")
+    devices = [device_name(rep) for rep in reports]
+    if len(set(devices)) > 1:
+        raise ConfigError(f"merge: the reports were run on different devices {devices}")
     ids = [s["sample_id"] for s in first["samples"]]
     seen: set[tuple] = set()
     for rep in reports:

@@ -189,17 +189,21 @@ def _resumed(cfg: RunConfig, sample_ids: set[str], log: Callable[[str], None]) -
     if not cfg.resume or cfg.json_path is None or not cfg.json_path.is_file():
         return []
     try:
-        records = report.load_report(cfg.json_path)["records"]
+        rep = report.load_report(cfg.json_path)
     except ConfigError as exc:
         raise ConfigError(f"--resume: {exc}; use another --json") from None
+    records = rep["records"]
     if not {r["sample_id"] for r in records} <= sample_ids:
         raise ConfigError(f"--resume: {cfg.json_path} holds other samples; use another --json")
-    theirs = report.protocol_name(report.load_report(cfg.json_path))
-    if theirs != cfg.protocol:
-        raise ConfigError(
-            f"--resume: {cfg.json_path} was run with --protocol {theirs}, not {cfg.protocol}; "
-            "use another --json"
-        )
+    for flag, theirs, mine in (
+        ("--protocol", report.protocol_name(rep), cfg.protocol),
+        ("--device", report.device_name(rep), cfg.device),
+    ):
+        if theirs != mine:
+            raise ConfigError(
+                f"--resume: {cfg.json_path} was run with {flag} {theirs}, not {mine}; "
+                "use another --json"
+            )
     log(f"[eval] resuming: {len(records)} records kept from {cfg.json_path}")
     return records
 

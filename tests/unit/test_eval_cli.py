@@ -116,3 +116,20 @@ def test_resume_refuses_a_report_of_another_protocol(smollm2_path, tmp_path):
         _resumed(aware, {"needle:0"}, print)
     path.write_text(json.dumps(dict(rep, protocol="query-aware")))
     assert _resumed(aware, {"needle:0"}, print) == [rec]
+
+
+def test_resume_refuses_a_report_of_another_device(smollm2_path, tmp_path):
+    import json
+
+    from tangram_sglang.errors import ConfigError
+    from tangram_sglang.eval.runner import _resumed
+
+    path = tmp_path / "acc.json"
+    rec = {"sample_id": "needle:0", "system": "full", "ratio": None}
+    rep = {"model": "smollm2", "samples": [], "records": [rec], "protocol": "query-agnostic"}
+    path.write_text(json.dumps(dict(rep, config={"device": "cpu", "dtype": "float32"})))
+    cuda = _cfg(smollm2_path, json_path=path, resume=True, device="cuda")
+    with pytest.raises(ConfigError, match="--resume: .* --device cpu, not cuda"):
+        _resumed(cuda, {"needle:0"}, print)
+    path.write_text(json.dumps(dict(rep, config={})))  # written before --device: cpu
+    assert _resumed(_cfg(smollm2_path, json_path=path, resume=True), {"needle:0"}, print) == [rec]

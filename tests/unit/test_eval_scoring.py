@@ -143,3 +143,17 @@ def test_merge_refuses_reports_of_different_protocols():
     # a report written before --protocol (its definition text) merges with a named one
     same = merge([agnostic, dict(aware, protocol="query-agnostic")])
     assert same["summary"]["tangram_minus_uniform_points"] == 100.0
+
+
+def test_merge_refuses_reports_of_different_devices():
+    from tangram_sglang.errors import ConfigError
+    from tangram_sglang.eval.report import merge
+
+    def on(device, system, points):
+        rep = _rep((system,), [_rec("needle", system, 0.5, points)])
+        return dict(rep, config=dict(rep["config"], device=device))
+
+    with pytest.raises(ConfigError, match=r"different devices \['cuda', 'cpu'\]"):
+        merge([on("cuda", "tangram", 1.0), on("cpu", "uniform-snapkv", 0.0)])
+    old = _rep(("uniform-snapkv",), [_rec("needle", "uniform-snapkv", 0.5, 0.0)])  # no device
+    assert merge([on("cpu", "tangram", 1.0), old])["config"]["device"] == "cpu"
