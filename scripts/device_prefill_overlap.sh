@@ -7,6 +7,8 @@
 # and $OUT/<label>.spy (py-spy raw stacks, read with scripts/spy_summary.py).
 # Env: RATIO (Tangram kept ratio, 0.25), WL (prefill:16x8192), CAP_S (per bench, 240).
 set -u -o pipefail
+# without these each run below fails at once and spy() then waits 300 s for a scheduler
+: "${MODEL:?source scripts/device_setup.sh first (MODEL)}" "${PROFILE:?source scripts/device_setup.sh first (PROFILE)}"
 R=/tmp/pf; mkdir -p "$R" "${OUT:=/tmp/out}"
 python3 -m pip install -q --no-index --no-deps --target /tmp/pyspy .pyspy/*.whl || exit 1
 SPY=/tmp/pyspy/bin/py-spy
