@@ -398,8 +398,11 @@ class TangramState:
         GPU waits for between batches). With ``max_age_s`` > 0, a value computed less than
         ``max_age_s`` seconds ago is returned instead: the per-batch log lines and gauges use
         that (issue 7: computing it per batch and per finished request cost 0.5 s of GPU idle
-        time in 16 x 8192 prefill).
+        time in 16 x 8192 prefill). An empty pool (no held page) gives 0.0 at once, never an
+        older value.
         """
+        if self.memory.allocator.num_used() == 0:
+            return 0.0
         now = time.monotonic()
         if self._fragmentation is None or now - self._fragmentation[0] >= max_age_s:
             self._fragmentation = (now, self.memory.stats().fragmentation_fraction)

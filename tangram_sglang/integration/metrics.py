@@ -46,7 +46,8 @@ GAUGES: dict[str, tuple[str, str]] = {
     ),
     "tangram:fragmentation": (
         "fragmentation",
-        "Share of the (token, KV head) slots of held pages that hold no token.",
+        "Share of the (token, KV head) slots of held pages that hold no token "
+        f"(up to {FRAGMENTATION_MAX_AGE_S:g} s old).",
     ),
 }
 
@@ -60,7 +61,8 @@ class PoolSnapshot:
         bytes_held: bytes in held pages (K and V, all layers; running requests and radix tree).
         full_kv_bytes: bytes a full-KV pool would hold for the same logical tokens (the token
             slots SGLang counts as used or evictable: running requests and radix tree).
-        fragmentation: unused (token, head) slots / slots of held pages, in [0, 1].
+        fragmentation: unused (token, head) slots / slots of held pages, in [0, 1]; up to
+            :data:`FRAGMENTATION_MAX_AGE_S` old (0.0 at once when no page is held).
     """
 
     pages_total: int

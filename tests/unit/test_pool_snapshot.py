@@ -60,3 +60,13 @@ def test_finishing_a_request_does_not_walk_the_pool(monkeypatch):
     )
     record = state.release(1)
     assert record is not None and record.logical_tokens == 9
+
+
+def test_an_empty_pool_reports_no_fragmentation_even_within_the_max_age():
+    state = make_state()
+    start_row(state, 1, 9)
+    assert metrics.snapshot(state, held_tokens=9).fragmentation > 0
+    state.release(1)
+    snap = metrics.snapshot(state, held_tokens=0)
+    assert snap.pages_used == collect_stats(state.memory).used_pages == 0
+    assert snap.fragmentation == 0.0  # not the value cached while row 1 held pages
