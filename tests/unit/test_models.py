@@ -123,3 +123,25 @@ def test_convert_cli_names_the_flag_for_a_missing_file_or_model(tmp_path, capsys
     with pytest.raises(ModelError, match="--gguf: give the GGUF"):
         models.convert_gguf("smollm2", [], verbose=False)
     assert not models.cache_dir().exists() or not any(models.cache_dir().iterdir())
+
+
+def test_pieces_split_the_wheel_gguf_and_sha256_catches_a_bad_join(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("TANGRAM_CACHE_DIR", str(tmp_path / "cache"))
+    gguf = _smollm2_gguf()  # 98 MB
+    assert (
+        models.main(["pieces", "smollm2", "--out", str(tmp_path / "pc"), "--piece-mib", "40"]) == 0
+    )
+    pieces = sorted((tmp_path / "pc").glob("p*/chunk*"))
+    assert [p.relative_to(tmp_path / "pc").as_posix() for p in pieces] == [
+        "p00/chunk00", "p01/chunk01", "p02/chunk02"
+    ]  # fmt: skip
+    assert [p.stat().st_size for p in pieces[:2]] == [40 << 20] * 2
+    assert b"".join(p.read_bytes() for p in pieces) == gguf.read_bytes()
+    digest = (tmp_path / "pc" / "SHA256").read_text().split()[0]
+    assert digest == models._sha256(gguf)
+    for bad in ([pieces[0], pieces[2], pieces[1]], pieces[:2]):  # out of order, one missing
+        with pytest.raises(ModelError, match="--sha256: .*missing, out of order or damaged"):
+            models.convert_gguf("smollm2", bad, sha256=digest, verbose=False)
+    assert models.main(["pieces", "smollm2", "--out", str(tmp_path / "x"), "--piece-mib", "0"]) == 2
+    assert "--piece-mib" in capsys.readouterr().err
+    assert not models.cache_dir().exists() or not any(models.cache_dir().iterdir())
