@@ -79,7 +79,21 @@ def overlap(a0: float, a1: float, idle: np.ndarray) -> float:
 
 
 def analyse(trace: dict, top: int = 40) -> dict:
-    """GPU busy/idle times (ms) and the host functions overlapping idle time in one trace."""
+    """GPU busy/idle times (ms) and the host functions overlapping idle time in one trace.
+
+    Args:
+        trace: a Chrome trace (``traceEvents``; ``ts``/``dur`` in microseconds), as SGLang's
+            torch profiler writes it.
+        top: how many host functions to list (largest overlap first).
+
+    Returns:
+        ``span_ms`` (first to last GPU event), ``gpu_busy_ms``, ``gpu_idle_ms``,
+        ``idle_gaps_over_1ms``, ``largest_gaps_ms`` and ``host_during_idle_ms`` (per
+        ``"cat: name"``, inclusive: a frame counts the idle time of the frames it calls).
+
+    Raises:
+        SystemExit: the trace holds no GPU (kernel / memcpy / memset) event.
+    """
     events = [e for e in trace["traceEvents"] if e.get("ph") == "X" and "dur" in e]
     gpu = np.array(
         [(e["ts"], e["ts"] + e["dur"]) for e in events if e.get("cat") in GPU_CATEGORIES], float
@@ -131,6 +145,7 @@ def load_trace(path: Path) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """CLI entry (see the module docstring); bad flags exit 2 naming the flag."""
     p = argparse.ArgumentParser(prog="python -m tangram_sglang.bench.prefill_trace",
                                 description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
