@@ -32,20 +32,14 @@ setup() {
   if $PY -m tangram_sglang.models list | grep -q "^qwen2.5-0.5b .*\[ready\]"; then
     echo "device_accuracy: qwen2.5-0.5b already converted in $TANGRAM_CACHE_DIR"; return 0
   fi
-  local pieces want have gguf=/tmp/qwen05.gguf
+  local pieces want
   pieces=$(ls -d .carry/qwen05/p*/* 2>/dev/null | sort)
   [ -n "$pieces" ] || { echo "device_accuracy: no .carry/qwen05/pNN/* pieces" >&2; return 1; }
   want=${QWEN_SHA256:-$(awk 'NR==1{print $1}' .carry/qwen05/SHA256 2>/dev/null)}
   [ -n "$want" ] || { echo "device_accuracy: no sha256 (QWEN_SHA256 or .carry/qwen05/SHA256)" >&2; return 1; }
-  echo "device_accuracy: joining $(echo "$pieces" | wc -l) pieces -> $gguf"
-  cat $pieces > "$gguf" || return 1
-  have=$(sha256sum "$gguf" | cut -d' ' -f1)
-  if [ "$have" != "$want" ]; then
-    echo "device_accuracy: sha256 $have != $want: a piece is missing or damaged ($(stat -c %s "$gguf") bytes)" >&2
-    return 1
-  fi
-  $PY -m tangram_sglang.models convert qwen2.5-0.5b --gguf "$gguf" || return 1
-  rm -f "$gguf"
+  echo "device_accuracy: converting $(echo "$pieces" | wc -l) pieces"
+  # shellcheck disable=SC2086  # piece paths (pNN/chunkNN) have no spaces
+  $PY -m tangram_sglang.models convert qwen2.5-0.5b --sha256 "$want" --gguf $pieces
 }
 
 # eval NAME SYSTEMS: one harness process; its JSON is $R/NAME-$PROTOCOL.json, log $R/NAME.log

@@ -109,7 +109,7 @@ class Sample:
 
 @dataclass(frozen=True, slots=True)
 class Conversation:
-    """The token ids every system gets for one sample (query-agnostic protocol).
+    """The token ids every system gets for one sample (either protocol, see ``PROTOCOLS``).
 
     Attributes:
         context_ids: chat-template head + the context (tokens); compressed alone (query-aware
