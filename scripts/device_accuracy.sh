@@ -29,7 +29,8 @@ setup() {
     --target "${SITE:-/tmp/site}" .whl/*.whl || return 1
   $PY -c "import kvpress; import importlib.util as u; assert u.find_spec('long_context_eval')" \
     || { echo "device_accuracy: kvpress or long_context_eval missing (see above)" >&2; return 1; }
-  if $PY -m tangram_sglang.models list | grep -q "^qwen2.5-0.5b .*\[ready\]"; then
+  # grep without -q: -q exits at the first match, and the writer's BrokenPipeError fails the pipe
+  if $PY -m tangram_sglang.models list | grep "^qwen2.5-0.5b .*\[ready\]" > /dev/null; then
     echo "device_accuracy: qwen2.5-0.5b already converted in $TANGRAM_CACHE_DIR"; return 0
   fi
   local pieces want

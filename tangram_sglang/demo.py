@@ -126,11 +126,12 @@ def report_turn(server: SGLangServer, per_token_bytes: int, i: int, turn: TurnRe
     next turn reports them as cached tokens (reused, not recomputed); the tree's pages are the
     whole conversation's KV (the demo flushes the cache first, so nothing else is in it).
     """
+    pool = tangram_pool(server)
+    kind = "compressed KV" if pool else "KV"
     print(f"\n--- turn {i} ---\nuser:      ...{turn.user[-60:]}\nassistant: {turn.reply}")
     print(f"prompt tokens {turn.prompt_tokens}, served from the radix cache {turn.cached_tokens}"
-          " (earlier turns' compressed KV, reused without recomputation)")  # fmt: skip
+          f" (earlier turns' {kind}, reused without recomputation)")  # fmt: skip
     full = (turn.prompt_tokens + turn.completion_tokens) * per_token_bytes
-    pool = tangram_pool(server)
     if pool and pool.get("last_release"):
         new = pool["last_release"]["bytes_held"]
         radix = pool.get("radix") or {}
@@ -141,6 +142,33 @@ def report_turn(server: SGLangServer, per_token_bytes: int, i: int, turn: TurnRe
               f"{pool['pages_free']}/{pool['pages_total']}")  # fmt: skip
     else:
         print(f"KV held by the request (full KV): {full / 2**20:.2f} MiB")
+
+
+def demo_server_args(full_kv: bool, device: str, profile: str | None) -> list[str]:
+    """``launch_server`` flags for the demo: ``--tangram`` (+ ``--tangram-profile``) or stock.
+
+    Stock SGLang on CUDA gets ``--attention-backend triton``: its Hopper default is FA3, which
+    ``sgl_kernel`` wheels built without FA3 (the carried 0.4.5 one) cannot import.
+    """
+    if full_kv:
+        return ["--attention-backend", "triton"] if device == "cuda" else []
+    return ["--tangram"] + (["--tangram-profile", profile] if profile else [])
+
+
+def server_banner(info: dict) -> list[str]:
+    """Lines about a started server from its ``/get_server_info`` dict.
+
+    Under ``--tangram`` the plugin reports a dict under ``tangram`` (profile path, mean kept
+    ratio, head groups); a stock server reports the ``tangram`` flag itself (False).
+    """
+    lines = [f"server up: sglang {info.get('version')}, attention backend "
+             f"{info.get('attention_backend')}, KV dtype {info.get('dtype')}"]  # fmt: skip
+    t = info.get("tangram")
+    if isinstance(t, dict):
+        ratio, groups = t.get("mean_kept_ratio", 0.0), t.get("num_head_groups")
+        lines.append(f"Tangram profile {t.get('profile_path')}: mean kept ratio {ratio:.3f}, "
+                     f"{groups} head groups")  # fmt: skip
+    return lines
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -161,23 +189,14 @@ def main(argv: list[str] | None = None) -> int:
 def run_demo(args: argparse.Namespace) -> int:
     """Start the server, chat, report; raises TangramError on a bad model, profile or start."""
     folder = model_path(args.model)
-    server_args = [] if args.full_kv else ["--tangram"]
     if args.profile and not args.full_kv:
         BudgetProfile.load(args.profile)  # fail before a minute of server start-up
-        server_args += ["--tangram-profile", args.profile]
+    server_args = demo_server_args(args.full_kv, args.device, args.profile)
     print(f"model: {folder}")
     print(f"starting SGLang {' '.join(server_args)} (about a minute on CPU) ...", flush=True)
     with SGLangServer(folder, server_args, device=args.device, log_path=args.log) as server:
         info = server.server_info()
-        print(
-            f"server up: sglang {info.get('version')}, attention backend "
-            f"{info.get('attention_backend')}, KV dtype {info.get('dtype')}"
-        )
-        if "tangram" in info:
-            t = info["tangram"]
-            ratio, groups = t.get("mean_kept_ratio", 0.0), t.get("num_head_groups")
-            print(f"Tangram profile {t.get('profile_path')}: mean kept ratio {ratio:.3f}, "
-                  f"{groups} head groups")  # fmt: skip
+        print("\n".join(server_banner(info)))
         requests.post(f"{server.base_url}/flush_cache", timeout=60)  # drop the warm-up request
         per_token = full_kv_bytes_per_token(folder, 4 if info.get("dtype") == "float32" else 2)
         chat(server.base_url, DEMO_TURNS,

@@ -315,10 +315,20 @@ def write_result(result: dict, args) -> None:
 
 
 def merge(paths: list[str], output: str) -> dict:
-    """Join the ``systems`` of several result files (later files win) and recompute the summary."""
+    """Join the ``systems`` of several result files and recompute the summary.
+
+    Per system, workloads are joined (a later file's run of the same workload replaces the
+    earlier one) and the later file's other fields (server args, start-up, pool) win, so a
+    system measured on different workloads in separate runs keeps all of them.
+    """
     results = [json.loads(Path(p).read_text()) for p in paths]
     merged = dict(results[0])
-    merged["systems"] = {k: v for r in results for k, v in r["systems"].items()}
+    merged["systems"] = {}
+    for result in results:
+        for name, run in result["systems"].items():
+            earlier = merged["systems"].get(name, {})
+            workloads = {**earlier.get("workloads", {}), **run.get("workloads", {})}
+            merged["systems"][name] = {**earlier, **run, "workloads": workloads}
     merged["merged_from"] = list(paths)
     settings = merged.get("settings", {})
     merged["summary"] = summarize(merged["systems"], settings.get("main_workload", "cliff-64"),

@@ -7,7 +7,7 @@ import requests
 import torch
 from recall_chat import KEYWORD, recall_chat
 
-from tangram_sglang.demo import DEFAULT_TURNS, chat
+from tangram_sglang.demo import DEFAULT_TURNS, chat, report_turn, server_banner
 from tangram_sglang.serving import SGLangServer
 
 pytestmark = pytest.mark.e2e
@@ -30,6 +30,18 @@ def test_three_turn_chat_reuses_the_radix_cache(server):
         assert cur.cached_tokens > 0
         assert cur.cached_tokens >= prev.prompt_tokens  # all of the previous prompt was reused
         assert cur.cached_tokens < cur.prompt_tokens
+
+
+def test_demo_full_kv_report_on_the_stock_server(server, capsys):
+    """``demo --full-kv``'s banner and per-turn report on stock SGLang's real server info."""
+    print("\n".join(server_banner(server.server_info())))
+    turn = chat(server.base_url, DEFAULT_TURNS[:1])[0]
+    report_turn(server, 1000, 1, turn)
+    out = capsys.readouterr().out
+    assert out.startswith("server up: sglang 0.5.17") and "Tangram profile" not in out
+    full = (turn.prompt_tokens + turn.completion_tokens) * 1000 / 2**20
+    assert f"KV held by the request (full KV): {full:.2f} MiB" in out
+    assert "compressed" not in out
 
 
 def test_fact_from_turn1_is_recalled_in_turn3(server):

@@ -91,6 +91,36 @@ def test_summary_ratios_and_missing_runs():
     assert s["throughput_ratio_at_50pct"] is None and "throughput_ratio_at_50pct" in s["missing"]
 
 
+def test_merge_joins_workloads_per_system_and_later_runs_win(tmp_path):
+    import json
+
+    def part(name, systems):
+        path = tmp_path / name
+        path.write_text(json.dumps({"settings": {"main_workload": "cliff-64"}, "systems": systems}))
+        return str(path)
+
+    def run(tok_s):
+        return {"requests_ok": 4, "output_tok_per_s": tok_s, "wall_s": 1.0}
+
+    old = part("old.json", {
+        "baseline": {"startup_s": 1, "workloads": {"cliff-64": run(100), "cliff-32": run(400)}},
+        "tangram-r0.25": {"startup_s": 1, "workloads": {"cliff-64": run(300),
+                                                        "cliff-96": run(200)}},
+    })  # fmt: skip
+    new = part("new.json", {
+        "tangram-r0.25": {"startup_s": 2, "workloads": {"cliff-64": run(500),
+                                                        "sharegpt-64x4": run(50)}},
+    })  # fmt: skip
+    merged = mt.merge([old, new], str(tmp_path / "merged.json"))
+    t = merged["systems"]["tangram-r0.25"]
+    assert set(t["workloads"]) == {"cliff-64", "cliff-96", "sharegpt-64x4"}
+    assert t["startup_s"] == 2
+    assert t["workloads"]["cliff-64"]["output_tok_per_s"] == 500
+    assert set(merged["systems"]["baseline"]["workloads"]) == {"cliff-64", "cliff-32"}
+    assert merged["summary"]["cliff_throughput_ratio_64_clients"] == 5.0
+    assert json.loads((tmp_path / "merged.json").read_text())["merged_from"] == [old, new]
+
+
 @pytest.mark.parametrize(
     "argv,match",
     [
