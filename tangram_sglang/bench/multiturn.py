@@ -314,14 +314,37 @@ def write_result(result: dict, args) -> None:
     path.write_text(json.dumps(result, indent=1, default=float) + "\n")
 
 
+def _load_result(path: str) -> dict:
+    """One result file for ``merge``, checked; raises ConfigError naming ``path``."""
+    try:
+        result = json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"merge input {path}: no such file") from None
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise ConfigError(f"merge input {path}: not JSON or unreadable ({exc})") from None
+    systems = result.get("systems") if isinstance(result, dict) else None
+    if not isinstance(systems, dict):
+        raise ConfigError(f"merge input {path}: no 'systems' object; not a multiturn result file")
+    for name, run in systems.items():
+        if not isinstance(run, dict):
+            raise ConfigError(f"merge input {path}: systems.{name} is not an object")
+        if not isinstance(run.get("workloads", {}), dict):
+            raise ConfigError(f"merge input {path}: systems.{name}.workloads is not an object")
+    return result
+
+
 def merge(paths: list[str], output: str) -> dict:
     """Join the ``systems`` of several result files and recompute the summary.
 
     Per system, workloads are joined (a later file's run of the same workload replaces the
     earlier one) and the later file's other fields (server args, start-up, pool) win, so a
     system measured on different workloads in separate runs keeps all of them.
+
+    Raises:
+        ConfigError: an input that is missing, not JSON, or not a result file (no ``systems``
+            object of per-system objects with a ``workloads`` object); names the file.
     """
-    results = [json.loads(Path(p).read_text()) for p in paths]
+    results = [_load_result(p) for p in paths]
     merged = dict(results[0])
     merged["systems"] = {}
     for result in results:
@@ -387,8 +410,8 @@ def main(argv: list[str] | None = None) -> int:
         margs = mp.parse_args(argv[1:])
         try:
             print(json.dumps(merge(margs.inputs, margs.output)["summary"], indent=1))
-        except (OSError, ValueError, KeyError) as exc:
-            print(f"multiturn merge: error: {exc!r}", file=sys.stderr)
+        except (TangramError, OSError) as exc:  # OSError: the --output path
+            print(f"multiturn merge: error: {exc}", file=sys.stderr)
             return 2
         return 0
     args = build_parser().parse_args(argv)

@@ -122,6 +122,30 @@ def test_merge_joins_workloads_per_system_and_later_runs_win(tmp_path):
 
 
 @pytest.mark.parametrize(
+    ("text", "match"),
+    [
+        (None, "no such file"),
+        ("not json", "not JSON"),
+        ('{"settings": {}}', "no 'systems' object"),
+        ("[1, 2]", "no 'systems' object"),
+        ('{"systems": {"baseline": 5}}', "systems.baseline is not an object"),
+        ('{"systems": {"baseline": {"workloads": []}}}', "baseline.workloads is not an object"),
+    ],
+    ids=["missing", "not-json", "no-systems", "a-list", "system-not-dict", "workloads-not-dict"],
+)
+def test_merge_names_the_bad_file_and_exits_2(tmp_path, capsys, text, match):
+    good = tmp_path / "good.json"
+    good.write_text('{"systems": {"baseline": {"workloads": {}}}}')
+    bad = tmp_path / "bad.json"
+    if text is not None:
+        bad.write_text(text)
+    out = tmp_path / "merged.json"
+    assert mt.main(["merge", str(good), str(bad), "--output", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert str(bad) in err and match in err and not out.exists()
+
+
+@pytest.mark.parametrize(
     "argv,match",
     [
         (["--num-clients", "100000000", "--systems", "baseline"], "--num-clients"),
