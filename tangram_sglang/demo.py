@@ -20,7 +20,7 @@ from pathlib import Path
 import openai
 import requests
 
-from tangram_sglang.errors import TangramError
+from tangram_sglang.errors import ConfigError, TangramError
 from tangram_sglang.models import model_path
 from tangram_sglang.profile import BudgetProfile
 from tangram_sglang.serving import SGLangServer
@@ -186,8 +186,26 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
+def check_demo_args(args: argparse.Namespace) -> None:
+    """Refuse flag combinations that would waste a server start-up.
+
+    Raises:
+        ConfigError: ``--profile`` with ``--full-kv`` (stock SGLang takes no profile), or
+            ``--device cuda`` where torch sees no GPU (the server would die in start-up).
+    """
+    if args.full_kv and args.profile:
+        raise ConfigError(f"--profile {args.profile}: --full-kv runs stock SGLang, which takes "
+                          "no profile; drop one of the two flags")  # fmt: skip
+    if args.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ConfigError("--device cuda: torch sees no GPU here; use --device cpu")
+
+
 def run_demo(args: argparse.Namespace) -> int:
     """Start the server, chat, report; raises TangramError on a bad model, profile or start."""
+    check_demo_args(args)
     folder = model_path(args.model)
     if args.profile and not args.full_kv:
         BudgetProfile.load(args.profile)  # fail before a minute of server start-up

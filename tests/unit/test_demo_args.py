@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import pytest
+import torch
+
 from tangram_sglang.demo import demo_server_args, server_banner
 
 
@@ -22,3 +25,20 @@ def test_banner_names_the_profile_only_for_a_tangram_server():
     info = {**base, "tangram": {"profile_path": "p.json", "mean_kept_ratio": 0.31,
                                 "num_head_groups": 14}}  # fmt: skip
     assert server_banner(info)[1] == "Tangram profile p.json: mean kept ratio 0.310, 14 head groups"
+
+
+def test_a_profile_with_full_kv_is_refused_before_any_server(capsys):
+    from tangram_sglang.demo import main
+
+    assert main(["--full-kv", "--profile", "/nonexistent/p.json"]) == 2
+    err = capsys.readouterr().err
+    assert "--profile /nonexistent/p.json" in err and "--full-kv" in err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without a GPU")
+def test_cuda_without_a_gpu_fails_before_a_server_starts(capsys):
+    from tangram_sglang.demo import main
+
+    assert main(["--device", "cuda", "--log", "/nonexistent/dir/log"]) == 2
+    err = capsys.readouterr().err
+    assert "--device cuda" in err and "--device cpu" in err and "server" not in err.lower()
