@@ -60,7 +60,9 @@ def plot(result: dict, workload: str, output: str) -> None:
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     if tangram:
         xs, ys = zip(*tangram, strict=True)
-        ax.plot(xs, ys, "o-", color="tab:green", label="Tangram (--tangram-target-ratio)")
+        # zorder 3: Tangram's point at 1.0 stays above the stock markers there
+        ax.plot(xs, ys, "o-", color="tab:green", label="Tangram (--tangram-target-ratio)",
+                zorder=3)  # fmt: skip
         for x, y in tangram:
             ax.annotate(f"{y:.0f}", (x, y), textcoords="offset points", xytext=(0, 6),
                         ha="center", fontsize=8)  # fmt: skip
@@ -69,8 +71,8 @@ def plot(result: dict, workload: str, output: str) -> None:
         label = f"stock SGLang, full KV ({name.removeprefix('baseline').strip('-') or 'triton'})"
         ax.axhline(y, ls="--", lw=1, color=color)
         ax.plot([1.0], [y], "s", color=color, label=label)
-        # below right of the marker: a Tangram point at 1.0 keeps the label above it
-        ax.annotate(f"{y:.0f}", (1.0, y), textcoords="offset points", xytext=(6, -10),
+        # at the left end of its level: the markers at 1.0 are left to the Tangram point there
+        ax.annotate(f"{y:.0f}", (0.0, y), textcoords="offset points", xytext=(4, 3),
                     fontsize=8, color=color)  # fmt: skip
     ax.set_xlabel("kept ratio (mean kept fraction of KV)")
     ax.set_ylabel("output tokens / s")
