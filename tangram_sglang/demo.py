@@ -23,7 +23,7 @@ import requests
 from tangram_sglang.errors import ConfigError, TangramError
 from tangram_sglang.models import model_path
 from tangram_sglang.profile import BudgetProfile
-from tangram_sglang.serving import SGLangServer
+from tangram_sglang.serving import CUDA_STOCK_FLAGS, SGLangServer
 
 # A long first turn: compression keeps sinks and a recent window whole, so savings show on
 # segments of a few hundred tokens, not on one-line prompts.
@@ -147,11 +147,11 @@ def report_turn(server: SGLangServer, per_token_bytes: int, i: int, turn: TurnRe
 def demo_server_args(full_kv: bool, device: str, profile: str | None) -> list[str]:
     """``launch_server`` flags for the demo: ``--tangram`` (+ ``--tangram-profile``) or stock.
 
-    Stock SGLang on CUDA gets ``--attention-backend triton``: its Hopper default is FA3, which
-    ``sgl_kernel`` wheels built without FA3 (the carried 0.4.5 one) cannot import.
+    Stock SGLang on CUDA gets :data:`~tangram_sglang.serving.CUDA_STOCK_FLAGS` (triton: the
+    carried ``sgl_kernel`` has no FA3, SGLang's Hopper default).
     """
     if full_kv:
-        return ["--attention-backend", "triton"] if device == "cuda" else []
+        return [x for kv in CUDA_STOCK_FLAGS.items() for x in kv] if device == "cuda" else []
     return ["--tangram"] + (["--tangram-profile", profile] if profile else [])
 
 
@@ -207,7 +207,7 @@ def run_demo(args: argparse.Namespace) -> int:
     """Start the server, chat, report; raises TangramError on a bad model, profile or start."""
     check_demo_args(args)
     folder = model_path(args.model)
-    if args.profile and not args.full_kv:
+    if args.profile:  # never with --full-kv (check_demo_args)
         BudgetProfile.load(args.profile)  # fail before a minute of server start-up
     server_args = demo_server_args(args.full_kv, args.device, args.profile)
     print(f"model: {folder}")

@@ -30,6 +30,9 @@ CPU_DEFAULTS = {
     "--dtype": "float32",
     "--max-total-tokens": "16384",
 }
+# Stock (non --tangram) servers on CUDA: SGLang's Hopper default attention backend is FA3, which
+# sgl_kernel wheels built without it (the carried 0.4.5 one) cannot import.
+CUDA_STOCK_FLAGS = {"--attention-backend": "triton"}
 
 
 _LIVE: set[int] = set()  # id() of servers that turned SIGTERM into KeyboardInterrupt

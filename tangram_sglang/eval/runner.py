@@ -50,16 +50,16 @@ from tangram_sglang.eval.tasks import (
     for_protocol,
 )
 from tangram_sglang.profile import BudgetProfile, ModelIdentity
+from tangram_sglang.serving import CUDA_STOCK_FLAGS
 
 MAX_NEW_TOKENS = {"needle": 28, "squad": 24, "multiturn-squad": 24}
 SYSTEMS = ("full", "tangram", *PRESS_SYSTEMS, "full-hf")
 STARTUP_S = 1800.0  # server start-up limit: minutes on a busy shared CPU
 CHUNKED_PREFILL_TOKENS = 16384  # > any prompt here: the whole prompt is one Tangram segment
 TEMPLATE_MARGIN = 1024  # tokens the chat template, questions and multi-turn history add at most
-# launch_server flags the harness adds on cuda unless --server-args has the flag (the stock
-# server's backend: FA3, SGLang's Hopper default, is not installed on the device machine)
+# launch_server flags the harness adds on cuda unless --server-args has the flag (+ the stock
+# server's backend, serving.CUDA_STOCK_FLAGS)
 CUDA_SERVER_FLAGS = {"--sampling-backend": "pytorch"}
-CUDA_STOCK_FLAGS = {"--attention-backend": "triton"}
 
 
 @dataclass(frozen=True, slots=True)
