@@ -26,7 +26,7 @@ the default factory, and its component hooks split node values per component; a 
 factory (``register_radix_cache_backend("tangram")``) returning this subclass is the smallest
 seam that works on the pinned version.
 
-Source: DESIGN.md §5; SGLang 0.5.17 ``radix_cache.py`` / ``chunk_cache.py`` / ``registry.py``.
+Source: docs/design.md §5; SGLang 0.5.17 ``radix_cache.py`` / ``chunk_cache.py`` / ``registry.py``.
 """
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ def same_segment(
     induction from the root, means the same chunking of every earlier segment), starts at the
     same depth and kept the same tokens per group. Kept lengths alone are not enough: two
     chunkings of one prompt (say 4 + 8 and 8 + 4 tokens) can end with equal per-group lengths
-    but different kept tokens (DESIGN.md §5).
+    but different kept tokens (docs/design.md §5).
     """
     return (
         cached.start_node is parent
