@@ -184,7 +184,7 @@ class TangramState:
                 of the Tangram plugin did not run for this batch).
         """
         rows, lens = self.host_rows, self.host_seq_lens
-        if rows is None or rows.size < num_rows:
+        if rows is None or rows.size != num_rows:
             have = "none" if rows is None else f"{rows.size} rows"
             raise KernelError(
                 f"Tangram backend: no host copy of the {num_rows} request rows of this "
@@ -194,7 +194,7 @@ class TangramState:
             )
         if lens is None or lens.size != rows.size:
             lens = np.zeros(rows.size, np.int64)
-        return rows[:num_rows], lens[:num_rows]
+        return rows, lens
 
     # ---- per request (scheduler side) -----------------------------------------------------------
     def plan_row(self, row: int, prompt_tokens: int, decode_tokens: int) -> None:

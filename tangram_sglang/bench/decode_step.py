@@ -3,8 +3,9 @@
 Measures what the attention backend does on the host before every decode step: one decode token
 allocated per head group of each row (``TangramState.begin_decode``) and the plan written into the
 static decode buffers (``DecodeGraphBuffers.fill``, the CUDA-graph path). It also counts the
-device-to-host reads (``Tensor.tolist`` / ``item`` / ``__int__``) the step makes: none is the
-goal (they would wait for the GPU and stop overlap scheduling).
+device-to-host reads (``Tensor.tolist`` / ``item`` / ``__int__``) the step makes (none is the
+goal: they would wait for the GPU and stop overlap scheduling; ``numpy`` counts the host
+allocator's own tensors) and the host-to-device uploads (one packed copy per step).
 
 Setup: the given profile, ``--batch`` rows prefilled with ``--prompt`` tokens each (one segment),
 then ``--steps`` decode steps timed with ``time.perf_counter`` (median and p90, ms per step).
@@ -94,6 +95,7 @@ def run(profile_path: str, batch: int, prompt: int, steps: int, page_size: int) 
     rows = np.asarray(rows, np.int64)
     seq = np.full(batch, prompt, np.int64)
     times = []
+    uploads = table.uploader.num_uploads
     with count_host_reads() as reads:
         for _ in range(steps):
             seq += 1
@@ -110,6 +112,7 @@ def run(profile_path: str, batch: int, prompt: int, steps: int, page_size: int) 
         "ms_per_step_median": round(float(np.median(ms)), 4),
         "ms_per_step_p90": round(float(np.percentile(ms, 90)), 4),
         "host_reads_per_step": {k: v / steps for k, v in reads.items()},
+        "uploads_per_step": (table.uploader.num_uploads - uploads) / steps,
     }
 
 

@@ -14,12 +14,14 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 from test_backend_metadata import PAGE, make_profile
 
 from tangram_sglang.backend import metadata as md
 from tangram_sglang.backend.state import TangramState
 from tangram_sglang.bench.decode_step import count_host_reads
+from tangram_sglang.errors import KernelError
 from tangram_sglang.mem.manager import TangramMemory
 from tangram_sglang.mem.page_table import PackedUpload
 
@@ -127,3 +129,14 @@ def test_packed_upload_keeps_shapes_and_order():
     assert [t.shape for t in got] == [(3,), (2, 3), (0,)]
     assert got[0].tolist() == [0, 1, 2] and got[1].tolist() == b.tolist()
     assert up.num_uploads == 1
+
+
+def test_planning_without_the_host_copy_of_the_rows_is_an_error():
+    state = meta_state()
+    with pytest.raises(KernelError, match="init_new hook"):
+        state.host_batch_for(object(), 2)
+    state.set_host_batch(torch.tensor([3, 1]), torch.tensor([9, 4]))
+    rows, lens = state.host_batch_for(object(), 2)
+    assert rows.tolist() == [3, 1] and lens.tolist() == [9, 4]
+    with pytest.raises(KernelError, match="2 rows recorded"):
+        state.host_batch_for(object(), 3)  # another batch than the one recorded
