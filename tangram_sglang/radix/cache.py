@@ -132,17 +132,25 @@ class TangramRadixCache(RadixCache):
             best_match_node=node,
         )
 
-    def prefix_for(self, row: int, prefix_len: int) -> PrefixMatch:
+    def prefix_for(self, row: int, prefix_len: int, node: TreeNode | None = None) -> PrefixMatch:
         """The compressed prefix of a new row whose first ``prefix_len`` tokens were matched.
 
         Called by the backend before the row's first extend; the matched node is locked by
         SGLang (``inc_lock_ref``) from admission to ``cache_finished_req``.
 
+        Args:
+            row: the request row.
+            prefix_len: matched tokens.
+            node: the node the match ended at (SGLang's ``req.last_node``, handed over on the
+                host by the ``ForwardBatch.init_new`` hook); None looks it up by the row's last
+                prefix slot in ``req_to_token`` (a device read).
+
         Raises:
-            PoolError: the row's last prefix slot is no boundary node of the tree.
+            PoolError: the prefix ends at no boundary node of the tree.
         """
-        slot = int(self.req_to_token_pool.req_to_token[row, prefix_len - 1])
-        node = self._boundaries.get(slot)
+        if node is None or value_of(node) is None:
+            slot = int(self.req_to_token_pool.req_to_token[row, prefix_len - 1])
+            node = self._boundaries.get(slot)
         if node is None or value_of(node).end_depth != prefix_len:
             raise PoolError(
                 f"radix: row {row} starts from a {prefix_len}-token prefix that ends at no "
