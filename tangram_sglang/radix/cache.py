@@ -18,7 +18,10 @@ idle self-check stay exact. On top, each node where a finished request's segment
   frees its pages exactly once through ``TangramMemory.free_pages``.
 
 The backend asks :meth:`prefix_for` for a new row's :class:`~tangram_sglang.mem.prefix.
-PrefixMatch` (the matched node is found from the last prefix token slot, which the tree owns).
+PrefixMatch`: from the matched node when the caller has it (``req.last_node``: no device
+read), else from the row's last prefix token slot (one device read). Each boundary node keeps
+its last token slot on the host (read once per finished request, for all its segments
+together), so eviction and ``/flush_cache`` never read the device.
 
 Why a ``RadixCache`` subclass and not a ``FullComponent`` override of ``UnifiedRadixCache``: the
 0.5.17 unified tree needs ``SGLANG_ENABLE_UNIFIED_RADIX_TREE`` or a hybrid model to be chosen by
@@ -52,6 +55,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 VALUE_ATTR = "tangram_value"  # TreeNode attribute holding a boundary node's SegmentValue
+SLOT_ATTR = "tangram_slot"  # TreeNode attribute: a boundary node's last token slot (host int)
 
 
 def value_of(node: TreeNode) -> SegmentValue | None:
@@ -103,6 +107,8 @@ class TangramRadixCache(RadixCache):
         self._boundaries: dict[int, TreeNode] = {}  # last token slot of a boundary -> node
         self.num_evicted_pages = 0  # pages freed by evicting nodes since start-up
         self.num_duplicate_pages = 0  # pages of segments already cached, freed at insert
+        self.held_pages = 0  # pages on boundary nodes (all of them)
+        self.locked_pages = 0  # pages on boundary nodes with lock_ref > 0 (not evictable)
         super().__init__(params)
         state = getattr(params.req_to_token_pool, "tangram_state", None)
         if state is None:
@@ -131,18 +137,26 @@ class TangramRadixCache(RadixCache):
             best_match_node=node,
         )
 
-    def prefix_for(self, row: int, prefix_len: int) -> PrefixMatch:
+    def prefix_for(self, row: int, prefix_len: int, node: TreeNode | None = None) -> PrefixMatch:
         """The compressed prefix of a new row whose first ``prefix_len`` tokens were matched.
 
-        Called by the backend before the row's first extend; the matched node is locked by
-        SGLang (``inc_lock_ref``) from admission to ``cache_finished_req``.
+        Called before the row's first extend; the matched node is locked by SGLang
+        (``inc_lock_ref``) from admission to ``cache_finished_req``.
+
+        Args:
+            row: the row's ``req_pool_idx``.
+            prefix_len: matched tokens (``len(req.prefix_indices)``).
+            node: the matched boundary node (``req.last_node``) when the caller has it: no
+                device read. Without it the node is found from the row's last prefix token
+                slot in ``req_to_token`` (one device-to-host read).
 
         Raises:
-            PoolError: the row's last prefix slot is no boundary node of the tree.
+            PoolError: the prefix ends at no boundary node of the tree.
         """
-        slot = int(self.req_to_token_pool.req_to_token[row, prefix_len - 1])
-        node = self._boundaries.get(slot)
-        if node is None or value_of(node).end_depth != prefix_len:
+        if node is None:
+            slot = int(self.req_to_token_pool.req_to_token[row, prefix_len - 1])
+            node = self._boundaries.get(slot)
+        if node is None or value_of(node) is None or value_of(node).end_depth != prefix_len:
             raise PoolError(
                 f"radix: row {row} starts from a {prefix_len}-token prefix that ends at no "
                 "compressed segment of the tree (prefix must come from TangramRadixCache)"
@@ -189,8 +203,12 @@ class TangramRadixCache(RadixCache):
     def _attach(
         self, key: RadixKey, start: TreeNode, start_len: int, segments: list[SegmentPages]
     ) -> None:
-        """Put each segment on the node ending at its last token; free what cannot be kept."""
-        parent = start
+        """Put each segment on the node ending at its last token; free what cannot be kept.
+
+        The new boundary nodes' last token slots are read to the host together (one
+        device-to-host copy per finished request, none when nothing new is attached).
+        """
+        parent, attached = start, []
         for (lo, hi), seg in zip(segment_depths(start_len, segments), segments, strict=True):
             if parent is None or seg.num_tokens <= 0 or hi > len(key):
                 self._free(seg.pages)
@@ -209,8 +227,14 @@ class TangramRadixCache(RadixCache):
                     continue
             else:
                 setattr(node, VALUE_ATTR, SegmentValue(parent, lo, hi, seg))
-                self._boundaries[int(node.value[-1])] = node
+                self._count(node, seg.num_pages)
+                attached.append(node)
             parent = node
+        if attached:
+            slots = torch.stack([n.value[-1] for n in attached]).tolist()
+            for node, slot in zip(attached, slots, strict=True):
+                setattr(node, SLOT_ATTR, int(slot))
+                self._boundaries[int(slot)] = node
 
     def _node_at(self, key: RadixKey, depth: int) -> TreeNode:
         """The node ending exactly at ``depth`` on ``key``'s path (split if needed)."""
@@ -228,8 +252,9 @@ class TangramRadixCache(RadixCache):
         """SGLang's leaf removal, plus: free the node's pages (exactly once)."""
         value = value_of(node)
         if value is not None:
-            self._boundaries.pop(int(node.value[-1]), None)
+            self._boundaries.pop(getattr(node, SLOT_ATTR), None)
             setattr(node, VALUE_ATTR, None)
+            self._count(node, -value.num_pages)
             self._free(value.segment.pages)
             self.num_evicted_pages += value.num_pages
         super()._delete_leaf(node)
@@ -259,16 +284,39 @@ class TangramRadixCache(RadixCache):
         """Pages on unlocked boundary nodes (all evictable), minus those on ``exclude``'s path.
 
         A node with ``lock_ref == 0`` has no locked descendant, so its whole subtree can go.
+        O(depth of ``exclude``): the held and locked totals are kept up to date by
+        attach / evict and by :meth:`inc_lock_ref` / :meth:`dec_lock_ref`.
         """
-        keep = set()
-        while exclude is not None:
-            keep.add(id(exclude))
-            exclude = exclude.parent
-        return sum(
-            value_of(n).num_pages
-            for n in self._boundaries.values()
-            if n.lock_ref == 0 and id(n) not in keep
-        )
+        return self.held_pages - self.locked_pages - self._path_pages(exclude, lock_ref=0)
+
+    def inc_lock_ref(self, node: TreeNode) -> Any:
+        """SGLang's lock (a running request reads the path), plus the locked-pages total."""
+        if not self.disable:
+            self.locked_pages += self._path_pages(node, lock_ref=0)
+        return super().inc_lock_ref(node)
+
+    def dec_lock_ref(self, node: TreeNode, params: Any = None) -> Any:
+        """SGLang's unlock, plus the locked-pages total (nodes whose last lock goes)."""
+        if not self.disable:
+            self.locked_pages -= self._path_pages(node, lock_ref=1)
+        return super().dec_lock_ref(node, params)
+
+    def _path_pages(self, node: TreeNode | None, lock_ref: int) -> int:
+        """Pages on the boundary nodes from ``node`` up to the root whose lock count is
+        ``lock_ref``."""
+        pages = 0
+        while node is not None and node is not self.root_node:
+            value = value_of(node)
+            if value is not None and node.lock_ref == lock_ref:
+                pages += value.num_pages
+            node = node.parent
+        return pages
+
+    def _count(self, node: TreeNode, pages: int) -> None:
+        """A boundary node gained (``pages`` > 0) or lost its segment: update the totals."""
+        self.held_pages += pages
+        if node.lock_ref > 0:
+            self.locked_pages += pages
 
     def reset(self) -> None:
         """``/flush_cache`` (and start-up): free every node's pages, then SGLang's reset."""
@@ -279,15 +327,15 @@ class TangramRadixCache(RadixCache):
                 self._free(value.segment.pages)
         if hasattr(self, "_boundaries"):
             self._boundaries.clear()
+        self.held_pages = self.locked_pages = 0
         super().reset()
 
     # ---- reports -----------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
         """Pages and nodes the tree holds (plain builtins, for ``/server_info``)."""
-        nodes = list(self._boundaries.values())
         return {
-            "segments": len(nodes),
-            "pages_held": sum(value_of(n).num_pages for n in nodes),
+            "segments": len(self._boundaries),
+            "pages_held": self.held_pages,
             "pages_evictable": self.evictable_pages(),
             "tokens_evictable": int(self.evictable_size_),
             "tokens_protected": int(self.protected_size_),

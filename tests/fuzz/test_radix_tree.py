@@ -88,6 +88,10 @@ class RadixLifecycle(RuleBasedStateMachine):
         self.req_pool.req_to_token[row, :p] = match.device_indices.to(torch.int32)
         self.req_pool.req_to_token[row, p : p + n] = fresh.to(torch.int32)
         self.running[row] = Running(req, p)
+        if p:  # the node the scheduler holds (req.last_node) names the same prefix, no slot read
+            by_node, by_slot = self.tree.prefix_for(row, p, node), self.tree.prefix_for(row, p)
+            assert np.array_equal(by_node.lens, by_slot.lens)
+            assert all(map(np.array_equal, by_node.pages, by_slot.pages))
         try:
             self.state.begin_extend([row], [n], [p])
         except PoolError:  # pages short even after eviction: the request ends (abort)
@@ -153,6 +157,22 @@ class RadixLifecycle(RuleBasedStateMachine):
         total = (self.slots.available_size() + self.tree.evictable_size()
                  + self.tree.protected_size() + own)  # fmt: skip
         assert total == SLOTS
+
+    @invariant()
+    def page_totals_match_the_nodes(self):
+        """The O(1) held / locked / evictable page totals equal a walk over every boundary."""
+        nodes = list(self.tree._boundaries.values())
+        held = sum(value_of(n).num_pages for n in nodes)
+        locked = sum(value_of(n).num_pages for n in nodes if n.lock_ref > 0)
+        assert (self.tree.held_pages, self.tree.locked_pages) == (held, locked)
+        for run in self.running.values():
+            keep, node = set(), run.req.last_node
+            while node is not None:
+                keep.add(id(node))
+                node = node.parent
+            unlocked = [n for n in nodes if n.lock_ref == 0 and id(n) not in keep]
+            free = sum(value_of(n).num_pages for n in unlocked)
+            assert self.tree.evictable_pages(run.req.last_node) == free
 
     @invariant()
     def chains_build(self):
