@@ -1,6 +1,7 @@
 """Radix reuse of compressed history on the real ``--tangram`` server (CPU, SmolLM2, 0.5 profile).
 
-One server (a small pool: ``--max-total-tokens 2048``):
+One server (a small pool: ``--max-total-tokens 2048``; ``--tangram-min-compress-tokens 0``, so
+the short prompts here are compressed segments):
 
 * turn 2 of a chat reports ``cached_tokens`` = turn 1's prompt + its T - 1 decode-tail tokens
   (the whole compressed history, matched as whole segments, never recomputed);
@@ -38,8 +39,8 @@ FACT = "My name is Ada and I live in Lyon, near the river, with two cats and a p
 
 @pytest.fixture(scope="module")
 def server(smollm2_path):
-    args = ["--tangram", "--tangram-profile", PROFILE_05,
-            "--max-total-tokens", str(MAX_TOTAL_TOKENS)]  # fmt: skip
+    args = ["--tangram", "--tangram-profile", PROFILE_05, "--max-total-tokens",
+            str(MAX_TOTAL_TOKENS), "--tangram-min-compress-tokens", "0"]  # fmt: skip
     log = "/tmp/tangram-e2e-radix.log"
     with SGLangServer(smollm2_path, args=args, log_path=log, startup_timeout_s=900) as srv:
         yield srv

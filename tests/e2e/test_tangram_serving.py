@@ -5,10 +5,11 @@
 * A tiny pool (``--max-total-tokens 1024``) and 16 concurrent short requests: SGLang's token
   estimate admits more than the pages hold (short segments keep everything, pages pad), so
   admission and decode answer in pages (retraction); every request completes, pages return.
-* The shipped 0.5 profile (chunked prefill of 128 tokens, so every chunk is a compressed
-  segment) answers, holds exactly the pages Budget Reservation predicts, and fewer bytes than
-  full KV; a fact given in turn 1 (in the compressed middle of a chunk) is recalled in turn 3
-  from the reused compressed history, and every turn's row (turns 2-3 extend a matched
+* The shipped 0.5 profile (chunked prefill of 128 tokens and ``--tangram-min-compress-tokens
+  0``, so every chunk is a compressed segment) answers, holds exactly the pages Budget
+  Reservation predicts, and fewer bytes than full KV; a fact given in turn 1 (in the
+  compressed middle of a chunk) is recalled in turn 3 from the reused compressed history, and
+  every turn's row (turns 2-3 extend a matched
   compressed prefix) owns exactly the pages the kept-length formula gives; a request larger
   than the whole pool is refused (HTTP 400) while the server stays up; free pages return to
   their start value once every request has ended.
@@ -113,7 +114,7 @@ def test_ratio_one_profile_is_token_identical_to_stock(smollm2_path, tokenizer, 
 def server05(smollm2_path):
     args = ["--tangram", "--tangram-profile", PROFILE_05, "--chunked-prefill-size",
             str(CHUNK_TOKENS), "--max-total-tokens", str(MAX_TOTAL_TOKENS),
-            "--enable-metrics"]  # fmt: skip
+            "--tangram-min-compress-tokens", "0", "--enable-metrics"]  # fmt: skip
     log = "/tmp/tangram-e2e-r05.log"
     with SGLangServer(smollm2_path, args=args, log_path=log, startup_timeout_s=900) as srv:
         yield srv
