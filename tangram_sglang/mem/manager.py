@@ -438,6 +438,22 @@ class TangramMemory:
         self._after("free_pages")
         return freed
 
+    def share_pages(self, pages: np.ndarray, owner: str = "radix node") -> None:
+        """Add one outside holder to each listed page (a radix node takes a reference).
+
+        For a page a second node starts to hold (a parent adopting its child's copy of their
+        shared tail page). Free each reference with :meth:`free_pages`.
+
+        Raises:
+            PoolError: an id out of range, free or the padding page (nothing changes).
+        """
+        ids = torch.as_tensor(np.asarray(pages, np.int64))
+        try:
+            self.allocator.incref(ids)
+        except PoolError as exc:
+            raise PoolError(f"share_pages by {owner}: {exc}") from None
+        self._after("share_pages")
+
     def row_usage(self, row: int) -> RowUsage:
         """Pages one running row holds and has left (no side effects); for retraction choices.
 

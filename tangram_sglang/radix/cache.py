@@ -107,6 +107,7 @@ class TangramRadixCache(RadixCache):
         self._boundaries: dict[int, TreeNode] = {}  # last token slot of a boundary -> node
         self.num_evicted_pages = 0  # pages freed by evicting nodes since start-up
         self.num_duplicate_pages = 0  # pages of segments already cached, freed at insert
+        self.num_adopted_pages = 0  # copy-on-write copies a parent chain took (duplicates saved)
         self.held_pages = 0  # pages on boundary nodes (all of them)
         self.locked_pages = 0  # pages on boundary nodes with lock_ref > 0 (not evictable)
         super().__init__(params)
@@ -230,11 +231,57 @@ class TangramRadixCache(RadixCache):
                 self._count(node, seg.num_pages)
                 attached.append(node)
             parent = node
+        if attached and attached[0] is not None and value_of(attached[0]).start_node is start:
+            self._adopt_copies(start, attached[0])
         if attached:
             slots = torch.stack([n.value[-1] for n in attached]).tolist()
             for node, slot in zip(attached, slots, strict=True):
                 setattr(node, SLOT_ATTR, int(slot))
                 self._boundaries[int(slot)] = node
+
+    def _adopt_copies(self, parent: TreeNode, child: TreeNode) -> None:
+        """The parent chain adopts the child's copies of its partial tail pages.
+
+        A row that continues a chain whose last page in group g is partial copies that page
+        (copy-on-write) and appends after the copied tokens. Once the row's first segment hangs
+        on ``child``, the copy holds the chain's tokens (slots ``[0, f)``, identical) plus the
+        child's. If no one but the chain's owning node holds the original, that node takes the
+        copy instead (its readers read only ``[0, f)``) and the original is freed: a turn
+        boundary then costs no duplicate page per group. The copy is then held by both nodes
+        and counted on the parent (``SegmentValue.shared_pages`` on the child), so eviction
+        counts stay exact; the child is a leaf below the parent, so it is evicted first.
+        """
+        if value_of(parent) is None:
+            return
+        ps, seg = self.memory.page_size, value_of(child).segment
+        plens = value_of(parent).group_lens
+        n_pages = -(-plens // ps)
+        cow = (plens % ps != 0) & (seg.first_page_index == n_pages - 1)
+        cow &= np.array([p.size > 0 for p in seg.pages])
+        owners: dict[int, SegmentValue] = {}
+        node = parent
+        while cow.any() and node is not self.root_node and len(owners) < int(cow.sum()):
+            value = value_of(node)
+            for g in np.nonzero(cow)[0].tolist():
+                if g not in owners and value.segment.pages[g].size:
+                    owners[g] = value
+            node = value.start_node
+        counts = self.memory.allocator.ref_count.numpy()
+        swaps = [
+            (g, v, int(v.segment.pages[g][-1]), int(seg.pages[g][0]))
+            for g, v in owners.items()
+            if counts[v.segment.pages[g][-1]] == 1
+            and self.memory.row_refs[v.segment.pages[g][-1]] == 0
+        ]
+        if not swaps:
+            return
+        self.memory.share_pages(np.array([new for *_, new in swaps]), "radix node (adopted copy)")
+        self.memory.free_pages(np.array([old for _, _, old, _ in swaps]), "radix node (copied)")
+        for g, value, _, new in swaps:
+            value.segment.pages[g][-1] = new
+        value_of(child).shared_pages += len(swaps)
+        self._count(child, -len(swaps))
+        self.num_adopted_pages += len(swaps)
 
     def _node_at(self, key: RadixKey, depth: int) -> TreeNode:
         """The node ending exactly at ``depth`` on ``key``'s path (split if needed)."""
@@ -341,6 +388,7 @@ class TangramRadixCache(RadixCache):
             "tokens_protected": int(self.protected_size_),
             "pages_evicted": self.num_evicted_pages,
             "pages_duplicate_freed": self.num_duplicate_pages,
+            "pages_copy_adopted": self.num_adopted_pages,
         }
 
     def _free(self, pages: list[Any]) -> None:

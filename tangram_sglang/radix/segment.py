@@ -49,11 +49,12 @@ class SegmentValue:
     start_depth: int  # tokens from the root where the segment starts
     end_depth: int  # tokens from the root where it ends (= depth of the holding node)
     segment: SegmentPages  # per-group pages + kept lengths (the pages this node owns)
+    shared_pages: int = 0  # of them, first pages its parent chain adopted (held twice)
 
     @property
     def num_pages(self) -> int:
-        """Pages this node owns (all groups)."""
-        return self.segment.num_pages
+        """Pages only this node holds (all groups): evicting it frees exactly these."""
+        return self.segment.num_pages - self.shared_pages
 
     @property
     def group_lens(self) -> np.ndarray:

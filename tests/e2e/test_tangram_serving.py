@@ -1,7 +1,8 @@
 """The real ``python -m sglang.launch_server --tangram`` on CPU: compressed KV, served end to end.
 
 * A profile with every ratio 1.0 keeps every token: greedy tokens of a 3-turn chat equal stock
-  SGLang's (DESIGN.md §7, the first correctness invariant).
+  SGLang's (DESIGN.md §7, the first correctness invariant), and the pool holds no more KV bytes
+  than full KV for the chat's tokens plus one partial page per head group.
 * A tiny pool (``--max-total-tokens 1024``) and 16 concurrent short requests: SGLang's token
   estimate admits more than the pages hold (short segments keep everything, pages pad), so
   admission and decode answer in pages (retraction); every request completes, pages return.
@@ -63,11 +64,17 @@ def ratio_one_profile(path, smollm2_path) -> str:
 
 
 def greedy_chat(
-    base_url: str, tokenizer, turns, max_new_tokens: int = 24, cached: list | None = None
+    base_url: str,
+    tokenizer,
+    turns,
+    max_new_tokens: int = 24,
+    cached: list | None = None,
+    metas: list | None = None,
 ) -> list[list[int]]:
     """Token ids of each greedy reply; each turn sends the whole history (chat template).
 
-    ``cached`` (if given) receives each turn's ``meta_info.cached_tokens`` (radix reuse).
+    ``cached`` (if given) receives each turn's ``meta_info.cached_tokens`` (radix reuse);
+    ``metas`` each turn's whole ``meta_info``.
     """
     messages, outputs = [], []
     for user in turns:
@@ -79,6 +86,8 @@ def greedy_chat(
         outputs.append(resp["output_ids"])
         if cached is not None:
             cached.append(resp["meta_info"]["cached_tokens"])
+        if metas is not None:
+            metas.append(resp["meta_info"])
         reply = tokenizer.decode(resp["output_ids"], skip_special_tokens=True)
         messages.append({"role": "assistant", "content": reply})
     return outputs
@@ -101,13 +110,24 @@ def test_ratio_one_profile_is_token_identical_to_stock(smollm2_path, tokenizer, 
     profile = ratio_one_profile(tmp_path / "ratio1.json", smollm2_path)
     args = ["--tangram", "--tangram-profile", profile]
     with SGLangServer(smollm2_path, args=args, log_path="/tmp/tangram-e2e-r1.log") as server:
-        cached = []
-        got = greedy_chat(server.base_url, tokenizer, TURNS, cached=cached)
+        cached, metas = [], []
+        got = greedy_chat(server.base_url, tokenizer, TURNS, cached=cached, metas=metas)
+        summary, held = server.server_info()["tangram"], pool_state(server)
         flush_radix(server)
         pool = pool_state(server)
     assert got == expected
     assert all(c > 0 for c in cached[1:]), cached  # turns 2, 3 extend the reused history
     assert pool["pages_free"] == pool["pages_free_at_start"]
+    # Never more KV than full KV for the same tokens, up to page rounding: the tree holds one
+    # chain of the chat's KV tokens (the last sampled token has none); every head keeps each of
+    # them once, in G * H_p page columns (padded_kept_ratio = G * H_p / (L * H_kv) at ratio 1),
+    # plus at most one partial page per head group. Turn boundaries add nothing: each turn's
+    # copy of the partial tail page was adopted by the chain (no duplicate).
+    tokens = metas[-1]["prompt_tokens"] + metas[-1]["completion_tokens"] - 1
+    full = tokens * held["full_kv_bytes_per_token"]
+    rounding = summary["num_head_groups"] * held["bytes_per_page"]
+    assert held["bytes_held"] <= full * summary["padded_kept_ratio"] + rounding
+    assert held["radix"]["pages_copy_adopted"] > 0
 
 
 @pytest.fixture(scope="module")
@@ -148,8 +168,9 @@ def test_fact_from_turn1_is_recalled_in_turn3_with_exact_pages_per_turn(server05
     Per turn the finished row's own pages follow the formula: the matched prefix's per-group
     kept lengths (the chain of earlier chunks and decode tails), plus ``k_g`` of each 128-token
     chunk of the extend, plus the ``T - 1`` decode tail, in pages past the shared prefix pages
-    (a partial shared last page is copied: copy-on-write). The tree keeps every row's pages, so
-    pages used = the sum over turns.
+    (a partial shared last page is copied: copy-on-write). The tree keeps every row's pages and
+    the chain adopts each copy (freeing the original), so pages used = the sum over turns minus
+    the adopted copies.
     """
     flush_radix(server05)  # turn 1 starts from an empty tree
     profile = BudgetProfile.load(PROFILE_05)
@@ -175,7 +196,8 @@ def test_fact_from_turn1_is_recalled_in_turn3_with_exact_pages_per_turn(server05
         assert record["logical_tokens"] == depth
         assert record["pages"] == want  # exact to the page
         owned += want
-        assert pool["pages_used"] == pool["radix"]["pages_held"] == owned
+        adopted = pool["radix"]["pages_copy_adopted"]  # copies the chain took: originals freed
+        assert pool["pages_used"] == pool["radix"]["pages_held"] == owned - adopted
         checked.append(want)
 
     turns = recall_chat(server05.base_url, on_turn=check_pages)
