@@ -79,8 +79,8 @@ def kept_len(
     Returns:
         The kept length in tokens, in ``[min(n, 1), n]``.
 
-    Source: DESIGN.md §2 (segment, k_g(n)); Tangram arXiv 2606.06302, Budget Reservation; the
-    short-segment floor follows the public Tangram code (no compression under 512 tokens).
+    Source: docs/design.md §2 (segment, k_g(n)); Tangram arXiv 2606.06302, Budget Reservation;
+    the short-segment floor follows the public Tangram code (no compression under 512 tokens).
     """
     if num_tokens <= 0:
         return 0

@@ -31,7 +31,7 @@ The result equals :func:`reference_kept_indices` up to ties flipped by floating-
 summation order (a padded product sums in another order than a per-segment one).
 
 Source: Tangram arXiv 2606.06302 (Budget Reservation: prefill keeps only the kept K/V);
-notes/INTERFACES.md (scorer interface, kept-KV write); SnapKV (arXiv 2404.14469) §4.
+docs/contracts.md (scorer interface, kept-KV write); SnapKV (arXiv 2404.14469) §4.
 """
 
 from __future__ import annotations
@@ -138,7 +138,7 @@ def batch_kept_indices(
     Raises:
         KernelError: a count outside ``[1, n]`` for a non-empty segment (host check).
 
-    Source: notes/INTERFACES.md (``Scorer.score``, ``select_kept``).
+    Source: docs/contracts.md (``Scorer.score``, ``select_kept``).
     """
     kept_host = np.asarray(kept_per_head, np.int64).reshape(len(bounds) - 1, k_new.shape[1])
     bs, num_kv_heads = kept_host.shape

@@ -29,7 +29,7 @@ the default factory, and its component hooks split node values per component; a 
 factory (``register_radix_cache_backend("tangram")``) returning this subclass is the smallest
 seam that works on the pinned version.
 
-Source: DESIGN.md §5; SGLang 0.5.17 ``radix_cache.py`` / ``chunk_cache.py`` / ``registry.py``.
+Source: docs/design.md §5; SGLang 0.5.17 ``radix_cache.py`` / ``chunk_cache.py`` / ``registry.py``.
 """
 
 from __future__ import annotations
@@ -73,7 +73,7 @@ def same_segment(
     induction from the root, means the same chunking of every earlier segment), starts at the
     same depth and kept the same tokens per group. Kept lengths alone are not enough: two
     chunkings of one prompt (say 4 + 8 and 8 + 4 tokens) can end with equal per-group lengths
-    but different kept tokens (DESIGN.md §5).
+    but different kept tokens (docs/design.md §5).
     """
     return (
         cached.start_node is parent
@@ -108,8 +108,7 @@ class TangramRadixCache(RadixCache):
         self.num_evicted_pages = 0  # pages freed by evicting nodes since start-up
         self.num_duplicate_pages = 0  # pages of segments already cached, freed at insert
         self.num_adopted_pages = 0  # copy-on-write copies a parent chain took (duplicates saved)
-        self.held_pages = 0  # pages on boundary nodes (all of them)
-        self.locked_pages = 0  # pages on boundary nodes with lock_ref > 0 (not evictable)
+        self._unlocked_pages = 0  # pages on boundary nodes with lock_ref == 0 (evictable)
         super().__init__(params)
         state = getattr(params.req_to_token_pool, "tangram_state", None)
         if state is None:
@@ -227,8 +226,10 @@ class TangramRadixCache(RadixCache):
                     parent = None
                     continue
             else:
-                setattr(node, VALUE_ATTR, SegmentValue(parent, lo, hi, seg))
-                self._count(node, seg.num_pages)
+                value = SegmentValue(parent, lo, hi, seg)
+                setattr(node, VALUE_ATTR, value)
+                if node.lock_ref == 0:
+                    self._unlocked_pages += value.num_pages
                 attached.append(node)
             parent = node
         if attached and attached[0] is not None and value_of(attached[0]).start_node is start:
@@ -280,7 +281,8 @@ class TangramRadixCache(RadixCache):
         for g, value, _, new in swaps:
             value.segment.pages[g][-1] = new
         value_of(child).shared_pages += len(swaps)
-        self._count(child, -len(swaps))
+        if child.lock_ref == 0:
+            self._unlocked_pages -= len(swaps)
         self.num_adopted_pages += len(swaps)
 
     def _node_at(self, key: RadixKey, depth: int) -> TreeNode:
@@ -301,7 +303,8 @@ class TangramRadixCache(RadixCache):
         if value is not None:
             self._boundaries.pop(getattr(node, SLOT_ATTR), None)
             setattr(node, VALUE_ATTR, None)
-            self._count(node, -value.num_pages)
+            if node.lock_ref == 0:
+                self._unlocked_pages -= value.num_pages
             self._free(value.segment.pages)
             self.num_evicted_pages += value.num_pages
         super()._delete_leaf(node)
@@ -327,30 +330,21 @@ class TangramRadixCache(RadixCache):
             self._record_remove_event(node)
         return freed
 
-    def evictable_pages(self, exclude: TreeNode | None = None) -> int:
-        """Pages on unlocked boundary nodes (all evictable), minus those on ``exclude``'s path.
-
-        A node with ``lock_ref == 0`` has no locked descendant, so its whole subtree can go.
-        O(depth of ``exclude``): the held and locked totals are kept up to date by
-        attach / evict and by :meth:`inc_lock_ref` / :meth:`dec_lock_ref`.
-        """
-        return self.held_pages - self.locked_pages - self._path_pages(exclude, lock_ref=0)
-
     def inc_lock_ref(self, node: TreeNode) -> Any:
-        """SGLang's lock (a running request reads the path), plus the locked-pages total."""
-        if not self.disable:
-            self.locked_pages += self._path_pages(node, lock_ref=0)
+        """SGLang's lock of ``node``'s path; its boundary pages stop counting as evictable."""
+        self._unlocked_pages -= self._path_pages(node, lock_ref=0)
         return super().inc_lock_ref(node)
 
     def dec_lock_ref(self, node: TreeNode, params: Any = None) -> Any:
-        """SGLang's unlock, plus the locked-pages total (nodes whose last lock goes)."""
-        if not self.disable:
-            self.locked_pages -= self._path_pages(node, lock_ref=1)
+        """SGLang's unlock of ``node``'s path; boundary pages whose last lock goes count again."""
+        self._unlocked_pages += self._path_pages(node, lock_ref=1)
         return super().dec_lock_ref(node, params)
 
     def _path_pages(self, node: TreeNode | None, lock_ref: int) -> int:
-        """Pages on the boundary nodes from ``node`` up to the root whose lock count is
-        ``lock_ref``."""
+        """Pages of the boundary nodes from ``node`` up to the root whose lock count is
+        ``lock_ref`` (O(path length))."""
+        if self.disable:
+            return 0
         pages = 0
         while node is not None and node is not self.root_node:
             value = value_of(node)
@@ -359,11 +353,26 @@ class TangramRadixCache(RadixCache):
             node = node.parent
         return pages
 
-    def _count(self, node: TreeNode, pages: int) -> None:
-        """A boundary node gained (``pages`` > 0) or lost its segment: update the totals."""
-        self.held_pages += pages
-        if node.lock_ref > 0:
-            self.locked_pages += pages
+    def evictable_pages(self, exclude: TreeNode | None = None) -> int:
+        """Pages on unlocked boundary nodes (all evictable), minus those on ``exclude``'s path.
+
+        A node with ``lock_ref == 0`` has no locked descendant, so its whole subtree can go.
+        O(length of ``exclude``'s path): the unlocked total is kept up to date by the lock,
+        attach and delete paths (admission asks this once per waiting request per round).
+        """
+        return self._unlocked_pages - self._path_pages(exclude, lock_ref=0)
+
+    def evictable_pages_scan(self, exclude: TreeNode | None = None) -> int:
+        """:meth:`evictable_pages` by a scan of every boundary node (O(tree); tests' oracle)."""
+        keep = set()
+        while exclude is not None:
+            keep.add(id(exclude))
+            exclude = exclude.parent
+        return sum(
+            value_of(n).num_pages
+            for n in self._boundaries.values()
+            if n.lock_ref == 0 and id(n) not in keep
+        )
 
     def reset(self) -> None:
         """``/flush_cache`` (and start-up): free every node's pages, then SGLang's reset."""
@@ -374,7 +383,7 @@ class TangramRadixCache(RadixCache):
                 self._free(value.segment.pages)
         if hasattr(self, "_boundaries"):
             self._boundaries.clear()
-        self.held_pages = self.locked_pages = 0
+        self._unlocked_pages = 0
         super().reset()
 
     # ---- reports -----------------------------------------------------------------------------
@@ -382,7 +391,7 @@ class TangramRadixCache(RadixCache):
         """Pages and nodes the tree holds (plain builtins, for ``/server_info``)."""
         return {
             "segments": len(self._boundaries),
-            "pages_held": self.held_pages,
+            "pages_held": sum(value_of(n).num_pages for n in self._boundaries.values()),
             "pages_evictable": self.evictable_pages(),
             "tokens_evictable": int(self.evictable_size_),
             "tokens_protected": int(self.protected_size_),

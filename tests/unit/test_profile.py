@@ -25,7 +25,7 @@ L, H = 4, 3  # layers x KV heads of the synthetic model
 MODEL = ModelIdentity("LlamaForCausalLM", L, H, 9, 64, "abcd1234abcd1234")
 
 
-def make_profile(ratio=None, heads_per_group=2, scope="global", **kw) -> BudgetProfile:
+def calibrated_profile(ratio=None, heads_per_group=2, scope="global", **kw) -> BudgetProfile:
     ratio = np.linspace(0.1, 1.0, L * H).reshape(L, H) if ratio is None else np.asarray(ratio)
     stats = CalibrationStats(ratio * 0.8, np.full((L, H), 0.05), 2.0, 50)
     fields = dict(
@@ -44,13 +44,13 @@ def make_profile(ratio=None, heads_per_group=2, scope="global", **kw) -> BudgetP
 
 
 def as_dict(**changes) -> dict:
-    data = make_profile().to_dict()
+    data = calibrated_profile().to_dict()
     data.update(changes)
     return data
 
 
 def test_round_trip(tmp_path):
-    profile = make_profile()
+    profile = calibrated_profile()
     path = tmp_path / "p.json"
     profile.save(path)
     loaded = BudgetProfile.load(path)
@@ -60,7 +60,7 @@ def test_round_trip(tmp_path):
 
 
 def test_all_ones_profile_is_valid_and_keeps_everything():
-    profile = make_profile(ratio=np.ones((L, H)))
+    profile = calibrated_profile(ratio=np.ones((L, H)))
     assert profile.group_kept_lens(1000) == [1000] * profile.grouping.num_head_groups
 
 
@@ -90,22 +90,22 @@ def test_kept_len_never_exceeds_the_segment_and_keeps_short_segments_whole(
 
 
 def test_min_compress_tokens_threads_through_group_kept_lens_and_the_json_copy():
-    profile = make_profile().with_min_compress_tokens(512)
+    profile = calibrated_profile().with_min_compress_tokens(512)
     groups = profile.grouping.num_head_groups
     assert profile.group_kept_lens(511) == [511] * groups
-    assert profile.group_kept_lens(512) == make_profile().group_kept_lens(512)
+    assert profile.group_kept_lens(512) == calibrated_profile().group_kept_lens(512)
     assert min(profile.group_kept_lens(512)) < 512
     again = BudgetProfile.from_dict(json.loads(json.dumps(profile.to_dict())))
     assert again.min_compress_tokens == 512 and again.to_dict() == profile.to_dict()
-    assert "min_compress_tokens" not in make_profile().to_dict()  # files stay as they were
+    assert "min_compress_tokens" not in calibrated_profile().to_dict()  # files stay as they were
     with pytest.raises(ProfileError, match="min_compress_tokens=-1 must be an integer >= 0"):
-        make_profile().with_min_compress_tokens(-1)
+        calibrated_profile().with_min_compress_tokens(-1)
     with pytest.raises(ProfileError, match="min_compress_tokens='64' must be an integer"):
         BudgetProfile.from_dict(as_dict(min_compress_tokens="64"))
 
 
 def test_shape_mismatch_with_the_model():
-    profile = make_profile()
+    profile = calibrated_profile()
     other = ModelIdentity("Qwen2ForCausalLM", 24, 2, 14, 64)
     with pytest.raises(ProfileError, match="num_layers=4 but the served model has 24"):
         profile.check_model(other)
@@ -149,9 +149,9 @@ def test_group_size_must_divide_heads_for_per_layer():
     with pytest.raises(ProfileError, match="page_group_size=2 does not divide num_kv_heads=3"):
         BudgetProfile.from_dict(data)
     with pytest.raises(ProfileError, match="does not divide"):
-        make_profile(heads_per_group=2, scope="per_layer")
-    assert make_profile(heads_per_group=2, scope="global").grouping.num_head_groups == 6
-    assert make_profile(heads_per_group=3, scope="per_layer").grouping.num_head_groups == L
+        calibrated_profile(heads_per_group=2, scope="per_layer")
+    assert calibrated_profile(heads_per_group=2, scope="global").grouping.num_head_groups == 6
+    assert calibrated_profile(heads_per_group=3, scope="per_layer").grouping.num_head_groups == L
 
 
 @pytest.mark.parametrize("version", [0, 2, None, "1"], ids=["v0", "v2", "missing", "string"])
@@ -196,14 +196,14 @@ def test_broken_grouping_map():
 
 
 def test_rescaled_keeps_the_ranking():
-    profile = make_profile()
+    profile = calibrated_profile()
     half = profile.rescaled(0.3)
     assert half.ratio.mean() == pytest.approx(0.3)
     assert (np.argsort(half.ratio.ravel()) == np.argsort(profile.ratio.ravel())).all()
 
 
 def test_rescaled_refuses_a_target_below_the_smallest_fraction_instead_of_clipping():
-    profile = make_profile()
+    profile = calibrated_profile()
     with pytest.raises(ProfileError, match="too small for this profile.*use a target >="):
         profile.rescaled(1e-9)
     smallest = float(np.minimum(profile.ratio / profile.ratio.min() * 1e-6, 1.0).mean())
