@@ -93,3 +93,14 @@ def tangram_add_one_req(original: Any, *args: Any, **kwargs: Any) -> Any:
 def tangram_check_decode_mem(original: Any, *args: Any, **kwargs: Any) -> bool:
     """AROUND ``ScheduleBatch.check_decode_mem``: see ``sglang_adapters.check_decode_mem``."""
     return sglang_adapters.check_decode_mem(original, *args, **kwargs)
+
+
+def record_tangram_host_batch(
+    result: Any, cls: Any, batch: Any, model_runner: Any = None, *args: Any, **kwargs: Any
+) -> None:
+    """AFTER ``ForwardBatch.init_new(cls, batch, model_runner)``: rows on the host (returns None).
+
+    See ``sglang_adapters.record_host_batch``.
+    """
+    runner = model_runner if model_runner is not None else kwargs.get("model_runner")
+    sglang_adapters.record_host_batch(result, batch, runner)
