@@ -25,7 +25,7 @@ copy-on-write page per group whose shared prefix tail page is partial. It decide
 * can never fit: ``prefix path pages + request_pages(d = T - 1) > pool pages`` (T =
   ``max_new_tokens``): HTTP 400, or, when the client set no ``max_tokens``, T is lowered to the
   largest value that fits (:meth:`max_decode_tokens`), as SGLang caps it to its token pool;
-* fits now: ``sum over new requests of request_pages(d = min(T - out, clip)) + sum over running
+* fits now: ``sum over new requests of request_pages(d = min(T - 1 - out, clip)) + sum over running
   rows of append_need(ceil(min(T_r - out_r, clip) x new_token_ratio)) <= unreserved free pages +
   evictable radix pages`` (clip = SGLang's ``SGLANG_CLIP_MAX_NEW_TOKENS_ESTIMATION``, 4096), the
   page form of SGLang's ``PrefillAdder`` token check; otherwise the request waits in the queue;
@@ -141,7 +141,7 @@ class PrefillAsk:
     Attributes:
         prompt_tokens: tokens still to prefill, after the matched prefix.
         first_chunk: tokens of its first prefill chunk (the rest is counted uncompressed).
-        decode_tokens: decode-tail tokens counted (admission: ``min(T - out, clip)``; whole-pool
+        decode_tokens: decode-tail tokens counted (admission: ``min(T - 1 - out, clip)``; whole-pool
             check: ``T - 1``).
         prefix_lens: int64 ``[G]`` kept tokens per head group of the matched prefix; None = none.
         prefix_pages: pages the matched prefix's radix path pins (neither free nor evictable
@@ -381,7 +381,7 @@ class TangramState:
 
         Args:
             asks: the requests picked this round and the candidate (decode tails as counted at
-                admission: ``min(T - out, clip)`` tokens each).
+                admission: ``min(T - 1 - out, clip)`` tokens each).
             headroom_pages: :meth:`decode_headroom_pages` of the running requests (their
                 remaining tails x SGLang's ``new_token_ratio``).
             evictable_pages: pages unlocked radix nodes would give back (the candidate's own

@@ -265,10 +265,17 @@ def _extend_len(req: Any) -> int:
 
 def _tokens_left(req: Any) -> int:
     """Tokens the request may still generate (``max_new_tokens - len(output_ids)``); 0 when it
-    is already aborted (it prefills one token and ends)."""
+    is already aborted (it prefills one token and ends). For a running request this is also the
+    decode tokens it will still write (its last sampled token is written at the next step)."""
     if req.to_finish is not None:
         return 0
     return max(int(req.sampling_params.max_new_tokens or 0) - len(req.output_ids), 0)
+
+
+def _new_tail(req: Any) -> int:
+    """Decode tokens a request not yet prefilled will write to KV: ``T - 1 - out`` (its prompt
+    holds its output so far; the last sampled token is never fed back)."""
+    return decode_tail_tokens(_tokens_left(req))
 
 
 def plan_rows(req_to_token_pool: Any, reqs: list[Any]) -> None:
@@ -317,7 +324,7 @@ def _running_headroom(state: Any, adder: Any, picked_rows: list[Any]) -> int:
         adder._tangram_running_headroom = cached
     chunked = state.decode_headroom_pages(
         [int(r.req_pool_idx) for r in picked_rows],
-        [admission_decode_tokens(_tokens_left(r), _clip(), ratio) for r in picked_rows],
+        [admission_decode_tokens(_new_tail(r), _clip(), ratio) for r in picked_rows],
     )
     return cached + chunked
 
@@ -329,7 +336,7 @@ def add_one_req(original, adder: Any, req: Any, *args: Any, **kwargs: Any) -> An
        request that could not run to ``max_new_tokens`` even alone is refused (HTTP 400), or
        when the client set no ``max_new_tokens`` its T is lowered to what fits.
     2. Now (:meth:`TangramState.can_admit`): the new requests of this round at
-       ``min(T - out, clip)`` tail tokens each, plus the running requests' remaining tails x
+       ``min(T - 1 - out, clip)`` tail tokens each, plus the running requests' remaining tails x
        ``new_token_ratio``, within unreserved free + evictable pages (the request's own prefix
        path excluded). Otherwise ``AddReqResult.NO_TOKEN``: the request waits in the queue.
     3. An idle pool (no row holds pages) on which it does not fit now: it never will; refused
@@ -344,7 +351,7 @@ def add_one_req(original, adder: Any, req: Any, *args: Any, **kwargs: Any) -> An
     from sglang.srt.managers.schedule_policy import AddReqResult
 
     whole = _ask(state, req, _first_chunk(state, _extend_len(req)),
-                 decode_tail_tokens(_tokens_left(req)))  # fmt: skip
+                 _new_tail(req))  # fmt: skip
     if req.to_finish is None and not state.fits_pool(whole):
         asked = getattr(req, ASKED_ATTR, req.sampling_params.max_new_tokens)
         best = state.max_decode_tokens(whole)
@@ -359,12 +366,12 @@ def add_one_req(original, adder: Any, req: Any, *args: Any, **kwargs: Any) -> An
         if active:
             running.append(r)  # a chunked prefill continuing: its pages are reserved
         else:
-            tail = admission_decode_tokens(_tokens_left(r), _clip())
+            tail = admission_decode_tokens(_new_tail(r), _clip())
             new.append(_ask(state, r, r.extend_range.length, tail))
     budget = getattr(adder, "rem_chunk_tokens", None)
     left = _extend_len(req)
     first = left if budget is None else max(min(left, int(budget)), 1)
-    tail = admission_decode_tokens(_tokens_left(req), _clip())
+    tail = admission_decode_tokens(_new_tail(req), _clip())
     new.append(_ask(state, req, first, tail))
     evictable = state.evictable_pages(getattr(req, "last_node", None))
     if state.can_admit(new, _running_headroom(state, adder, running), evictable):
