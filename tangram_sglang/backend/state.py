@@ -362,8 +362,11 @@ class TangramState:
         Exact per head group from each row's table (full last pages, shared partial tails);
         rows that hold no pages are skipped.
         """
-        pairs = [(r, t) for r, t in zip(rows, tokens, strict=True)
-                 if t > 0 and self.memory.rids[r] is not None]  # fmt: skip
+        pairs = [
+            (r, t)
+            for r, t in zip(rows, tokens, strict=True)
+            if t > 0 and self.memory.rids[r] is not None
+        ]
         if not pairs:
             return 0
         idx = np.asarray([r for r, _ in pairs], np.int64)
@@ -422,8 +425,9 @@ class TangramState:
         fix = (
             f"at most max_tokens {best + 1} fits with this prompt: lower max_tokens "
             "(max_new_tokens), shorten the prompt"
-            if best >= 0 else "the prompt alone does not fit: shorten the prompt"
-        )  # fmt: skip
+            if best >= 0
+            else "the prompt alone does not fit: shorten the prompt"
+        )
         return (
             f"Tangram: request needs {need} KV pages ({prompt} prompt tokens{cached}, {wanted}) "
             f"but the whole pool holds {self.pool_pages} pages; {fix}, or give the server more "
@@ -451,9 +455,12 @@ class TangramState:
         usage = self.memory.row_usage(row)
         tokens = int(self.logical_tokens[row])
         return RowRecord(
-            row, tokens, usage.own_pages, usage.own_pages * self.memory.bytes_per_page,
+            row,
+            tokens,
+            usage.own_pages,
+            usage.own_pages * self.memory.bytes_per_page,
             tokens * self.full_kv_bytes_per_token,
-        )  # fmt: skip
+        )
 
     def _log_end(self, row: int, record: RowRecord, what: str) -> None:
         self.logical_tokens[row] = 0
@@ -462,10 +469,17 @@ class TangramState:
         allocator = self.memory.allocator  # O(1) counts: this runs once per finished request
         logger.info(
             "Tangram: %s row %d: %d tokens, %d pages (%d bytes) vs full KV %d bytes "
-            "(%.3f); pool %d/%d pages used", what, row, record.logical_tokens, record.pages,
-            record.bytes_held, record.full_kv_bytes, record.to_dict()["held_fraction"],
-            allocator.num_used(), allocator.num_usable_pages,
-        )  # fmt: skip
+            "(%.3f); pool %d/%d pages used",
+            what,
+            row,
+            record.logical_tokens,
+            record.pages,
+            record.bytes_held,
+            record.full_kv_bytes,
+            record.to_dict()["held_fraction"],
+            allocator.num_used(),
+            allocator.num_usable_pages,
+        )
 
     def release(self, row: int) -> RowRecord | None:
         """Free every page of ``row`` (finish, abort or retraction); None if it holds none.

@@ -373,16 +373,25 @@ def run_system(name: str, flags: list[str], specs: list[WorkloadSpec], args, res
         info = server.server_info()
         entry["max_total_num_tokens"] = info.get("max_total_num_tokens")
         entry["tangram"] = info.get("tangram")
-        settings = LoadSettings(args.max_parallel, args.request_rate, args.round_barrier,
-                                args.workload_timeout_s, args.seed, args.no_max_tokens)  # fmt: skip
+        settings = LoadSettings(
+            args.max_parallel,
+            args.request_rate,
+            args.round_barrier,
+            args.workload_timeout_s,
+            args.seed,
+            args.no_max_tokens,
+        )
         for spec in specs:
             print(f"[multiturn] {name}: {spec.label} ...", flush=True)
             run = asyncio.run(measure(server.base_url, spec, args.vocab_size, settings))
             entry["workloads"][spec.label] = run
-            print(f"[multiturn] {name}: {spec.label}: {run['output_tok_per_s']:.1f} out tok/s, "
-                  f"wall {run['wall_s']:.1f} s, cache hit {run['cache_hit_rate']:.3f}, peak "
-                  f"running {run['peak_running_reqs']}, mean out {run['mean_output_tokens']}, "
-                  f"failed {run['requests_failed']}", flush=True)  # fmt: skip
+            print(
+                f"[multiturn] {name}: {spec.label}: {run['output_tok_per_s']:.1f} out tok/s, "
+                f"wall {run['wall_s']:.1f} s, cache hit {run['cache_hit_rate']:.3f}, peak "
+                f"running {run['peak_running_reqs']}, mean out {run['mean_output_tokens']}, "
+                f"failed {run['requests_failed']}",
+                flush=True,
+            )
             write_result(result, args)
     except TangramError as exc:
         entry["error"] = str(exc)[-3000:]
@@ -473,10 +482,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--workload-timeout-s", type=float, default=600.0)
     p.add_argument("--startup-timeout-s", type=float, default=600.0)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--no-max-tokens", action="store_true",
-                   help="requests set no max_new_tokens; they end on stop_token_ids drawn so "
-                        "that lengths are ~geometric with the round's output length as mean "
-                        "(temperature 1)")  # fmt: skip
+    p.add_argument(
+        "--no-max-tokens",
+        action="store_true",
+        help="requests set no max_new_tokens; they end on stop_token_ids drawn so "
+        "that lengths are ~geometric with the round's output length as mean "
+        "(temperature 1)",
+    )
     p.add_argument("--log-dir", default="/tmp/tangram-multiturn")
     p.add_argument("--output", default=None, help="result JSON (default: "
                    "benchmarks/results/multiturn-h200.json on CUDA, /tmp/... on CPU)")  # fmt: skip

@@ -208,14 +208,17 @@ def refuse_too_large(original: Any, scheduler: Any, req: Any, *args: Any, **kwar
 def _cap_max_new_tokens(req: Any, max_new_tokens: int, pool_pages: int) -> None:
     logger.info(
         "Tangram: request %s sets no max_new_tokens; capped to %d so that it fits the %d-page "
-        "KV pool", req.rid, max_new_tokens, pool_pages,
-    )  # fmt: skip
+        "KV pool",
+        req.rid,
+        max_new_tokens,
+        pool_pages,
+    )
     req.sampling_params.max_new_tokens = int(max_new_tokens)
     if req.sampling_params.min_new_tokens > req.sampling_params.max_new_tokens:
         req.sampling_params.min_new_tokens = req.sampling_params.max_new_tokens
 
 
-def _send_refusal(scheduler: Any, req: Any, message: str) -> None:
+def _send_refusal(scheduler: Any, req: Any, message: str, log: bool = True) -> None:
     """Answer a queued-or-arriving request with HTTP 400 now (it holds no pages, no row)."""
     from http import HTTPStatus
 
@@ -226,7 +229,8 @@ def _send_refusal(scheduler: Any, req: Any, message: str) -> None:
     scheduler.ipc_channels.send_to_tokenizer.send_output(
         AbortReq(finished_reason=reason, rid=req.rid), req
     )
-    logger.warning("%s (request %s)", message, req.rid)
+    if log:
+        logger.warning("%s (request %s)", message, req.rid)
 
 
 def answer_refused_on_queue(original: Any, scheduler: Any, req: Any, *args: Any, **kw: Any) -> Any:
@@ -238,7 +242,7 @@ def answer_refused_on_queue(original: Any, scheduler: Any, req: Any, *args: Any,
     message = getattr(req, REFUSAL_ATTR, None)
     if message is None or state_of(scheduler) is None:
         return original(scheduler, req, *args, **kw)
-    _send_refusal(scheduler, req, message)
+    _send_refusal(scheduler, req, message, log=False)  # set_finish_with_abort logged it
     return None
 
 
@@ -350,8 +354,7 @@ def add_one_req(original, adder: Any, req: Any, *args: Any, **kwargs: Any) -> An
         return original(adder, req, *args, **kwargs)
     from sglang.srt.managers.schedule_policy import AddReqResult
 
-    whole = _ask(state, req, _first_chunk(state, _extend_len(req)),
-                 _new_tail(req))  # fmt: skip
+    whole = _ask(state, req, _first_chunk(state, _extend_len(req)), _new_tail(req))
     if req.to_finish is None and not state.fits_pool(whole):
         asked = getattr(req, ASKED_ATTR, req.sampling_params.max_new_tokens)
         best = state.max_decode_tokens(whole)
@@ -377,14 +380,15 @@ def add_one_req(original, adder: Any, req: Any, *args: Any, **kwargs: Any) -> An
     if state.can_admit(new, _running_headroom(state, adder, running), evictable):
         return original(adder, req, *args, **kwargs)
     if state.is_idle() and len(new) == 1:
-        need = state.admission_need(new)
-        return _refuse(state, req, (
-            f"Tangram: request needs {need} KV pages ({left} prompt tokens to prefill, "
-            f"{len(req.prefix_indices)} cached, max_tokens {req.sampling_params.max_new_tokens}) "
-            f"but the idle {state.pool_pages}-page pool has "
-            f"{state.memory.ledger.unreserved_free() + evictable} to give; lower max_tokens "
+        cached, asked = len(req.prefix_indices), req.sampling_params.max_new_tokens
+        offer = state.memory.ledger.unreserved_free() + evictable
+        message = (
+            f"Tangram: request needs {state.admission_need(new)} KV pages ({left} prompt tokens "
+            f"to prefill, {cached} cached, max_tokens {asked}) but the idle "
+            f"{state.pool_pages}-page pool has {offer} to give; lower max_tokens "
             "(max_new_tokens) or start a new conversation, or give the server more KV memory"
-        ))  # fmt: skip
+        )
+        return _refuse(state, req, message)
     return AddReqResult.NO_TOKEN
 
 

@@ -11,7 +11,8 @@ One server (the embedded SmolLM2, the shipped 0.25 profile, ``--max-total-tokens
 * a turn-2 request whose cached history + ``max_tokens`` passes the whole-pool check from an
   empty table but not with its own prefix pages and copy-on-write pages: HTTP 400 naming the
   cached tokens;
-* two requests that each fit the pool but not together: the second waits and is served;
+* two requests that each fit the pool but not together (long prompts): the second waits in
+  the queue and is served;
 * ids outside the vocabulary, ``top_logprobs_num`` above it, a regex / JSON-schema request on
   CPU (xgrammar): HTTP 400 (each crashes stock SGLang 0.5.17's scheduler);
 * at the end every page is back (``pages_free == pages_free_at_start``).
@@ -46,8 +47,15 @@ QUICK_S = 60.0  # a refusal or a normal chat on this 2-core box, with margin
 
 @pytest.fixture(scope="module")
 def server(smollm2_path):
-    args = ["--tangram", "--tangram-profile", PROFILE, "--max-total-tokens",
-            str(MAX_TOTAL_TOKENS), "--chunked-prefill-size", str(CHUNK)]  # fmt: skip
+    args = [
+        "--tangram",
+        "--tangram-profile",
+        PROFILE,
+        "--max-total-tokens",
+        str(MAX_TOTAL_TOKENS),
+        "--chunked-prefill-size",
+        str(CHUNK),
+    ]
     log = "/tmp/tangram-e2e-admission.log"
     with SGLangServer(smollm2_path, args=args, log_path=log, startup_timeout_s=900) as srv:
         yield srv
@@ -73,8 +81,12 @@ def generate(server, input_ids, timeout=600, **params) -> requests.Response:
 def assert_serves_a_normal_chat(server) -> None:
     """The server still answers a short chat in its usual time, and reports healthy."""
     start = time.monotonic()
-    resp = chat(server, [{"role": "user", "content": "What is the capital of France?"}],
-                timeout=QUICK_S, max_tokens=16)  # fmt: skip
+    resp = chat(
+        server,
+        [{"role": "user", "content": "What is the capital of France?"}],
+        timeout=QUICK_S,
+        max_tokens=16,
+    )
     assert resp.status_code == 200, resp.text
     assert "Paris" in resp.json()["choices"][0]["message"]["content"]
     assert time.monotonic() - start < QUICK_S
@@ -101,8 +113,9 @@ def test_chat_without_max_tokens_is_served(server):
 
 def test_max_tokens_the_pool_never_holds_gets_an_openai_400_at_once(server):
     total = pool(server)["pages_total"]
-    resp, seconds = timed(chat, server, [{"role": "user", "content": "Tell me a story."}],
-                          max_tokens=900)  # fmt: skip
+    resp, seconds = timed(
+        chat, server, [{"role": "user", "content": "Tell me a story."}], max_tokens=900
+    )
     assert resp.status_code == 400, resp.text
     error = resp.json()
     assert error["object"] == "error" and error["code"] == 400, error
@@ -158,22 +171,33 @@ def test_turn_two_whose_cached_history_never_fits_gets_a_400(server, tokenizer):
     assert_serves_a_normal_chat(server)
 
 
+def upper_bound_pages(profile: BudgetProfile, prompt_len: int, tail: int) -> int:
+    """Pages admission counts for a new prompt: first chunk compressed, the rest not, + tail."""
+    first = min(prompt_len, CHUNK)
+    add = np.asarray(profile.group_kept_lens(first), np.int64) + (prompt_len - first) + tail
+    zeros = np.zeros_like(add)
+    return int(group_pages_needed(zeros, zeros.astype(bool), add, PAGE).sum())
+
+
 def test_two_requests_that_fit_only_one_at_a_time_are_both_served(server):
+    """Each prompt needs most of the pool (its later chunks counted uncompressed until they are
+    compressed): the second waits in the queue and is served after the first."""
+    requests.post(f"{server.base_url}/flush_cache", timeout=60).raise_for_status()
     total = pool(server)["pages_total"]
-    groups = BudgetProfile.load(PROFILE).grouping.num_head_groups
-    new_tokens = 170  # ~300 pages each: one fits the 481-page pool, two do not
-    assert (
-        2 * groups * -(-(37 + new_tokens) // PAGE) > total > groups * -(-(37 + new_tokens) // PAGE)
-    )
+    prompt_len, new_tokens = 440, 4
+    need = upper_bound_pages(BudgetProfile.load(PROFILE), prompt_len, new_tokens - 1)
+    assert need <= total < 2 * need
 
     def one(i: int) -> requests.Response:
-        ids = [2000 + 37 * i + k for k in range(37)]
+        ids = [2000 + (7919 * (i * prompt_len + k)) % 40000 for k in range(prompt_len)]
         return generate(server, ids, max_new_tokens=new_tokens, ignore_eos=True)
 
+    log_start = len(server.log_path.read_text())
     with ThreadPoolExecutor(2) as executor:
         responses = list(executor.map(one, range(2)))
     assert [r.status_code for r in responses] == [200, 200], [r.text for r in responses]
     assert all(len(r.json()["output_ids"]) == new_tokens for r in responses)
+    assert "#queue-req: 1" in server.log_path.read_text()[log_start:]  # the second one waited
     assert_serves_a_normal_chat(server)
 
 
@@ -186,13 +210,23 @@ def test_token_ids_outside_the_vocabulary_get_a_400(server, bad):
 
 
 def test_top_logprobs_above_the_vocabulary_get_a_400(server):
-    body = {"input_ids": [1, 2, 3], "return_logprob": True, "top_logprobs_num": 10**6,
-            "sampling_params": {"max_new_tokens": 2}}  # fmt: skip
+    body = {
+        "input_ids": [1, 2, 3],
+        "return_logprob": True,
+        "top_logprobs_num": 10**6,
+        "sampling_params": {"max_new_tokens": 2},
+    }
     resp = requests.post(f"{server.base_url}/generate", json=body, timeout=QUICK_S)
     assert resp.status_code == 400, resp.text
     assert "top_logprobs 1000000" in resp.json()["error"]["message"]
-    resp = chat(server, [{"role": "user", "content": "Hi"}], timeout=QUICK_S, max_tokens=2,
-                logprobs=True, top_logprobs=10**6)  # fmt: skip
+    resp = chat(
+        server,
+        [{"role": "user", "content": "Hi"}],
+        timeout=QUICK_S,
+        max_tokens=2,
+        logprobs=True,
+        top_logprobs=10**6,
+    )
     assert resp.status_code == 400, resp.text
     assert_serves_a_normal_chat(server)
 
@@ -202,10 +236,13 @@ def test_grammar_constrained_requests_on_cpu_get_a_400(server):
     assert resp.status_code == 400, resp.text
     assert "needs a GPU" in resp.json()["error"]["message"]
     schema = {"type": "object", "properties": {"city": {"type": "string"}}}
-    resp = chat(server, [{"role": "user", "content": "Capital of France as JSON"}],
-                timeout=QUICK_S, max_tokens=8,
-                response_format={"type": "json_schema",
-                                 "json_schema": {"name": "city", "schema": schema}})  # fmt: skip
+    resp = chat(
+        server,
+        [{"role": "user", "content": "Capital of France as JSON"}],
+        timeout=QUICK_S,
+        max_tokens=8,
+        response_format={"type": "json_schema", "json_schema": {"name": "city", "schema": schema}},
+    )
     assert resp.status_code == 400, resp.text
     assert resp.json()["object"] == "error" and "needs a GPU" in resp.json()["message"]
     assert_serves_a_normal_chat(server)
@@ -219,8 +256,9 @@ def test_every_page_returns_after_the_bad_requests(server):
 
 
 def start_fails(smollm2_path, args, name) -> str:
-    server = SGLangServer(smollm2_path, args=args, log_path=f"/tmp/{name}.log",
-                          startup_timeout_s=300)  # fmt: skip
+    server = SGLangServer(
+        smollm2_path, args=args, log_path=f"/tmp/{name}.log", startup_timeout_s=300
+    )
     with pytest.raises(TangramError, match="exited with code 1"):
         server.start()
     server.stop()
@@ -231,20 +269,25 @@ def start_fails(smollm2_path, args, name) -> str:
     ("flags", "line"),
     [
         (["--tp-size", "2"], "ConfigError: --tp-size 2 cannot be combined with --tangram"),
-        (["--kv-cache-dtype", "fp8_e5m2"],
-         "ConfigError: --kv-cache-dtype 'fp8_e5m2' cannot be combined with --tangram"),
+        (
+            ["--kv-cache-dtype", "fp8_e5m2"],
+            "ConfigError: --kv-cache-dtype 'fp8_e5m2' cannot be combined with --tangram",
+        ),
         ([], "ProfileError: "),
     ],
     ids=["tp2", "fp8", "truncated-profile"],
-)  # fmt: skip
+)
 def test_start_up_refusals_print_one_line(smollm2_path, tmp_path, flags, line):
     profile = PROFILE
     if not flags:  # a truncated copy of the shipped profile
         text = Path(PROFILE).read_text()
         (tmp_path / "cut.json").write_text(text[: len(text) // 2])
         profile = str(tmp_path / "cut.json")
-    log = start_fails(smollm2_path, ["--tangram", "--tangram-profile", profile, *flags],
-                      f"tangram-e2e-refusal-{len(flags)}")  # fmt: skip
+    log = start_fails(
+        smollm2_path,
+        ["--tangram", "--tangram-profile", profile, *flags],
+        f"tangram-e2e-refusal-{len(flags)}",
+    )
     assert line in log, log[-2000:]
     assert "Traceback" not in log, log[-4000:]
     assert log.lower().count("drop --kv-cache-dtype") <= 1

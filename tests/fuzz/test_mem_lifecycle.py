@@ -81,9 +81,11 @@ class Lifecycle(RuleBasedStateMachine):
     # ---- rules ----------------------------------------------------------------------------
     @precondition(lambda self: len(self.rows) < ROWS)
     @rule(
-        n=st.integers(0, 14), max_new=st.integers(0, 6), share=st.integers(-1, 5),
+        n=st.integers(0, 14),
+        max_new=st.integers(0, 6),
+        share=st.integers(-1, 5),
         grows=st.booleans(),
-    )  # fmt: skip
+    )
     def admit_and_prefill(self, n, max_new, share, grows):
         row = self.free_row()
         node = self.nodes[share] if 0 <= share < len(self.nodes) else None

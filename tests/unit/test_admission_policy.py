@@ -97,9 +97,16 @@ def test_admission_counts_running_tails_times_the_ratio_exactly_per_group():
 
 @pytest.mark.parametrize(
     ("left", "clip", "ratio", "want"),
-    [(100, 4096, 1.0, 100), (10**6, 4096, 1.0, 4096), (100, 4096, 0.7, 70), (3, 4096, 0.5, 2),
-     (0, 4096, 0.7, 0), (-5, 4096, 1.0, 0), (10**6, 4096, 0.1, 410)],
-)  # fmt: skip
+    [
+        (100, 4096, 1.0, 100),
+        (10**6, 4096, 1.0, 4096),
+        (100, 4096, 0.7, 70),
+        (3, 4096, 0.5, 2),
+        (0, 4096, 0.7, 0),
+        (-5, 4096, 1.0, 0),
+        (10**6, 4096, 0.1, 410),
+    ],
+)
 def test_admission_decode_tokens_is_sglangs_clipped_estimate(left, clip, ratio, want):
     assert admission_decode_tokens(left, clip, ratio) == want
 
@@ -133,8 +140,12 @@ def test_an_uncaught_tangram_error_prints_one_line():
         "ConfigError: --tp-size 2 cannot be combined with --tangram"
     )
     assert "Traceback" not in run.stderr
-    other = subprocess.run([sys.executable, "-c", code.replace("ConfigError('", "KeyError('")],
-                           capture_output=True, text=True, timeout=120)  # fmt: skip
+    other = subprocess.run(
+        [sys.executable, "-c", code.replace("ConfigError('", "KeyError('")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert other.returncode == 1 and "Traceback" in other.stderr
 
 
