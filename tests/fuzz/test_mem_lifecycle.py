@@ -28,7 +28,7 @@ from tangram_sglang.errors import PoolError
 from tangram_sglang.mem.kv_pool import KVPool
 from tangram_sglang.mem.manager import PrefixMatch, TangramMemory
 
-PAGE, NUM_PAGES, ROWS, WIDTH = 4, 48, 4, 12
+PAGE, NUM_PAGES, ROWS, WIDTH = 4, 48, 4, 24
 RATIOS = [[1.0, 0.7, 0.3, 0.05], [0.5, 0.5, 0.2, 0.1]]
 
 
@@ -82,7 +82,7 @@ class Lifecycle(RuleBasedStateMachine):
     @precondition(lambda self: len(self.rows) < ROWS)
     @rule(
         n=st.integers(0, 14),
-        max_new=st.integers(0, 6),
+        max_new=st.integers(0, 20),
         share=st.integers(-1, 5),
         grows=st.booleans(),
     )
@@ -126,10 +126,16 @@ class Lifecycle(RuleBasedStateMachine):
     @precondition(lambda self: self.rows)
     @rule(data=st.data())
     def decode(self, data):
-        rows = [r for r, run in self.rows.items() if run.decoded < run.max_new - 1]
-        if not rows:
-            return
-        batch = data.draw(st.lists(st.sampled_from(rows), min_size=1, unique=True))
+        for _ in range(data.draw(st.integers(1, 16))):  # several steps: tails reach a dry pool
+            rows = [r for r, run in self.rows.items() if run.decoded < run.max_new - 1]
+            if not rows:
+                return
+            batch = data.draw(st.lists(st.sampled_from(rows), min_size=1, unique=True))
+            if not self.decode_step(data, batch):
+                return
+
+    def decode_step(self, data, batch: list[int]) -> bool:
+        """One decode step of ``batch``; False when the pool ran dry (a row was retracted)."""
         granted = [r for r in batch if not self.rows[r].detached and not self.rows[r].grows]
         assert self.mem.can_decode(granted)  # full reservations: their growth never fails
         if not self.mem.can_decode(batch):  # growing tails / detached rows: beyond the grant
@@ -139,7 +145,7 @@ class Lifecycle(RuleBasedStateMachine):
             assert self.mem.allocator.free_pages.tolist() == free_before
             growing = [r for r in batch if self.rows[r].grows or self.rows[r].detached]
             self.retract(data.draw(st.sampled_from(growing)))  # as SGLang's retract_decode
-            return
+            return False
         self.mem.alloc_decode(batch)
         for r in batch:
             self.rows[r].decoded += 1
@@ -149,6 +155,7 @@ class Lifecycle(RuleBasedStateMachine):
                 page = self.mem.table.pages[r, g, n // PAGE]
                 self.mem.kv_pool.k_pool[page, :, n % PAGE, 0] = self.counter
                 self.rows[r].tokens[g].append(self.counter)
+        return True
 
     @precondition(lambda self: self.rows)
     @rule(data=st.data())
