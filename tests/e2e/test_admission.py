@@ -286,7 +286,7 @@ def test_start_up_refusals_print_one_line(smollm2_path, tmp_path, flags, line):
     log = start_fails(
         smollm2_path,
         ["--tangram", "--tangram-profile", profile, *flags],
-        f"tangram-e2e-refusal-{len(flags)}",
+        "tangram-e2e-refusal-" + ("".join(flags).strip("-") or "profile"),
     )
     assert line in log, log[-2000:]
     assert "Traceback" not in log, log[-4000:]
