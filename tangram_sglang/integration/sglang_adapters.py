@@ -13,6 +13,14 @@ changes under ``--tangram``:
   KVPool`) sized from the same bytes: ``max_total_num_tokens x Tangram cell``.
 * freeing a request row (``ReqToTokenPool.free``: finish, abort, retraction all go through it)
   releases the row's pages.
+* admission counts pages (``docs/admission.md``; the formula is
+  :meth:`~tangram_sglang.backend.state.TangramState.request_pages`): on arrival a request the
+  pool can never hold is refused (:func:`refuse_too_large`, answered at once by
+  :func:`answer_refused_on_queue`) or, without ``max_tokens``, gets a T that fits;
+  :func:`add_one_req` admits a prefill only when its pages fit next to the running requests'
+  decode headroom, and refuses what can never be admitted (answered by
+  :func:`answer_refused_in_admission`); :func:`check_decode_mem` makes SGLang retract when the
+  pool runs dry, as stock does.
 
 Source: integration/README.md §4 (pool construction and sizing, recommended route).
 """
