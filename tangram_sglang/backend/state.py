@@ -40,7 +40,7 @@ does (their pages come back through ``ReqToTokenPool.free``). Pages are exact pe
 a request is never retracted for page fragmentation: only when the free pages do not cover the
 next step.
 
-Source: Tangram arXiv 2606.06302 (Budget Reservation, Ragged Paging); notes/INTERFACES.md;
+Source: Tangram arXiv 2606.06302 (Budget Reservation, Ragged Paging); docs/contracts.md;
 SGLang 0.5.17 ``schedule_policy.PrefillAdder`` (``rem_total_tokens``, ``new_token_ratio``).
 """
 

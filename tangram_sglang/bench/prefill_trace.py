@@ -182,6 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--trace-dir", default="/tmp/prefill-trace", help="where SGLang writes")
     p.add_argument("--json", default=None, help="write the analysis here")
     p.add_argument("--no-trace", action="store_true", help="wall times only (no profiler round)")
+    p.add_argument("--top", type=int, default=40, help="host functions / kernels listed")
     args = p.parse_args(argv)
     flags = check_args(p, args)
 
@@ -223,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
         "wall_s": plain_s,
         "traced_wall_s": traced_s,
         "trace": str(path),
-        **analyse(load_trace(path)),
+        **analyse(load_trace(path), args.top),
     }
     return finish(args, result)
 

@@ -18,7 +18,7 @@ serving policy (``backend.state``, ``docs/admission.md``) reserves the prompt on
 decode tail grow past the grant from unreserved free pages (``take(..., allow_overflow=True)``);
 admission then counts each tail as :func:`admission_decode_tokens`.
 
-Source: Tangram arXiv 2606.06302, Budget Reservation; notes/INTERFACES.md (footprint);
+Source: Tangram arXiv 2606.06302, Budget Reservation; docs/contracts.md (footprint);
 vLLM v1 ``get_num_blocks_to_allocate`` / nano-vllm ``can_allocate`` (check, then commit).
 """
 
