@@ -54,7 +54,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from tangram_sglang.errors import PoolError
+from tangram_sglang.errors import KernelError, PoolError
 from tangram_sglang.mem.manager import TangramMemory
 from tangram_sglang.mem.page_table import SegmentPages
 from tangram_sglang.mem.prefix import PrefixMatch
@@ -79,10 +79,13 @@ class RowRecord:
         """JSON-ready dict (plus ``held_fraction`` = bytes_held / full_kv_bytes)."""
         frac = self.bytes_held / self.full_kv_bytes if self.full_kv_bytes else 0.0
         return {
-            "row": self.row, "logical_tokens": self.logical_tokens, "pages": self.pages,
-            "bytes_held": self.bytes_held, "full_kv_bytes": self.full_kv_bytes,
+            "row": self.row,
+            "logical_tokens": self.logical_tokens,
+            "pages": self.pages,
+            "bytes_held": self.bytes_held,
+            "full_kv_bytes": self.full_kv_bytes,
             "held_fraction": frac,
-        }  # fmt: skip
+        }
 
 
 def build_scorer(profile: BudgetProfile) -> Scorer:
@@ -107,9 +110,12 @@ def layer_maps(profile: BudgetProfile, device: torch.device | str) -> tuple[torc
 
 
 def chunked_footprint_pages(
-    profile: BudgetProfile, page_size: int, prompt_len: int, max_new_tokens: int,
+    profile: BudgetProfile,
+    page_size: int,
+    prompt_len: int,
+    max_new_tokens: int,
     chunk_tokens: int,
-) -> int:  # fmt: skip
+) -> int:
     """Pages a request needs from an empty table: prefill chunks + ``T - 1`` decode tokens.
 
     Each chunk of a chunked prefill is a segment (its own ``k_g``); a group's chunks and decode
@@ -173,9 +179,12 @@ class TangramState:
     """
 
     def __init__(
-        self, memory: TangramMemory, full_kv_bytes_per_token: int, device: torch.device | str,
+        self,
+        memory: TangramMemory,
+        full_kv_bytes_per_token: int,
+        device: torch.device | str,
         chunk_tokens: int = 0,
-    ) -> None:  # fmt: skip
+    ) -> None:
         self.memory = memory
         self.profile = memory.profile
         self.scorer = build_scorer(self.profile)
@@ -192,6 +201,53 @@ class TangramState:
         self.num_page_retractions = 0  # decode checks failed for pages (SGLang then retracts)
         self.refused: list[tuple[Any, str]] = []  # (request, HTTP 400 text) refused by admission
         self._fragmentation: tuple[float, float] | None = None  # (monotonic time, value)
+        # The next forward's request rows and sequence lengths on the host (int64 [bs] each),
+        # from the schedule batch's CPU copies (set_host_batch); read by the attention backend.
+        self.host_rows: np.ndarray | None = None
+        self.host_seq_lens: np.ndarray | None = None
+        # row -> the radix node its matched prefix ends at (extend batches; SGLang's
+        # req.last_node), so a new row finds its compressed prefix without a device read.
+        self.host_prefix_nodes: dict[int, Any] = {}
+
+    # ---- the batch about to run (host copies) ------------------------------------------------
+    def set_host_batch(self, rows: Any, seq_lens: Any, prefix_nodes: dict | None = None) -> None:
+        """Record the next forward's rows and sequence lengths (host tensors or arrays).
+
+        Called when SGLang builds the ``ForwardBatch`` (``integration`` hook on
+        ``ForwardBatch.init_new``) from ``ScheduleBatch.req_pool_indices_cpu`` /
+        ``seq_lens_cpu``, so planning never reads the device tensors (a GPU sync that would
+        stop overlap scheduling). None clears the record. ``prefix_nodes``: row -> the radix
+        node its matched prefix ends at (extend batches), read by ``radix.prefix_for``.
+        """
+        self.host_prefix_nodes = dict(prefix_nodes or {})
+        self.host_rows = None if rows is None else np.asarray(rows, np.int64).reshape(-1)
+        self.host_seq_lens = (
+            None if seq_lens is None else (np.asarray(seq_lens, np.int64).reshape(-1))
+        )
+
+    def host_batch_for(self, forward_batch: Any, num_rows: int) -> tuple[np.ndarray, np.ndarray]:
+        """int64 ``(rows [n], seq_lens [n])`` of the batch about to run, host copies.
+
+        Args:
+            forward_batch: what the backend was handed (named in the error only).
+            num_rows: the batch's real rows (without CUDA-graph padding).
+
+        Raises:
+            KernelError: no record, or one of another size (the ``ForwardBatch.init_new`` hook
+                of the Tangram plugin did not run for this batch).
+        """
+        rows, lens = self.host_rows, self.host_seq_lens
+        if rows is None or rows.size != num_rows:
+            have = "none" if rows is None else f"{rows.size} rows"
+            raise KernelError(
+                f"Tangram backend: no host copy of the {num_rows} request rows of this "
+                f"{type(forward_batch).__name__} ({have} recorded); the Tangram plugin's "
+                "ForwardBatch.init_new hook must run (start the server with --tangram and the "
+                "plugin loaded)"
+            )
+        if lens is None or lens.size != rows.size:
+            lens = np.zeros(rows.size, np.int64)
+        return rows, lens
 
     # ---- per request (scheduler side) -----------------------------------------------------------
     def plan_row(self, row: int, prompt_tokens: int, decode_tokens: int = 0) -> None:
@@ -270,7 +326,7 @@ class TangramState:
                 "Tangram radix cache holds compressed history; use --radix-cache-backend "
                 "tangram (the default under --tangram) or --disable-radix-cache"
             )
-        return self.radix.prefix_for(row, prefix_len)
+        return self.radix.prefix_for(row, prefix_len, self.host_prefix_nodes.get(row))
 
     def _make_room(self, num_pages: int) -> None:
         """Evict radix nodes until ``num_pages`` unreserved pages are free (if a tree exists)."""
@@ -295,21 +351,18 @@ class TangramState:
             if row in self.trim_after_commit:
                 self.memory.trim_reservation(row, self.trim_after_commit.pop(row))
 
-    def begin_decode(self, rows: list[int], seq_lens: list[int]) -> None:
+    def begin_decode(self, rows: list[int] | np.ndarray, seq_lens: list[int] | np.ndarray) -> None:
         """Append one decode token to every group of each row (before the forward).
+
+        Args:
+            rows: int ``[bs]`` request rows.
+            seq_lens: int ``[bs]`` SGLang's sequence lengths (tokens, for reports).
 
         Raises:
             PoolError: out of pages (the message says what to lower).
         """
-        if not self.memory.can_decode(rows):
-            self._make_room(self.memory.decode_pages_needed(rows))
-        if not self.memory.can_decode(rows):
-            raise PoolError(
-                f"Tangram pool: decode step of rows {rows} needs pages but only "
-                f"{self.memory.ledger.unreserved_free()} are free; lower "
-                "--max-running-requests until decode retraction in pages lands"
-            )
-        self.memory.alloc_decode(rows)
+        rows = np.asarray(rows, np.int64).reshape(-1)
+        self.memory.alloc_decode(rows, make_room=self._make_room)
         self.logical_tokens[rows] = seq_lens
 
     # ---- admission (one footprint formula) ---------------------------------------------------

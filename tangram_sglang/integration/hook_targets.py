@@ -102,6 +102,12 @@ HOOKS: tuple[HookTarget, ...] = (
         purpose="Budget Reservation: a new row's prompt tokens (what admission reserves)",
     ),
     HookTarget(
+        target="sglang.srt.model_executor.forward_batch_info.ForwardBatch.init_new",
+        hook_type="after",
+        body="tangram_sglang.integration.hooks:record_tangram_host_batch",
+        purpose="the batch's request rows from the scheduler's host copy: no GPU sync per step",
+    ),
+    HookTarget(
         target="sglang.srt.utils.common.support_triton",
         hook_type="around",
         body="tangram_sglang.integration.hooks:tangram_support_triton",

@@ -108,3 +108,14 @@ def tangram_answer_refused_in_admission(result: Any, *args: Any, **kwargs: Any) 
 def tangram_check_request(result: Any, *args: Any, **kwargs: Any) -> None:
     """AFTER ``TokenizerManager._validate_one_request``: see ``edge_checks.check_request``."""
     edge_checks.check_request(*args, **kwargs)
+
+
+def record_tangram_host_batch(
+    result: Any, cls: Any, batch: Any, model_runner: Any = None, *args: Any, **kwargs: Any
+) -> None:
+    """AFTER ``ForwardBatch.init_new(cls, batch, model_runner)``: rows on the host (returns None).
+
+    See ``sglang_adapters.record_host_batch``.
+    """
+    runner = model_runner if model_runner is not None else kwargs.get("model_runner")
+    sglang_adapters.record_host_batch(result, batch, runner)

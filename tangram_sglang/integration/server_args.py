@@ -41,6 +41,7 @@ FIELD_MAP = {
     "tangram_page_size": "page_size",
     "tangram_target_ratio": "target_ratio",
     "tangram_scope": "scope",
+    "tangram_min_compress_tokens": "min_compress_tokens",
 }
 TANGRAM_BACKEND = "tangram"  # name of Tangram's attention backend and radix cache backend
 PROFILE_STASH = "_tangram_profile_json"  # underscore: allowed after ServerArgs is sealed
@@ -160,8 +161,6 @@ def force_milestone_settings(server_args: Any, has_radix: bool) -> None:
       registers ``tangram_sglang.radix.factory``, so reuse of compressed history is on by
       default; ``--disable-radix-cache`` still turns it off): SGLang must not match prefixes
       whose K/V are in no Tangram tree (``disable_radix_cache``).
-    * overlap scheduling: the scheduler would free a finished request's row while the next
-      batch, still holding it, runs (``disable_overlap_schedule``).
     * prefill CUDA graphs: the backend plans extend batches on the host (pages, scorer) and
       captures decode only (``disable_prefill_cuda_graph``; decode graphs stay on).
     """
@@ -169,10 +168,6 @@ def force_milestone_settings(server_args: Any, has_radix: bool) -> None:
         server_args.disable_radix_cache = True
         logger.info("Tangram: radix cache disabled (--disable-radix-cache): no 'tangram' radix "
                     "cache backend registered")  # fmt: skip
-    if not server_args.disable_overlap_schedule:
-        server_args.disable_overlap_schedule = True
-        logger.info("Tangram: overlap scheduling disabled (--disable-overlap-schedule); the "
-                    "backend frees a row's pages when SGLang frees the row")  # fmt: skip
     if not server_args.disable_prefill_cuda_graph:
         server_args.disable_prefill_cuda_graph = True
         logger.info("Tangram: prefill CUDA graphs disabled (decode graphs stay on)")

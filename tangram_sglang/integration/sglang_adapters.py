@@ -150,6 +150,31 @@ def release_row(req_to_token_pool: Any, req: Any) -> None:
         state.release(int(req.req_pool_idx))
 
 
+def record_host_batch(forward_batch: Any, batch: Any, model_runner: Any) -> None:
+    """AFTER ``ForwardBatch.init_new``: hand the backend the batch's rows on the host.
+
+    ``ScheduleBatch.req_pool_indices_cpu`` / ``seq_lens_cpu`` are the scheduler's own host
+    copies; the attention backend plans from them instead of reading ``req_pool_indices`` back
+    from the GPU (a sync per batch that would stop overlap scheduling). The record is read by
+    the forward that follows (also through a CUDA-graph replay, which hands the backend a view
+    without the schedule batch).
+    """
+    del forward_batch  # the record lives on the state: graph replays pass a different view
+    state = getattr(getattr(model_runner, "token_to_kv_pool", None), "tangram_state", None)
+    if state is None:
+        return
+    nodes = None
+    if batch.forward_mode.is_extend():
+        nodes = {
+            int(req.req_pool_idx): req.last_node
+            for req in batch.reqs
+            if req.req_pool_idx is not None and getattr(req, "last_node", None) is not None
+        }
+    state.set_host_batch(
+        getattr(batch, "req_pool_indices_cpu", None), getattr(batch, "seq_lens_cpu", None), nodes
+    )
+
+
 def state_of(scheduler: Any) -> Any:
     """The scheduler's TangramState, or None (no --tangram, or not built yet)."""
     worker = getattr(scheduler, "tp_worker", None)

@@ -235,3 +235,30 @@ class ReservationLedger:
         res = self.by_row.pop(row)
         self._outstanding -= res.remaining_pages
         return res
+
+    def take_many(self, rows: list[int], counts: list[int]) -> None:
+        """:meth:`take` with overflow allowed for several rows at once (one decode step).
+
+        Args:
+            rows: distinct rows with a reservation.
+            counts: pages each row allocates now (> 0).
+
+        Raises:
+            PoolError: the rows' pages beyond their grants, together, exceed the unreserved
+                free pages (check ``can_decode`` and retract first). Nothing changes on error.
+        """
+        reservations = [self.by_row[r] for r in rows]
+        pairs = zip(reservations, counts, strict=True)
+        over = [max(n - res.remaining_pages, 0) for res, n in pairs]
+        if sum(over) > self.unreserved_free():
+            raise PoolError(
+                f"rows {list(rows)[:8]} need {sum(over)} pages beyond their reservations but "
+                f"only {self.unreserved_free()} unreserved pages are free; check can_decode and "
+                "retract a request first"
+            )
+        taken = 0
+        for res, n, extra in zip(reservations, counts, over, strict=True):
+            res.used_pages += n - extra
+            res.overflow_pages += extra
+            taken += n - extra
+        self._outstanding -= taken

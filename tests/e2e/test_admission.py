@@ -93,6 +93,12 @@ def assert_serves_a_normal_chat(server) -> None:
     assert requests.get(f"{server.base_url}/health", timeout=QUICK_S).status_code == 200
 
 
+def server_profile(server) -> BudgetProfile:
+    """The shipped profile as the server applies it (its ``--tangram-min-compress-tokens``)."""
+    short = server.server_info().get("tangram_min_compress_tokens") or 0
+    return BudgetProfile.load(PROFILE).with_min_compress_tokens(int(short))
+
+
 def pool(server) -> dict:
     return server.server_info()["internal_states"][0]["tangram_pool"]
 
@@ -162,7 +168,7 @@ def test_turn_two_whose_cached_history_never_fits_gets_a_400(server, tokenizer):
     assert first.status_code == 200, first.text
     turn2 = turn1 + first.json()["output_ids"] + [1000 + i for i in range(11)]
     total = pool(server)["pages_total"]
-    asked = scratch_fit_max_tokens(BudgetProfile.load(PROFILE), len(turn2), total)
+    asked = scratch_fit_max_tokens(server_profile(server), len(turn2), total)
     resp, seconds = timed(generate, server, turn2, max_new_tokens=asked)
     assert resp.status_code == 400, resp.text
     message = resp.json()["error"]["message"]
@@ -185,7 +191,7 @@ def test_two_requests_that_fit_only_one_at_a_time_are_both_served(server):
     requests.post(f"{server.base_url}/flush_cache", timeout=60).raise_for_status()
     total = pool(server)["pages_total"]
     prompt_len, new_tokens = 440, 4
-    need = upper_bound_pages(BudgetProfile.load(PROFILE), prompt_len, new_tokens - 1)
+    need = upper_bound_pages(server_profile(server), prompt_len, new_tokens - 1)
     assert need <= total < 2 * need
 
     def one(i: int) -> requests.Response:

@@ -1,6 +1,7 @@
 """Radix reuse of compressed history on the real ``--tangram`` server (CPU, SmolLM2, 0.5 profile).
 
-One server (a small pool: ``--max-total-tokens 2048``):
+One server (a small pool: ``--max-total-tokens 2048``; ``--tangram-min-compress-tokens 0``, so
+the short prompts here are compressed segments):
 
 * turn 2 of a chat reports ``cached_tokens`` = turn 1's prompt + its T - 1 decode-tail tokens
   (the whole compressed history, matched as whole segments, never recomputed);
@@ -45,6 +46,8 @@ def server(servers) -> SGLangServer:
         PROFILE_05,
         "--max-total-tokens",
         str(MAX_TOTAL_TOKENS),
+        "--tangram-min-compress-tokens",
+        "0",
     ]
     return servers.get(args, "tangram-r0.5-radix")
 
