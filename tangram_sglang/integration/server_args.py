@@ -97,7 +97,7 @@ INCOMPATIBLE_FLAGS: tuple[Incompatible, ...] = (
                  "mixed prefill+decode batches are not supported by the tangram backend yet"),
     Incompatible("kv_cache_dtype", lambda v: v != "auto",
                  "Tangram's pool stores K/V in the model's dtype (quantized or other-dtype KV "
-                 "caches are not supported); drop --kv-cache-dtype"),
+                 "caches are not supported)"),
     Incompatible("enable_streaming_session", _on,
                  "streaming sessions keep a request's KV row outside the radix tree; Tangram "
                  "reuses compressed history through the radix tree"),

@@ -375,6 +375,19 @@ class TangramRadixCache(RadixCache):
             if n.lock_ref == 0 and id(n) not in keep
         )
 
+    def path_pages(self, node: TreeNode | None) -> int:
+        """Pages on the boundary nodes from ``node`` up to the root (what a match on it pins).
+
+        These are exactly the pages :meth:`evictable_pages` leaves out for ``exclude=node``: on an
+        idle tree, free + evictable(exclude=node) + path_pages(node) = the whole pool.
+        """
+        total = 0
+        while node is not None:
+            value = value_of(node)
+            total += 0 if value is None else value.num_pages
+            node = node.parent
+        return total
+
     def reset(self) -> None:
         """``/flush_cache`` (and start-up): free every node's pages, then SGLang's reset."""
         for node in list(getattr(self, "_boundaries", {}).values()):
