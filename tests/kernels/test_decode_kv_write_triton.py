@@ -48,7 +48,9 @@ def test_one_launch_writes_what_the_torch_path_writes(dtype):
     )  # fmt: skip
     md.write_decode_token(want_k, want_v, k, v, plan, goh, coh)
     write_decode_kv(k, v, k_pool, v_pool, page, slot, goh, coh)
-    assert torch.equal(k_pool, want_k) and torch.equal(v_pool, want_v)
+    # Page 0 is the padding page: the padded entry's heads all write its slot 0, in an order
+    # neither path fixes on a GPU (its content is never read), so it is left out of the check.
+    assert torch.equal(k_pool[1:], want_k[1:]) and torch.equal(v_pool[1:], want_v[1:])
     assert not torch.equal(want_k, decode_case(dtype)[0][0])  # something was written
 
 
