@@ -34,6 +34,7 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 from sglang.srt.layers.attention.attention_registry import register_attention_backend
 from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
@@ -73,11 +74,14 @@ def tangram_state_of(model_runner: ModelRunner) -> TangramState:
         req_pool = model_runner.req_to_token_pool
         max_context = int(req_pool.req_to_token.shape[1])
         memory = TangramMemory(
-            pool.tangram_profile, kv_pool.page_size, kv_pool.num_pages,
+            pool.tangram_profile,
+            kv_pool.page_size,
+            kv_pool.num_pages,
             max_rows=int(req_pool.req_to_token.shape[0]),
             max_pages_per_group=math.ceil(max_context / kv_pool.page_size),
-            kv_pool=kv_pool, device=kv_pool.k_pool.device,
-        )  # fmt: skip
+            kv_pool=kv_pool,
+            device=kv_pool.k_pool.device,
+        )
         chunk = model_runner.server_args.chunked_prefill_size or 0
         pool.tangram_state = TangramState(
             memory, pool.full_kv_bytes_per_token, model_runner.device, chunk
@@ -110,10 +114,16 @@ class TangramAttnBackend(AttentionBackend):
             self.device, self.state, int(model_runner.req_to_token_pool.size)
         )
         m = self.state.profile.model
+        # Device writes of the page table are staged and flushed once per batch plan.
+        self.memory.table.deferred = True
         self.decode_buffers = md.DecodeGraphBuffers.create(
-            self.memory.table.max_rows, self.memory.num_head_groups, m.num_qo_heads, m.head_dim,
-            model_runner.dtype, self.device,  # attention output: the model's dtype (q's)
-        )  # fmt: skip
+            self.memory.table.max_rows,
+            self.memory.num_head_groups,
+            m.num_qo_heads,
+            m.head_dim,
+            model_runner.dtype,
+            self.device,  # attention output: the model's dtype (q's)
+        )
 
     def support_triton(self) -> bool:
         """Whether SGLang may run its Triton helpers (``req_to_token`` writes): CUDA only."""
@@ -121,40 +131,58 @@ class TangramAttnBackend(AttentionBackend):
 
     # ---- plan (per batch) ----------------------------------------------------------------------
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
-        """Reserve/allocate the batch's pages and build the per-batch tensors (once per batch)."""
+        """Reserve/allocate the batch's pages and build the per-batch tensors (once per batch).
+
+        Host inputs only (rows and lengths from the schedule batch's CPU copies, see
+        :meth:`TangramState.host_batch_for`); the page-table deltas and the plan reach the
+        device in one packed non-blocking copy (``PageTable.flush``): no device-to-host read.
+
+        Raises:
+            ConfigError: a mixed or other unsupported forward mode.
+            KernelError: no host copy of the batch's rows (the ``ForwardBatch.init_new`` hook
+                did not run).
+        """
         mode = forward_batch.forward_mode
+        table = self.memory.table
         if mode.is_idle():
+            table.flush()  # lengths committed by the last extend batch
             self.forward_metadata = None
             return
-        rows = forward_batch.req_pool_indices.tolist()
+        rows, seq_lens = self.state.host_batch_for(forward_batch, int(forward_batch.batch_size))
         if mode.is_decode():
-            self.forward_metadata = self._plan_decode(rows, forward_batch.seq_lens_cpu.tolist())
+            self.forward_metadata = self._plan_decode(rows, seq_lens)
         elif mode.is_extend() and not mode.is_mixed():
             extend_lens = list(forward_batch.extend_seq_lens_cpu)
             prefix_lens = list(forward_batch.extend_prefix_lens_cpu)
-            kept = self.state.begin_extend(rows, extend_lens, prefix_lens)
+            kept = self.state.begin_extend(rows.tolist(), extend_lens, prefix_lens)
             self.forward_metadata = md.extend_metadata(
-                rows, extend_lens, kept, self.device, self.state.profile.grouping.cluster_of
+                rows,
+                extend_lens,
+                kept,
+                self.device,
+                self.state.profile.grouping.cluster_of,
+                upload=table.flush,
             )
         else:
             raise ConfigError(f"the {BACKEND_NAME} backend does not run forward mode {mode.name}")
 
     def _plan_decode(
-        self, rows: list[int], seq_lens: list[int], padded_bs: int | None = None
+        self, rows: np.ndarray, seq_lens: np.ndarray, padded_bs: int | None = None
     ) -> md.TangramForwardMetadata:
         """Allocate one decode token per group of ``rows``, then the plan (host, per step).
 
         CUDA: the plan is written into the static buffers (graph-safe, also used eagerly);
-        CPU: fresh tensors for the reference kernels.
+        CPU: fresh tensors for the reference kernels. Either way the page-table deltas and the
+        plan go to the device in one packed copy.
         """
-        if rows:
+        if rows.size:
             self.state.begin_decode(rows, seq_lens)
         table = self.memory.table
+        ps = self.memory.page_size
         if self.device.type != "cuda":
-            return md.decode_metadata(rows, table.pages, table.lens, self.memory.page_size,
-                                      self.device)  # fmt: skip
-        bs = len(rows) if padded_bs is None else padded_bs
-        return self.decode_buffers.fill(rows, bs, table.pages, table.lens, self.memory.page_size)
+            return md.decode_metadata(rows, table.pages, table.lens, ps, self.device, table.flush)
+        bs = rows.size if padded_bs is None else padded_bs
+        return self.decode_buffers.fill(rows, bs, table.pages, table.lens, ps, table.flush)
 
     # ---- CUDA graphs (decode) ------------------------------------------------------------------
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
@@ -191,18 +219,27 @@ class TangramAttnBackend(AttentionBackend):
                 f"{mode.name}; start the server with --disable-prefill-cuda-graph"
             )
         bs = int(forward_batch.batch_size)
-        n = 0 if in_capture else bs - int(getattr(forward_batch, "num_padding", 0) or 0)
-        rows = forward_batch.req_pool_indices[:n].tolist()
-        lens = forward_batch.seq_lens_cpu if forward_batch.seq_lens_cpu is not None else (
-            forward_batch.seq_lens)  # fmt: skip
-        self.forward_metadata = self._plan_decode(rows, lens[:n].tolist(), bs)
+        if in_capture:
+            rows, lens = np.zeros(0, np.int64), np.zeros(0, np.int64)
+        else:
+            n = bs - int(getattr(forward_batch, "num_padding", 0) or 0)
+            rows, lens = self.state.host_batch_for(forward_batch, n)
+        self.forward_metadata = self._plan_decode(rows, lens, bs)
 
     def init_forward_metadata_in_graph(self, forward_batch) -> None:
         """Nothing to record: the plan is already in the static buffers (out of graph)."""
 
     # ---- run (per layer) ----------------------------------------------------------------------
-    def forward_extend(self, q, k, v, layer: RadixAttention, forward_batch: ForwardBatch,
-                       save_kv_cache: bool = True, **kwargs) -> torch.Tensor:  # fmt: skip
+    def forward_extend(
+        self,
+        q,
+        k,
+        v,
+        layer: RadixAttention,
+        forward_batch: ForwardBatch,
+        save_kv_cache: bool = True,
+        **kwargs,
+    ) -> torch.Tensor:
         """Attention of the new tokens over compressed history + causal new tokens; keep top-k_g.
 
         Args:
@@ -219,8 +256,16 @@ class TangramAttnBackend(AttentionBackend):
             self.state.commit_extend(list(meta.host_rows))
         return out.reshape(out.shape[0], -1)
 
-    def forward_decode(self, q, k, v, layer: RadixAttention, forward_batch: ForwardBatch,
-                       save_kv_cache: bool = True, **kwargs) -> torch.Tensor:  # fmt: skip
+    def forward_decode(
+        self,
+        q,
+        k,
+        v,
+        layer: RadixAttention,
+        forward_batch: ForwardBatch,
+        save_kv_cache: bool = True,
+        **kwargs,
+    ) -> torch.Tensor:
         """Write the new token into its group slots, then ragged decode over the kept tokens.
 
         Args:
@@ -231,13 +276,22 @@ class TangramAttnBackend(AttentionBackend):
         """
         meta = self._meta(md.DECODE, save_kv_cache)
         lid = layer.layer_id
-        q3, k3, v3 = _split_heads(q, k, v, layer)
+        q3, k3, v3 = _split_heads(q, k, v, layer, contiguous=False)
         goh, coh = self.state.group_of_head[lid], self.state.column_of_head[lid]
-        md.write_decode_token(self.k_pool, self.v_pool, k3, v3, meta, goh, coh)
+        self.kernels.decode_write(self.k_pool, self.v_pool, k3, v3, meta, goh, coh)
         out = self.kernels.decode(
-            q3, self.k_pool, self.v_pool, self.memory.table.page_table,
-            self.memory.table.group_len, meta.req_rows, goh, coh, layer.scaling, lid, meta.out,
-        )  # fmt: skip
+            q3,
+            self.k_pool,
+            self.v_pool,
+            self.memory.table.page_table,
+            self.memory.table.group_len,
+            meta.req_rows,
+            goh,
+            coh,
+            layer.scaling,
+            lid,
+            meta.out,
+        )
         return out.reshape(out.shape[0], -1)
 
     def _meta(self, mode: str, save_kv_cache: bool) -> md.TangramForwardMetadata:
@@ -252,15 +306,26 @@ class TangramAttnBackend(AttentionBackend):
         return meta
 
 
-def _split_heads(q, k, v, layer) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``[T, H*D]`` -> ``[T, H, D]`` views of q, k, v (contiguous copies if needed)."""
+def _split_heads(
+    q, k, v, layer, contiguous: bool = True
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``[T, H*D]`` -> ``[T, H, D]`` views of q, k, v.
+
+    ``contiguous``: copy where a view is not contiguous (extend kernels). Decode reads its
+    inputs through their strides (only the last dim must be contiguous, which a reshape of
+    ``[T, H*D]`` with unit last stride keeps), so it takes the views of SGLang's fused QKV
+    output as they are: no copies per layer.
+    """
     if layer.qk_head_dim != layer.v_head_dim:
         raise KernelError(f"{BACKEND_NAME}: qk_head_dim != v_head_dim is not supported")
-    return (
-        q.reshape(-1, layer.tp_q_head_num, layer.qk_head_dim).contiguous(),
-        k.reshape(-1, layer.tp_k_head_num, layer.qk_head_dim).contiguous(),
-        v.reshape(-1, layer.tp_v_head_num, layer.v_head_dim).contiguous(),
+    views = (
+        q.reshape(-1, layer.tp_q_head_num, layer.qk_head_dim),
+        k.reshape(-1, layer.tp_k_head_num, layer.qk_head_dim),
+        v.reshape(-1, layer.tp_v_head_num, layer.v_head_dim),
     )
+    if contiguous:
+        return tuple(t.contiguous() for t in views)
+    return views
 
 
 @register_attention_backend(BACKEND_NAME)

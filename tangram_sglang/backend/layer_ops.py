@@ -37,6 +37,10 @@ class ReferenceKernels:
         """Kept-KV write (arguments of ``kernels.kv_write.write_kept_kv``)."""
         reference.kv_write_reference(*args)
 
+    def decode_write(self, k_pool, v_pool, k, v, meta, goh, coh) -> None:
+        """The new token's K/V ``[bs, H_kv, D]`` into its group slots (``meta``: decode plan)."""
+        md.write_decode_token(k_pool, v_pool, k, v, meta, goh, coh)
+
     def decode(self, q, k_pool, v_pool, page_table, group_len, rows, goh, coh, sm_scale, lid,
                out=None):  # fmt: skip
         """``[bs, H_q, D]`` ragged decode of one layer."""
@@ -88,6 +92,12 @@ class TritonKernels(ReferenceKernels):
         from tangram_sglang.kernels.kv_write import write_kept_kv
 
         write_kept_kv(*args)
+
+    def decode_write(self, k_pool, v_pool, k, v, meta, goh, coh) -> None:
+        """``kernels.decode_kv_write.write_decode_kv``: one launch per layer, strided K/V."""
+        from tangram_sglang.kernels.decode_kv_write import write_decode_kv
+
+        write_decode_kv(k, v, k_pool, v_pool, meta.dest_page, meta.dest_slot, goh, coh)
 
     def decode(self, q, k_pool, v_pool, page_table, group_len, rows, goh, coh, sm_scale, lid,
                out=None):  # fmt: skip

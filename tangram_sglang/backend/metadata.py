@@ -34,6 +34,7 @@ Source: docs/contracts.md (kernel calling conventions); docs/design.md §8 (plan
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -43,6 +44,19 @@ from tangram_sglang.errors import KernelError
 
 EXTEND = "extend"
 DECODE = "decode"
+
+# ``upload(host int64 arrays) -> device int64 tensors`` (same shapes, same order). The backend
+# passes ``PageTable.flush``: the plan rides in the step's one packed, non-blocking copy.
+Upload = Callable[[list[np.ndarray]], list[torch.Tensor]]
+
+
+def plain_upload(device: torch.device | str) -> Upload:
+    """An :data:`Upload` that copies each array on its own (tests, one-off plans)."""
+
+    def upload(parts: list[np.ndarray]) -> list[torch.Tensor]:
+        return [torch.from_numpy(np.ascontiguousarray(a, np.int64)).to(device) for a in parts]
+
+    return upload
 
 
 @dataclass(slots=True)
@@ -83,9 +97,13 @@ class TangramForwardMetadata:
 
 
 def extend_metadata(
-    rows: list[int], extend_lens: list[int], kept_lens: np.ndarray, device: torch.device | str,
+    rows: list[int] | np.ndarray,
+    extend_lens: list[int],
+    kept_lens: np.ndarray,
+    device: torch.device | str,
     group_of_head: np.ndarray | None = None,
-) -> TangramForwardMetadata:  # fmt: skip
+    upload: Upload | None = None,
+) -> TangramForwardMetadata:
     """Plan an extend batch.
 
     Args:
@@ -96,26 +114,34 @@ def extend_metadata(
         group_of_head: optional int ``[num_layers, H_kv]`` head-group map of every layer: then
             the per-layer kept counts of every KV head are built here once (host and device,
             :meth:`TangramForwardMetadata.layer_kept`), so no layer copies to the device.
+        upload: how the host arrays reach ``device`` (default :func:`plain_upload`); all of
+            them go in one call.
     """
-    bounds = np.concatenate([[0], np.cumsum(np.asarray(extend_lens, np.int64))]).tolist()
-    kept = np.asarray(kept_lens, np.int64).reshape(len(rows), -1)
+    row_arr = np.asarray(rows, np.int64).reshape(-1)
+    bounds_arr = np.concatenate([[0], np.cumsum(np.asarray(extend_lens, np.int64))])
+    kept = np.asarray(kept_lens, np.int64).reshape(row_arr.size, -1)
+    parts = [row_arr, bounds_arr, kept]
     heads_host = heads = None
     if group_of_head is not None:
         heads_host = np.ascontiguousarray(
             kept[:, np.asarray(group_of_head, np.int64)].swapaxes(0, 1)
         )
-        heads = torch.from_numpy(heads_host).to(device)
+        parts.append(heads_host)
+    dev = (upload or plain_upload(device))(parts)
+    if heads_host is not None:
+        heads = dev[3]
+    bounds = bounds_arr.tolist()
     return TangramForwardMetadata(
         mode=EXTEND,
-        req_rows=torch.tensor(rows, dtype=torch.int32, device=device),
-        qo_indptr=torch.tensor(bounds, dtype=torch.int32, device=device),
+        req_rows=dev[0].to(torch.int32),
+        qo_indptr=dev[1].to(torch.int32),
         bounds=bounds,
         kept_lens=kept,
-        kept_count=torch.from_numpy(kept).to(device=device, dtype=torch.int32),
+        kept_count=dev[2].to(torch.int32),
         dest_page=None,
         dest_slot=None,
         max_extend_len=max(extend_lens, default=0),
-        host_rows=tuple(int(r) for r in rows),
+        host_rows=tuple(row_arr.tolist()),
         kept_heads_host=heads_host,
         kept_heads=heads,
     )
@@ -140,7 +166,12 @@ def decode_destinations(
 
 
 def decode_metadata(
-    rows: list[int], pages: np.ndarray, lens: np.ndarray, page_size: int, device: torch.device | str
+    rows: list[int] | np.ndarray,
+    pages: np.ndarray,
+    lens: np.ndarray,
+    page_size: int,
+    device: torch.device | str,
+    upload: Upload | None = None,
 ) -> TangramForwardMetadata:
     """Plan a decode batch from the memory's host mirror (after ``alloc_decode``).
 
@@ -150,17 +181,21 @@ def decode_metadata(
         lens: int ``[max_rows, G]`` host kept lengths, INCLUDING the new token.
         page_size: tokens per page.
         device: attention device.
+        upload: how the host arrays reach ``device`` (default :func:`plain_upload`).
     """
     page, slot = decode_destinations(rows, pages, lens, page_size)
+    d_rows, d_page, d_slot = (upload or plain_upload(device))(
+        [np.asarray(rows, np.int64).reshape(-1), page, slot]
+    )
     return TangramForwardMetadata(
         mode=DECODE,
-        req_rows=torch.tensor(rows, dtype=torch.int32, device=device),
+        req_rows=d_rows.to(torch.int32),
         qo_indptr=None,
         bounds=[],
         kept_lens=None,
         kept_count=None,
-        dest_page=torch.from_numpy(page).to(device),
-        dest_slot=torch.from_numpy(slot).to(device),
+        dest_page=d_page,
+        dest_slot=d_slot,
         max_extend_len=0,
     )
 
@@ -185,9 +220,14 @@ class DecodeGraphBuffers:
 
     @classmethod
     def create(
-        cls, max_bs: int, num_head_groups: int, num_qo_heads: int, head_dim: int,
-        dtype: torch.dtype, device: torch.device | str,
-    ) -> DecodeGraphBuffers:  # fmt: skip
+        cls,
+        max_bs: int,
+        num_head_groups: int,
+        num_qo_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> DecodeGraphBuffers:
         """Zeroed buffers (every entry = the padding row / page) for up to ``max_bs`` requests."""
         ints = dict(dtype=torch.int64, device=device)
         return cls(
@@ -204,24 +244,41 @@ class DecodeGraphBuffers:
     def view(self, bs: int) -> TangramForwardMetadata:
         """The decode plan of a (padded) batch of ``bs``: views of the static buffers."""
         return TangramForwardMetadata(
-            mode=DECODE, req_rows=self.req_rows[:bs], qo_indptr=None, bounds=[],
-            kept_lens=None, kept_count=None, dest_page=self.dest_page[:bs],
-            dest_slot=self.dest_slot[:bs], max_extend_len=0, out=self.out[:bs],
-        )  # fmt: skip
+            mode=DECODE,
+            req_rows=self.req_rows[:bs],
+            qo_indptr=None,
+            bounds=[],
+            kept_lens=None,
+            kept_count=None,
+            dest_page=self.dest_page[:bs],
+            dest_slot=self.dest_slot[:bs],
+            max_extend_len=0,
+            out=self.out[:bs],
+        )
 
     def fill(
-        self, rows: list[int], padded_bs: int, pages: np.ndarray, lens: np.ndarray,
+        self,
+        rows: list[int] | np.ndarray,
+        padded_bs: int,
+        pages: np.ndarray,
+        lens: np.ndarray,
         page_size: int,
-    ) -> TangramForwardMetadata:  # fmt: skip
+        upload: Upload | None = None,
+    ) -> TangramForwardMetadata:
         """Write the plan of ``rows`` (after ``alloc_decode``) in place; pad up to ``padded_bs``.
 
-        Runs outside the graph (host arrays, one host-to-device copy per buffer). ``rows`` may
-        be empty (graph capture: every entry is padding).
+        Runs outside the graph: host arrays, one ``upload`` for the three of them, then
+        device-to-device copies into the static buffers on the current stream. Stream order
+        makes the refill safe while the previous step's graph may still read the buffers: the
+        copies run after it on the same stream. ``rows`` may be empty (graph capture: every
+        entry is padding).
 
         Args:
             rows: the real batch's request rows (``n <= padded_bs``).
             padded_bs: the captured batch size the graph runs (SGLang's padded ``bs``).
             pages, lens, page_size: as :func:`decode_destinations`.
+            upload: how the host arrays reach the device (default :func:`plain_upload`; the
+                backend passes ``PageTable.flush``).
 
         Returns:
             :meth:`view` of ``padded_bs``.
@@ -229,22 +286,26 @@ class DecodeGraphBuffers:
         Raises:
             KernelError: ``padded_bs`` exceeds the buffers or is smaller than the batch.
         """
-        n = len(rows)
+        rows = np.asarray(rows, np.int64).reshape(-1)
+        n = rows.size
         if not n <= padded_bs <= self.max_bs:
             raise KernelError(
                 f"decode graph buffers hold {self.max_bs} requests; asked for {n} rows padded "
                 f"to {padded_bs}: raise the buffers' max_bs to the CUDA graph's max batch size"
             )
         groups = self.dest_page.shape[1]
-        row_arr = np.full(padded_bs, PADDING_ROW, np.int32)
+        row_arr = np.full(padded_bs, PADDING_ROW, np.int64)
         page = np.full((padded_bs, groups), PADDING_PAGE, np.int64)
         slot = np.zeros((padded_bs, groups), np.int64)
         if n:
             row_arr[:n] = rows
             page[:n], slot[:n] = decode_destinations(rows, pages, lens, page_size)
-        self.req_rows[:padded_bs].copy_(torch.from_numpy(row_arr))
-        self.dest_page[:padded_bs].copy_(torch.from_numpy(page))
-        self.dest_slot[:padded_bs].copy_(torch.from_numpy(slot))
+        d_rows, d_page, d_slot = (upload or plain_upload(self.req_rows.device))(
+            [row_arr, page, slot]
+        )
+        self.req_rows[:padded_bs].copy_(d_rows)
+        self.dest_page[:padded_bs].copy_(d_page)
+        self.dest_slot[:padded_bs].copy_(d_slot)
         return self.view(padded_bs)
 
 

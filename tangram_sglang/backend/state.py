@@ -16,20 +16,45 @@ Rows are SGLang's ``req_pool_idx``. With a radix tree attached (``state.radix``,
 compressed prefix (``radix.prefix_for``) and page shortfalls evict tree nodes
 (``radix.evict_pages``); without one every request starts from an empty table.
 
-Source: Tangram arXiv 2606.06302 (Budget Reservation, Ragged Paging); docs/contracts.md.
+Admission policy (``docs/admission.md``; the SGLang side is ``integration.sglang_adapters``).
+One formula, :meth:`TangramState.request_pages`, prices a request in pages beyond its matched
+prefix: per head group g with prefix kept length ``L_g`` and ``a_g = k_g(first chunk) + (prompt
+left - first chunk) + d`` appended tokens, ``sum_g ceil((L_g + a_g)/P) - ceil(L_g/P)`` plus one
+copy-on-write page per group whose shared prefix tail page is partial. It decides everything:
+
+* can never fit: ``prefix path pages + request_pages(d = T - 1) > pool pages`` (T =
+  ``max_new_tokens``): HTTP 400, or, when the client set no ``max_tokens``, T is lowered to the
+  largest value that fits (:meth:`max_decode_tokens`), as SGLang caps it to its token pool;
+* fits now: ``sum over new requests of request_pages(d = min(T - 1 - out, clip)) + sum over running
+  rows of append_need(ceil(min(T_r - out_r, clip) x new_token_ratio)) <= unreserved free pages +
+  evictable radix pages`` (clip = SGLang's ``SGLANG_CLIP_MAX_NEW_TOKENS_ESTIMATION``, 4096), the
+  page form of SGLang's ``PrefillAdder`` token check; otherwise the request waits in the queue;
+  on an idle pool (no row holds pages) a request that does not fit now never will: HTTP 400.
+
+The ledger reserves only the prompt at admission (``request_pages`` with d = 0: the first chunk
+compressed, later chunks uncompressed, trimmed to the exact pages after the last chunk), so a
+chunked prefill never waits for a page. The decode tail is not reserved: it grows by pages from
+the unreserved free pages, one page per head group whose last page is full. When the pool runs
+dry, SGLang's ``check_decode_mem`` says False and ``retract_decode`` retracts requests as stock
+does (their pages come back through ``ReqToTokenPool.free``). Pages are exact per head group, so
+a request is never retracted for page fragmentation: only when the free pages do not cover the
+next step.
+
+Source: Tangram arXiv 2606.06302 (Budget Reservation, Ragged Paging); docs/contracts.md;
+SGLang 0.5.17 ``schedule_policy.PrefillAdder`` (``rem_total_tokens``, ``new_token_ratio``).
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
 import torch
 
-from tangram_sglang.errors import PoolError
+from tangram_sglang.errors import KernelError, PoolError
 from tangram_sglang.mem.manager import TangramMemory
 from tangram_sglang.mem.page_table import SegmentPages
 from tangram_sglang.mem.prefix import PrefixMatch
@@ -54,10 +79,13 @@ class RowRecord:
         """JSON-ready dict (plus ``held_fraction`` = bytes_held / full_kv_bytes)."""
         frac = self.bytes_held / self.full_kv_bytes if self.full_kv_bytes else 0.0
         return {
-            "row": self.row, "logical_tokens": self.logical_tokens, "pages": self.pages,
-            "bytes_held": self.bytes_held, "full_kv_bytes": self.full_kv_bytes,
+            "row": self.row,
+            "logical_tokens": self.logical_tokens,
+            "pages": self.pages,
+            "bytes_held": self.bytes_held,
+            "full_kv_bytes": self.full_kv_bytes,
             "held_fraction": frac,
-        }  # fmt: skip
+        }
 
 
 def build_scorer(profile: BudgetProfile) -> Scorer:
@@ -82,9 +110,12 @@ def layer_maps(profile: BudgetProfile, device: torch.device | str) -> tuple[torc
 
 
 def chunked_footprint_pages(
-    profile: BudgetProfile, page_size: int, prompt_len: int, max_new_tokens: int,
+    profile: BudgetProfile,
+    page_size: int,
+    prompt_len: int,
+    max_new_tokens: int,
     chunk_tokens: int,
-) -> int:  # fmt: skip
+) -> int:
     """Pages a request needs from an empty table: prefill chunks + ``T - 1`` decode tokens.
 
     Each chunk of a chunked prefill is a segment (its own ``k_g``); a group's chunks and decode
@@ -109,6 +140,33 @@ def chunked_footprint_pages(
     return int(group_pages_needed(zeros, zeros.astype(bool), total, page_size).sum())
 
 
+@dataclass(frozen=True, slots=True)
+class PrefillAsk:
+    """One new request as admission counts it (tokens; :meth:`TangramState.request_pages`).
+
+    Attributes:
+        prompt_tokens: tokens still to prefill, after the matched prefix.
+        first_chunk: tokens of its first prefill chunk (the rest is counted uncompressed).
+        decode_tokens: decode-tail tokens counted (admission: ``min(T - 1 - out, clip)``; whole-pool
+            check: ``T - 1``).
+        prefix_lens: int64 ``[G]`` kept tokens per head group of the matched prefix; None = none.
+        prefix_pages: pages the matched prefix's radix path pins (neither free nor evictable
+            while the request uses it).
+        cached_tokens: logical tokens of the matched prefix (for messages).
+    """
+
+    prompt_tokens: int
+    first_chunk: int
+    decode_tokens: int
+    prefix_lens: np.ndarray | None = None
+    prefix_pages: int = 0
+    cached_tokens: int = 0
+
+    def with_decode(self, decode_tokens: int) -> PrefillAsk:
+        """The same request counted with another decode tail (tokens)."""
+        return replace(self, decode_tokens=max(int(decode_tokens), 0))
+
+
 class TangramState:
     """Per-server Tangram runtime: memory facade, layer maps, scorer, row bookkeeping.
 
@@ -121,9 +179,12 @@ class TangramState:
     """
 
     def __init__(
-        self, memory: TangramMemory, full_kv_bytes_per_token: int, device: torch.device | str,
+        self,
+        memory: TangramMemory,
+        full_kv_bytes_per_token: int,
+        device: torch.device | str,
         chunk_tokens: int = 0,
-    ) -> None:  # fmt: skip
+    ) -> None:
         self.memory = memory
         self.profile = memory.profile
         self.scorer = build_scorer(self.profile)
@@ -138,16 +199,65 @@ class TangramState:
         self.plans: dict[int, tuple[int, int]] = {}  # row -> (prompt tokens, decode-tail tokens)
         self.trim_after_commit: dict[int, int] = {}  # row -> decode-tail tokens to keep
         self.num_page_retractions = 0  # decode checks failed for pages (SGLang then retracts)
+        self.refused: list[tuple[Any, str]] = []  # (request, HTTP 400 text) refused by admission
         self._fragmentation: tuple[float, float] | None = None  # (monotonic time, value)
+        # The next forward's request rows and sequence lengths on the host (int64 [bs] each),
+        # from the schedule batch's CPU copies (set_host_batch); read by the attention backend.
+        self.host_rows: np.ndarray | None = None
+        self.host_seq_lens: np.ndarray | None = None
+        # row -> the radix node its matched prefix ends at (extend batches; SGLang's
+        # req.last_node), so a new row finds its compressed prefix without a device read.
+        self.host_prefix_nodes: dict[int, Any] = {}
+
+    # ---- the batch about to run (host copies) ------------------------------------------------
+    def set_host_batch(self, rows: Any, seq_lens: Any, prefix_nodes: dict | None = None) -> None:
+        """Record the next forward's rows and sequence lengths (host tensors or arrays).
+
+        Called when SGLang builds the ``ForwardBatch`` (``integration`` hook on
+        ``ForwardBatch.init_new``) from ``ScheduleBatch.req_pool_indices_cpu`` /
+        ``seq_lens_cpu``, so planning never reads the device tensors (a GPU sync that would
+        stop overlap scheduling). None clears the record. ``prefix_nodes``: row -> the radix
+        node its matched prefix ends at (extend batches), read by ``radix.prefix_for``.
+        """
+        self.host_prefix_nodes = dict(prefix_nodes or {})
+        self.host_rows = None if rows is None else np.asarray(rows, np.int64).reshape(-1)
+        self.host_seq_lens = (
+            None if seq_lens is None else (np.asarray(seq_lens, np.int64).reshape(-1))
+        )
+
+    def host_batch_for(self, forward_batch: Any, num_rows: int) -> tuple[np.ndarray, np.ndarray]:
+        """int64 ``(rows [n], seq_lens [n])`` of the batch about to run, host copies.
+
+        Args:
+            forward_batch: what the backend was handed (named in the error only).
+            num_rows: the batch's real rows (without CUDA-graph padding).
+
+        Raises:
+            KernelError: no record, or one of another size (the ``ForwardBatch.init_new`` hook
+                of the Tangram plugin did not run for this batch).
+        """
+        rows, lens = self.host_rows, self.host_seq_lens
+        if rows is None or rows.size != num_rows:
+            have = "none" if rows is None else f"{rows.size} rows"
+            raise KernelError(
+                f"Tangram backend: no host copy of the {num_rows} request rows of this "
+                f"{type(forward_batch).__name__} ({have} recorded); the Tangram plugin's "
+                "ForwardBatch.init_new hook must run (start the server with --tangram and the "
+                "plugin loaded)"
+            )
+        if lens is None or lens.size != rows.size:
+            lens = np.zeros(rows.size, np.int64)
+        return rows, lens
 
     # ---- per request (scheduler side) -----------------------------------------------------------
-    def plan_row(self, row: int, prompt_tokens: int, decode_tokens: int) -> None:
-        """Record a new row's Budget Reservation inputs (when SGLang assigns the row).
+    def plan_row(self, row: int, prompt_tokens: int, decode_tokens: int = 0) -> None:
+        """Record a new row's reservation inputs (when SGLang assigns the row).
 
         Args:
             row: SGLang ``req_pool_idx``.
             prompt_tokens: tokens the row prefills in all, cached prefix included (tokens).
-            decode_tokens: decode-tail tokens it may write, ``T - 1`` (tokens).
+            decode_tokens: decode-tail tokens to reserve with the prompt (tokens). The serving
+                policy passes 0: the tail grows by pages as the request decodes (module doc).
         """
         self.plans[int(row)] = (int(prompt_tokens), max(int(decode_tokens), 0))
 
@@ -158,12 +268,12 @@ class TangramState:
         """Reserve and allocate each row's segment pages (before the forward).
 
         A row without a table is a new request, starting from the radix tree's compressed
-        prefix when ``prefix_len > 0``. With a plan (:meth:`plan_row`) admission reserves the
-        whole footprint (Budget Reservation): this segment, the prompt's later chunks as an
-        uncompressed upper bound (SGLang sizes each chunk when it schedules it) and the
-        ``T - 1`` decode tail; after the last chunk the grant is trimmed to the exact tail, so
-        later chunks and decode steps never wait for pages. Without a plan only the segment is
-        reserved. A row with a table continues a chunked prefill. Page shortfalls evict
+        prefix when ``prefix_len > 0``. With a plan (:meth:`plan_row`) admission reserves
+        :meth:`request_pages` of the plan: this segment, the prompt's later chunks as an
+        uncompressed upper bound (SGLang sizes each chunk when it schedules it) and the planned
+        decode tokens; after the last chunk the grant is trimmed to the exact planned tail, so
+        later chunks never wait for pages. Without a plan only the segment is reserved.
+        A row with a table continues a chunked prefill. Page shortfalls evict
         unlocked radix nodes first.
 
         Returns:
@@ -216,7 +326,7 @@ class TangramState:
                 "Tangram radix cache holds compressed history; use --radix-cache-backend "
                 "tangram (the default under --tangram) or --disable-radix-cache"
             )
-        return self.radix.prefix_for(row, prefix_len)
+        return self.radix.prefix_for(row, prefix_len, self.host_prefix_nodes.get(row))
 
     def _make_room(self, num_pages: int) -> None:
         """Evict radix nodes until ``num_pages`` unreserved pages are free (if a tree exists)."""
@@ -241,102 +351,140 @@ class TangramState:
             if row in self.trim_after_commit:
                 self.memory.trim_reservation(row, self.trim_after_commit.pop(row))
 
-    def begin_decode(self, rows: list[int], seq_lens: list[int]) -> None:
+    def begin_decode(self, rows: list[int] | np.ndarray, seq_lens: list[int] | np.ndarray) -> None:
         """Append one decode token to every group of each row (before the forward).
+
+        Args:
+            rows: int ``[bs]`` request rows.
+            seq_lens: int ``[bs]`` SGLang's sequence lengths (tokens, for reports).
 
         Raises:
             PoolError: out of pages (the message says what to lower).
         """
-        if not self.memory.can_decode(rows):
-            self._make_room(self.memory.decode_pages_needed(rows))
-        if not self.memory.can_decode(rows):
-            raise PoolError(
-                f"Tangram pool: decode step of rows {rows} needs pages but only "
-                f"{self.memory.ledger.unreserved_free()} are free; lower "
-                "--max-running-requests until decode retraction in pages lands"
-            )
-        self.memory.alloc_decode(rows)
+        rows = np.asarray(rows, np.int64).reshape(-1)
+        self.memory.alloc_decode(rows, make_room=self._make_room)
         self.logical_tokens[rows] = seq_lens
 
-    # ---- admission checks --------------------------------------------------------------------
-    def footprint_pages(self, prompt_len: int, max_new_tokens: int) -> int:
-        """Pages a new request needs (see :func:`chunked_footprint_pages`)."""
-        return chunked_footprint_pages(
-            self.profile, self.memory.page_size, prompt_len, max_new_tokens, self.chunk_tokens
-        )
+    # ---- admission (one footprint formula) ---------------------------------------------------
+    def request_pages(self, ask: PrefillAsk) -> int:
+        """Pages a new request takes beyond its matched prefix: THE admission formula.
 
-    def can_prefill(
-        self, extend_lens: list[int], num_prefixed: int = 0, evictable_pages: int = 0
+        Per head group g with matched-prefix kept length ``L_g`` (0 without a prefix)::
+
+            a_g = k_g(first_chunk) + (prompt_tokens - first_chunk) + decode_tokens
+            pages = sum_g ceil((L_g + a_g) / P) - ceil(L_g / P) + [L_g % P != 0 and a_g > 0]
+
+        (the prompt's later chunks counted uncompressed, the copy-on-write page of a partial
+        shared prefix tail included; ``mem.reservation.group_pages_needed``). With
+        ``decode_tokens = 0`` this is exactly what :meth:`begin_extend` reserves.
+        """
+        first = min(max(int(ask.first_chunk), 0), int(ask.prompt_tokens))
+        add = self._kept(first) + (int(ask.prompt_tokens) - first) + max(ask.decode_tokens, 0)
+        lens = np.zeros_like(add) if ask.prefix_lens is None else np.asarray(ask.prefix_lens)
+        return int(group_pages_needed(lens, lens > 0, add, self.memory.page_size).sum())
+
+    def lifetime_pages(self, ask: PrefillAsk) -> int:
+        """Pages the request holds at its end: its prefix path's pages + :meth:`request_pages`."""
+        return int(ask.prefix_pages) + self.request_pages(ask)
+
+    @property
+    def pool_pages(self) -> int:
+        """Usable pages of the whole pool (page 0 is padding)."""
+        return int(self.memory.allocator.num_usable_pages)
+
+    def fits_pool(self, ask: PrefillAsk) -> bool:
+        """Could the request ever run to its end, alone on an empty pool? (no side effects)"""
+        return self.lifetime_pages(ask) <= self.pool_pages
+
+    def max_decode_tokens(self, ask: PrefillAsk) -> int:
+        """Largest decode tail (tokens) with which :meth:`fits_pool` holds; -1 if none does.
+
+        Binary search over the same formula (pages grow monotonically with the tail).
+        """
+        if not self.fits_pool(ask.with_decode(0)):
+            return -1
+        lo, hi = 0, self.pool_pages * self.memory.page_size  # hi: never fits
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if self.fits_pool(ask.with_decode(mid)) else (lo, mid)
+        return lo
+
+    def decode_headroom_pages(self, rows: list[int], tokens: list[int]) -> int:
+        """Pages running ``rows`` need to append ``tokens[i]`` more decode tokens each.
+
+        Exact per head group from each row's table (full last pages, shared partial tails);
+        rows that hold no pages are skipped.
+        """
+        pairs = [
+            (r, t)
+            for r, t in zip(rows, tokens, strict=True)
+            if t > 0 and self.memory.rids[r] is not None
+        ]
+        if not pairs:
+            return 0
+        idx = np.asarray([r for r, _ in pairs], np.int64)
+        add = np.asarray([t for _, t in pairs], np.int64)[:, None]
+        return int(self.memory.table.append_need(idx, add).sum())
+
+    def admission_need(self, asks: list[PrefillAsk], headroom_pages: int = 0) -> int:
+        """Pages admitting ``asks`` needs now: their :meth:`request_pages` + running headroom."""
+        return sum(self.request_pages(a) for a in asks) + int(headroom_pages)
+
+    def can_admit(
+        self, asks: list[PrefillAsk], headroom_pages: int = 0, evictable_pages: int = 0
     ) -> bool:
-        """No side effects: do prefills of these lengths fit in unreserved free + evictable pages?
-
-        Counts every chunk of each prompt (not the decode tail: decode growth is checked per
-        step by :meth:`can_decode`, and SGLang retracts requests when it fails), plus one
-        copy-on-write page per head group for each of ``num_prefixed`` requests that extend a
-        cached prefix (its shared partial tail pages).
-        """
-        need = sum(self.footprint_pages(int(n), 1) for n in extend_lens)
-        need += int(num_prefixed) * self.memory.num_head_groups
-        return need <= self.memory.ledger.unreserved_free() + int(evictable_pages)
-
-    def reservation_pages(self, prompt_tokens: int, first_chunk: int, decode_tokens: int) -> int:
-        """Pages :meth:`begin_extend` reserves for a new request from an empty table.
-
-        ``kept(first_chunk)`` + the rest of the prompt uncompressed + ``decode_tokens`` per head
-        group, in pages (``mem.reservation.group_pages_needed``). A matched prefix can add at most
-        one copy-on-write page per group on top (callers add it).
-        """
-        first = min(int(first_chunk), int(prompt_tokens))
-        add = self._kept(first) + (int(prompt_tokens) - first) + max(int(decode_tokens), 0)
-        zeros = np.zeros_like(add)
-        return int(group_pages_needed(zeros, zeros.astype(bool), add, self.memory.page_size).sum())
-
-    def can_admit_prefills(
-        self, requests: list[tuple[int, int, int]], num_prefixed: int = 0,
-        evictable_pages: int = 0,
-    ) -> bool:  # fmt: skip
-        """No side effects: would these new requests' whole reservations fit now?
+        """No side effects: do these new requests fit now (see ``docs/admission.md``)?
 
         Args:
-            requests: per request ``(prompt tokens left to prefill, first chunk tokens,
-                decode-tail tokens)``.
-            num_prefixed: how many extend a cached prefix (one COW page per group each).
-            evictable_pages: pages unlocked radix nodes would give back.
+            asks: the requests picked this round and the candidate (decode tails as counted at
+                admission: ``min(T - 1 - out, clip)`` tokens each).
+            headroom_pages: :meth:`decode_headroom_pages` of the running requests (their
+                remaining tails x SGLang's ``new_token_ratio``).
+            evictable_pages: pages unlocked radix nodes would give back (the candidate's own
+                prefix path excluded).
         """
-        need = sum(self.reservation_pages(m, n1, tail) for m, n1, tail in requests)
-        need += int(num_prefixed) * self.memory.num_head_groups
+        need = self.admission_need(asks, headroom_pages)
         return need <= self.memory.ledger.unreserved_free() + int(evictable_pages)
+
+    def is_idle(self) -> bool:
+        """No request row holds pages or a reservation (nothing running, no chunked prefill)."""
+        return not self.memory.ledger.by_row
 
     def can_decode(self, rows: list[int]) -> bool:
         """No side effects: does one decode step of ``rows`` fit (see ``TangramMemory``)?"""
         return self.memory.can_decode([r for r in rows if self.memory.rids[r] is not None])
 
-    def too_large(
-        self, prompt_len: int, max_new_tokens: int, asked: int | None = None
-    ) -> str | None:
-        """Error message when the request needs more pages than the whole pool, else None.
+    def never_fits_message(self, ask: PrefillAsk, max_new_tokens: int, asked: int | None) -> str:
+        """The HTTP 400 text for a request that :meth:`fits_pool` refuses.
+
+        Names the pages needed, the pool size, the client's ``max_tokens`` (``max_new_tokens``)
+        and the largest value that would fit with this prompt (or that the prompt alone does not
+        fit).
 
         Args:
-            prompt_len: prompt tokens.
-            max_new_tokens: T after SGLang capped it to its token pool (tokens); the pages are
-                computed for this value.
-            asked: the ``max_new_tokens`` the client sent (None: not set); the message names it
-                (and the cap, when SGLang lowered it).
+            ask: the request with its whole decode tail (``T - 1`` tokens).
+            max_new_tokens: T after SGLang's own cap (tokens).
+            asked: the value the client sent (None: not set).
         """
-        first = prompt_len if self.chunk_tokens <= 0 else min(prompt_len, self.chunk_tokens)
-        need = self.reservation_pages(prompt_len, first, decode_tail_tokens(max_new_tokens))
-        usable = self.memory.allocator.num_usable_pages
-        if need <= usable:
-            return None
+        need = self.lifetime_pages(ask)
+        prompt = int(ask.prompt_tokens) + int(ask.cached_tokens)
         if asked is not None and int(asked) == int(max_new_tokens):
-            wanted = f"max_new_tokens {max_new_tokens}"
+            wanted = f"max_tokens {max_new_tokens}"
         else:
             sent = "not set" if asked is None else str(int(asked))
-            wanted = f"max_new_tokens {sent}, capped to {max_new_tokens} by the server"
+            wanted = f"max_tokens {sent}, capped to {max_new_tokens} by the server"
+        cached = "" if not ask.cached_tokens else f", {ask.cached_tokens} of them cached"
+        best = self.max_decode_tokens(ask)
+        fix = (
+            f"at most max_tokens {best + 1} fits with this prompt: lower max_tokens "
+            "(max_new_tokens), shorten the prompt"
+            if best >= 0
+            else "the prompt alone does not fit: shorten the prompt"
+        )
         return (
-            f"Tangram: request needs {need} KV pages ({prompt_len} prompt tokens, {wanted}) but "
-            f"the whole pool holds {usable}; shorten the prompt or max_new_tokens, or give the "
-            "server more KV memory"
+            f"Tangram: request needs {need} KV pages ({prompt} prompt tokens{cached}, {wanted}) "
+            f"but the whole pool holds {self.pool_pages} pages; {fix}, or give the server more "
+            "KV memory (--max-total-tokens / --mem-fraction-static)"
         )
 
     # ---- end of a request --------------------------------------------------------------------
@@ -360,9 +508,12 @@ class TangramState:
         usage = self.memory.row_usage(row)
         tokens = int(self.logical_tokens[row])
         return RowRecord(
-            row, tokens, usage.own_pages, usage.own_pages * self.memory.bytes_per_page,
+            row,
+            tokens,
+            usage.own_pages,
+            usage.own_pages * self.memory.bytes_per_page,
             tokens * self.full_kv_bytes_per_token,
-        )  # fmt: skip
+        )
 
     def _log_end(self, row: int, record: RowRecord, what: str) -> None:
         self.logical_tokens[row] = 0
@@ -371,10 +522,17 @@ class TangramState:
         allocator = self.memory.allocator  # O(1) counts: this runs once per finished request
         logger.info(
             "Tangram: %s row %d: %d tokens, %d pages (%d bytes) vs full KV %d bytes "
-            "(%.3f); pool %d/%d pages used", what, row, record.logical_tokens, record.pages,
-            record.bytes_held, record.full_kv_bytes, record.to_dict()["held_fraction"],
-            allocator.num_used(), allocator.num_usable_pages,
-        )  # fmt: skip
+            "(%.3f); pool %d/%d pages used",
+            what,
+            row,
+            record.logical_tokens,
+            record.pages,
+            record.bytes_held,
+            record.full_kv_bytes,
+            record.to_dict()["held_fraction"],
+            allocator.num_used(),
+            allocator.num_usable_pages,
+        )
 
     def release(self, row: int) -> RowRecord | None:
         """Free every page of ``row`` (finish, abort or retraction); None if it holds none.

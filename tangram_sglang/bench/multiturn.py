@@ -21,7 +21,9 @@ GPU each) and recomputes the ``summary``:
   requests sent at once, so the same batches);
 * ``max_concurrency_ratio``: peak running requests on the main workload, Tangram / baseline;
 * ``cliff_throughput_ratio_64_clients``: output tok/s on ``cliff-64``, Tangram (0.25) / baseline;
-* ``kv_capacity_ratio``: ``max_total_num_tokens`` (logical token slots), Tangram / baseline.
+* ``kv_capacity_ratio``: ``max_total_num_tokens`` (logical token slots), Tangram / baseline;
+* ``concurrency``: peak running requests per system and workload (``--no-max-tokens``: requests
+  that set no ``max_tokens``, ending on stop ids with the round's output length as mean length).
 A ratio whose runs are missing is null and ``missing`` says why.
 
 Source: issue 7; SGLang ``benchmark/hicache/bench_multiturn.py``.
@@ -221,6 +223,7 @@ def summarize_run(records: list[RequestRecord], wall_s: float, planned: int,
         "first_errors": [r.error for r in records if r.error][:3],
         "wall_s": wall_s, "output_tokens": out_tokens, "prompt_tokens": prompt,
         "output_tok_per_s": out_tokens / wall_s if wall_s else 0.0,
+        "mean_output_tokens": out_tokens / len(ok) if ok else None,
         "total_tok_per_s": (out_tokens + prompt) / wall_s if wall_s else 0.0,
         "cache_hit_rate": cached / prompt if prompt else 0.0,
         "ttft_s": _pcts([r.ttft_s for r in ok if r.ttft_s is not None]),
@@ -277,6 +280,10 @@ def summarize(systems: dict, main: str, prefill: str | None) -> dict:
                for w, run in sys_.get("workloads", {}).items() if w.startswith("cliff-")}
         for name, sys_ in systems.items()
     }  # fmt: skip
+    out["concurrency"] = {
+        name: {w: run.get("peak_running_reqs") for w, run in sys_.get("workloads", {}).items()}
+        for name, sys_ in systems.items()
+    }
     out.update(never_slower_ratios(systems, missing))
     out["missing"] = missing
     return out
@@ -366,16 +373,25 @@ def run_system(name: str, flags: list[str], specs: list[WorkloadSpec], args, res
         info = server.server_info()
         entry["max_total_num_tokens"] = info.get("max_total_num_tokens")
         entry["tangram"] = info.get("tangram")
-        settings = LoadSettings(args.max_parallel, args.request_rate, args.round_barrier,
-                                args.workload_timeout_s, args.seed)  # fmt: skip
+        settings = LoadSettings(
+            args.max_parallel,
+            args.request_rate,
+            args.round_barrier,
+            args.workload_timeout_s,
+            args.seed,
+            args.no_max_tokens,
+        )
         for spec in specs:
             print(f"[multiturn] {name}: {spec.label} ...", flush=True)
             run = asyncio.run(measure(server.base_url, spec, args.vocab_size, settings))
             entry["workloads"][spec.label] = run
-            print(f"[multiturn] {name}: {spec.label}: {run['output_tok_per_s']:.1f} out tok/s, "
-                  f"wall {run['wall_s']:.1f} s, cache hit {run['cache_hit_rate']:.3f}, peak "
-                  f"running {run['peak_running_reqs']}, failed {run['requests_failed']}",
-                  flush=True)  # fmt: skip
+            print(
+                f"[multiturn] {name}: {spec.label}: {run['output_tok_per_s']:.1f} out tok/s, "
+                f"wall {run['wall_s']:.1f} s, cache hit {run['cache_hit_rate']:.3f}, peak "
+                f"running {run['peak_running_reqs']}, mean out {run['mean_output_tokens']}, "
+                f"failed {run['requests_failed']}",
+                flush=True,
+            )
             write_result(result, args)
     except TangramError as exc:
         entry["error"] = str(exc)[-3000:]
@@ -466,6 +482,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--workload-timeout-s", type=float, default=600.0)
     p.add_argument("--startup-timeout-s", type=float, default=600.0)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--no-max-tokens",
+        action="store_true",
+        help="requests set no max_new_tokens; they end on stop_token_ids drawn so "
+        "that lengths are ~geometric with the round's output length as mean "
+        "(temperature 1)",
+    )
     p.add_argument("--log-dir", default="/tmp/tangram-multiturn")
     p.add_argument("--output", default=None, help="result JSON (default: "
                    "benchmarks/results/multiturn-h200.json on CUDA, /tmp/... on CPU)")  # fmt: skip

@@ -5,7 +5,11 @@ round r answered (and, with ``round_barrier``, when every client finished round 
 requests start at most ``request_rate`` per second (Poisson arrivals; ``inf`` = no pacing) and
 at most ``max_parallel`` are in flight. Each request is a streaming ``POST /generate`` with
 ``input_ids`` = the whole history + the round's new random ids, ``ignore_eos`` and greedy
-sampling, so every round generates exactly its output length. Per request it records TTFT,
+sampling, so every round generates exactly its output length. With ``no_max_tokens`` a request
+sets no ``max_new_tokens`` (what most chat clients send; the server fills in its own cap) and
+samples at temperature 1 with ``stop_token_ids`` = :func:`stop_token_ids` (a fixed random
+``vocab / L`` ids for a round of output length L): on a near-uniform next-token distribution
+(dummy weights) the length is ~geometric with mean L. Per request it records TTFT,
 TPOT, end-to-end latency and the server's usage (``prompt_tokens``, ``cached_tokens``:
 SGLang's ``--enable-cache-report``).
 
@@ -34,6 +38,22 @@ class LoadSettings:
     round_barrier: bool = False  # every client finishes round r before any starts r + 1
     timeout_s: float = 600.0  # wall-clock cap of the whole workload (s)
     seed: int = 0
+    no_max_tokens: bool = False  # no max_new_tokens: outputs end on stop_token_ids (mean L)
+
+
+STOP_SEED = 1234  # the stop-id subsets are the same for every system and run
+
+
+def stop_token_ids(vocab_size: int, mean_length: int, seed: int = STOP_SEED) -> list[int]:
+    """A fixed random subset of ``max(1, round(vocab_size / mean_length))`` token ids.
+
+    Sampling uniformly from the vocabulary, each step hits the subset with probability
+    ``1 / mean_length``: the output length is geometric with mean ``mean_length`` (tokens).
+    The same (vocab, mean) always gives the same ids.
+    """
+    size = min(max(1, round(vocab_size / max(int(mean_length), 1))), vocab_size)
+    rng = np.random.default_rng(seed + int(mean_length))
+    return sorted(int(i) for i in rng.choice(vocab_size, size=size, replace=False))
 
 
 @dataclass(slots=True)
@@ -71,13 +91,16 @@ class _Pacer:
             await asyncio.sleep(delay)
 
 
-async def _generate(session, url: str, ids: list[int], out_len: int) -> tuple[dict, list[int]]:
+def sampling_params(out_len: int, vocab_size: int, no_max_tokens: bool) -> dict:
+    """The ``sampling_params`` of one round (see the module docstring)."""
+    if no_max_tokens:
+        return {"temperature": 1.0, "stop_token_ids": stop_token_ids(vocab_size, out_len)}
+    return {"max_new_tokens": out_len, "ignore_eos": True, "temperature": 0.0}
+
+
+async def _generate(session, url: str, ids: list[int], params: dict) -> tuple[dict, list[int]]:
     """Stream one ``/generate``; returns (timing + usage dict, output ids)."""
-    payload = {
-        "input_ids": ids,
-        "stream": True,
-        "sampling_params": {"max_new_tokens": out_len, "ignore_eos": True, "temperature": 0.0},
-    }
+    payload = {"input_ids": ids, "stream": True, "sampling_params": params}
     t0 = time.perf_counter()
     ttft, last, meta, out_ids = None, t0, {}, []
     async with session.post(url, json=payload) as resp:
@@ -141,8 +164,9 @@ async def run_conversations(
             await pacer.wait()
             async with sem:
                 try:
+                    params = sampling_params(out_len, vocab_size, settings.no_max_tokens)
                     timing, out_ids = await _generate(
-                        session, f"{base_url}/generate", history + new, out_len
+                        session, f"{base_url}/generate", history + new, params
                     )
                     records.append(
                         RequestRecord(i, r, end_s=time.perf_counter() - t_start, **timing)

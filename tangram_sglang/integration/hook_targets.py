@@ -99,7 +99,13 @@ HOOKS: tuple[HookTarget, ...] = (
         target="sglang.srt.mem_cache.memory_pool.ReqToTokenPool.alloc",
         hook_type="after",
         body="tangram_sglang.integration.hooks:plan_tangram_rows",
-        purpose="Budget Reservation: a new row's prompt and decode-tail tokens, for admission",
+        purpose="Budget Reservation: a new row's prompt tokens (what admission reserves)",
+    ),
+    HookTarget(
+        target="sglang.srt.model_executor.forward_batch_info.ForwardBatch.init_new",
+        hook_type="after",
+        body="tangram_sglang.integration.hooks:record_tangram_host_batch",
+        purpose="the batch's request rows from the scheduler's host copy: no GPU sync per step",
     ),
     HookTarget(
         target="sglang.srt.utils.common.support_triton",
@@ -111,13 +117,31 @@ HOOKS: tuple[HookTarget, ...] = (
         target="sglang.srt.managers.scheduler.Scheduler.init_req_max_new_tokens",
         hook_type="around",
         body="tangram_sglang.integration.hooks:refuse_too_large_request",
-        purpose="abort (HTTP 400) a request whose page footprint exceeds the whole pool",
+        purpose="HTTP 400 (or a lower T if max_tokens is unset) for a request the pool never fits",
+    ),
+    HookTarget(
+        target="sglang.srt.managers.scheduler.Scheduler._add_request_to_queue",
+        hook_type="around",
+        body="tangram_sglang.integration.hooks:tangram_answer_refused_on_queue",
+        purpose="a request that can never fit gets its HTTP 400 at once instead of a queue slot",
+    ),
+    HookTarget(
+        target="sglang.srt.managers.scheduler.Scheduler._get_new_batch_prefill_raw",
+        hook_type="after",
+        body="tangram_sglang.integration.hooks:tangram_answer_refused_in_admission",
+        purpose="requests admission refused (never fit) leave the queue with an HTTP 400",
+    ),
+    HookTarget(
+        target="sglang.srt.managers.tokenizer_manager.TokenizerManager._validate_one_request",
+        hook_type="after",
+        body="tangram_sglang.integration.hooks:tangram_check_request",
+        purpose="HTTP 400 for inputs that crash SGLang's scheduler (ids, top_logprobs, grammar)",
     ),
     HookTarget(
         target="sglang.srt.managers.schedule_policy.PrefillAdder.add_one_req",
         hook_type="around",
         body="tangram_sglang.integration.hooks:tangram_add_one_req",
-        purpose="admit a prefill only when its pages fit (token estimate is not enough)",
+        purpose="admit a prefill only when its pages fit (one formula: docs/admission.md)",
     ),
     HookTarget(
         target="sglang.srt.managers.schedule_batch.ScheduleBatch.check_decode_mem",

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from tangram_sglang.integration import sglang_adapters
+from tangram_sglang.integration import edge_checks, sglang_adapters
 from tangram_sglang.integration.server_args import (
     require_compressing_backend,
     summary_from_server_args,
@@ -93,3 +93,29 @@ def tangram_add_one_req(original: Any, *args: Any, **kwargs: Any) -> Any:
 def tangram_check_decode_mem(original: Any, *args: Any, **kwargs: Any) -> bool:
     """AROUND ``ScheduleBatch.check_decode_mem``: see ``sglang_adapters.check_decode_mem``."""
     return sglang_adapters.check_decode_mem(original, *args, **kwargs)
+
+
+def tangram_answer_refused_on_queue(original: Any, *args: Any, **kwargs: Any) -> Any:
+    """AROUND ``Scheduler._add_request_to_queue``: see ``sglang_adapters``."""
+    return sglang_adapters.answer_refused_on_queue(original, *args, **kwargs)
+
+
+def tangram_answer_refused_in_admission(result: Any, *args: Any, **kwargs: Any) -> None:
+    """AFTER ``Scheduler._get_new_batch_prefill_raw``: see ``sglang_adapters``."""
+    sglang_adapters.answer_refused_in_admission(result, *args, **kwargs)
+
+
+def tangram_check_request(result: Any, *args: Any, **kwargs: Any) -> None:
+    """AFTER ``TokenizerManager._validate_one_request``: see ``edge_checks.check_request``."""
+    edge_checks.check_request(*args, **kwargs)
+
+
+def record_tangram_host_batch(
+    result: Any, cls: Any, batch: Any, model_runner: Any = None, *args: Any, **kwargs: Any
+) -> None:
+    """AFTER ``ForwardBatch.init_new(cls, batch, model_runner)``: rows on the host (returns None).
+
+    See ``sglang_adapters.record_host_batch``.
+    """
+    runner = model_runner if model_runner is not None else kwargs.get("model_runner")
+    sglang_adapters.record_host_batch(result, batch, runner)

@@ -8,6 +8,9 @@ body) and ``hook_targets.REGISTRATIONS`` (our key really is in the registry dict
 raises ``SystemExit`` with the list of broken targets: ``load_plugins`` catches ``Exception``
 only, so the process stops instead of serving without compression.
 
+With the patch, :func:`register` also installs :func:`install_excepthook`, so a start-up
+refusal (``ConfigError``, ``ProfileError``) prints its one-line message without a traceback.
+
 Without the ServerArgs patch (``make apply``) the plugin is inert: there is no ``--tangram`` flag
 to turn it on, so it registers nothing and stock SGLang runs unchanged.
 
@@ -27,10 +30,11 @@ import dataclasses
 import importlib
 import logging
 import pkgutil
+import sys
 from dataclasses import dataclass, field
 from typing import Any
 
-from tangram_sglang.errors import ConfigError
+from tangram_sglang.errors import ConfigError, TangramError
 from tangram_sglang.integration.hook_targets import HOOKS, REGISTRATIONS, HookTarget, Registration
 
 logger = logging.getLogger(__name__)
@@ -68,6 +72,7 @@ def register() -> None:
         return
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
+    install_excepthook()
     for row in HOOKS:
         HookRegistry.register(row.target, load_body(row.body), HookType(row.hook_type))
     for reg in REGISTRATIONS:
@@ -85,6 +90,28 @@ def register() -> None:
     _STATE.inert_reason = ""
     logger.info("Tangram plugin active: %d hooks, %d registrations verified",
                 len(HOOKS), len(REGISTRATIONS))  # fmt: skip
+
+
+def install_excepthook() -> None:
+    """An uncaught :class:`TangramError` prints one line, ``Name: message``; exit status 1.
+
+    Start-up refusals (``ConfigError`` / ``ProfileError`` raised from the patched
+    ``ServerArgs.__post_init__`` under ``python -m sglang.launch_server`` or ``sglang serve``)
+    already name the flag and the fix; the traceback through SGLang's argument handling above
+    them says nothing more. Other exceptions go to the previous hook unchanged. Idempotent.
+    """
+    previous = sys.excepthook
+    if getattr(previous, "tangram_one_line", False):
+        return
+
+    def one_line(exc_type: type[BaseException], exc: BaseException, tb: Any) -> None:
+        if isinstance(exc, TangramError):
+            print(f"{exc_type.__name__}: {exc}", file=sys.stderr, flush=True)
+            return
+        previous(exc_type, exc, tb)
+
+    one_line.tangram_one_line = True
+    sys.excepthook = one_line
 
 
 def ensure_active() -> None:

@@ -97,7 +97,7 @@ INCOMPATIBLE_FLAGS: tuple[Incompatible, ...] = (
                  "mixed prefill+decode batches are not supported by the tangram backend yet"),
     Incompatible("kv_cache_dtype", lambda v: v != "auto",
                  "Tangram's pool stores K/V in the model's dtype (quantized or other-dtype KV "
-                 "caches are not supported); drop --kv-cache-dtype"),
+                 "caches are not supported)"),
     Incompatible("enable_streaming_session", _on,
                  "streaming sessions keep a request's KV row outside the radix tree; Tangram "
                  "reuses compressed history through the radix tree"),
@@ -161,8 +161,6 @@ def force_milestone_settings(server_args: Any, has_radix: bool) -> None:
       registers ``tangram_sglang.radix.factory``, so reuse of compressed history is on by
       default; ``--disable-radix-cache`` still turns it off): SGLang must not match prefixes
       whose K/V are in no Tangram tree (``disable_radix_cache``).
-    * overlap scheduling: the scheduler would free a finished request's row while the next
-      batch, still holding it, runs (``disable_overlap_schedule``).
     * prefill CUDA graphs: the backend plans extend batches on the host (pages, scorer) and
       captures decode only (``disable_prefill_cuda_graph``; decode graphs stay on).
     """
@@ -170,10 +168,6 @@ def force_milestone_settings(server_args: Any, has_radix: bool) -> None:
         server_args.disable_radix_cache = True
         logger.info("Tangram: radix cache disabled (--disable-radix-cache): no 'tangram' radix "
                     "cache backend registered")  # fmt: skip
-    if not server_args.disable_overlap_schedule:
-        server_args.disable_overlap_schedule = True
-        logger.info("Tangram: overlap scheduling disabled (--disable-overlap-schedule); the "
-                    "backend frees a row's pages when SGLang frees the row")  # fmt: skip
     if not server_args.disable_prefill_cuda_graph:
         server_args.disable_prefill_cuda_graph = True
         logger.info("Tangram: prefill CUDA graphs disabled (decode graphs stay on)")

@@ -13,6 +13,14 @@ changes under ``--tangram``:
   KVPool`) sized from the same bytes: ``max_total_num_tokens x Tangram cell``.
 * freeing a request row (``ReqToTokenPool.free``: finish, abort, retraction all go through it)
   releases the row's pages.
+* admission counts pages (``docs/admission.md``; the formula is
+  :meth:`~tangram_sglang.backend.state.TangramState.request_pages`): on arrival a request the
+  pool can never hold is refused (:func:`refuse_too_large`, answered at once by
+  :func:`answer_refused_on_queue`) or, without ``max_tokens``, gets a T that fits;
+  :func:`add_one_req` admits a prefill only when its pages fit next to the running requests'
+  decode headroom, and refuses what can never be admitted (answered by
+  :func:`answer_refused_in_admission`); :func:`check_decode_mem` makes SGLang retract when the
+  pool runs dry, as stock does.
 
 Source: integration/README.md §4 (pool construction and sizing, recommended route).
 """
@@ -26,11 +34,13 @@ from typing import Any
 import torch
 from sglang.srt.mem_cache.memory_pool import NoOpMHATokenToKVPool
 
+from tangram_sglang.backend.state import PrefillAsk
 from tangram_sglang.integration import profile_loader
 from tangram_sglang.integration.server_args import profile_from_server_args
 from tangram_sglang.mem.kv_pool import KVPool, bytes_per_page, num_pages_for_budget
-from tangram_sglang.mem.reservation import decode_tail_tokens
+from tangram_sglang.mem.reservation import admission_decode_tokens, decode_tail_tokens
 from tangram_sglang.profile import BudgetProfile
+from tangram_sglang.radix.cache import value_of
 
 logger = logging.getLogger(__name__)
 
@@ -140,6 +150,31 @@ def release_row(req_to_token_pool: Any, req: Any) -> None:
         state.release(int(req.req_pool_idx))
 
 
+def record_host_batch(forward_batch: Any, batch: Any, model_runner: Any) -> None:
+    """AFTER ``ForwardBatch.init_new``: hand the backend the batch's rows on the host.
+
+    ``ScheduleBatch.req_pool_indices_cpu`` / ``seq_lens_cpu`` are the scheduler's own host
+    copies; the attention backend plans from them instead of reading ``req_pool_indices`` back
+    from the GPU (a sync per batch that would stop overlap scheduling). The record is read by
+    the forward that follows (also through a CUDA-graph replay, which hands the backend a view
+    without the schedule batch).
+    """
+    del forward_batch  # the record lives on the state: graph replays pass a different view
+    state = getattr(getattr(model_runner, "token_to_kv_pool", None), "tangram_state", None)
+    if state is None:
+        return
+    nodes = None
+    if batch.forward_mode.is_extend():
+        nodes = {
+            int(req.req_pool_idx): req.last_node
+            for req in batch.reqs
+            if req.req_pool_idx is not None and getattr(req, "last_node", None) is not None
+        }
+    state.set_host_batch(
+        getattr(batch, "req_pool_indices_cpu", None), getattr(batch, "seq_lens_cpu", None), nodes
+    )
+
+
 def state_of(scheduler: Any) -> Any:
     """The scheduler's TangramState, or None (no --tangram, or not built yet)."""
     worker = getattr(scheduler, "tp_worker", None)
@@ -153,24 +188,111 @@ def pool_info_of(scheduler: Any) -> dict[str, Any] | None:
     return None if state is None else state.pool_info()
 
 
-def refuse_too_large(original: Any, scheduler: Any, req: Any, *args: Any, **kwargs: Any) -> Any:
-    """AROUND ``Scheduler.init_req_max_new_tokens``: HTTP 400 for a request larger than the pool.
+def _clip() -> int:
+    """SGLang's cap on the decode tail its admission counts (tokens, 4096 by default)."""
+    from sglang.srt.managers.schedule_policy import CLIP_MAX_NEW_TOKENS
 
-    SGLang first resolves (and caps to its token pool) ``max_new_tokens``; the pages are counted
-    for that value, the message names what the client asked. The request is aborted (HTTP 400,
-    the server stays up) when its footprint exceeds the whole pool.
+    return int(CLIP_MAX_NEW_TOKENS)
+
+
+REFUSAL_ATTR = "_tangram_refusal"  # Req attribute: the HTTP 400 text of a refused request
+ASKED_ATTR = "_tangram_asked"  # Req attribute: max_new_tokens as the client sent it (None: unset)
+
+
+def _first_chunk(state: Any, prompt_tokens: int) -> int:
+    """The first chunk of a prompt on an otherwise empty round (SGLang's chunked prefill)."""
+    chunk = int(state.chunk_tokens)
+    return prompt_tokens if chunk <= 0 else min(prompt_tokens, chunk)
+
+
+def refuse_too_large(original: Any, scheduler: Any, req: Any, *args: Any, **kwargs: Any) -> Any:
+    """AROUND ``Scheduler.init_req_max_new_tokens``: the whole-pool check on arrival.
+
+    SGLang first resolves (and caps to its token pool) ``max_new_tokens`` = T. The request is
+    priced with :meth:`TangramState.fits_pool` (prompt + the whole ``T - 1`` tail, empty pool):
+
+    * fits: nothing changes;
+    * the client set no ``max_new_tokens`` (OpenAI ``max_tokens`` unset): T is lowered to the
+      largest value that fits the pool (as SGLang caps it to its token pool), logged;
+    * otherwise (or the prompt alone does not fit): the request is refused; its HTTP 400 (naming
+      ``max_tokens`` and the pool size) is sent by :func:`answer_refused_on_queue` at once.
     """
     asked = req.sampling_params.max_new_tokens
     result = original(scheduler, req, *args, **kwargs)
     state = state_of(scheduler)
     if state is None or req.to_finish is not None:
         return result
-    message = state.too_large(
-        len(req.origin_input_ids), int(req.sampling_params.max_new_tokens or 0), asked
-    )
-    if message is not None:
-        req.set_finish_with_abort(message)
+    setattr(req, ASKED_ATTR, asked)
+    prompt = len(req.origin_input_ids)
+    max_new = int(req.sampling_params.max_new_tokens or 0)
+    ask = PrefillAsk(prompt, _first_chunk(state, prompt), decode_tail_tokens(max_new))
+    if state.fits_pool(ask):
+        return result
+    best = state.max_decode_tokens(ask)
+    if asked is None and best >= 0:
+        _cap_max_new_tokens(req, best + 1 + len(req.output_ids), state.pool_pages)
+        return result
+    message = state.never_fits_message(ask, max_new, asked)
+    setattr(req, REFUSAL_ATTR, message)
+    req.set_finish_with_abort(message)  # if it ever reaches admission: a 1-token abort
     return result
+
+
+def _cap_max_new_tokens(req: Any, max_new_tokens: int, pool_pages: int) -> None:
+    logger.info(
+        "Tangram: request %s sets no max_new_tokens; capped to %d so that it fits the %d-page "
+        "KV pool",
+        req.rid,
+        max_new_tokens,
+        pool_pages,
+    )
+    req.sampling_params.max_new_tokens = int(max_new_tokens)
+    if req.sampling_params.min_new_tokens > req.sampling_params.max_new_tokens:
+        req.sampling_params.min_new_tokens = req.sampling_params.max_new_tokens
+
+
+def _send_refusal(scheduler: Any, req: Any, message: str, log: bool = True) -> None:
+    """Answer a queued-or-arriving request with HTTP 400 now (it holds no pages, no row)."""
+    from http import HTTPStatus
+
+    from sglang.srt.managers.io_struct import AbortReq
+    from sglang.srt.managers.schedule_batch import FINISH_ABORT
+
+    reason = FINISH_ABORT(message, HTTPStatus.BAD_REQUEST, "BadRequestError").to_json()
+    scheduler.ipc_channels.send_to_tokenizer.send_output(
+        AbortReq(finished_reason=reason, rid=req.rid), req
+    )
+    if log:
+        logger.warning("%s (request %s)", message, req.rid)
+
+
+def answer_refused_on_queue(original: Any, scheduler: Any, req: Any, *args: Any, **kw: Any) -> Any:
+    """AROUND ``Scheduler._add_request_to_queue``: a refused request is answered, not queued.
+
+    :func:`refuse_too_large` marks a request that can never fit; it gets its HTTP 400 here, the
+    moment it would enter the waiting queue, and never takes a page or a scheduling round.
+    """
+    message = getattr(req, REFUSAL_ATTR, None)
+    if message is None or state_of(scheduler) is None:
+        return original(scheduler, req, *args, **kw)
+    _send_refusal(scheduler, req, message, log=False)  # set_finish_with_abort logged it
+    return None
+
+
+def answer_refused_in_admission(result: Any, scheduler: Any, *args: Any, **kw: Any) -> None:
+    """AFTER ``Scheduler._get_new_batch_prefill_raw``: answer what admission refused this round.
+
+    :func:`add_one_req` cannot touch the scheduler's queue; it parks each request it refuses
+    on the state (``state.refused``). Here each one leaves the waiting queue and gets its 400.
+    """
+    state = state_of(scheduler)
+    if state is None or not state.refused:
+        return
+    refused, state.refused = state.refused, []
+    gone = {id(req) for req, _ in refused}
+    scheduler.waiting_queue = [r for r in scheduler.waiting_queue if id(r) not in gone]
+    for req, message in refused:
+        _send_refusal(scheduler, req, message)
 
 
 def _extend_len(req: Any) -> int:
@@ -178,17 +300,27 @@ def _extend_len(req: Any) -> int:
     return len(req.full_untruncated_fill_ids) - len(req.prefix_indices)
 
 
-def _decode_tail(req: Any) -> int:
-    """Decode-tail tokens the request may still write: ``T - 1`` minus what it already has."""
-    left = int(req.sampling_params.max_new_tokens or 0) - len(req.output_ids)
-    return decode_tail_tokens(left)
+def _tokens_left(req: Any) -> int:
+    """Tokens the request may still generate (``max_new_tokens - len(output_ids)``); 0 when it
+    is already aborted (it prefills one token and ends). For a running request this is also the
+    decode tokens it will still write (its last sampled token is written at the next step)."""
+    if req.to_finish is not None:
+        return 0
+    return max(int(req.sampling_params.max_new_tokens or 0) - len(req.output_ids), 0)
+
+
+def _new_tail(req: Any) -> int:
+    """Decode tokens a request not yet prefilled will write to KV: ``T - 1 - out`` (its prompt
+    holds its output so far; the last sampled token is never fed back)."""
+    return decode_tail_tokens(_tokens_left(req))
 
 
 def plan_rows(req_to_token_pool: Any, reqs: list[Any]) -> None:
-    """AFTER ``ReqToTokenPool.alloc``: record each NEW row's Budget Reservation inputs.
+    """AFTER ``ReqToTokenPool.alloc``: record each NEW row's prompt (what admission reserves).
 
     Rows continuing a chunked prefill (their pages are reserved) are skipped. A retracted
-    request gets a new row and re-plans: prompt = input + output so far, tail = what is left.
+    request gets a new row and re-plans: prompt = input + output so far. The decode tail is not
+    reserved (it grows by pages: ``backend.state``).
     """
     state = getattr(req_to_token_pool, "tangram_state", None)
     if state is None:
@@ -197,55 +329,116 @@ def plan_rows(req_to_token_pool: Any, reqs: list[Any]) -> None:
         row = req.req_pool_idx
         if row is not None and state.memory.rids[int(row)] is None:
             prompt = len(req.origin_input_ids) + len(req.output_ids)
-            state.plan_row(int(row), prompt, _decode_tail(req))
+            state.plan_row(int(row), prompt, 0)
 
 
-def _reservation_request(adder: Any, req: Any, picked: bool) -> tuple[int, int, int]:
-    """``(prompt tokens left, first chunk, decode tail)`` as :meth:`TangramState.begin_extend`
-    will reserve them: SGLang gives a new request ``min(left, rem_chunk_tokens)`` tokens."""
+def _ask(state: Any, req: Any, first_chunk: int, decode_tokens: int) -> PrefillAsk:
+    """The request as admission prices it: prompt left, first chunk, tail, matched prefix."""
+    node = getattr(req, "last_node", None)
+    value = None if node is None else value_of(node)
+    cached = len(req.prefix_indices)
+    lens = None if value is None or cached == 0 else value.group_lens
+    pinned = state.radix.path_pages(node) if state.radix is not None and lens is not None else 0
     left = _extend_len(req)
-    if picked:
-        first = req.extend_range.length
-    else:
-        budget = getattr(adder, "rem_chunk_tokens", None)
-        first = left if budget is None else max(min(left, int(budget)), 1)
-    return left, first, _decode_tail(req)
+    first = max(min(int(first_chunk), left), min(left, 1))
+    return PrefillAsk(left, first, decode_tokens, lens, pinned, cached)
+
+
+def _running_headroom(state: Any, adder: Any, picked_rows: list[Any]) -> int:
+    """Pages the running requests' remaining tails need, x SGLang's ``new_token_ratio``.
+
+    Computed once per ``PrefillAdder`` for its running batch (the batch does not change while
+    the adder fills a round); rows continuing a chunked prefill are added per call.
+    """
+    ratio = float(adder.new_token_ratio)
+    cached = getattr(adder, "_tangram_running_headroom", None)
+    if cached is None:
+        reqs = [r for r in getattr(adder.running_batch, "reqs", []) if r.req_pool_idx is not None]
+        cached = state.decode_headroom_pages(
+            [int(r.req_pool_idx) for r in reqs],
+            [admission_decode_tokens(_tokens_left(r), _clip(), ratio) for r in reqs],
+        )
+        adder._tangram_running_headroom = cached
+    chunked = state.decode_headroom_pages(
+        [int(r.req_pool_idx) for r in picked_rows],
+        [admission_decode_tokens(_new_tail(r), _clip(), ratio) for r in picked_rows],
+    )
+    return cached + chunked
 
 
 def add_one_req(original, adder: Any, req: Any, *args: Any, **kwargs: Any) -> Any:
-    """AROUND ``PrefillAdder.add_one_req``: admit only when the whole reservation fits (pages).
+    """AROUND ``PrefillAdder.add_one_req``: admit only when the pages fit (``docs/admission.md``).
 
-    Budget Reservation (docs/design.md §3.1): a request's footprint (this chunk, the prompt's later
-    chunks uncompressed, the ``T - 1`` decode tail), plus those of the new requests already
-    picked this round, must fit in the unreserved free pages plus the pages of unlocked radix
-    nodes (evicted by the backend when it allocates; the request's own matched path is not
-    counted). Running requests hold their grants (not unreserved), so an admitted request never
-    waits for a page later and is never retracted for pages. Returns ``AddReqResult.NO_TOKEN``
-    (the request waits) when it does not fit; otherwise SGLang's own checks run.
+    1. Whole pool (:meth:`TangramState.fits_pool`, with the request's matched prefix path): a
+       request that could not run to ``max_new_tokens`` even alone is refused (HTTP 400), or
+       when the client set no ``max_new_tokens`` its T is lowered to what fits.
+    2. Now (:meth:`TangramState.can_admit`): the new requests of this round at
+       ``min(T - 1 - out, clip)`` tail tokens each, plus the running requests' remaining tails x
+       ``new_token_ratio``, within unreserved free + evictable pages (the request's own prefix
+       path excluded). Otherwise ``AddReqResult.NO_TOKEN``: the request waits in the queue.
+    3. An idle pool (no row holds pages) on which it does not fit now: it never will; refused
+       (HTTP 400) instead of a NO_TOKEN that nothing would ever clear.
+
+    Refused requests return ``AddReqResult.OTHER`` (this round ends; nothing is marked full)
+    and are answered by :func:`answer_refused_in_admission`. Then SGLang's own checks run.
     """
     state = getattr(getattr(adder.tree_cache, "req_to_token_pool", None), "tangram_state", None)
-    if state is None:
+    if state is None or getattr(req, REFUSAL_ATTR, None) is not None:
         return original(adder, req, *args, **kwargs)
-    picked = [
-        r for r in adder.can_run_list
-        if r.req_pool_idx is None or state.memory.rids[int(r.req_pool_idx)] is None
-    ]  # fmt: skip
-    wanted = [_reservation_request(adder, r, True) for r in picked]
-    wanted.append(_reservation_request(adder, req, False))
-    num_prefixed = sum(1 for r in [*picked, req] if len(r.prefix_indices) > 0)
-    evictable = state.evictable_pages(getattr(req, "last_node", None))
-    if not state.can_admit_prefills(wanted, num_prefixed, evictable):
-        from sglang.srt.managers.schedule_policy import AddReqResult
+    from sglang.srt.managers.schedule_policy import AddReqResult
 
-        return AddReqResult.NO_TOKEN
-    return original(adder, req, *args, **kwargs)
+    whole = _ask(state, req, _first_chunk(state, _extend_len(req)), _new_tail(req))
+    if req.to_finish is None and not state.fits_pool(whole):
+        asked = getattr(req, ASKED_ATTR, req.sampling_params.max_new_tokens)
+        best = state.max_decode_tokens(whole)
+        if asked is None and best >= 0:
+            _cap_max_new_tokens(req, best + 1 + len(req.output_ids), state.pool_pages)
+        else:
+            max_new = int(req.sampling_params.max_new_tokens or 0)
+            return _refuse(state, req, state.never_fits_message(whole, max_new, asked))
+    new, running = [], []
+    for r in adder.can_run_list:
+        active = r.req_pool_idx is not None and state.memory.rids[int(r.req_pool_idx)] is not None
+        if active:
+            running.append(r)  # a chunked prefill continuing: its pages are reserved
+        else:
+            tail = admission_decode_tokens(_new_tail(r), _clip())
+            new.append(_ask(state, r, r.extend_range.length, tail))
+    budget = getattr(adder, "rem_chunk_tokens", None)
+    left = _extend_len(req)
+    first = left if budget is None else max(min(left, int(budget)), 1)
+    tail = admission_decode_tokens(_new_tail(req), _clip())
+    new.append(_ask(state, req, first, tail))
+    evictable = state.evictable_pages(getattr(req, "last_node", None))
+    if state.can_admit(new, _running_headroom(state, adder, running), evictable):
+        return original(adder, req, *args, **kwargs)
+    if state.is_idle() and len(new) == 1:
+        cached, asked = len(req.prefix_indices), req.sampling_params.max_new_tokens
+        offer = state.memory.ledger.unreserved_free() + evictable
+        message = (
+            f"Tangram: request needs {state.admission_need(new)} KV pages ({left} prompt tokens "
+            f"to prefill, {cached} cached, max_tokens {asked}) but the idle "
+            f"{state.pool_pages}-page pool has {offer} to give; lower max_tokens "
+            "(max_new_tokens) or start a new conversation, or give the server more KV memory"
+        )
+        return _refuse(state, req, message)
+    return AddReqResult.NO_TOKEN
+
+
+def _refuse(state: Any, req: Any, message: str) -> Any:
+    from sglang.srt.managers.schedule_policy import AddReqResult
+
+    state.refused.append((req, message))
+    return AddReqResult.OTHER
 
 
 def check_decode_mem(original, batch: Any, *args: Any, **kwargs: Any) -> bool:
     """AROUND ``ScheduleBatch.check_decode_mem``: the next decode step must fit in pages too.
 
-    False makes SGLang retract requests (``retract_decode``), whose rows are freed through
-    ``ReqToTokenPool.free``, i.e. their pages come back before the next check.
+    The decode tail is not reserved (it grows by pages), so when the pool runs dry this says
+    False and SGLang retracts requests (``retract_decode``) as stock does; their rows are freed
+    through ``ReqToTokenPool.free``, i.e. their pages come back before the next check. Unlocked
+    radix nodes are evicted first.
     """
     ok = original(batch, *args, **kwargs)
     state = getattr(batch.req_to_token_pool, "tangram_state", None)
@@ -259,5 +452,5 @@ def check_decode_mem(original, batch: Any, *args: Any, **kwargs: Any) -> bool:
     state.make_room_for_decode(rows)  # evict unlocked radix nodes before retracting anyone
     if state.can_decode(rows):
         return True
-    state.num_page_retractions += 1  # Budget Reservation makes this 0 (tested end to end)
+    state.num_page_retractions += 1  # the pool ran dry: SGLang retracts, as stock does
     return False

@@ -39,9 +39,15 @@ def memory_problems(mem: TangramMemory) -> list[str]:
         problems.append("row holder counts disagree with the row tables")
     if (mem.allocator.ref_count.numpy() < mem.row_refs).any():
         problems.append("a page listed in a row table has fewer holders than rows")
-    if not torch.equal(t.page_table.cpu(), torch.from_numpy(t.pages).to(torch.int32)):
+    # Staged device writes are applied first; a free row may keep its old device entries
+    # (released host-only, see PageTable.clear), so only active rows are compared.
+    t.flush()
+    live = [r for r, rid in enumerate(mem.rids) if rid is not None]
+    idx = torch.tensor(live, dtype=torch.int64)
+    pages = torch.from_numpy(t.pages[live]).to(torch.int32)
+    if not torch.equal(t.page_table.cpu()[idx], pages):
         problems.append("device page_table differs from the host mirror")
-    if not torch.equal(t.group_len.cpu(), torch.from_numpy(t.lens).to(torch.int32)):
+    if not torch.equal(t.group_len.cpu()[idx], torch.from_numpy(t.lens[live]).to(torch.int32)):
         problems.append("device group_len differs from the host mirror")
     return problems
 

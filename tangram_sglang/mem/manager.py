@@ -24,6 +24,7 @@ docs/design.md §8 (check then commit, named hand-overs); vLLM ``KVCacheManager`
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -33,7 +34,7 @@ from tangram_sglang.errors import PoolError
 from tangram_sglang.mem.invariants import check_memory
 from tangram_sglang.mem.kv_pool import KVPool, bytes_per_page, num_pages_for_budget
 from tangram_sglang.mem.page_allocator import PageAllocator
-from tangram_sglang.mem.page_table import DECODE, EXTEND, PageTable, SegmentPages
+from tangram_sglang.mem.page_table import EXTEND, PageTable, SegmentPages
 from tangram_sglang.mem.prefix import PrefixMatch, validate_prefix
 from tangram_sglang.mem.reservation import Reservation, ReservationLedger, group_pages_needed
 from tangram_sglang.mem.stats import MemoryStats, collect_stats
@@ -120,6 +121,7 @@ class TangramMemory:
         self.debug = self.allocator.debug
         self.rids: list[str | None] = [None] * max_rows  # rid per active row, None = free row
         self.pending: list[ExtendPlan | None] = [None] * max_rows  # allocated, not committed
+        self.ready = np.zeros(max_rows, bool)  # active with no pending extend (may decode)
         self.row_refs = np.zeros(num_pages, np.int64)  # holders per page that are row tables
         self.page_group = np.full(num_pages, -1, np.int64)  # head group a page was taken for
         self.page_fill = np.zeros(num_pages, np.int64)  # filled slots per page (tokens)
@@ -152,9 +154,12 @@ class TangramMemory:
 
     # ---- admission (Budget Reservation) -----------------------------------------------------
     def footprint(
-        self, extend_len: int, max_new_tokens: int, prefix: PrefixMatch | None = None,
+        self,
+        extend_len: int,
+        max_new_tokens: int,
+        prefix: PrefixMatch | None = None,
         decode_tokens: int | None = None,
-    ) -> int:  # fmt: skip
+    ) -> int:
         """Pages a new request needs (no side effects); see ``reservation.pages_needed``."""
         lens, _ = self._prefix_arrays(prefix, "footprint", -1)
         return int(
@@ -162,9 +167,13 @@ class TangramMemory:
         )
 
     def can_admit(
-        self, extend_len: int, max_new_tokens: int, prefix: PrefixMatch | None = None,
-        evictable_pages: int = 0, decode_tokens: int | None = None,
-    ) -> bool:  # fmt: skip
+        self,
+        extend_len: int,
+        max_new_tokens: int,
+        prefix: PrefixMatch | None = None,
+        evictable_pages: int = 0,
+        decode_tokens: int | None = None,
+    ) -> bool:
         """Would the request fit now, after evicting ``evictable_pages``? No side effects."""
         need = self.footprint(extend_len, max_new_tokens, prefix, decode_tokens)
         return self.ledger.can_reserve(need, evictable_pages)
@@ -174,9 +183,14 @@ class TangramMemory:
         return max(num_pages - self.ledger.unreserved_free(), 0)
 
     def admit(
-        self, row: int, rid: str, extend_len: int, max_new_tokens: int,
-        prefix: PrefixMatch | None = None, decode_tokens: int | None = None,
-    ) -> Reservation | None:  # fmt: skip
+        self,
+        row: int,
+        rid: str,
+        extend_len: int,
+        max_new_tokens: int,
+        prefix: PrefixMatch | None = None,
+        decode_tokens: int | None = None,
+    ) -> Reservation | None:
         """Reserve a new request's footprint and lay its matched prefix into ``row``.
 
         Args:
@@ -205,6 +219,7 @@ class TangramMemory:
         if res is None:
             return None
         self.rids[row] = rid
+        self.ready[row] = True
         borrowed = np.concatenate(pages) if pages else np.zeros(0, np.int64)
         self.allocator.incref(torch.from_numpy(borrowed))
         np.add.at(self.row_refs, borrowed, 1)
@@ -256,9 +271,10 @@ class TangramMemory:
         src, dst = self._place(row, need, cow, self._alloc(int(need.sum())))
         seg = self.table.open_segment(row, EXTEND, first)
         seg.num_tokens, seg.kept_len = int(extend_len), kept.copy()
-        self.table.sync_row(row)
+        self.table.sync_range(row, first, self.table.num_pages[row])
         plan = ExtendPlan(row, self.table.lens[row].copy(), kept, src, dst, int(need.sum()))
         self.pending[row] = plan
+        self.ready[row] = False
         self._after("alloc_extend")
         return plan
 
@@ -276,6 +292,7 @@ class TangramMemory:
         self.table.lens[row] = new
         self.table.sync_lens(np.array([row]))
         self.pending[row] = None
+        self.ready[row] = True
         self._after("commit_extend")
 
     def trim_reservation(self, row: int, decode_tokens: int) -> int:
@@ -302,64 +319,96 @@ class TangramMemory:
         """No side effects: does one decode step for ``rows`` fit (grants + unreserved)?
 
         SGLang's ``check_decode_mem`` calls this; False means retract requests first.
-        """
-        rows = np.asarray(rows, np.int64)
-        for r in rows.tolist():
-            self._check_row(r, None, active=True)
-        return self._decode_overflow(rows, self.table.append_need(rows, 1).sum(axis=-1)) <= (
-            self.ledger.unreserved_free()
-        )
 
-    def alloc_decode(self, rows: np.ndarray | list[int]) -> int:
+        Raises:
+            PoolError: a row is not active.
+        """
+        rows = np.asarray(rows, np.int64).reshape(-1)
+        active = np.fromiter((self.rids[r] is not None for r in rows.tolist()), bool, rows.size)
+        if not active.all():
+            self._check_row(int(rows[~active][0]), None, active=True)
+        per_row = self._decode_need(rows)[0].sum(axis=-1)
+        return int(self._decode_overflow(rows, per_row).sum()) <= self.ledger.unreserved_free()
+
+    def alloc_decode(
+        self, rows: np.ndarray | list[int], make_room: Callable[[int], None] | None = None
+    ) -> int:
         """Append one decode token to every group of each row; ``group_len`` includes it.
 
         Only groups whose last page is full or shared get a page. Returns pages allocated.
+        Vectorised over rows (numpy; the only per-row Python is the grant bookkeeping of the rows
+        that take a page). Device writes are staged (``PageTable.flush``).
+
+        Args:
+            rows: int ``[bs]`` distinct active rows.
+            make_room: called with the unreserved pages the step needs when fewer are free
+                (the radix tree evicts unlocked nodes); then the step is checked again.
 
         Raises:
             PoolError: a row inactive, repeated or with an uncommitted extend; out of pages
                 (check :meth:`can_decode` first); table full. Raised before any write.
         """
-        rows = np.asarray(rows, np.int64)
+        rows = np.asarray(rows, np.int64).reshape(-1)
         self._check_decode_rows(rows)
-        need, cow = self.table.append_need(rows, 1), self.table.cow_needed(rows, 1)
+        need, cow = self._decode_need(rows)
         per_row = need.sum(axis=1)
-        if self._decode_overflow(rows, per_row) > self.ledger.unreserved_free():
+        over = int(self._decode_overflow(rows, per_row).sum())
+        if over > self.ledger.unreserved_free() and make_room is not None:
+            make_room(over)
+        if over > self.ledger.unreserved_free():
             raise PoolError(
                 f"alloc_decode: out of pages: rows {rows.tolist()} need {int(per_row.sum())} "
-                f"pages, {self.ledger.unreserved_free()} unreserved free; call can_decode and "
-                "retract a request first"
+                f"pages ({over} beyond their grants), {self.ledger.unreserved_free()} unreserved "
+                "free; call can_decode and retract a request first, or lower "
+                "--max-running-requests"
             )
-        growing = np.nonzero(per_row)[0].tolist()
-        for b in growing:
-            self.ledger.take(int(rows[b]), int(per_row[b]), allow_overflow=True)
+        growing = np.nonzero(per_row)[0]
+        self.ledger.take_many(rows[growing].tolist(), per_row[growing].tolist())
         pages = self._alloc(int(per_row.sum()))
-        for b, r in enumerate(rows.tolist()):  # the decode tail is a segment of its own
-            segs = self.table.segments[r]
-            if not segs or segs[-1].kind != DECODE:
-                self.table.open_segment(r, DECODE, self.table.num_pages[r] - cow[b])
-            seg = self.table.segments[r][-1]
-            seg.num_tokens += 1
-            seg.kept_len += 1
+        t = self.table
+        fresh = ~t.in_tail[rows]  # the decode tail is a segment of its own
+        if fresh.any():
+            t.open_tail(rows[fresh], t.num_pages[rows[fresh]] - cow[fresh])
+        t.tail_tokens[rows] += 1
         entries = self._place_decode(rows, need, cow, pages)
-        self.table.lens[rows] += 1
-        lens = self.table.lens[rows]
-        last = self.table.pages[
-            rows[:, None], np.arange(self.num_head_groups), (lens - 1) // self.page_size
-        ]
+        t.lens[rows] += 1
+        lens = t.lens[rows]
+        last = t.pages[rows[:, None], np.arange(self.num_head_groups), (lens - 1) // self.page_size]
         self.page_fill[last] = (lens - 1) % self.page_size + 1
-        self.table.sync_entries(*entries)
-        self.table.sync_lens(rows)
+        t.sync_entries(*entries)
+        t.sync_lens(rows)
         self._after("alloc_decode")
         return int(per_row.sum())
 
-    def _decode_overflow(self, rows: np.ndarray, per_row: np.ndarray) -> int:
-        """Pages beyond the rows' grants that one decode step needing ``per_row`` takes."""
-        over = self.ledger.overflow_needed
-        return sum(over(int(rows[b]), int(per_row[b])) for b in np.nonzero(per_row)[0])
+    def _decode_need(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """int64 ``(need, cow)`` ``[n, G]`` of one decode token: new pages, COW copies among them.
+
+        Same as ``table.append_need(rows, 1)`` / ``table.cow_needed(rows, 1)``, in one pass.
+        """
+        t = self.table
+        lens, num = t.lens[rows], t.num_pages[rows]
+        partial = lens % self.page_size != 0
+        cow = (partial & (num > 0) & (num <= t.own_start[rows])).astype(np.int64)
+        return np.maximum(-(-(lens + 1) // self.page_size) - num, 0) + cow, cow
+
+    def _decode_overflow(self, rows: np.ndarray, per_row: np.ndarray) -> np.ndarray:
+        """int64 ``[n]``: pages beyond each row's grant that a decode step needing ``per_row``
+        takes (from the unreserved free pages)."""
+        over = np.zeros(rows.size, np.int64)
+        by_row = self.ledger.by_row
+        growing = np.nonzero(per_row)[0]
+        over[growing] = [
+            by_row[r].remaining_pages for r in rows[growing].tolist()
+        ]  # remaining grant, then what exceeds it
+        over[growing] = np.maximum(per_row[growing] - over[growing], 0)
+        return over
 
     def _check_decode_rows(self, rows: np.ndarray) -> None:
-        for r in rows.tolist():
-            self._check_committed(r, "alloc_decode")
+        bad = (rows < 0) | (rows >= len(self.rids))
+        if not bad.any():
+            bad = ~self.ready[rows]
+        if bad.any():
+            self._check_committed(int(rows[bad][0]), "alloc_decode")
         if np.unique(rows).size != rows.size:
             raise PoolError(f"alloc_decode: rows {rows.tolist()} repeat a row")
         full = -(-(self.table.lens[rows] + 1) // self.page_size) > self.table.max_pages_per_group
@@ -659,6 +708,7 @@ class TangramMemory:
         self.table.clear(row)
         self.rids[row] = None
         self.pending[row] = None
+        self.ready[row] = False
         self._after("release")
         return freed
 

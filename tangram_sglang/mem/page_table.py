@@ -63,7 +63,7 @@ class _OpenSegment:
     kind: str  # "extend" or "decode"
     num_tokens: int  # logical tokens so far
     start_len: np.ndarray  # int64 [G] (tokens)
-    kept_len: np.ndarray  # int64 [G] (tokens)
+    kept_len: np.ndarray | None  # int64 [G] (tokens); None: an open decode tail (tail_tokens)
     first_page_index: np.ndarray  # int64 [G] (table index)
 
 
@@ -109,6 +109,15 @@ class PageTable:
         self.lens = np.zeros(shape, np.int64)  # host mirror of group_len (tokens)
         self.own_start = np.zeros(shape, np.int64)  # first entry owned by the row
         self.segments: list[list[_OpenSegment]] = [[] for _ in range(max_rows)]
+        self.in_tail = np.zeros(max_rows, bool)  # the row's last segment is an open decode tail
+        self.tail_tokens = np.zeros(max_rows, np.int64)  # tokens of that tail (every group +1)
+        # Device writes are staged on the host and applied by flush(): at once (deferred False)
+        # or once per batch plan by the attention backend (deferred True).
+        self.deferred = False
+        self._zero_rows: list[int] = []
+        self._entries: list[np.ndarray] = []  # flat page_table indices
+        self._len_rows: list[np.ndarray] = []
+        self.uploader = PackedUpload(device)
 
     @property
     def max_rows(self) -> int:
@@ -176,6 +185,8 @@ class PageTable:
         g = self.num_head_groups
         seg = _OpenSegment(kind, 0, self.lens[row].copy(), np.zeros(g, np.int64), first_page_index)
         self.segments[row].append(seg)
+        self.in_tail[row] = False
+        self.tail_tokens[row] = 0
         return seg
 
     def take_segments(self, row: int) -> list[SegmentPages]:
@@ -187,6 +198,9 @@ class PageTable:
         out = []
         segs = self.segments[row]
         for i, seg in enumerate(segs):
+            if seg.kind == DECODE and seg.kept_len is None:  # the open tail (open_tail)
+                seg.num_tokens = int(self.tail_tokens[row])
+                seg.kept_len = np.full(self.num_head_groups, seg.num_tokens, np.int64)
             end = segs[i + 1].first_page_index if i + 1 < len(segs) else self.num_pages[row]
             pages = [
                 self.pages[row, g, seg.first_page_index[g] : end[g]].astype(np.int64)
@@ -200,48 +214,177 @@ class PageTable:
                     seg.kept_len,
                     seg.first_page_index,
                     pages,
-                )  # fmt: skip
+                )
             )
         self.segments[row] = []
+        self.in_tail[row] = False
+        self.tail_tokens[row] = 0
         self.own_start[row] = self.num_pages[row]
         return out
 
     def clear(self, row: int) -> None:
-        """Empty a row (entries back to padding page 0)."""
+        """Empty a row on the host (entries back to padding page 0); the device is not touched.
+
+        A batch still in flight may read the row (overlap scheduling: a request finished in
+        batch i-1 is still in batch i), so the device row keeps its old entries until the next
+        owner's :meth:`sync_row` overwrites it in stream order. No kernel reads a free row:
+        padded batch entries use row 0.
+        """
         self.pages[row] = 0
         self.num_pages[row] = 0
         self.lens[row] = 0
         self.own_start[row] = 0
         self.segments[row] = []
-        self.sync_row(row)
+        self.in_tail[row] = False
+        self.tail_tokens[row] = 0
 
+    def open_tail(self, rows: np.ndarray, first_page_index: np.ndarray) -> None:
+        """Open a decode-tail segment on each of ``rows`` (which must not have one open).
+
+        Args:
+            rows: int64 ``[n]`` distinct rows.
+            first_page_index: int64 ``[n, G]`` table index of each tail's first owned page.
+        """
+        for b, row in enumerate(rows.tolist()):
+            seg = self.open_segment(row, DECODE, first_page_index[b])
+            seg.kept_len = None  # the tail grows in ``tail_tokens``; take_segments reads it
+        self.in_tail[rows] = True
+
+    # ---- device copies ---------------------------------------------------------------------
     def sync_row(self, row: int) -> None:
-        """Copy one row of the host mirror to the device tensors."""
-        width = int(self.num_pages[row].max(initial=0))
-        self.page_table[row, :, :width] = torch.from_numpy(self.pages[row, :, :width]).to(
-            self.page_table.device, torch.int32
-        )
-        self.page_table[row, :, width:] = 0
-        self.group_len[row] = torch.from_numpy(self.lens[row]).to(
-            self.group_len.device, torch.int32
-        )
+        """Stage a whole row for the device: zero it, then its entries and kept lengths."""
+        self._zero_rows.append(int(row))
+        self.sync_range(row, np.zeros(self.num_head_groups, np.int64), self.num_pages[row])
+        self._len_rows.append(np.array([row], np.int64))
+        self._maybe_flush()
+
+    def sync_range(self, row: int, start: np.ndarray, end: np.ndarray) -> None:
+        """Stage the entries ``[start[g], end[g])`` of every group g of ``row`` (table indices)."""
+        count = np.maximum(np.asarray(end, np.int64) - start, 0)
+        total = int(count.sum())
+        if total:
+            g = np.repeat(np.arange(self.num_head_groups), count)
+            offset = np.arange(total) - np.repeat(np.cumsum(count) - count, count)
+            idx = np.repeat(start, count) + offset
+            self._entries.append((row * self.num_head_groups + g) * self.max_pages_per_group + idx)
+        self._maybe_flush()
 
     def sync_entries(self, rows: np.ndarray, groups: np.ndarray, idxs: np.ndarray) -> None:
-        """Copy the listed (row, group, index) table entries to the device (decode growth)."""
-        if len(rows) == 0:
-            return
-        dev = self.page_table.device
-        r, g, i = (torch.from_numpy(np.asarray(a, np.int64)).to(dev) for a in (rows, groups, idxs))
-        vals = torch.from_numpy(self.pages[rows, groups, idxs]).to(dev, torch.int32)
-        self.page_table[r, g, i] = vals
+        """Stage the listed (row, group, index) table entries for the device (decode growth)."""
+        if len(rows):
+            flat = np.asarray(rows, np.int64) * self.num_head_groups + groups
+            self._entries.append(flat * self.max_pages_per_group + idxs)
+        self._maybe_flush()
 
     def sync_lens(self, rows: np.ndarray) -> None:
-        """Copy the kept lengths of the listed rows (distinct) to the device.
+        """Stage the kept lengths of the listed rows for the device."""
+        self._len_rows.append(np.asarray(rows, np.int64).reshape(-1))
+        self._maybe_flush()
 
-        ``index_copy_``, not ``group_len[idx] = lens``: on CPU, torch 2.11's index_put goes
-        parallel (OpenMP) already at 64 rows and took ~6 ms per decode step on a loaded 2-core
-        box (0.1 ms on one thread), index_copy_ ~10 us; one kernel either way on GPU.
+    def _maybe_flush(self) -> None:
+        if not self.deferred:
+            self.flush()
+
+    def has_staged(self) -> bool:
+        """Whether device writes are staged and not yet flushed."""
+        return bool(self._zero_rows or self._entries or self._len_rows)
+
+    def flush(self, extra: list[np.ndarray] | None = None) -> list[torch.Tensor]:
+        """Apply the staged writes to ``page_table`` / ``group_len`` with one host-to-device copy.
+
+        Values are read from the host mirror now (the latest state), so staging an entry twice or
+        staging a row that changed owner since is harmless. Order on the device: zeroed rows,
+        then entries, then kept lengths. With ``extra`` the same copy also carries those int64
+        host arrays (a step's decode plan) and their device copies are returned, in order.
+
+        No device-to-host read and no pageable copy: on CUDA the packed buffer is pinned and
+        copied ``non_blocking`` on the current stream (:class:`PackedUpload`).
+
+        Returns:
+            int64 device tensors, one per ``extra`` array (same shapes).
         """
-        idx = torch.from_numpy(np.asarray(rows, np.int64)).to(self.group_len.device)
-        lens = torch.from_numpy(self.lens[rows]).to(self.group_len.device, torch.int32)
-        self.group_len.index_copy_(0, idx, lens)
+        extra = list(extra or [])
+        zero = np.unique(np.asarray(self._zero_rows, np.int64))
+        flat = np.unique(np.concatenate(self._entries)) if self._entries else np.zeros(0, np.int64)
+        rows = np.unique(np.concatenate(self._len_rows)) if self._len_rows else zero[:0]
+        self._zero_rows, self._entries, self._len_rows = [], [], []
+        if not (zero.size or flat.size or rows.size or extra):
+            return []
+        vals = self.pages.reshape(-1)[flat].astype(np.int64)
+        lens = self.lens[rows]
+        dev = self.uploader.upload([zero, flat, vals, rows, lens, *extra])
+        d_zero, d_flat, d_vals, d_rows, d_lens = dev[:5]
+        if zero.size:
+            self.page_table.index_fill_(0, d_zero, 0)
+        if flat.size:
+            self.page_table.view(-1).index_copy_(0, d_flat, d_vals.to(torch.int32))
+        if rows.size:
+            self.group_len.index_copy_(0, d_rows, d_lens.to(torch.int32))
+        return dev[5:]
+
+
+class PackedUpload:
+    """One host-to-device copy per call for several int64 host arrays (the step's deltas).
+
+    CUDA: the arrays are packed into a pinned host buffer and copied ``non_blocking`` on the
+    current stream into a device buffer; ``slots`` (>= 2) pinned/device buffer pairs are used
+    in turn, and before a pinned buffer is rewritten the event recorded after its last copy is
+    waited for (normally long done: the host runs at most one batch ahead), so a copy still in
+    flight is never overwritten. Buffers grow (doubling) when a call needs more room.
+    CPU: the arrays are concatenated into a fresh tensor (no copy to make).
+
+    Args:
+        device: where the returned tensors live.
+        slots: buffer pairs used in turn (CUDA).
+    """
+
+    def __init__(self, device: str | torch.device, slots: int = 2) -> None:
+        self.device = torch.device(device)
+        self.cuda = self.device.type == "cuda"
+        self.slots = max(int(slots), 2)
+        self._host: list[torch.Tensor | None] = [None] * self.slots
+        self._dev: list[torch.Tensor | None] = [None] * self.slots
+        self._events: list[object | None] = [None] * self.slots
+        self._next = 0
+        self.num_uploads = 0  # calls that copied something (for tests and benchmarks)
+
+    def upload(self, parts: list[np.ndarray]) -> list[torch.Tensor]:
+        """int64 device tensors with the contents (and shapes) of ``parts``, one copy for all."""
+        arrays = [np.asarray(p, np.int64) for p in parts]
+        sizes = [a.size for a in arrays]
+        total = int(sum(sizes))
+        self.num_uploads += 1
+        if not self.cuda:
+            flat = torch.from_numpy(np.concatenate([a.reshape(-1) for a in arrays]))
+            flat = flat.to(self.device)
+            return _split(flat, arrays, sizes)
+        k = self._next
+        self._next = (k + 1) % self.slots
+        host = self._host[k]
+        if host is None or host.numel() < total:
+            cap = max(total, 2 * (0 if host is None else host.numel()), 1024)
+            if self._events[k] is not None:
+                self._events[k].synchronize()
+            self._host[k] = host = torch.empty(cap, dtype=torch.int64, pin_memory=True)
+            self._dev[k] = torch.empty(cap, dtype=torch.int64, device=self.device)
+        elif self._events[k] is not None:
+            self._events[k].synchronize()  # the copy that last read this pinned buffer
+        view = host.numpy()
+        offset = 0
+        for a, n in zip(arrays, sizes, strict=True):
+            view[offset : offset + n] = a.reshape(-1)
+            offset += n
+        dev = self._dev[k][:total]
+        dev.copy_(host[:total], non_blocking=True)
+        event = self._events[k] or torch.cuda.Event()
+        event.record()
+        self._events[k] = event
+        return _split(dev, arrays, sizes)
+
+
+def _split(flat: torch.Tensor, arrays: list[np.ndarray], sizes: list[int]) -> list[torch.Tensor]:
+    out, offset = [], 0
+    for a, n in zip(arrays, sizes, strict=True):
+        out.append(flat[offset : offset + n].view(a.shape))
+        offset += n
+    return out

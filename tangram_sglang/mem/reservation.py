@@ -12,8 +12,11 @@ last sampled token is never fed back, so T - 1 decode-tail tokens)::
                   + 1   if a_g > 0 and L_g % page_size != 0 and the last page is not the
                         request's own (copy-on-write of a shared partial tail page)
 
-A reservation is exact: a request that runs to ``max_new_tokens`` uses exactly the pages it
-reserved. Reserved-but-unused pages are held back from admission (``unreserved_free``).
+A reservation is exact: a request that runs to the tokens it reserved uses exactly the pages it
+reserved. Reserved-but-unused pages are held back from admission (``unreserved_free``). The
+serving policy (``backend.state``, ``docs/admission.md``) reserves the prompt only and lets the
+decode tail grow past the grant from unreserved free pages (``take(..., allow_overflow=True)``);
+admission then counts each tail as :func:`admission_decode_tokens`.
 
 Source: Tangram arXiv 2606.06302, Budget Reservation; docs/contracts.md (footprint);
 vLLM v1 ``get_num_blocks_to_allocate`` / nano-vllm ``can_allocate`` (check, then commit).
@@ -37,6 +40,22 @@ class RequestTooLargeError(PoolError):
 def decode_tail_tokens(max_new_tokens: int) -> int:
     """Decode-tail tokens written for ``max_new_tokens`` (``T - 1``, at least 0)."""
     return max(int(max_new_tokens) - 1, 0)
+
+
+def admission_decode_tokens(tokens_left: int, clip: int, ratio: float = 1.0) -> int:
+    """Decode-tail tokens admission counts for a request that may still generate ``tokens_left``.
+
+    ``ceil(min(tokens_left, clip) x ratio)``, the token estimate of SGLang's ``PrefillAdder``
+    (``CLIP_MAX_NEW_TOKENS`` = ``SGLANG_CLIP_MAX_NEW_TOKENS_ESTIMATION``, 4096 by default;
+    ``new_token_ratio`` for running requests, 1.0 for the new one).
+
+    Args:
+        tokens_left: ``max_new_tokens`` minus tokens generated so far (tokens).
+        clip: cap on the counted tail (tokens).
+        ratio: fraction of the capped tail counted, in [0, 1].
+    """
+    left = min(max(int(tokens_left), 0), max(int(clip), 0))
+    return int(np.ceil(left * float(ratio) - 1e-9)) if left else 0
 
 
 def group_append_tokens(profile: BudgetProfile, extend_len: int, decode_tokens: int) -> np.ndarray:
@@ -216,3 +235,30 @@ class ReservationLedger:
         res = self.by_row.pop(row)
         self._outstanding -= res.remaining_pages
         return res
+
+    def take_many(self, rows: list[int], counts: list[int]) -> None:
+        """:meth:`take` with overflow allowed for several rows at once (one decode step).
+
+        Args:
+            rows: distinct rows with a reservation.
+            counts: pages each row allocates now (> 0).
+
+        Raises:
+            PoolError: the rows' pages beyond their grants, together, exceed the unreserved
+                free pages (check ``can_decode`` and retract first). Nothing changes on error.
+        """
+        reservations = [self.by_row[r] for r in rows]
+        pairs = zip(reservations, counts, strict=True)
+        over = [max(n - res.remaining_pages, 0) for res, n in pairs]
+        if sum(over) > self.unreserved_free():
+            raise PoolError(
+                f"rows {list(rows)[:8]} need {sum(over)} pages beyond their reservations but "
+                f"only {self.unreserved_free()} unreserved pages are free; check can_decode and "
+                "retract a request first"
+            )
+        taken = 0
+        for res, n, extra in zip(reservations, counts, over, strict=True):
+            res.used_pages += n - extra
+            res.overflow_pages += extra
+            taken += n - extra
+        self._outstanding -= taken

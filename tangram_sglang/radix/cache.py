@@ -146,17 +146,18 @@ class TangramRadixCache(RadixCache):
         Args:
             row: the row's ``req_pool_idx``.
             prefix_len: matched tokens (``len(req.prefix_indices)``).
-            node: the matched boundary node (``req.last_node``) when the caller has it: no
-                device read. Without it the node is found from the row's last prefix token
-                slot in ``req_to_token`` (one device-to-host read).
+            node: the matched boundary node (``req.last_node``, handed over on the host by the
+                ``ForwardBatch.init_new`` hook) when the caller has it: no device read. Without
+                it (or when it holds no segment) the node is found from the row's last prefix
+                token slot in ``req_to_token`` (one device-to-host read).
 
         Raises:
             PoolError: the prefix ends at no boundary node of the tree.
         """
-        if node is None:
+        if node is None or value_of(node) is None:
             slot = int(self.req_to_token_pool.req_to_token[row, prefix_len - 1])
             node = self._boundaries.get(slot)
-        if node is None or value_of(node) is None or value_of(node).end_depth != prefix_len:
+        if node is None or value_of(node).end_depth != prefix_len:
             raise PoolError(
                 f"radix: row {row} starts from a {prefix_len}-token prefix that ends at no "
                 "compressed segment of the tree (prefix must come from TangramRadixCache)"
@@ -373,6 +374,19 @@ class TangramRadixCache(RadixCache):
             for n in self._boundaries.values()
             if n.lock_ref == 0 and id(n) not in keep
         )
+
+    def path_pages(self, node: TreeNode | None) -> int:
+        """Pages on the boundary nodes from ``node`` up to the root (what a match on it pins).
+
+        These are exactly the pages :meth:`evictable_pages` leaves out for ``exclude=node``: on an
+        idle tree, free + evictable(exclude=node) + path_pages(node) = the whole pool.
+        """
+        total = 0
+        while node is not None:
+            value = value_of(node)
+            total += 0 if value is None else value.num_pages
+            node = node.parent
+        return total
 
     def reset(self) -> None:
         """``/flush_cache`` (and start-up): free every node's pages, then SGLang's reset."""

@@ -7,7 +7,10 @@ skips nodes that running requests lock. After every step:
     except through the counts);
   - kept lengths never exceed pages * page_size, and every row's tokens read back in order
     through its page table (COW copies carry the shared tail);
-  - a request that ran to max_new_tokens used exactly the pages it reserved.
+  - a request that ran to max_new_tokens used exactly the pages it reserved;
+  - a request admitted with its prompt only (the serving policy, docs/admission.md) decodes past
+    its grant from unreserved free pages; when they run out ``can_decode`` says False,
+    ``alloc_decode`` changes nothing, and retracting (aborting) a growing row frees its pages.
 At teardown everything is finished or aborted and evicted: free pages return to the start value.
 """
 
@@ -25,7 +28,7 @@ from tangram_sglang.errors import PoolError
 from tangram_sglang.mem.kv_pool import KVPool
 from tangram_sglang.mem.manager import PrefixMatch, TangramMemory
 
-PAGE, NUM_PAGES, ROWS, WIDTH = 4, 48, 4, 12
+PAGE, NUM_PAGES, ROWS, WIDTH = 4, 48, 4, 24
 RATIOS = [[1.0, 0.7, 0.3, 0.05], [0.5, 0.5, 0.2, 0.1]]
 
 
@@ -46,6 +49,7 @@ class Running:
     tokens: list[list[float]]
     node: Node | None
     decoded: int = 0
+    grows: bool = False  # admitted with its prompt only: the decode tail grows by pages
     detached: list[np.ndarray] = field(default_factory=list)
 
 
@@ -76,23 +80,29 @@ class Lifecycle(RuleBasedStateMachine):
 
     # ---- rules ----------------------------------------------------------------------------
     @precondition(lambda self: len(self.rows) < ROWS)
-    @rule(n=st.integers(0, 14), max_new=st.integers(0, 6), share=st.integers(-1, 5))
-    def admit_and_prefill(self, n, max_new, share):
+    @rule(
+        n=st.integers(0, 14),
+        max_new=st.integers(0, 20),
+        share=st.integers(-1, 5),
+        grows=st.booleans(),
+    )
+    def admit_and_prefill(self, n, max_new, share, grows):
         row = self.free_row()
         node = self.nodes[share] if 0 <= share < len(self.nodes) else None
         prefix = None
         if node is not None:
             lens = np.array([len(t) for t in node.tokens])
             prefix = PrefixMatch([p.copy() for p in node.table], lens)
-        fits = self.mem.can_admit(n, max_new, prefix)
-        res = self.mem.admit(row, f"r{row}", n, max_new, prefix)
+        tail = 0 if grows else None  # prompt-only reservation, or the whole T - 1 tail
+        fits = self.mem.can_admit(n, max_new, prefix, decode_tokens=tail)
+        res = self.mem.admit(row, f"r{row}", n, max_new, prefix, decode_tokens=tail)
         assert (res is not None) == fits
         if res is None:
             return
         if node is not None:
             node.locks += 1
         tokens = [list(t) for t in node.tokens] if node else [[] for _ in range(self.groups)]
-        self.rows[row] = Running(f"r{row}", max_new, tokens, node)
+        self.rows[row] = Running(f"r{row}", max_new, tokens, node, grows=grows)
         plan = self.mem.alloc_extend(row, n)
         for g in range(self.groups):
             start, kept = int(plan.start_len[g]), int(plan.kept_len[g])
@@ -116,18 +126,26 @@ class Lifecycle(RuleBasedStateMachine):
     @precondition(lambda self: self.rows)
     @rule(data=st.data())
     def decode(self, data):
-        rows = [r for r, run in self.rows.items() if run.decoded < run.max_new - 1]
-        if not rows:
-            return
-        batch = data.draw(st.lists(st.sampled_from(rows), min_size=1, unique=True))
-        granted = [r for r in batch if not self.rows[r].detached]
+        for _ in range(data.draw(st.integers(1, 16))):  # several steps: tails reach a dry pool
+            rows = [r for r, run in self.rows.items() if run.decoded < run.max_new - 1]
+            if not rows:
+                return
+            batch = data.draw(st.lists(st.sampled_from(rows), min_size=1, unique=True))
+            if not self.decode_step(data, batch):
+                return
+
+    def decode_step(self, data, batch: list[int]) -> bool:
+        """One decode step of ``batch``; False when the pool ran dry (a row was retracted)."""
+        granted = [r for r in batch if not self.rows[r].detached and not self.rows[r].grows]
         assert self.mem.can_decode(granted)  # full reservations: their growth never fails
-        if not self.mem.can_decode(batch):  # detached rows copy shared tails beyond the grant
+        if not self.mem.can_decode(batch):  # growing tails / detached rows: beyond the grant
             free_before = self.mem.allocator.free_pages.tolist()
             with pytest.raises(PoolError, match="out of pages"):
                 self.mem.alloc_decode(batch)
             assert self.mem.allocator.free_pages.tolist() == free_before
-            return
+            growing = [r for r in batch if self.rows[r].grows or self.rows[r].detached]
+            self.retract(data.draw(st.sampled_from(growing)))  # as SGLang's retract_decode
+            return False
         self.mem.alloc_decode(batch)
         for r in batch:
             self.rows[r].decoded += 1
@@ -137,6 +155,7 @@ class Lifecycle(RuleBasedStateMachine):
                 page = self.mem.table.pages[r, g, n // PAGE]
                 self.mem.kv_pool.k_pool[page, :, n % PAGE, 0] = self.counter
                 self.rows[r].tokens[g].append(self.counter)
+        return True
 
     @precondition(lambda self: self.rows)
     @rule(data=st.data())
@@ -144,7 +163,7 @@ class Lifecycle(RuleBasedStateMachine):
         row = data.draw(st.sampled_from(sorted(self.rows)))
         run = self.rows.pop(row)
         res = self.mem.ledger.by_row[row]
-        if run.decoded == max(run.max_new - 1, 0) and not run.detached:
+        if run.decoded == max(run.max_new - 1, 0) and not run.detached and not run.grows:
             assert res.used_pages == res.reserved_pages and res.overflow_pages == 0
         table = [self.mem.group_pages(row, g) for g in range(self.groups)]
         segments = self.mem.finish(row)
@@ -159,9 +178,15 @@ class Lifecycle(RuleBasedStateMachine):
     @precondition(lambda self: self.rows)
     @rule(data=st.data())
     def abort(self, data):
-        row = data.draw(st.sampled_from(sorted(self.rows)))
+        self.retract(data.draw(st.sampled_from(sorted(self.rows))))
+
+    def retract(self, row: int) -> None:
+        """Abort or retract ``row``: its own pages are freed, its grant returns."""
         run = self.rows.pop(row)
+        free_before = self.mem.allocator.num_free()
+        own = self.mem.row_usage(row).own_pages
         self.mem.abort(row)
+        assert self.mem.allocator.num_free() == free_before + own
         if run.node is not None:
             run.node.locks -= 1
         for pages in run.detached:  # detached pages were handed to us: free them

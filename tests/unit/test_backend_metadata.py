@@ -126,36 +126,6 @@ def test_reused_row_without_release_is_freed_first():
     assert state.memory.allocator.num_free() == start
 
 
-def test_too_large_names_the_pool():
-    state = make_state(num_pages=8)
-    assert state.too_large(4, 2) is None
-    msg = state.too_large(200, 8)
-    assert "whole pool holds 7" in msg and "200 prompt tokens" in msg
-
-
-def test_too_large_names_the_asked_max_new_tokens_not_the_cap():
-    state = make_state(num_pages=8)
-    assert "max_new_tokens 8)" in state.too_large(200, 8, asked=8)
-    capped = state.too_large(200, 8, asked=5000)  # SGLang capped 5000 to its token pool
-    assert "max_new_tokens 5000, capped to 8 by the server" in capped
-    assert "max_new_tokens not set, capped to 8" in state.too_large(200, 8, asked=None)
-
-
-def test_prefill_and_decode_checks_count_pages_not_tokens():
-    state = make_state(num_pages=9)  # 8 usable pages, 2 head groups, 4-token pages
-    assert state.profile.group_kept_lens(8) == [8, 6]
-    assert state.footprint_pages(8, 1) == 4  # 2 + 2 pages
-    assert state.can_prefill([8, 8]) is True and state.can_prefill([8, 8, 1]) is False
-    for row in (1, 2):
-        state.begin_extend([row], [8], [0])
-        state.commit_extend([row])
-    assert state.memory.ledger.unreserved_free() == 0
-    assert state.can_prefill([1]) is False
-    assert state.can_decode([1]) is False  # the full group needs a page, none is free
-    state.release(2)
-    assert state.can_decode([1, 2]) is True  # row 2 is gone: ignored
-
-
 @pytest.mark.parametrize("ratio", [1.0, 0.5], ids=["ratio1", "ratio0.5"])
 def test_extend_then_decode_matches_attention_over_the_kept_tokens(ratio):
     """The backend's per-layer flow (extend, keep, write, decode) on the reference kernels."""

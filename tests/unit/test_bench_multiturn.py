@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+import numpy as np
 import pytest
 
 from tangram_sglang.bench import multiturn as mt
@@ -233,3 +234,23 @@ def test_cpu_runs_never_default_to_the_committed_results():
     a.device = "cpu"
     mt.check_args(a, mt.parse_systems("baseline"), [mt.parse_workload("cliff:2", a)])
     assert a.output.startswith("/tmp/")
+
+
+def test_no_max_tokens_requests_end_on_a_fixed_stop_subset():
+    from tangram_sglang.bench.multiturn_client import sampling_params, stop_token_ids
+
+    ids = stop_token_ids(128256, 128)
+    assert len(ids) == 1002 and ids == stop_token_ids(128256, 128)  # fixed per (vocab, mean)
+    assert len(set(ids)) == len(ids) and min(ids) >= 0 and max(ids) < 128256
+    assert stop_token_ids(100, 1000) and len(stop_token_ids(100, 1)) == 100
+    params = sampling_params(128, 128256, no_max_tokens=True)
+    assert "max_new_tokens" not in params and "ignore_eos" not in params
+    assert params["temperature"] == 1.0 and params["stop_token_ids"] == ids
+    fixed = sampling_params(128, 128256, no_max_tokens=False)
+    assert fixed == {"max_new_tokens": 128, "ignore_eos": True, "temperature": 0.0}
+    # uniform sampling hits the subset with probability 1/128: mean length ~128
+    rng = np.random.default_rng(0)
+    stop = np.zeros(128256, bool)
+    stop[ids] = True
+    lengths = [int(np.argmax(stop[rng.integers(0, 128256, 4000)])) + 1 for _ in range(400)]
+    assert 110 < np.mean(lengths) < 146

@@ -1,0 +1,132 @@
+"""Host time of one decode step's planning (``begin_decode`` + the decode plan), no model.
+
+Measures what the attention backend does on the host before every decode step: one decode token
+allocated per head group of each row (``TangramState.begin_decode``) and the plan written into the
+static decode buffers (``DecodeGraphBuffers.fill``, the CUDA-graph path). It also counts the
+device-to-host reads (``Tensor.tolist`` / ``item`` / ``__int__``) the step makes (none is the
+goal: they would wait for the GPU and stop overlap scheduling; ``numpy`` counts the host
+allocator's own tensors) and the host-to-device uploads (one packed copy per step).
+
+Setup: the given profile, ``--batch`` rows prefilled with ``--prompt`` tokens each (one segment),
+then ``--steps`` decode steps timed with ``time.perf_counter`` (median and p90, ms per step).
+
+Run::
+
+    python -m tangram_sglang.bench.decode_step \
+        --profile calibration/synthetic/llama3.1-8b-ada-snapkv-r0.25.json --batch 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import numpy as np
+import torch
+
+from tangram_sglang.backend.metadata import DecodeGraphBuffers
+from tangram_sglang.backend.state import TangramState
+from tangram_sglang.mem.manager import TangramMemory
+from tangram_sglang.profile import BudgetProfile
+
+
+@contextmanager
+def count_host_reads() -> Iterator[dict[str, int]]:
+    """Count ``Tensor.tolist`` / ``item`` / ``__int__`` / ``numpy`` calls inside the block.
+
+    Each of them is a device-to-host read (a GPU sync) when the tensor lives on a GPU. Yields a
+    dict ``{method name: calls}`` filled when the block exits.
+    """
+    names = ("tolist", "item", "__int__", "numpy")
+    counts = dict.fromkeys(names, 0)
+    saved = {n: getattr(torch.Tensor, n) for n in names}
+
+    def counting(name):
+        original = saved[name]
+
+        def wrapper(self, *args, **kwargs):
+            counts[name] += 1
+            return original(self, *args, **kwargs)
+
+        return wrapper
+
+    for n in names:
+        setattr(torch.Tensor, n, counting(n))
+    try:
+        yield counts
+    finally:
+        for n, fn in saved.items():
+            setattr(torch.Tensor, n, fn)
+
+
+def build(profile: BudgetProfile, batch: int, prompt: int, page_size: int, steps: int):
+    """A state with ``batch`` rows (1..batch) prefilled with ``prompt`` tokens (no K/V storage)."""
+    kept = int(np.max(profile.group_kept_lens(prompt))) + steps + 1
+    width = math.ceil((prompt + steps + 1) / page_size)
+    groups = profile.grouping.num_head_groups
+    num_pages = 1 + batch * groups * (math.ceil(kept / page_size) + 2)
+    memory = TangramMemory(
+        profile, page_size, num_pages, batch + 1, width, kv_pool=None, device="cpu", debug=False
+    )
+    state = TangramState(memory, full_kv_bytes_per_token=1, device="cpu")
+    rows = list(range(1, batch + 1))
+    for row in rows:
+        state.plan_row(row, prompt, steps + 1)
+        state.begin_extend([row], [prompt], [0])
+        state.commit_extend([row])
+    m = profile.model
+    buffers = DecodeGraphBuffers.create(
+        batch + 1, groups, m.num_qo_heads, m.head_dim, torch.float32, "cpu"
+    )
+    return state, buffers, rows
+
+
+def run(profile_path: str, batch: int, prompt: int, steps: int, page_size: int) -> dict:
+    """Time ``steps`` decode steps; returns ms per step (median, p90) and host reads per step."""
+    profile = BudgetProfile.load(profile_path)
+    state, buffers, rows = build(profile, batch, prompt, page_size, steps)
+    table = state.memory.table
+    table.deferred = True  # as the attention backend: one packed flush per step
+    table.flush()
+    rows = np.asarray(rows, np.int64)
+    seq = np.full(batch, prompt, np.int64)
+    times = []
+    uploads = table.uploader.num_uploads
+    with count_host_reads() as reads:
+        for _ in range(steps):
+            seq += 1
+            t0 = time.perf_counter()
+            state.begin_decode(rows, seq)
+            buffers.fill(rows, batch, table.pages, table.lens, page_size, table.flush)
+            times.append((time.perf_counter() - t0) * 1e3)
+    ms = np.asarray(times[min(5, steps - 1) :])
+    return {
+        "batch": batch,
+        "prompt_tokens": prompt,
+        "head_groups": profile.grouping.num_head_groups,
+        "steps": steps,
+        "ms_per_step_median": round(float(np.median(ms)), 4),
+        "ms_per_step_p90": round(float(np.percentile(ms, 90)), 4),
+        "host_reads_per_step": {k: v / steps for k, v in reads.items()},
+        "uploads_per_step": (table.uploader.num_uploads - uploads) / steps,
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    """CLI: print the JSON result of :func:`run`."""
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--profile", required=True, help="budget profile JSON")
+    ap.add_argument("--batch", type=int, default=64, help="rows decoding together")
+    ap.add_argument("--prompt", type=int, default=1000, help="prefilled tokens per row")
+    ap.add_argument("--steps", type=int, default=200, help="decode steps timed")
+    ap.add_argument("--page-size", type=int, default=16, help="tokens per page")
+    args = ap.parse_args(argv)
+    print(json.dumps(run(args.profile, args.batch, args.prompt, args.steps, args.page_size)))
+
+
+if __name__ == "__main__":
+    main()

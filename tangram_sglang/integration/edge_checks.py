@@ -1,0 +1,83 @@
+"""HTTP-side request checks of a ``--tangram`` server: refuse what would crash the scheduler.
+
+SGLang 0.5.17 validates lengths in ``TokenizerManager._validate_one_request`` but lets through
+inputs that then crash its scheduler process (the whole server exits), so one bad request would
+take a Tangram server down:
+
+* ``/generate`` ``input_ids`` outside ``[0, vocab_size)`` (``-1``, ``vocab_size``, ``10**9``):
+  the embedding lookup raises in the scheduler;
+* ``top_logprobs_num`` (OpenAI ``top_logprobs``) above ``vocab_size``: ``torch.topk`` raises
+  "selected index k out of range" in ``logprob_processor.py``;
+* a grammar-constrained request (``regex``, ``json_schema``, ``ebnf``, ``structural_tag``;
+  OpenAI ``response_format``) with the ``xgrammar`` backend on a CPU server: its token bitmask
+  is allocated in pinned memory and applied with a GPU kernel, both of which raise on CPU.
+
+:func:`check_request` runs after SGLang's own validation, in the HTTP server process, and raises
+``ValueError``, which SGLang answers as HTTP 400 (``/generate``: ``{"error": {...}}``;
+``/v1/*``: the OpenAI error object). It does nothing on servers without ``--tangram``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+GRAMMAR_FIELDS = ("regex", "json_schema", "ebnf", "structural_tag")
+
+
+def check_request(manager: Any, obj: Any, input_ids: Any = None, *args: Any, **kw: Any) -> None:
+    """AFTER ``TokenizerManager._validate_one_request``: refuse inputs the scheduler crashes on.
+
+    Args:
+        manager: SGLang's ``TokenizerManager`` (``server_args``, ``model_config``).
+        obj: one ``GenerateReqInput`` (or ``EmbeddingReqInput``: left alone).
+        input_ids: the request's token ids (list of int), tokenized or as sent.
+
+    Raises:
+        ValueError: naming the field, the bad value, the valid range and the fix (HTTP 400).
+    """
+    server_args = manager.server_args
+    if not getattr(server_args, "tangram", False) or not hasattr(obj, "top_logprobs_num"):
+        return
+    vocab = int(manager.model_config.vocab_size)
+    if getattr(obj, "input_ids", None) is not None and input_ids:
+        check_token_ids(input_ids, vocab)
+    top = obj.top_logprobs_num
+    if obj.return_logprob and isinstance(top, int) and not 0 <= top <= vocab:
+        raise ValueError(
+            f"top_logprobs {top} (top_logprobs_num) is outside [0, {vocab}], the vocabulary "
+            f"size of the served model; ask for at most {vocab}"
+        )
+    check_grammar(obj.sampling_params or {}, server_args)
+
+
+def check_token_ids(input_ids: list[Any], vocab_size: int) -> None:
+    """Every id an integer in ``[0, vocab_size)``.
+
+    Raises:
+        ValueError: the first bad id and its position.
+    """
+    for pos, tid in enumerate(input_ids):
+        if isinstance(tid, bool) or not isinstance(tid, int) or not 0 <= tid < vocab_size:
+            raise ValueError(
+                f"input_ids[{pos}] = {tid!r} is not a token id of the served model: ids must be "
+                f"integers in [0, {vocab_size}) (its vocabulary size); send `text` or ids from "
+                "the model's tokenizer"
+            )
+
+
+def check_grammar(sampling_params: dict[str, Any], server_args: Any) -> None:
+    """Refuse grammar-constrained decoding that the server's grammar backend cannot run.
+
+    Raises:
+        ValueError: a constrained request with ``xgrammar`` on a CPU server.
+    """
+    asked = [name for name in GRAMMAR_FIELDS if sampling_params.get(name) is not None]
+    if not asked or str(server_args.device) != "cpu":
+        return
+    if server_args.grammar_backend in (None, "xgrammar"):
+        raise ValueError(
+            f"constrained decoding ({', '.join(asked)}; OpenAI response_format) needs a GPU "
+            "with the xgrammar grammar backend (this server runs on CPU: xgrammar pins its "
+            "token mask and applies it with a GPU kernel); send the request without it, or to "
+            "a GPU server"
+        )
