@@ -23,12 +23,12 @@ observation window in it (``w_i = min(obs_window, n_i)``)::
 
 Right alignment puts every segment's observation window at the end of the bucket, so one
 product serves the bucket (a causal mask is not needed: it would only hide window keys, which
-are not scored, from earlier window queries). Pad keys get
-probability 0 before the mean and the pooling (the zero padding of the per-segment path), the
-window tokens ``[N - w_i, N)`` score above every context token, the sinks sit at ``off_i`` (per
-segment), pad positions rank last (-inf), and the kept positions are shifted back by ``off_i``.
-The result equals :func:`reference_kept_indices` up to ties flipped by floating-point
-summation order (a padded product sums in another order than a per-segment one).
+are not scored, from earlier window queries). Pad keys get probability 0 before the mean and
+the pooling (the zero padding of the per-segment path), the window tokens ``[N - w_i, N)``
+score above every context token, the sinks sit at ``off_i`` (per segment), pad positions rank
+last (-inf), and the kept positions are shifted back by ``off_i``. The result equals
+:func:`reference_kept_indices` up to ties flipped by floating-point summation order (a padded
+product sums in another order than a per-segment one).
 
 Source: Tangram arXiv 2606.06302 (Budget Reservation: prefill keeps only the kept K/V);
 docs/contracts.md (scorer interface, kept-KV write); SnapKV (arXiv 2404.14469) §4.
@@ -48,7 +48,7 @@ from tangram_sglang.scoring.select import priority_key, select_kept
 from tangram_sglang.scoring.snapkv import SnapKVScorer, reduce_gqa
 
 MIN_BUCKET = 64  # tokens: the shortest bucket (shorter segments share it)
-_PLAN_CACHE_SIZE = 8  # bucket plans kept (one per distinct batch shape; layers reuse them)
+_PLAN_CACHE_SIZE = 16  # batch plans kept (one per batch shape and whole/scored split)
 
 
 def kept_from_ranks(key: torch.Tensor, kept: torch.Tensor, max_k: int) -> torch.Tensor:
@@ -159,8 +159,10 @@ def batch_kept_indices(
         )
     whole = nonempty & (low == lengths)  # every head keeps the whole segment: no scoring
     scored = nonempty & ~whole
-    if whole.any():
-        _keep_whole(out, np.nonzero(whole)[0], lengths, device)
+    windows = (scorer.obs_window, sink_tokens, recent_window)
+    plan = _batch_plan(bounds, whole, scored, windows, out.shape[-1], device)
+    if plan.whole_rows is not None:
+        out[plan.whole_rows] = plan.whole_fill
     if not scored.any():
         return out
     if not isinstance(scorer, SnapKVScorer):  # a scorer of its own: one pass per run
@@ -179,8 +181,7 @@ def batch_kept_indices(
             recent_window,
         )
         return out
-    windows = (scorer.obs_window, sink_tokens, recent_window)
-    for bucket in _bucket_plan(bounds, scored, windows, device):
+    for bucket in plan.buckets:
         kept_dev = kept_per_head_dev.index_select(0, bucket.rows)
         key = _bucket_key(scorer, q, k_new, lse, bucket, sm_scale)
         width = int(kept_host[bucket.rows_host].max())
@@ -210,31 +211,54 @@ class _Bucket:
     protected: torch.Tensor  # bool [b, N]: sinks (at off_i) and the recent window
 
 
-_PLANS: dict[tuple, list[_Bucket]] = {}
+@dataclass(frozen=True, slots=True)
+class _Plan:
+    """What one batch shape needs on the device, built once and reused by every layer."""
+
+    whole_rows: torch.Tensor | None  # int64 [r]: requests every head keeps whole (None: none)
+    whole_fill: torch.Tensor | None  # int64 [r, 1, max_k]: 0 .. n - 1, then 0
+    buckets: list[_Bucket]  # the scored requests, by length bucket
 
 
-def _bucket_plan(
-    bounds: list[int], scored: np.ndarray, windows: tuple[int, int, int], device: torch.device
-) -> list[_Bucket]:
-    """The buckets of the scored requests; cached per (bounds, scored, windows, device).
+_PLANS: dict[tuple, _Plan] = {}
 
-    ``windows`` = (scorer's observation window, sink tokens, recent window), in tokens.
 
-    Every layer of a batch asks for the same plan: its index tensors are uploaded once per
-    batch (one host-to-device copy), not per layer.
+def _batch_plan(
+    bounds: list[int],
+    whole: np.ndarray,
+    scored: np.ndarray,
+    windows: tuple[int, int, int],
+    max_k: int,
+    device: torch.device,
+) -> _Plan:
+    """The device index tensors of a batch; cached per (bounds, masks, windows, width, device).
+
+    ``windows`` = (scorer's observation window, sink tokens, recent window), in tokens. Every
+    layer of a batch asks for the same plan (layers differ only when their head groups make a
+    different set of requests whole), so its tensors are uploaded once per batch, not per layer.
     """
-    cache_key = (tuple(bounds), scored.tobytes(), windows, str(device))
+    cache_key = (tuple(bounds), whole.tobytes(), scored.tobytes(), windows, max_k, str(device))
     plan = _PLANS.get(cache_key)
     if plan is not None:
         return plan
     starts = np.asarray(bounds[:-1], np.int64)
     lengths = np.diff(np.asarray(bounds, np.int64))
+    whole_rows = whole_fill = None
+    if whole.any():
+        rows = np.nonzero(whole)[0]
+        cols = np.arange(max_k)
+        fill = np.where(cols[None, :] < lengths[rows, None], cols[None, :], 0)
+        whole_rows = torch.from_numpy(rows).to(device)
+        whole_fill = torch.from_numpy(fill[:, None, :]).to(device)
     rows = np.nonzero(scored)[0]
-    size = np.maximum(MIN_BUCKET, 1 << np.ceil(np.log2(lengths[rows])).astype(np.int64))
-    plan = [
+    size = np.maximum(
+        MIN_BUCKET, 1 << np.ceil(np.log2(np.maximum(lengths[rows], 1))).astype(np.int64)
+    )
+    buckets = [
         _make_bucket(rows[size == n], int(n), starts, lengths, windows, device)
         for n in np.unique(size)
     ]
+    plan = _Plan(whole_rows, whole_fill, buckets)
     if len(_PLANS) >= _PLAN_CACHE_SIZE:
         _PLANS.pop(next(iter(_PLANS)))
     _PLANS[cache_key] = plan
@@ -320,15 +344,6 @@ def _bucket_key(
     key = torch.nan_to_num(key, nan=-torch.finfo(torch.float32).max)
     key = key.masked_fill(b.protected.unsqueeze(1), float("inf"))
     return key.masked_fill(~b.key_valid.unsqueeze(1), float("-inf"))
-
-
-def _keep_whole(out: torch.Tensor, rows: np.ndarray, lengths: np.ndarray, device) -> None:
-    """Rows whose every head keeps its whole segment: ``0 .. n - 1``, in one write."""
-    cols = np.arange(out.shape[-1])
-    n = lengths[rows]
-    fill = np.where(cols[None, :] < n[:, None], cols[None, :], 0)
-    idx = torch.from_numpy(rows).to(device)
-    out[idx] = torch.from_numpy(fill).to(device).unsqueeze(1).expand(-1, out.shape[1], -1)
 
 
 def _score_runs(
