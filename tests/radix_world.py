@@ -8,12 +8,12 @@ Shared by ``tests/fuzz/test_radix_tree.py`` and ``tests/unit/test_radix_duplicat
 from __future__ import annotations
 
 import torch
+from factories import make_profile
 from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
 from sglang.srt.mem_cache.cache_init_params import CacheInitParams
 from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
 
 from tangram_sglang.backend.state import TangramState
-from tangram_sglang.bench.synthetic import make_profile
 from tangram_sglang.mem.kv_pool import KVPool
 from tangram_sglang.mem.manager import TangramMemory
 from tangram_sglang.radix.cache import TangramRadixCache

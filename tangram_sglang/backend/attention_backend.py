@@ -26,7 +26,7 @@ Importing this module registers the backend as ``"tangram"`` in SGLang's attenti
 its ``--attention-backend`` choices (the plugin's ``REGISTRATIONS`` row imports it).
 
 Source: Tangram arXiv 2606.06302 (Budget Reservation, Ragged Paging, AOT load balancing);
-notes/INTERFACES.md; SGLang ``TorchNativeAttnBackend`` (template).
+docs/contracts.md; SGLang ``TorchNativeAttnBackend`` (template).
 """
 
 from __future__ import annotations

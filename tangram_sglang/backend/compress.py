@@ -13,7 +13,7 @@ device tensor built once per batch): about 15 launches per run of equal-length r
 instead of ~100 launches and one blocking host-to-device copy per distinct ``k_g`` per request.
 
 Source: Tangram arXiv 2606.06302 (Budget Reservation: prefill keeps only the kept K/V);
-notes/INTERFACES.md (scorer interface, kept-KV write); SnapKV (arXiv 2404.14469) §4.
+docs/contracts.md (scorer interface, kept-KV write); SnapKV (arXiv 2404.14469) §4.
 """
 
 from __future__ import annotations
@@ -117,7 +117,7 @@ def batch_kept_indices(
     Raises:
         KernelError: a count outside ``[1, n]`` for a non-empty segment (host check).
 
-    Source: notes/INTERFACES.md (``Scorer.score``, ``select_kept``).
+    Source: docs/contracts.md (``Scorer.score``, ``select_kept``).
     """
     kept_host = np.asarray(kept_per_head, np.int64).reshape(len(bounds) - 1, k_new.shape[1])
     bs, num_kv_heads = kept_host.shape

@@ -10,7 +10,7 @@ call the same code, so what the profiler times is what the server runs.
   causal new tokens, scorer + per-head top-``k_g``, kept-KV write).
 
 Source: Tangram arXiv 2606.06302 (Budget Reservation, Ragged Paging, AOT load balancing);
-notes/INTERFACES.md (kernel calling conventions).
+docs/contracts.md (kernel calling conventions).
 """
 
 from __future__ import annotations

@@ -29,7 +29,7 @@ padding page, never handed out)::
     req_rows [max_bs]      rows[:n] real, rows[n:bs] = 0
     dest_page [max_bs, G]  pages[:n] real, [n:bs] = 0 (padding page), slot 0
 
-Source: notes/INTERFACES.md (kernel calling conventions); STYLE.md §3 (plan once, run many).
+Source: docs/contracts.md (kernel calling conventions); docs/design.md §8 (plan once, run many).
 """
 
 from __future__ import annotations

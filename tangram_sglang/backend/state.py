@@ -16,7 +16,7 @@ Rows are SGLang's ``req_pool_idx``. With a radix tree attached (``state.radix``,
 compressed prefix (``radix.prefix_for``) and page shortfalls evict tree nodes
 (``radix.evict_pages``); without one every request starts from an empty table.
 
-Source: Tangram arXiv 2606.06302 (Budget Reservation, Ragged Paging); notes/INTERFACES.md.
+Source: Tangram arXiv 2606.06302 (Budget Reservation, Ragged Paging); docs/contracts.md.
 """
 
 from __future__ import annotations

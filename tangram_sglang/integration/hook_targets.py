@@ -11,8 +11,8 @@ Three tables:
     The plugin imports ``module`` (whose import registers the entry) and verifies that ``key`` is
     in the dict at ``registry``.
 ``SEAMS``
-    SGLang names the later pieces (backend, mem, radix) are built against, with the parameter
-    names they rely on. Not hooked yet; ``tests/integration/test_hook_targets.py`` checks that
+    SGLang names the backend, radix and integration code call or subclass, with the parameter
+    names they rely on (not hooked); ``tests/integration/test_hook_targets.py`` checks that
     each resolves with that signature on the installed sglang, so an SGLang bump that moves one
     fails a fast test instead of a server start.
 

@@ -21,8 +21,8 @@ def add_tangram_init_info(result: dict[str, Any], scheduler: Any) -> dict[str, A
     """AFTER ``Scheduler.get_init_info``: add key ``tangram`` (the start-up summary).
 
     Runs once per scheduler process at start-up. The scheduler sends this dict to the HTTP
-    server, which merges it into ``/server_info`` (``http_server.server_info``). Later pieces
-    (mem/) add their pool numbers to the same key.
+    server, which merges it into ``/server_info`` (``http_server.server_info``). The pool's
+    numbers at start-up go under ``tangram.pool`` (``sglang_adapters.pool_info_of``).
 
     Returns:
         The dict with ``tangram`` added, or None (unchanged) without ``--tangram``.

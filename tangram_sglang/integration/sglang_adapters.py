@@ -240,7 +240,7 @@ def _reservation_request(adder: Any, req: Any, picked: bool) -> tuple[int, int, 
 def add_one_req(original, adder: Any, req: Any, *args: Any, **kwargs: Any) -> Any:
     """AROUND ``PrefillAdder.add_one_req``: admit only when the whole reservation fits (pages).
 
-    Budget Reservation (DESIGN.md §3.1): the request's footprint (this chunk, the prompt's later
+    Budget Reservation (docs/design.md §3.1): a request's footprint (this chunk, the prompt's later
     chunks uncompressed, the ``T - 1`` decode tail), plus those of the new requests already
     picked this round, must fit in the unreserved free pages plus the pages of unlocked radix
     nodes (evicted by the backend when it allocates; the request's own matched path is not

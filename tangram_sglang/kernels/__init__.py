@@ -10,6 +10,6 @@ reference without importing Triton):
   :func:`ragged_extend_attention`.
 * ``kv_write``: Triton gather of the kept tokens into reserved pages, :func:`write_kept_kv`.
 
-Layouts and calling conventions: notes/INTERFACES.md. Kernels take plain tensors, never pool
+Layouts and calling conventions: docs/contracts.md. Kernels take plain tensors, never pool
 objects; launchers check shapes/dtypes/strides and raise ``KernelError``.
 """

@@ -1,6 +1,6 @@
 """Argument checks shared by the kernel launchers and the torch reference.
 
-The kernels trust their launcher (STYLE.md §7): every shape, dtype, device and stride assumption a
+Kernels trust their launcher (docs/design.md §6): every shape, dtype, device, stride assumption a
 kernel makes is checked here, on host-side metadata only (no device sync, so the checks are safe
 inside CUDA-graph capture). Failures raise :class:`KernelError` naming the argument and the fix.
 """
@@ -76,7 +76,7 @@ def check_paging(
     num_kv_heads: int,
     device: torch.device,
 ) -> None:
-    """The ragged page-table arguments of notes/INTERFACES.md (all int32 on ``device``).
+    """The ragged page-table arguments of docs/contracts.md (all int32 on ``device``).
 
     ``page_table [max_rows, num_head_groups, max_pages_per_group]``, ``group_len [max_rows,
     num_head_groups]``, ``req_rows [batch_size]``, ``group_of_head``/``column_of_head

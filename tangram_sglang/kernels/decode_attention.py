@@ -19,7 +19,7 @@ for the head's split count) exit after writing ``lse = -inf``.
 
 Sources: Dao et al., "Flash-Decoding for long-context inference" (2023); SGLang 0.5.17
 ``kernels/ops/attention/decode_attention.py`` (grouped stage 1 + stage 2); Tangram arXiv
-2606.06302 (AOT load balancing); notes/INTERFACES.md (decode calling convention).
+2606.06302 (AOT load balancing); docs/contracts.md (decode calling convention).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Triton extend attention: new tokens over their head's compressed history + causal new tokens.
 
 At prefill/extend time the new tokens' K/V are transient (never written to the pool uncompressed,
-DESIGN.md §3.1). Each query of request i, query head qh (KV head ``h = qh // gqa_size``) attends
+docs/design.md §3.1). A query of request i, query head qh (KV head ``h = qh // gqa_size``) attends
 
 * to every kept history token of its head: tokens ``[0, group_len[row, g])`` of group
   ``g = group_of_head[h]``, column ``column_of_head[h]``, through the ragged page table;
@@ -11,7 +11,7 @@ Grid ``(bs, num_qo_heads, cdiv(max_extend_len, BLOCK_M))``: one program owns ``B
 of one request and query head, sweeps the history pages, then the new tokens up to its last
 query, with an fp32 online softmax. It writes the output and the natural-log LSE of every query
 (history + new keys), which the scorer uses to normalise observation-window scores without a
-second pass over the history (notes/INTERFACES.md, Scorer interface).
+second pass over the history (docs/contracts.md, Scorer interface).
 
 Sources: FlashAttention-2 forward (Dao 2023) as in the Triton fused-attention tutorial; SGLang
 0.5.17 ``kernels/ops/attention/extend_attention.py`` (prefix pages + causal extend tokens).
@@ -191,7 +191,7 @@ def ragged_extend_attention(
     Raises:
         KernelError: a shape, dtype, device or stride does not match the above.
 
-    Source: this module's docstring; notes/INTERFACES.md (extend).
+    Source: this module's docstring; docs/contracts.md (extend).
     """
     num_tokens, num_qo_heads, num_kv_heads, bs = _checks.check_extend_args(
         q,

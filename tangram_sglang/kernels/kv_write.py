@@ -4,7 +4,7 @@ After the scorer picks every KV head's top-``k_g`` tokens of a segment, one laun
 gathers them from the transient ``k_new``/``v_new`` and writes them densely, in selection order,
 to group tokens ``[start_g, start_g + k_g)`` with ``start_g = group_len[row, g]`` (the length
 before the segment), i.e. slot ``t % page_size`` of page ``page_table[row, g, t // page_size]``,
-column ``column_of_head[h]`` (notes/INTERFACES.md, kept-KV write; DESIGN.md §3.1). The uncompressed
+column ``column_of_head[h]`` (docs/contracts.md: kept-KV write; docs/design.md §3.1). Uncompressed
 K/V never touch the pool. The same kernel appends a decode token (``kept_idx = 0``, count 1).
 
 Grid ``(bs, H_kv, cdiv(max_k, BLOCK_K))``; each program copies ``BLOCK_K`` tokens x ``D`` of K and

@@ -1,7 +1,7 @@
 """Pure-torch decode, extend and kept-KV write over ragged per-group page tables.
 
 This is both the CPU serving path (SGLang on CPU calls it per layer) and the oracle the Triton
-kernels are tested against. It follows notes/INTERFACES.md exactly:
+kernels are tested against. It follows docs/contracts.md exactly:
 
     k_pool, v_pool   [num_pages, H_p, page_size, D]      page 0 = padding
     page_table       [max_rows, num_head_groups, max_pages_per_group]  int32
@@ -123,7 +123,7 @@ def decode_reference(
     Raises:
         KernelError: shapes, dtypes or devices do not match the contract.
 
-    Source: notes/INTERFACES.md (decode); Tangram arXiv 2606.06302 (ragged paging).
+    Source: docs/contracts.md (decode); Tangram arXiv 2606.06302 (ragged paging).
     """
     bs, num_qo_heads = _checks.check_query(q, k_pool)
     _checks.check_pools(k_pool, v_pool, q.device)
@@ -188,7 +188,7 @@ def extend_reference(
     Raises:
         KernelError: shapes, dtypes or devices do not match the contract.
 
-    Source: notes/INTERFACES.md (extend); DESIGN.md §3.1 (attention over [history + transient]).
+    Source: docs/contracts.md (extend); docs/design.md §3.1 (attention over [history + transient]).
     """
     num_tokens, num_qo_heads, num_kv_heads, bs = _checks.check_extend_args(
         q,

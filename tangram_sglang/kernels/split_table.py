@@ -3,7 +3,7 @@
 Decode work of KV head ``h`` is proportional to its kept length, i.e. to its head group's ratio
 ``r_g`` times the context. The ratios are static (the budget profile), so the split-KV partition
 is computed once at start-up and the decode kernel only reads it: no per-step planning, no host
-sync (Tangram arXiv 2606.06302, "Ahead-of-time load balancing"; DESIGN.md §3.3).
+sync (Tangram arXiv 2606.06302, "Ahead-of-time load balancing"; docs/design.md §3.3).
 
 Per layer ``l`` and batch bucket the table holds::
 

@@ -14,7 +14,7 @@ Layout (head-major inside a page, so one (page, column) is a contiguous single-h
 In ``global`` scope a group spans layers: at layer l only the columns of layer l's heads are read
 or written; in a partial last group the spare columns are never used (counted as fragmentation).
 
-Source: notes/INTERFACES.md (pages and page tables); Tangram arXiv 2606.06302, Ragged Paging
+Source: docs/contracts.md (pages and page tables); Tangram arXiv 2606.06302, Ragged Paging
 (Head Group Page); SGLang ``MHATokenToKVPool`` HND layout.
 """
 

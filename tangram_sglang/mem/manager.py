@@ -18,8 +18,8 @@ Life of a request row (every call names SGLang's ``req_pool_idx`` as ``row``)::
 Holders: each page's reference count = rows whose table lists it + holders outside (radix nodes,
 or whoever took SegmentPages). ``free_pages`` only drops outside holders' references.
 
-Source: Tangram arXiv 2606.06302 (Budget Reservation, Ragged Paging); notes/INTERFACES.md;
-STYLE.md §3 (check then commit, named hand-overs); vLLM ``KVCacheManager`` / nano-vllm.
+Source: Tangram arXiv 2606.06302 (Budget Reservation, Ragged Paging); docs/contracts.md;
+docs/design.md §8 (check then commit, named hand-overs); vLLM ``KVCacheManager`` / nano-vllm.
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ A segment (one extend chunk, or the decode tail after it) owns the entries from 
 page start either continues the previous segment's own tail page (no new page) or starts with a
 copy of a shared tail page (copy-on-write), so its first owned page may hold older tokens.
 
-Source: notes/INTERFACES.md (dense per-(row, group) tables, COW tail); Tangram arXiv 2606.06302,
+Source: docs/contracts.md (dense per-(row, group) tables, COW tail); Tangram arXiv 2606.06302,
 Ragged Paging; SGLang ``ReqToTokenPool`` (rows).
 """
 

@@ -15,7 +15,7 @@ last sampled token is never fed back, so T - 1 decode-tail tokens)::
 A reservation is exact: a request that runs to ``max_new_tokens`` uses exactly the pages it
 reserved. Reserved-but-unused pages are held back from admission (``unreserved_free``).
 
-Source: Tangram arXiv 2606.06302, Budget Reservation; notes/INTERFACES.md (footprint);
+Source: Tangram arXiv 2606.06302, Budget Reservation; docs/contracts.md (footprint);
 vLLM v1 ``get_num_blocks_to_allocate`` / nano-vllm ``can_allocate`` (check, then commit).
 """
 

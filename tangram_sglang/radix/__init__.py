@@ -1,4 +1,4 @@
-"""Radix-tree reuse of compressed history across turns (DESIGN.md §5).
+"""Radix-tree reuse of compressed history across turns (docs/design.md §5).
 
 ``segment`` (no sglang): a boundary node's :class:`SegmentValue` and chain -> PrefixMatch;
 ``cache``: :class:`TangramRadixCache` (SGLang ``RadixCache`` subclass); ``factory``: registers

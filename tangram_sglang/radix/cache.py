@@ -26,7 +26,7 @@ the default factory, and its component hooks split node values per component; a 
 factory (``register_radix_cache_backend("tangram")``) returning this subclass is the smallest
 seam that works on the pinned version.
 
-Source: DESIGN.md §5; SGLang 0.5.17 ``radix_cache.py`` / ``chunk_cache.py`` / ``registry.py``.
+Source: docs/design.md §5; SGLang 0.5.17 ``radix_cache.py`` / ``chunk_cache.py`` / ``registry.py``.
 """
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ def same_segment(
     induction from the root, means the same chunking of every earlier segment), starts at the
     same depth and kept the same tokens per group. Kept lengths alone are not enough: two
     chunkings of one prompt (say 4 + 8 and 8 + 4 tokens) can end with equal per-group lengths
-    but different kept tokens (DESIGN.md §5).
+    but different kept tokens (docs/design.md §5).
     """
     return (
         cached.start_node is parent
@@ -103,6 +103,7 @@ class TangramRadixCache(RadixCache):
         self._boundaries: dict[int, TreeNode] = {}  # last token slot of a boundary -> node
         self.num_evicted_pages = 0  # pages freed by evicting nodes since start-up
         self.num_duplicate_pages = 0  # pages of segments already cached, freed at insert
+        self._unlocked_pages = 0  # pages on boundary nodes with lock_ref == 0 (evictable)
         super().__init__(params)
         state = getattr(params.req_to_token_pool, "tangram_state", None)
         if state is None:
@@ -216,8 +217,11 @@ class TangramRadixCache(RadixCache):
                     parent = None
                     continue
             else:
-                setattr(node, VALUE_ATTR, SegmentValue(parent, lo, hi, seg))
+                value = SegmentValue(parent, lo, hi, seg)
+                setattr(node, VALUE_ATTR, value)
                 self._boundaries[int(node.value[-1])] = node
+                if node.lock_ref == 0:
+                    self._unlocked_pages += value.num_pages
             parent = node
 
     def _node_at(self, key: RadixKey, depth: int) -> TreeNode:
@@ -238,6 +242,8 @@ class TangramRadixCache(RadixCache):
         if value is not None:
             self._boundaries.pop(int(node.value[-1]), None)
             setattr(node, VALUE_ATTR, None)
+            if node.lock_ref == 0:
+                self._unlocked_pages -= value.num_pages
             self._free(value.segment.pages)
             self.num_evicted_pages += value.num_pages
         super()._delete_leaf(node)
@@ -263,11 +269,40 @@ class TangramRadixCache(RadixCache):
             self._record_remove_event(node)
         return freed
 
+    def inc_lock_ref(self, node: TreeNode) -> Any:
+        """SGLang's lock of ``node``'s path; its boundary pages stop counting as evictable."""
+        self._unlocked_pages -= self._path_pages(node, lock_ref=0)
+        return super().inc_lock_ref(node)
+
+    def dec_lock_ref(self, node: TreeNode, params: Any = None) -> Any:
+        """SGLang's unlock of ``node``'s path; boundary pages whose last lock goes count again."""
+        self._unlocked_pages += self._path_pages(node, lock_ref=1)
+        return super().dec_lock_ref(node, params)
+
+    def _path_pages(self, node: TreeNode | None, lock_ref: int) -> int:
+        """Pages of the boundary nodes from ``node`` up to the root whose lock count is
+        ``lock_ref`` (O(path length))."""
+        if self.disable:
+            return 0
+        pages = 0
+        while node is not None and node is not self.root_node:
+            value = value_of(node)
+            if value is not None and node.lock_ref == lock_ref:
+                pages += value.num_pages
+            node = node.parent
+        return pages
+
     def evictable_pages(self, exclude: TreeNode | None = None) -> int:
         """Pages on unlocked boundary nodes (all evictable), minus those on ``exclude``'s path.
 
         A node with ``lock_ref == 0`` has no locked descendant, so its whole subtree can go.
+        O(length of ``exclude``'s path): the unlocked total is kept up to date by the lock,
+        attach and delete paths (admission asks this once per waiting request per round).
         """
+        return self._unlocked_pages - self._path_pages(exclude, lock_ref=0)
+
+    def evictable_pages_scan(self, exclude: TreeNode | None = None) -> int:
+        """:meth:`evictable_pages` by a scan of every boundary node (O(tree); tests' oracle)."""
         keep = set()
         while exclude is not None:
             keep.add(id(exclude))
@@ -287,6 +322,7 @@ class TangramRadixCache(RadixCache):
                 self._free(value.segment.pages)
         if hasattr(self, "_boundaries"):
             self._boundaries.clear()
+        self._unlocked_pages = 0
         super().reset()
 
     # ---- reports -----------------------------------------------------------------------------

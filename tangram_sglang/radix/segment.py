@@ -1,7 +1,7 @@
 """SegmentValue: what one radix node holds for Tangram, and how a node chain becomes a prefix.
 
 A compressed segment is a pure function of its own tokens and the history before it, so a
-conversation's compressed state is the chain of its segments from the root (DESIGN.md §5). A
+conversation's compressed state is the chain of its segments from the root (docs/design.md §5). A
 segment covering tokens ``[start_depth, end_depth)`` is stored on the tree node that ENDS at
 ``end_depth`` (a "boundary" node); the nodes above it down to ``start_depth`` may be plain
 token nodes (SGLang splits nodes wherever two conversations diverge). Matches stop only at
@@ -21,7 +21,7 @@ partial tail page, which then replaces that page in the list).
 
 No sglang import (unit-testable in milliseconds); :mod:`tangram_sglang.radix.cache` owns the tree.
 
-Source: DESIGN.md §5; notes/INTERFACES.md (dense tables, copy-on-write tail); Tangram arXiv
+Source: docs/design.md §5; docs/contracts.md (dense tables, copy-on-write tail); Tangram arXiv
 2606.06302 (Ragged Paging).
 """
 

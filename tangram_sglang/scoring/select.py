@@ -61,7 +61,7 @@ def select_kept(scores: torch.Tensor, k: int, sink_tokens: int, recent_window: i
         ConfigError: ``k`` outside ``[1, n]`` or negative sink/window sizes.
 
     Source: SnapKV (Li et al. 2024, arXiv 2404.14469) top-k selection; sinks from StreamingLLM
-    (Xiao et al. 2023, arXiv 2309.17453); DESIGN.md §7 (sinks and window survive ties).
+    (Xiao et al. 2023, arXiv 2309.17453); docs/design.md §7 (sinks and window survive ties).
     """
     n = scores.shape[-1]
     if not 1 <= k <= n:

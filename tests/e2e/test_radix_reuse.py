@@ -37,19 +37,30 @@ FACT = "My name is Ada and I live in Lyon, near the river, with two cats and a p
 
 
 @pytest.fixture(scope="module")
-def server(smollm2_path):
-    args = ["--tangram", "--tangram-profile", PROFILE_05,
-            "--max-total-tokens", str(MAX_TOTAL_TOKENS)]  # fmt: skip
-    log = "/tmp/tangram-e2e-radix.log"
-    with SGLangServer(smollm2_path, args=args, log_path=log, startup_timeout_s=900) as srv:
-        yield srv
+def server(servers) -> SGLangServer:
+    """The session's server of this configuration (``conftest.py``); module fixtures use it."""
+    args = [
+        "--tangram",
+        "--tangram-profile",
+        PROFILE_05,
+        "--max-total-tokens",
+        str(MAX_TOTAL_TOKENS),
+    ]
+    return servers.get(args, "tangram-r0.5-radix")
 
 
 def chat(server: SGLangServer, messages: list[dict], max_tokens: int = 12) -> tuple[str, dict]:
-    resp = requests.post(f"{server.base_url}/v1/chat/completions", json={
-        "model": "default", "temperature": 0, "max_tokens": max_tokens, "ignore_eos": True,
-        "messages": messages,
-    }, timeout=900)  # fmt: skip
+    resp = requests.post(
+        f"{server.base_url}/v1/chat/completions",
+        json={
+            "model": "default",
+            "temperature": 0,
+            "max_tokens": max_tokens,
+            "ignore_eos": True,
+            "messages": messages,
+        },
+        timeout=900,
+    )
     assert resp.status_code == 200, resp.text
     body = resp.json()
     return body["choices"][0]["message"]["content"], body["usage"]

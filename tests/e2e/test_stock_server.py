@@ -8,15 +8,14 @@ import torch
 from recall_chat import KEYWORD, recall_chat
 
 from tangram_sglang.demo import DEFAULT_TURNS, chat, report_turn, server_banner
-from tangram_sglang.serving import SGLangServer
 
 pytestmark = pytest.mark.e2e
 
 
-@pytest.fixture(scope="module")
-def server(smollm2_path):
-    with SGLangServer(smollm2_path, log_path="/tmp/tangram-test-stock-server.log") as srv:
-        yield srv
+@pytest.fixture
+def server(stock_server):
+    """The session's stock server (``conftest.py``), shared with ``test_tangram_serving.py``."""
+    return stock_server
 
 
 def test_three_turn_chat_reuses_the_radix_cache(server):

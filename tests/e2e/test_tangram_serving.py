@@ -1,7 +1,7 @@
 """The real ``python -m sglang.launch_server --tangram`` on CPU: compressed KV, served end to end.
 
 * A profile with every ratio 1.0 keeps every token: greedy tokens of a 3-turn chat equal stock
-  SGLang's (DESIGN.md §7, the first correctness invariant).
+  SGLang's (docs/design.md §7, the first correctness invariant).
 * A tiny pool (``--max-total-tokens 1024``) and 16 concurrent short requests: SGLang's token
   estimate admits more than the pages hold (short segments keep everything, pages pad), so
   admission and decode answer in pages (retraction); every request completes, pages return.
@@ -55,9 +55,14 @@ def ratio_one_profile(path, smollm2_path) -> str:
     model = ModelIdentity.from_hf_config(json.loads((smollm2_path / "config.json").read_text()))
     ratio = np.ones((model.num_layers, model.num_kv_heads))
     BudgetProfile(
-        model=model, scorer="ada-snapkv", target_ratio=1.0, ratio=ratio, sink_tokens=4,
-        recent_window=32, grouping=HeadGrouping.build(ratio, 4, "global"),
-    ).save(path)  # fmt: skip
+        model=model,
+        scorer="ada-snapkv",
+        target_ratio=1.0,
+        ratio=ratio,
+        sink_tokens=4,
+        recent_window=32,
+        grouping=HeadGrouping.build(ratio, 4, "global"),
+    ).save(path)
     return str(path)
 
 
@@ -85,8 +90,11 @@ def greedy_chat(
 
 def generate(base_url: str, input_ids: list[int], max_new_tokens: int) -> dict:
     params = {"temperature": 0, "max_new_tokens": max_new_tokens}
-    resp = requests.post(f"{base_url}/generate", json={"input_ids": input_ids,
-                         "sampling_params": params}, timeout=600)  # fmt: skip
+    resp = requests.post(
+        f"{base_url}/generate",
+        json={"input_ids": input_ids, "sampling_params": params},
+        timeout=600,
+    )
     return resp.json()
 
 
@@ -94,29 +102,35 @@ def pool_state(server: SGLangServer) -> dict:
     return server.server_info()["internal_states"][0]["tangram_pool"]
 
 
-def test_ratio_one_profile_is_token_identical_to_stock(smollm2_path, tokenizer, tmp_path):
-    with SGLangServer(smollm2_path, log_path="/tmp/tangram-e2e-stock.log") as stock:
-        expected = greedy_chat(stock.base_url, tokenizer, TURNS)
+def test_ratio_one_profile_is_token_identical_to_stock(
+    smollm2_path, tokenizer, tmp_path, stock_server, servers
+):
+    expected = greedy_chat(stock_server.base_url, tokenizer, TURNS)
     profile = ratio_one_profile(tmp_path / "ratio1.json", smollm2_path)
-    args = ["--tangram", "--tangram-profile", profile]
-    with SGLangServer(smollm2_path, args=args, log_path="/tmp/tangram-e2e-r1.log") as server:
-        cached = []
-        got = greedy_chat(server.base_url, tokenizer, TURNS, cached=cached)
-        flush_radix(server)
-        pool = pool_state(server)
+    server = servers.get(["--tangram", "--tangram-profile", profile], "tangram-r1")
+    cached = []
+    got = greedy_chat(server.base_url, tokenizer, TURNS, cached=cached)
+    flush_radix(server)
+    pool = pool_state(server)
     assert got == expected
     assert all(c > 0 for c in cached[1:]), cached  # turns 2, 3 extend the reused history
     assert pool["pages_free"] == pool["pages_free_at_start"]
 
 
-@pytest.fixture(scope="module")
-def server05(smollm2_path):
-    args = ["--tangram", "--tangram-profile", PROFILE_05, "--chunked-prefill-size",
-            str(CHUNK_TOKENS), "--max-total-tokens", str(MAX_TOTAL_TOKENS),
-            "--enable-metrics"]  # fmt: skip
-    log = "/tmp/tangram-e2e-r05.log"
-    with SGLangServer(smollm2_path, args=args, log_path=log, startup_timeout_s=900) as srv:
-        yield srv
+@pytest.fixture
+def server05(servers) -> SGLangServer:
+    """The session's 0.5-profile server with 128-token chunks and metrics (``conftest.py``)."""
+    args = [
+        "--tangram",
+        "--tangram-profile",
+        PROFILE_05,
+        "--chunked-prefill-size",
+        str(CHUNK_TOKENS),
+        "--max-total-tokens",
+        str(MAX_TOTAL_TOKENS),
+        "--enable-metrics",
+    ]
+    return servers.get(args, "tangram-r0.5-chunk128")
 
 
 def test_compressed_server_reports_its_pool(server05):
@@ -134,10 +148,16 @@ def test_compressed_server_reports_its_pool(server05):
 
 
 def test_compressed_server_answers(server05):
-    resp = requests.post(f"{server05.base_url}/v1/chat/completions", json={
-        "model": "default", "temperature": 0, "max_tokens": 24,
-        "messages": [{"role": "user", "content": "What is the capital of France?"}],
-    }, timeout=600).json()  # fmt: skip
+    resp = requests.post(
+        f"{server05.base_url}/v1/chat/completions",
+        json={
+            "model": "default",
+            "temperature": 0,
+            "max_tokens": 24,
+            "messages": [{"role": "user", "content": "What is the capital of France?"}],
+        },
+        timeout=600,
+    ).json()
     assert "Paris" in resp["choices"][0]["message"]["content"]
 
 
@@ -190,8 +210,9 @@ def test_fact_from_turn1_is_recalled_in_turn3_with_exact_pages_per_turn(server05
 def test_long_prompt_holds_the_reserved_pages_and_fewer_bytes(server05, tokenizer):
     notes = "Lyon is a city in France on the Rhone. " * 60
     messages = [{"role": "user", "content": notes + "What is the capital of France?"}]
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                        return_dict=True)["input_ids"]  # fmt: skip
+    ids = tokenizer.apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=True, return_dict=True
+    )["input_ids"]
     resp = generate(server05.base_url, ids, 16)
     assert "Paris" in tokenizer.decode(resp["output_ids"])
     pool = pool_state(server05)
@@ -210,17 +231,25 @@ def test_long_prompt_holds_the_reserved_pages_and_fewer_bytes(server05, tokenize
 
 
 def test_request_larger_than_the_pool_is_refused_and_the_server_stays_up(server05):
-    resp = requests.post(f"{server05.base_url}/generate", json={
-        "input_ids": [1000 + i % 500 for i in range(MAX_TOTAL_TOKENS - 200)],
-        "sampling_params": {"temperature": 0, "max_new_tokens": 8},
-    }, timeout=600)  # fmt: skip
+    resp = requests.post(
+        f"{server05.base_url}/generate",
+        json={
+            "input_ids": [1000 + i % 500 for i in range(MAX_TOTAL_TOKENS - 200)],
+            "sampling_params": {"temperature": 0, "max_new_tokens": 8},
+        },
+        timeout=600,
+    )
     assert resp.status_code == 400, resp.text
     assert "but the whole pool holds" in resp.text
     # SGLang caps max_new_tokens to its token pool (to 198 here); the message names the ask.
-    resp = requests.post(f"{server05.base_url}/generate", json={
-        "input_ids": [1000 + i % 500 for i in range(MAX_TOTAL_TOKENS - 200)],
-        "sampling_params": {"temperature": 0, "max_new_tokens": 4000},
-    }, timeout=600)  # fmt: skip
+    resp = requests.post(
+        f"{server05.base_url}/generate",
+        json={
+            "input_ids": [1000 + i % 500 for i in range(MAX_TOTAL_TOKENS - 200)],
+            "sampling_params": {"temperature": 0, "max_new_tokens": 4000},
+        },
+        timeout=600,
+    )
     assert resp.status_code == 400, resp.text
     assert "max_new_tokens 4000, capped to" in resp.text
     ok = generate(server05.base_url, [1, 2, 3, 4], 4)
@@ -264,20 +293,24 @@ def test_pool_numbers_reach_metrics_and_the_step_log(server05):
     assert re.search(line, server05.log_path.read_text())
 
 
-def test_tiny_pool_many_short_requests_complete_and_pages_return(smollm2_path):
+def test_tiny_pool_many_short_requests_complete_and_pages_return(servers):
     args = ["--tangram", "--tangram-profile", PROFILE_05, "--max-total-tokens", "1024"]
-    with SGLangServer(smollm2_path, args=args, log_path="/tmp/tangram-e2e-tiny.log") as server:
+    server = servers.get(args, "tangram-r0.5-tiny")
 
-        def one(i: int) -> requests.Response:
-            return requests.post(f"{server.base_url}/generate", json={
+    def one(i: int) -> requests.Response:
+        return requests.post(
+            f"{server.base_url}/generate",
+            json={
                 "text": f"Fact number {i}: the capital of France is",
                 "sampling_params": {"temperature": 0, "max_new_tokens": 24, "ignore_eos": True},
-            }, timeout=600)  # fmt: skip
+            },
+            timeout=600,
+        )
 
-        with ThreadPoolExecutor(16) as executor:
-            responses = list(executor.map(one, range(16)))
-        flush_radix(server)
-        pool = pool_state(server)
+    with ThreadPoolExecutor(16) as executor:
+        responses = list(executor.map(one, range(16)))
+    flush_radix(server)
+    pool = pool_state(server)
     assert [r.status_code for r in responses] == [200] * 16
     assert all(len(r.json()["output_ids"]) == 24 for r in responses)
     # 16 x (prompt + 23 decode tokens) needs ~16 x 69 pages > the pool: pages capped the batch.

@@ -23,9 +23,14 @@ pytestmark = pytest.mark.e2e
 def write_profile(path, model: ModelIdentity) -> str:
     ratio = np.full((model.num_layers, model.num_kv_heads), 0.5)
     BudgetProfile(
-        model=model, scorer="ada-snapkv", target_ratio=0.5, ratio=ratio, sink_tokens=4,
-        recent_window=8, grouping=HeadGrouping.build(ratio, model.num_kv_heads, "global"),
-    ).save(path)  # fmt: skip
+        model=model,
+        scorer="ada-snapkv",
+        target_ratio=0.5,
+        ratio=ratio,
+        sink_tokens=4,
+        recent_window=8,
+        grouping=HeadGrouping.build(ratio, model.num_kv_heads, "global"),
+    ).save(path)
     return str(path)
 
 
@@ -34,9 +39,8 @@ def smollm2_identity(smollm2_path):
     return ModelIdentity.from_hf_config(json.loads((smollm2_path / "config.json").read_text()))
 
 
-def start_fails(smollm2_path, args, log_name) -> str:
-    server = SGLangServer(smollm2_path, args=args, log_path=f"/tmp/{log_name}.log",
-                          startup_timeout_s=300)  # fmt: skip
+def start_fails(smollm2_path, args, log_path) -> str:
+    server = SGLangServer(smollm2_path, args=args, log_path=log_path, startup_timeout_s=300)
     with pytest.raises(TangramError, match="exited with code"):
         server.start()
     server.stop()
@@ -44,11 +48,13 @@ def start_fails(smollm2_path, args, log_name) -> str:
 
 
 def test_profile_for_another_model_refuses_to_start(smollm2_path, tmp_path):
-    other = ModelIdentity("LlamaForCausalLM", num_layers=4, num_kv_heads=3, num_qo_heads=9,
-                          head_dim=64)  # fmt: skip
+    other = ModelIdentity(
+        "LlamaForCausalLM", num_layers=4, num_kv_heads=3, num_qo_heads=9, head_dim=64
+    )
     profile = write_profile(tmp_path / "other.json", other)
-    log = start_fails(smollm2_path, ["--tangram", "--tangram-profile", profile],
-                      "tangram-e2e-bad-profile")  # fmt: skip
+    log = start_fails(
+        smollm2_path, ["--tangram", "--tangram-profile", profile], tmp_path / "server.log"
+    )
     assert "ProfileError" in log
     assert "model.num_layers=4 but the served model has 30" in log
     assert "python -m tangram_sglang.calibrate" in log
@@ -56,18 +62,29 @@ def test_profile_for_another_model_refuses_to_start(smollm2_path, tmp_path):
 
 def test_incompatible_flag_refuses_to_start(smollm2_path, tmp_path, smollm2_identity):
     profile = write_profile(tmp_path / "good.json", smollm2_identity)
-    log = start_fails(smollm2_path, ["--tangram", "--tangram-profile", profile,
-                                     "--enable-mixed-chunk"], "tangram-e2e-bad-flag")  # fmt: skip
+    log = start_fails(
+        smollm2_path,
+        ["--tangram", "--tangram-profile", profile, "--enable-mixed-chunk"],
+        tmp_path / "server.log",
+    )
     assert "ConfigError: --enable-mixed-chunk True cannot be combined with --tangram" in log
 
 
-def test_valid_tangram_setup_starts_with_the_tangram_backend(smollm2_path, tmp_path,
-                                                             smollm2_identity):  # fmt: skip
+def test_valid_tangram_setup_starts_with_the_tangram_backend(
+    smollm2_path, tmp_path, smollm2_identity
+):
     """Flags and profile are valid: the server starts on the compressing backend and says so."""
     profile = write_profile(tmp_path / "good.json", smollm2_identity)
-    args = ["--tangram", "--tangram-profile", profile, "--tangram-page-size", "8",
-            "--tangram-target-ratio", "0.4"]  # fmt: skip
-    with SGLangServer(smollm2_path, args=args, log_path="/tmp/tangram-e2e-info.log") as server:
+    args = [
+        "--tangram",
+        "--tangram-profile",
+        profile,
+        "--tangram-page-size",
+        "8",
+        "--tangram-target-ratio",
+        "0.4",
+    ]
+    with SGLangServer(smollm2_path, args=args, log_path=tmp_path / "server.log") as server:
         info = server.server_info()
     assert info["tangram_page_size"] == 8 and info["tangram_target_ratio"] == 0.4
     assert info["attention_backend"] == "tangram" and info["disable_radix_cache"] is False

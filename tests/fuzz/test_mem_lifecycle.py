@@ -16,11 +16,11 @@ from dataclasses import dataclass, field
 import numpy as np
 import pytest
 import torch
+from factories import make_profile
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from tangram_sglang.bench.synthetic import make_profile
 from tangram_sglang.errors import PoolError
 from tangram_sglang.mem.kv_pool import KVPool
 from tangram_sglang.mem.manager import PrefixMatch, TangramMemory

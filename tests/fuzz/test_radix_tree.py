@@ -147,6 +147,13 @@ class RadixLifecycle(RuleBasedStateMachine):
         assert used == self.tree.stats()["pages_held"] + own
 
     @invariant()
+    def evictable_pages_kept_up_to_date(self):
+        """The O(path) count equals a scan of the tree, with and without an excluded path."""
+        assert self.tree.evictable_pages() == self.tree.evictable_pages_scan()
+        for node in list(self.tree._boundaries.values())[:4]:
+            assert self.tree.evictable_pages(node) == self.tree.evictable_pages_scan(node)
+
+    @invariant()
     def token_slots_add_up(self):
         own = sum(len(r.req.origin_input_ids) - r.prefix_len + r.decoded
                   for r in self.running.values())  # fmt: skip

@@ -12,30 +12,22 @@ import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
+from factories import random_profile
 
-from tangram_sglang.grouping import HeadGrouping
-from tangram_sglang.profile import BudgetProfile, ModelIdentity
+from tangram_sglang.profile import ModelIdentity
 
 REPO = Path(__file__).resolve().parents[2]
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
 
-def _make_profile(model: ModelIdentity, target: float = 0.25, seed: int = 0) -> BudgetProfile:
-    """A synthetic profile for ``model``: ratios uniform in [0.1, 0.6], global groups of H_kv."""
-    ratio = np.random.default_rng(seed).uniform(0.1, 0.6, (model.num_layers, model.num_kv_heads))
-    grouping = HeadGrouping.build(ratio, model.num_kv_heads, "global")
-    return BudgetProfile(
-        model=model, scorer="ada-snapkv", target_ratio=target, ratio=ratio, sink_tokens=4,
-        recent_window=8, grouping=grouping,
-    )  # fmt: skip
-
-
 @pytest.fixture(scope="session")
 def make_profile():
-    """Factory: ``make_profile(model_identity, target=0.25, seed=0) -> BudgetProfile``."""
-    return _make_profile
+    """Factory: ``make_profile(model_identity, target=0.25, seed=0) -> BudgetProfile``.
+
+    ``factories.random_profile``: ratios uniform in [0.1, 0.6], global groups of H_kv.
+    """
+    return random_profile
 
 
 @pytest.fixture(scope="session")
@@ -61,7 +53,7 @@ def smollm2_identity(smollm2_path):
 def smollm2_profile(tmp_path_factory, smollm2_identity):
     """Path of a valid synthetic profile for SmolLM2 (30 layers x 3 KV heads)."""
     path = tmp_path_factory.mktemp("profiles") / "smollm2-r0.25.json"
-    _make_profile(smollm2_identity).save(path)
+    random_profile(smollm2_identity).save(path)
     return str(path)
 
 

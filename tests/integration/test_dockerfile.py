@@ -1,8 +1,9 @@
 """The serving image: docker/Dockerfile, docker/entrypoint.sh, docker/compose.yaml (no Docker here).
 
 Docker cannot run on the CPU machines, so these tests check what can be checked without it:
-- one source of truth: the Dockerfile installs only through the ``make`` targets the README
-  documents, and the README documents every install command of those Makefile recipes;
+- one source of truth: the Dockerfile installs only through the ``make`` targets the docs
+  (README.md, docs/reference.md) document, and they document every install command of those
+  Makefile recipes;
 - the base image is the official SGLang image of the pinned version;
 - the entrypoint really builds ``python -m sglang.launch_server --tangram ...`` from its
   environment (its ``DRY_RUN=1`` mode prints the command it would exec) and refuses a missing
@@ -59,7 +60,8 @@ def make_recipe(target: str) -> list[str]:
 
 
 def readme() -> str:
-    return (REPO / "README.md").read_text()
+    """README.md and docs/reference.md (the install details live there), joined."""
+    return (REPO / "README.md").read_text() + (REPO / "docs" / "reference.md").read_text()
 
 
 def pinned_sglang() -> str:

@@ -80,3 +80,17 @@ def test_verify_reports_a_hook_that_is_not_applied(patched_sglang):
     missing = HookTarget("sglang.srt.managers.scheduler.Scheduler.no_such_method", "after",
                          row.body, "typo")  # fmt: skip
     assert "does not resolve" in plugin._check_hook(missing)
+
+
+def test_integration_readme_lists_every_hook():
+    """integration/README.md's hook table names each HOOKS row's target, type and body."""
+    from pathlib import Path
+
+    readme = (Path(plugin.__file__).parent / "README.md").read_text()
+    rows = [line for line in readme.splitlines() if line.startswith("| `")]
+    for hook in HOOKS:
+        target = hook.target.removeprefix("sglang.srt.")
+        body = hook.body.removeprefix("tangram_sglang.integration.")
+        cells = [f"| `{target}` |", f"| {hook.hook_type.upper()} |", f"| `{body}` |"]
+        assert any(all(c in row for c in cells) for row in rows), f"README lacks {hook.target}"
+    assert f"`hook_targets.HOOKS`, {len(HOOKS)} rows" in readme

@@ -8,13 +8,13 @@ import numpy as np
 import torch
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-# Relative-error bars of DESIGN.md §6 (vs a float64 oracle); fp16 shares bf16's bar.
+# Relative-error bars of docs/design.md §6 (vs a float64 oracle); fp16 shares bf16's bar.
 TOL = {torch.float32: 1e-4, torch.bfloat16: 1e-2, torch.float16: 1e-2}
 
 
 @dataclass
 class PagedLayer:
-    """One layer's KV state in the pool layout of notes/INTERFACES.md, plus the dense oracle.
+    """One layer's KV state in the pool layout of docs/contracts.md, plus the dense oracle.
 
     ``dense_k[r][h]`` / ``dense_v[r][h]``: float64 ``[group_len[r, group_of_head[h]], D]``, the
     kept tokens of row r, KV head h, in logical order (exactly what the pool holds).

@@ -12,10 +12,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from factories import make_profile
 
 from tangram_sglang.backend import metadata as md
 from tangram_sglang.backend.state import TangramState
-from tangram_sglang.bench.synthetic import make_profile
 from tangram_sglang.kernels.decode_attention import decode_scratch, ragged_decode_attention
 from tangram_sglang.kernels.reference import decode_reference
 from tangram_sglang.kernels.split_table import build_split_tables

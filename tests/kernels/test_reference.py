@@ -1,7 +1,7 @@
 """The torch reference (CPU serving path and oracle) against float64 dense attention.
 
 Dense attention runs over the unpaged kept tokens of each (row, KV head), so these tests pin the
-page layout of notes/INTERFACES.md as well as the arithmetic.
+page layout of docs/contracts.md as well as the arithmetic.
 """
 
 from __future__ import annotations

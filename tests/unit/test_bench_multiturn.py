@@ -91,6 +91,45 @@ def test_summary_ratios_and_missing_runs():
     assert s["throughput_ratio_at_50pct"] is None and "throughput_ratio_at_50pct" in s["missing"]
 
 
+def test_never_slower_ratios_use_the_best_stock_backend_per_workload():
+    def run(tok_s):
+        return {"requests_ok": 4, "output_tok_per_s": tok_s, "wall_s": 1.0}
+
+    systems = {
+        "baseline": {"workloads": {"sharegpt-64x4": run(2400), "cliff-64": run(150)}},
+        "baseline-flashinfer": {"workloads": {"sharegpt-64x4": run(2000), "cliff-64": run(185)}},
+        "tangram-r0.25": {"workloads": {"sharegpt-64x4": run(2280), "cliff-64": run(500)}},
+        "tangram-r1": {"workloads": {"sharegpt-64x4": run(2160), "cliff-64": run(148)}},
+    }
+    s = mt.summarize(systems, "cliff-64", None)
+    assert s["sharegpt_ratio_vs_best_stock"] == 2280 / 2400
+    assert s["ratio1_per_workload"] == {"sharegpt-64x4": 0.9, "cliff-64": 148 / 185}
+    assert s["ratio1_min_ratio_vs_stock"] == 148 / 185
+    assert s["vs_best_stock"]["tangram-r0.25"]["cliff-64"] == {
+        "ratio": 500 / 185,
+        "stock": "baseline-flashinfer",
+    }
+    assert s["cliff_throughput_ratio_64_clients"] == 500 / 150  # issue 7's: vs ``baseline``
+    del systems["tangram-r1"]
+    s = mt.summarize(systems, "cliff-64", None)
+    assert s["ratio1_min_ratio_vs_stock"] is None and "ratio1_min_ratio_vs_stock" in s["missing"]
+
+
+def test_stock_backend_args_replace_the_attention_backend():
+    base = ["--attention-backend", "triton", "--disable-radix-cache"]
+    assert mt.stock_backend_args("baseline", base) == base
+    assert mt.stock_backend_args("baseline-flashinfer", base) == [
+        "--disable-radix-cache",
+        "--attention-backend",
+        "flashinfer",
+    ]
+    assert mt.stock_backend_args("baseline-no-overlap", base) == base
+    assert mt.stock_backend_args("baseline-triton", ["--attention-backend=fa3"]) == [
+        "--attention-backend",
+        "triton",
+    ]
+
+
 def test_merge_joins_workloads_per_system_and_later_runs_win(tmp_path):
     import json
 

@@ -38,6 +38,8 @@ def test_analyse_attributes_gpu_idle_time_to_the_host_functions_running_then():
     assert out["gpu_idle_ms"] == pytest.approx(2.5)
     assert out["largest_gaps_ms"] == [2.5]
     assert out["host_during_idle_ms"] == {"python_function: stats": 1.5}
+    assert out["gpu_time_by_kernel_ms"] == {"gemm": 1.0, "attn": 1.0, "HtoD": 1.0}
+    assert out["gpu_launches_by_kernel"] == {"gemm": 1, "attn": 1, "HtoD": 1}
 
 
 def test_analyse_refuses_a_trace_without_gpu_events():
@@ -48,12 +50,13 @@ def test_analyse_refuses_a_trace_without_gpu_events():
 @pytest.mark.parametrize(
     "argv, match",
     [
-        (["--num-prompts", "0"], "--num-prompts and --prompt-len must be >= 1"),
+        (["--num-prompts", "0"], "--num-prompts, --prompt-len and --output-len must be >= 1"),
+        (["--output-len", "0"], "--output-len must be >= 1"),
         (["--server-args", "--foo 'bar"], '--server-args "--foo \'bar": No closing quotation'),
         (["--model-path", "/nonexistent/model"], "--model-path '/nonexistent/model': no such"),
         (["--json", "/nonexistent/dir/out.json"], "--json '/nonexistent/dir/out.json': no folder"),
     ],
-    ids=["no-prompts", "unbalanced-quote", "missing-model", "json-folder-missing"],
+    ids=["no-prompts", "no-output", "unbalanced-quote", "missing-model", "json-folder-missing"],
 )
 def test_bad_flags_exit_2_naming_the_flag_before_any_server(tmp_path, capsys, argv, match):
     base = {"--model-path": str(tmp_path), "--label": "x", "--trace-dir": str(tmp_path / "t")}

@@ -1,6 +1,6 @@
 """Budget Reservation through TangramState: plan, reserve the whole footprint, trim, never overflow.
 
-DESIGN.md §3.1: a request's pages (segment, later prefill chunks, ``T - 1`` decode tail) are
+docs/design.md §3.1: a request's pages (segment, later prefill chunks, ``T - 1`` decode tail) are
 reserved when it is admitted, so its later chunks and decode steps never wait for a page.
 Later chunks are reserved uncompressed (SGLang sizes them when it schedules them); the grant is
 trimmed to the exact tail after the last chunk.

@@ -4,9 +4,10 @@ import json
 
 import numpy as np
 import pytest
+from factories import make_profile
 
 from tangram_sglang.bench import capacity
-from tangram_sglang.bench.synthetic import make_profile, skewed_profile
+from tangram_sglang.bench.synthetic import skewed_profile
 
 GIB = 1 << 30
 

@@ -4,30 +4,27 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from factories import random_profile
 
 from tangram_sglang.config import DEFAULT_PAGE_SIZE, SCOPES, TangramConfig
 from tangram_sglang.errors import ConfigError, ProfileError
 from tangram_sglang.grouping import SCOPES as GROUPING_SCOPES
-from tangram_sglang.grouping import HeadGrouping
 from tangram_sglang.integration import profile_loader
-from tangram_sglang.profile import BudgetProfile, ModelIdentity
+from tangram_sglang.profile import ModelIdentity
 
 MODEL = ModelIdentity("LlamaForCausalLM", num_layers=4, num_kv_heads=2, num_qo_heads=4, head_dim=8)
 OTHER = ModelIdentity("LlamaForCausalLM", num_layers=6, num_kv_heads=2, num_qo_heads=4, head_dim=8)
 
 
-def make_profile(model=MODEL, scorer="ada-snapkv", target=0.25, heads_per_group=2, seed=0):
-    ratio = np.random.default_rng(seed).uniform(0.1, 0.6, (model.num_layers, model.num_kv_heads))
-    return BudgetProfile(
-        model=model, scorer=scorer, target_ratio=target, ratio=ratio, sink_tokens=2,
-        recent_window=4, grouping=HeadGrouping.build(ratio, heads_per_group, "global"),
-    )  # fmt: skip
+def model_profile(model=MODEL, scorer="ada-snapkv", target=0.25, heads_per_group=2, seed=0):
+    """``factories.random_profile`` with H_p 2, 2 sink tokens and a 4-token window."""
+    return random_profile(model, target, seed, heads_per_group, scorer, 2, 4)
 
 
 @pytest.fixture
 def profile_file(tmp_path):
     path = tmp_path / "p.json"
-    make_profile().save(path)
+    model_profile().save(path)
     return str(path)
 
 
@@ -116,20 +113,20 @@ def test_resolve_rejects_corrupt_profile(tmp_path):
 def test_shipped_default_prefers_ada_snapkv_closest_to_quarter(tmp_path):
     folder = tmp_path / "tiny"
     folder.mkdir()
-    make_profile(target=0.5).save(folder / "ada-snapkv-r0.5.json")
-    make_profile(target=0.25).save(folder / "ada-snapkv-r0.25.json")
-    make_profile(scorer="snapkv", target=0.25).save(folder / "snapkv-r0.25.json")
-    make_profile(model=OTHER).save(folder / "other-model.json")
+    model_profile(target=0.5).save(folder / "ada-snapkv-r0.5.json")
+    model_profile(target=0.25).save(folder / "ada-snapkv-r0.25.json")
+    model_profile(scorer="snapkv", target=0.25).save(folder / "snapkv-r0.25.json")
+    model_profile(model=OTHER).save(folder / "other-model.json")
     (folder / "broken.json").write_text("not json")
     assert profile_loader.find_shipped_profile(MODEL, tmp_path).name == "ada-snapkv-r0.25.json"
     assert profile_loader.find_shipped_profile(OTHER, tmp_path).name == "other-model.json"
-    make_profile(scorer="snapkv", target=0.9).save(folder / "default.json")
+    model_profile(scorer="snapkv", target=0.9).save(folder / "default.json")
     assert profile_loader.find_shipped_profile(MODEL, tmp_path).name == "default.json"
 
 
 def test_no_shipped_default_says_how_to_calibrate(tmp_path):
     (tmp_path / "other").mkdir()
-    make_profile(model=OTHER).save(tmp_path / "other" / "r.json")
+    model_profile(model=OTHER).save(tmp_path / "other" / "r.json")
     with pytest.raises(ConfigError, match="python -m tangram_sglang.calibrate") as info:
         profile_loader.resolve_profile(TangramConfig(enabled=True), MODEL, tmp_path)
     assert "other models: ['other/r.json']" in str(info.value)

@@ -2,14 +2,10 @@
 
 import pytest
 import torch
+from factories import make_pool, make_profile
 
-from tangram_sglang.bench.synthetic import make_profile
 from tangram_sglang.errors import PoolError
 from tangram_sglang.mem.kv_pool import KVPool, bytes_per_page, num_pages_for_budget
-
-
-def make_pool(num_pages=16, page_size=4, heads_per_group=2, head_dim=8, dtype=torch.float32):
-    return KVPool.create(num_pages, heads_per_group, page_size, head_dim, dtype)
 
 
 def test_layout_and_bytes_per_page():

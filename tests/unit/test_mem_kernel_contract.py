@@ -9,8 +9,8 @@ the tokens each head should hold.
 
 import numpy as np
 import torch
+from factories import make_profile
 
-from tangram_sglang.bench.synthetic import make_profile
 from tangram_sglang.kernels.reference import decode_reference
 from tangram_sglang.mem.kv_pool import KVPool
 from tangram_sglang.mem.manager import PrefixMatch, TangramMemory

@@ -3,18 +3,11 @@
 import numpy as np
 import pytest
 import torch
+from factories import make_memory, make_profile
 
-from tangram_sglang.bench.synthetic import make_profile
 from tangram_sglang.errors import PoolError
-from tangram_sglang.mem.kv_pool import KVPool
 from tangram_sglang.mem.manager import PrefixMatch, TangramMemory
 from tangram_sglang.mem.reservation import RequestTooLargeError
-
-
-def make_memory(num_pages=16, page_size=4, heads_per_group=2, max_rows=4, max_pages=8):
-    prof = make_profile([[1.0, 1.0, 0.5, 0.5]], heads_per_group, "per_layer")
-    pool = KVPool.create(num_pages, heads_per_group, page_size, 8, torch.float32)
-    return TangramMemory(prof, page_size, num_pages, max_rows, max_pages, pool, debug=True)
 
 
 def snapshot(mem):

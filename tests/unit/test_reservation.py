@@ -5,13 +5,11 @@ import math
 
 import numpy as np
 import pytest
+from factories import make_ledger, make_profile
 
-from tangram_sglang.bench.synthetic import make_profile
 from tangram_sglang.errors import PoolError
-from tangram_sglang.mem.page_allocator import PageAllocator
 from tangram_sglang.mem.reservation import (
     RequestTooLargeError,
-    ReservationLedger,
     decode_tail_tokens,
     group_pages_needed,
     pages_needed,
@@ -112,10 +110,6 @@ def test_pages_needed_with_prefix_uses_kept_len_per_group():
     kept = [kept_len(20, r, 2, 3) for r in (1.0, 0.3)]
     expected = sum(simulate_pages(int(lens[g]), True, kept[g] + 4) for g in range(2))
     assert pages_needed(prof, PAGE, 20, 5, lens, shared) == expected
-
-
-def make_ledger(num_pages=16):
-    return ReservationLedger(PageAllocator(num_pages, debug=True))
 
 
 def test_can_reserve_has_no_side_effects_and_counts_evictable():

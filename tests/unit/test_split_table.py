@@ -29,7 +29,7 @@ def table_for(
 
 
 def test_design_example_100_50_25_gives_8_4_2() -> None:
-    # DESIGN.md §3.3: 100% -> 8 splits, 50% -> 4, 25% -> 2 when the CTA budget is 14 per row.
+    # docs/design.md §3.3: 100% -> 8 splits, 50% -> 4, 25% -> 2 when the CTA budget is 14 per row.
     splits = layer_splits(np.array([1.0, 0.5, 0.25]), target_ctas=14, uniform=False)
     assert splits.tolist() == [8, 4, 2]
 

@@ -1,7 +1,8 @@
-"""The README's flag table and the version stay true to the code (patched sglang 0.5.17, no server).
+"""The docs' flag table and the version stay true to the code (patched sglang 0.5.17, no server).
 
-- every ``--tangram*`` option of SGLang's real ``ServerArgs`` parser is a row of the README's
-  ``--tangram-*`` table with argparse's default (and its choices), and the table lists no other;
+- every ``--tangram*`` option of SGLang's real ``ServerArgs`` parser is a row of the
+  ``--tangram-*`` table in ``docs/reference.md`` with argparse's default (and its choices), and
+  the table lists no other;
 - ``tangram_sglang.__version__`` is the installed distribution's version and the newest release
   of ``CHANGELOG.md``.
 """
@@ -19,9 +20,9 @@ REPO = Path(__file__).resolve().parents[2]
 ROW = re.compile(r"^\| `(--tangram[a-z-]*)` \| `([^`]*)` \| ([^|]*) \|", re.MULTILINE)
 
 
-def readme_flag_rows() -> dict[str, tuple[str, str]]:
-    """``{flag: (default cell, values cell)}`` from the README's flag table."""
-    text = (REPO / "README.md").read_text()
+def reference_flag_rows() -> dict[str, tuple[str, str]]:
+    """``{flag: (default cell, values cell)}`` from docs/reference.md's flag table."""
+    text = (REPO / "docs" / "reference.md").read_text()
     section = text[text.index("## `--tangram-*` flags") :]
     section = section[: section.index("\n## ", 1)]
     rows = {flag: (default, values) for flag, default, values in ROW.findall(section)}
@@ -40,17 +41,17 @@ def tangram_actions(server_args_cls) -> dict[str, argparse.Action]:
     }
 
 
-def test_readme_table_lists_every_tangram_flag_with_its_default(patched_sglang):
+def test_reference_table_lists_every_tangram_flag_with_its_default(patched_sglang):
     actions = tangram_actions(patched_sglang)
-    rows = readme_flag_rows()
-    assert set(rows) == set(actions), "README flag table differs from ServerArgs' parser"
+    rows = reference_flag_rows()
+    assert set(rows) == set(actions), "docs/reference.md flag table differs from the parser"
     for flag, action in actions.items():
         default, values = rows[flag]
         assert default == repr(action.default), (
-            f"{flag}: README {default}, argparse {action.default!r}"
+            f"{flag}: docs {default}, argparse {action.default!r}"
         )
         for choice in action.choices or ():
-            assert f"`{choice}`" in values, f"{flag}: choice {choice} missing in README"
+            assert f"`{choice}`" in values, f"{flag}: choice {choice} missing in docs/reference.md"
 
 
 def test_version_matches_installed_metadata_and_changelog():

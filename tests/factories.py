@@ -1,0 +1,132 @@
+"""Tiny test factories shared by every test folder: profiles, page pools, memory managers.
+
+The one home for the builders tests need (import them: ``from factories import make_profile``;
+``tests/`` is on ``sys.path`` through ``tests/conftest.py``). Sizes are small on purpose (a few
+pages of a few tokens, 1-4 KV heads of dimension 8), so a test can assert exact page ids.
+
+* :func:`make_profile`: a budget profile wrapping a given ratio matrix (no model, no calibration).
+* :func:`random_profile`: a seeded profile for a given model geometry (ratios in [0.1, 0.6]).
+* :func:`make_pool`, :func:`make_memory`, :func:`make_ledger`: the page pool, the memory manager
+  (one layer, four KV heads: group 0 keeps everything, group 1 half) and the reservation ledger.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from tangram_sglang.grouping import HeadGrouping
+from tangram_sglang.mem.kv_pool import KVPool
+from tangram_sglang.mem.manager import TangramMemory
+from tangram_sglang.mem.page_allocator import PageAllocator
+from tangram_sglang.mem.reservation import ReservationLedger
+from tangram_sglang.profile import BudgetProfile, ModelIdentity
+
+MEMORY_RATIOS = [[1.0, 1.0, 0.5, 0.5]]  # make_memory's profile: 1 layer x 4 KV heads
+
+
+def make_profile(
+    ratio: np.ndarray | list[list[float]],
+    heads_per_group: int = 1,
+    scope: str = "per_layer",
+    sink_tokens: int = 0,
+    recent_window: int = 0,
+    head_dim: int = 8,
+    gqa_size: int = 1,
+    architecture: str = "synthetic",
+) -> BudgetProfile:
+    """A profile with the given ``ratio [num_layers, num_kv_heads]`` and budget-aware grouping.
+
+    Args:
+        ratio: kept fraction per (layer, KV head), each in (0, 1].
+        heads_per_group: H_p, KV heads sharing one page table.
+        scope: ``"per_layer"`` or ``"global"`` head groups.
+        sink_tokens: always-kept first tokens of each segment.
+        recent_window: always-kept last tokens of each segment.
+        head_dim: D of the synthetic model.
+        gqa_size: query heads per KV head.
+        architecture: the model identity's architecture name.
+
+    Returns:
+        The profile; its target ratio is the mean of ``ratio``.
+    """
+    ratio = np.asarray(ratio, dtype=np.float64)
+    num_layers, num_kv_heads = ratio.shape
+    model = ModelIdentity(architecture, num_layers, num_kv_heads, num_kv_heads * gqa_size, head_dim)
+    return BudgetProfile(
+        model=model,
+        scorer="ada-snapkv",
+        target_ratio=float(ratio.mean()),
+        ratio=ratio,
+        sink_tokens=sink_tokens,
+        recent_window=recent_window,
+        grouping=HeadGrouping.build(ratio, heads_per_group, scope),
+        provenance={"source": "synthetic"},
+    )
+
+
+def random_profile(
+    model: ModelIdentity,
+    target: float = 0.25,
+    seed: int = 0,
+    heads_per_group: int | None = None,
+    scorer: str = "ada-snapkv",
+    sink_tokens: int = 4,
+    recent_window: int = 8,
+) -> BudgetProfile:
+    """A seeded profile for ``model``: ratios uniform in [0.1, 0.6], ``global`` head groups.
+
+    Args:
+        model: the geometry (and identity) the profile is for.
+        target: the profile's ``target_ratio`` field.
+        seed: numpy seed of the ratio draw.
+        heads_per_group: H_p (default: ``model.num_kv_heads``).
+        scorer: the profile's scorer name.
+        sink_tokens: always-kept first tokens.
+        recent_window: always-kept last tokens.
+    """
+    ratio = np.random.default_rng(seed).uniform(0.1, 0.6, (model.num_layers, model.num_kv_heads))
+    grouping = HeadGrouping.build(ratio, heads_per_group or model.num_kv_heads, "global")
+    return BudgetProfile(
+        model=model,
+        scorer=scorer,
+        target_ratio=target,
+        ratio=ratio,
+        sink_tokens=sink_tokens,
+        recent_window=recent_window,
+        grouping=grouping,
+    )
+
+
+def make_pool(
+    num_pages: int = 16,
+    page_size: int = 4,
+    heads_per_group: int = 2,
+    head_dim: int = 8,
+    dtype: torch.dtype = torch.float32,
+) -> KVPool:
+    """A K/V page pool ``[num_pages, heads_per_group, page_size, head_dim]`` (page 0 = padding)."""
+    return KVPool.create(num_pages, heads_per_group, page_size, head_dim, dtype)
+
+
+def make_memory(
+    num_pages: int = 16,
+    page_size: int = 4,
+    heads_per_group: int = 2,
+    max_rows: int = 4,
+    max_pages: int = 8,
+) -> TangramMemory:
+    """A memory manager over :data:`MEMORY_RATIOS` with pool checks on (``debug=True``).
+
+    With the defaults: one layer, four KV heads, H_p = 2, so group 0 (ratio 1.0) keeps every
+    token and group 1 (ratio 0.5) keeps ``ceil(n / 2)``; no sink or window; 4-token pages; 15
+    usable pages; 4 request rows of at most 8 pages per group.
+    """
+    prof = make_profile(MEMORY_RATIOS, heads_per_group, "per_layer")
+    pool = make_pool(num_pages, page_size, heads_per_group)
+    return TangramMemory(prof, page_size, num_pages, max_rows, max_pages, pool, debug=True)
+
+
+def make_ledger(num_pages: int = 16) -> ReservationLedger:
+    """A reservation ledger over a fresh page allocator of ``num_pages`` (checks on)."""
+    return ReservationLedger(PageAllocator(num_pages, debug=True))
