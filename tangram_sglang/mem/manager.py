@@ -288,8 +288,7 @@ class TangramMemory:
         if plan is None:
             raise PoolError(f"commit_extend: row {row} has no allocated extend; call alloc_extend")
         new = plan.start_len + plan.kept_len
-        for g in np.nonzero(plan.kept_len)[0]:
-            self._fill(row, int(g), int(plan.start_len[g]), int(new[g]))
+        self._fill(row, plan.start_len, new, plan.kept_len > 0)
         self.table.lens[row] = new
         self.table.sync_lens(np.array([row]))
         self.pending[row] = None
@@ -646,11 +645,19 @@ class TangramMemory:
             self.allocator.free(torch.from_numpy(src.copy()), "decode COW")
         return r_idx, g_idx, idx
 
-    def _fill(self, row: int, g: int, old_len: int, new_len: int) -> None:
+    def _fill(self, row: int, old_len: np.ndarray, new_len: np.ndarray, grew: np.ndarray) -> None:
+        """``page_fill`` of the pages that hold tokens ``[old_len[g], new_len[g])`` of each group
+        where ``grew`` (vectorised over groups: int64 ``[G]`` lengths, bool ``[G]``)."""
         ps = self.page_size
-        idx = np.arange(old_len // ps, -(-new_len // ps))
-        ids = self.table.pages[row, g, idx]
-        self.page_fill[ids] = np.minimum(ps, new_len - idx * ps)
+        lo = old_len // ps
+        count = np.where(grew, -(-new_len // ps) - lo, 0)
+        total = int(count.sum())
+        if not total:
+            return
+        groups = np.repeat(np.arange(count.size), count)
+        idx = np.repeat(lo, count) + np.arange(total) - np.repeat(np.cumsum(count) - count, count)
+        ids = self.table.pages[row, groups, idx]
+        self.page_fill[ids] = np.minimum(ps, new_len[groups] - idx * ps)
 
     def _entries(self, row: int, own: bool | None) -> np.ndarray:
         """Page ids of the row's table, tail first per group: own, borrowed or all (None)."""
