@@ -166,9 +166,9 @@ def test_fact_from_turn1_is_recalled_in_turn3_with_exact_pages_per_turn(server05
 
     Per turn the finished row's own pages follow the formula: the matched prefix's per-group
     kept lengths (the chain of earlier chunks and decode tails), plus ``k_g`` of each 128-token
-    chunk of the extend, plus the ``T - 1`` decode tail, in pages past the shared prefix pages
-    (a partial shared last page is copied: copy-on-write). The tree keeps every row's pages, so
-    pages used = the sum over turns.
+    chunk of the extend, plus the decode tail (``kv_tail_tokens``), in pages past the shared
+    prefix pages (a partial shared last page is copied: copy-on-write). The tree keeps every
+    row's pages, so pages used = the sum over turns.
     """
     flush_radix(server05)  # turn 1 starts from an empty tree
     profile = BudgetProfile.load(PROFILE_05)
@@ -185,7 +185,7 @@ def test_fact_from_turn1_is_recalled_in_turn3_with_exact_pages_per_turn(server05
             chunk = min(left, CHUNK_TOKENS)
             lens, depth, left = lens + profile.group_kept_lens(chunk), depth + chunk, left - chunk
             lens_at[depth] = lens
-        tail = turn.completion_tokens - 1  # the last sampled token has no KV
+        tail = server05.kv_tail_tokens(turn.completion_tokens)
         lens, depth = lens + tail, depth + tail
         lens_at[depth] = lens
         want = int(group_pages_needed(prefix, prefix > 0, lens - prefix, page).sum())
@@ -203,7 +203,8 @@ def test_fact_from_turn1_is_recalled_in_turn3_with_exact_pages_per_turn(server05
     assert KEYWORD not in turns[0].reply  # the fact is only in turn 1's prompt
     assert turns[0].prompt_tokens > CHUNK_TOKENS  # the fact lies in a full, compressed chunk
     assert turns[1].cached_tokens > 0 and turns[2].cached_tokens > 0  # compressed history reused
-    assert turns[2].cached_tokens == turns[1].prompt_tokens + turns[1].completion_tokens - 1
+    history = turns[1].prompt_tokens + server05.kv_tail_tokens(turns[1].completion_tokens)
+    assert turns[2].cached_tokens == history
     assert KEYWORD in turns[2].reply, replies
 
 
@@ -218,9 +219,10 @@ def test_long_prompt_holds_the_reserved_pages_and_fewer_bytes(server05, tokenize
     pool = pool_state(server05)
     record = pool["last_release"]
     num_out = len(resp["output_ids"])
-    assert record["logical_tokens"] == len(ids) + num_out - 1  # the last token is never fed back
+    tail = server05.kv_tail_tokens(num_out)  # decoded tokens fed back (K/V written)
+    assert record["logical_tokens"] == len(ids) + tail
     profile = BudgetProfile.load(PROFILE_05)
-    want = chunked_footprint_pages(profile, 16, len(ids), num_out, CHUNK_TOKENS)
+    want = chunked_footprint_pages(profile, 16, len(ids), tail + 1, CHUNK_TOKENS)
     assert record["pages"] == want  # exact to the page
     assert record["bytes_held"] == want * pool["bytes_per_page"]
     full = record["logical_tokens"] * pool["full_kv_bytes_per_token"]
