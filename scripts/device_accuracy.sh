@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# device_accuracy.sh -- runs THERE (nvidia-h200) after `source scripts/device_setup.sh`: the issue-8
+# device_accuracy.sh -- runs on an H200 machine after `source scripts/device_setup.sh`: the issue-8
 # accuracy harness (python -m tangram_sglang.eval --device cuda) on Qwen2.5-Coder-0.5B.
 #   bash scripts/device_accuracy.sh setup   # wheels, join + check + convert the GGUF (~2 min)
 #   bash scripts/device_accuracy.sh start   # setup, then the eval in the background (setsid)

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# device_multiturn.sh -- runs THERE (nvidia-h200-x2) after `source scripts/device_setup.sh`:
+# device_multiturn.sh -- runs on a two-H200 machine after `source scripts/device_setup.sh`:
 # bench.multiturn with the baseline on GPU 0 and the Tangram systems on GPU 1 at the same time
 # (same model, flags and memory per GPU), then `merge` into $OUT/multiturn-h200.json.
 # If a Tangram system fails to start with CUDA graphs, it is rerun once with --disable-cuda-graph

@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
-# device_never_slower.sh -- runs THERE (one H200) after `source scripts/device_setup.sh`: the
+# device_never_slower.sh -- runs on an H200 machine after `source scripts/device_setup.sh`: the
 # "never slower than stock" comparison, side by side in one run. Each system is one server
 # (same model, same flags, same memory), started, loaded with every workload, stopped; the
 # systems run one after another on GPU 0, and the parts are merged into $R/never-slower.json
 # (summary: sharegpt_ratio_vs_best_stock, ratio1_min_ratio_vs_stock,
 # cliff_throughput_ratio_64_clients, vs_best_stock).
 #
-# Start it in the background so it outlives one device call, then poll:
+# Start it in the background so it outlives the shell that started it, then poll:
 #   setsid nohup bash scripts/device_never_slower.sh > /tmp/ns.log 2>&1 &
 #   ... later: cat /tmp/ns/progress; cp /tmp/ns/never-slower.json $OUT/
 # Env: SYSTEMS (space-separated bench.multiturn systems, default below; tangram:1.0 runs the

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# device_pair.sh -- runs THERE (nvidia-h200-x2) after `source scripts/device_setup.sh`: two
+# device_pair.sh -- runs on a two-H200 machine after `source scripts/device_setup.sh`: two
 # bench.multiturn runs at the same time, SYS0 on GPU 0 and SYS1 on GPU 1 (same model, flags and
 # memory per GPU; device_multiturn.sh's flags), then `merge` into $OUT/multiturn-part.json.
 # With PROFILE_CASES set, GPU 1 first runs bench.prefill_profile on those cases (the extend

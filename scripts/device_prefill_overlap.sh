@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# device_prefill_overlap.sh -- runs THERE (one H200) after `source scripts/device_setup.sh`:
+# device_prefill_overlap.sh -- runs on an H200 machine after `source scripts/device_setup.sh`:
 # the prefill workload (16 x 8192 tokens at once, 1 output token) on stock SGLang (triton) with
 # and without overlap scheduling and on Tangram (which turns overlap off), each server's
 # scheduler process sampled by py-spy (carry .pyspy/ with the py-spy wheel). Where does

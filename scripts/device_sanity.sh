@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# device_sanity.sh -- runs THERE (nvidia-h200) after `source scripts/device_setup.sh`: issue 7's
+# device_sanity.sh -- runs on an H200 machine after `source scripts/device_setup.sh`: issue 7's
 # sanity run with real weights. Converts the carried GGUF pieces of an embedded model
 # (.carry/$NAME_DIR/pNN/*, whole-file sha256 in .carry/$NAME_DIR/SHA256) with
 # `python -m tangram_sglang.models convert`, synthesizes a budget profile for it from a calibrated

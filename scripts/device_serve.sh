@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# device_serve.sh -- runs THERE after `source scripts/device_setup.sh`: start one server on the
+# device_serve.sh -- runs on the GPU machine after `source scripts/device_setup.sh`: start one server on the
 # dummy Llama-3.1-8B, smoke it (/generate x3, /server_info), optionally load it, stop it.
 #   bash scripts/device_serve.sh NAME [server flags...]     e.g. NAME=tangram-eager --tangram ...
 # Env: PORT (30000), LOAD ("N IN OUT": loadgen.py prompts, input, output tokens; empty = none),

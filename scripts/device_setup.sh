@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# device_setup.sh -- runs THERE (the lent H200), sourced at the start of every device call:
+# device_setup.sh -- runs on the GPU machine, sourced at the start of every shell there:
 #   source scripts/device_setup.sh
 # Unpacks the carried stock sglang 0.5.17 wheelhouse into /tmp/site, applies patches/ to that copy
 # and checks that the `tangram` plugin entry point (carried tangram_sglang.egg-info, found through

@@ -18,8 +18,14 @@ File format (JSON, ``schema_version`` 1)::
       "stats": null | {"mean": [[...]], "std": [[...]], "alpha": float, "num_samples": int},
       "grouping": {"page_group_size": int, "scope": "per_layer" | "global",
                    "cluster_of": [[int]], "column_of": [[int]]},
-      "provenance": {"command", "dataset", "num_samples", "date", "versions": {...}, ...}
+      "provenance": {"command", "dataset", "num_samples", "date", "versions": {...}, ...},
+      "min_compress_tokens": int >= 0     # optional, default 0; written only when > 0
     }
+
+``min_compress_tokens`` is a serving setting, not a calibration output: the server sets it from
+``--tangram-min-compress-tokens`` (:meth:`BudgetProfile.with_min_compress_tokens`) whatever
+the file says; it is in the format only so that the resolved profile survives the JSON copy
+the scheduler process gets.
 
 This module owns the format, its validation and the one kept-length formula
 (:func:`kept_len`). Memory accounting, kernels and the server all call :func:`kept_len`; nothing
@@ -47,26 +53,39 @@ _CEIL_EPS = 1e-9
 MIN_RATIO = 1e-6  # smallest kept fraction a rescaled head may get (fraction of tokens)
 
 
-def kept_len(num_tokens: int, ratio: float, sink_tokens: int, recent_window: int) -> int:
+def kept_len(
+    num_tokens: int,
+    ratio: float,
+    sink_tokens: int,
+    recent_window: int,
+    min_compress_tokens: int = 0,
+) -> int:
     """Tokens a head (group) keeps of one segment of ``num_tokens`` tokens.
 
-    ``k(n) = min(n, sink_part + window_part + ceil(ratio * rest))`` where ``sink_part =
-    min(sink_tokens, n)``, ``window_part = min(recent_window, n - sink_part)`` and ``rest`` is
-    what remains. Never 0 for ``n >= 1``; equals ``n`` for ``ratio == 1``.
+    ``k(n) = n`` for ``n < min_compress_tokens`` (short segments are kept whole and not
+    scored), else ``k(n) = min(n, sink_part + window_part + ceil(ratio * rest))`` where
+    ``sink_part = min(sink_tokens, n)``, ``window_part = min(recent_window, n - sink_part)``
+    and ``rest`` is what remains. Never 0 for ``n >= 1``; never more than ``n`` (so no head
+    ever holds more tokens than full KV); equals ``n`` for ``ratio == 1``.
 
     Args:
         num_tokens: segment length n (tokens, >= 0).
         ratio: retention ratio in (0, 1].
         sink_tokens: first tokens of the segment always kept (tokens).
         recent_window: last tokens of the segment always kept (tokens).
+        min_compress_tokens: segments shorter than this are kept whole (tokens, >= 0; the
+            server's ``--tangram-min-compress-tokens``).
 
     Returns:
         The kept length in tokens, in ``[min(n, 1), n]``.
 
-    Source: docs/design.md §2 (segment, k_g(n)); Tangram arXiv 2606.06302, Budget Reservation.
+    Source: docs/design.md §2 (segment, k_g(n)); Tangram arXiv 2606.06302, Budget Reservation;
+    the short-segment floor follows the public Tangram code (no compression under 512 tokens).
     """
     if num_tokens <= 0:
         return 0
+    if num_tokens < min_compress_tokens:
+        return num_tokens
     sink_part = min(sink_tokens, num_tokens)
     window_part = min(recent_window, num_tokens - sink_part)
     rest = num_tokens - sink_part - window_part
@@ -162,6 +181,8 @@ class BudgetProfile:
         grouping: the head-group map.
         stats: calibration statistics, or None for a synthetic profile.
         provenance: free-form record of how it was made.
+        min_compress_tokens: segments shorter than this are kept whole, unscored (tokens; a
+            serving setting, see :meth:`with_min_compress_tokens`; 0 = compress every length).
     """
 
     model: ModelIdentity
@@ -173,6 +194,7 @@ class BudgetProfile:
     grouping: HeadGrouping
     stats: CalibrationStats | None = None
     provenance: dict[str, Any] = field(default_factory=dict)
+    min_compress_tokens: int = 0
 
     def __post_init__(self) -> None:
         self.validate()
@@ -184,11 +206,29 @@ class BudgetProfile:
         return self.grouping.group_ratios(self.ratio)
 
     def group_kept_lens(self, num_tokens: int) -> list[int]:
-        """Kept length (tokens) of each head group for one segment of ``num_tokens`` tokens."""
+        """Kept length (tokens) of each head group for one segment of ``num_tokens`` tokens.
+
+        :func:`kept_len` per group (``min_compress_tokens`` included): the one footprint
+        formula that admission, page allocation and the scorer all read.
+        """
         return [
-            kept_len(num_tokens, float(r), self.sink_tokens, self.recent_window)
+            kept_len(
+                num_tokens,
+                float(r),
+                self.sink_tokens,
+                self.recent_window,
+                self.min_compress_tokens,
+            )
             for r in self.group_ratios
         ]
+
+    def with_min_compress_tokens(self, tokens: int) -> BudgetProfile:
+        """The same profile keeping segments shorter than ``tokens`` whole (not scored).
+
+        Raises:
+            ProfileError: ``tokens`` not an integer >= 0.
+        """
+        return _replace(self, min_compress_tokens=tokens)
 
     def mean_kept_fraction(self) -> float:
         """Mean of the per-head ratios: the fraction of full KV the profile keeps (long n)."""
@@ -248,6 +288,12 @@ class BudgetProfile:
         for name in ("sink_tokens", "recent_window"):
             if int(getattr(self, name)) < 0:
                 raise ProfileError(f"{name}={getattr(self, name)} must be >= 0")
+        mct = self.min_compress_tokens
+        if isinstance(mct, bool) or not isinstance(mct, int | np.integer) or mct < 0:
+            raise ProfileError(
+                f"min_compress_tokens={mct!r} must be an integer >= 0 (tokens; segments shorter "
+                "than it are kept whole; 0 compresses every length)"
+            )
         shape = (m.num_layers, m.num_kv_heads)
         _check_matrix("ratio", self.ratio, shape)
         if (self.ratio <= 0).any() or (self.ratio > 1).any():
@@ -321,7 +367,7 @@ class BudgetProfile:
                 "column_of": self.grouping.column_of.tolist(),
             },
             "provenance": self.provenance,
-        }
+        } | ({"min_compress_tokens": self.min_compress_tokens} if self.min_compress_tokens else {})
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> BudgetProfile:
@@ -354,6 +400,7 @@ class BudgetProfile:
                 grouping=grouping,
                 stats=stats,
                 provenance=dict(_section("provenance", data.get("provenance") or {})),
+                min_compress_tokens=_int("min_compress_tokens", data.get("min_compress_tokens", 0)),
             )
         except KeyError as exc:
             raise ProfileError(f"profile: missing field {exc.args[0]!r}") from None

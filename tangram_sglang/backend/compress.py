@@ -6,11 +6,29 @@ write. Pure torch, no sglang import: the backend hands plain tensors in and writ
 with the kv-write kernel. Per request and KV head h of the layer the head keeps
 ``k_g = kept_len(n, group_ratio[g])`` tokens (g = its head group), its OWN top ``k_g`` by score.
 
-Cost (per layer; measured on the H200, benchmarks/RESULTS.md issue 7): consecutive requests of
-equal segment length are scored and selected as one batch, every head of a request with one
-stable sort whatever its ``k_g``, with no host synchronisation (the kept counts come in as a
-device tensor built once per batch): about 15 launches per run of equal-length requests,
-instead of ~100 launches and one blocking host-to-device copy per distinct ``k_g`` per request.
+Cost (per layer): segments are scored in length buckets (next power of two of n, at least
+:data:`MIN_BUCKET` tokens), each bucket as ONE padded batch whatever its segments' lengths, so an
+extend batch costs O(#buckets) launches (about 40 per bucket, a batch has 1-4 buckets) instead
+of one pass per run of equal lengths (4,098 top-level aten ops per layer for 64 distinct
+ShareGPT-like lengths before, benchmarks/RESULTS.md). Every head of a bucket is selected with
+one stable sort whatever its ``k_g``, with no host synchronisation. Segments every head keeps
+whole (``k_g = n``, e.g. under ``--tangram-min-compress-tokens``) are not scored.
+
+Padded layout of a bucket of ``b`` segments, ``N`` = the bucket length, ``W`` = the widest
+observation window in it (``w_i = min(obs_window, n_i)``)::
+
+    position p in [0, N):   [ pad .......... | token 0 ... token n_i - 1 ]    (right-aligned)
+                                off_i = N - n_i
+    query slot j in [0, W): valid for j >= W - w_i, at position N - W + j
+
+Right alignment puts every segment's observation window at the end of the bucket, so one
+product serves the bucket (a causal mask is not needed: it would only hide window keys, which
+are not scored, from earlier window queries). Pad keys get
+probability 0 before the mean and the pooling (the zero padding of the per-segment path), the
+window tokens ``[N - w_i, N)`` score above every context token, the sinks sit at ``off_i`` (per
+segment), pad positions rank last (-inf), and the kept positions are shifted back by ``off_i``.
+The result equals :func:`reference_kept_indices` up to ties flipped by floating-point
+summation order (a padded product sums in another order than a per-segment one).
 
 Source: Tangram arXiv 2606.06302 (Budget Reservation: prefill keeps only the kept K/V);
 docs/contracts.md (scorer interface, kept-KV write); SnapKV (arXiv 2404.14469) ยง4.
@@ -19,6 +37,7 @@ docs/contracts.md (scorer interface, kept-KV write); SnapKV (arXiv 2404.14469) ย
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -26,6 +45,10 @@ import torch
 from tangram_sglang.errors import KernelError
 from tangram_sglang.scoring.base import Scorer
 from tangram_sglang.scoring.select import priority_key, select_kept
+from tangram_sglang.scoring.snapkv import SnapKVScorer, reduce_gqa
+
+MIN_BUCKET = 64  # tokens: the shortest bucket (shorter segments share it)
+_PLAN_CACHE_SIZE = 8  # bucket plans kept (one per distinct batch shape; layers reuse them)
 
 
 def kept_from_ranks(key: torch.Tensor, kept: torch.Tensor, max_k: int) -> torch.Tensor:
@@ -56,20 +79,16 @@ def kept_from_ranks(key: torch.Tensor, kept: torch.Tensor, max_k: int) -> torch.
     return out[..., :max_k]
 
 
-def _runs(lengths: Sequence[int]) -> list[tuple[int, int]]:
-    """``[(first, end), ...]``: maximal runs of consecutive equal lengths (requests)."""
-    runs, first = [], 0
-    for i in range(1, len(lengths) + 1):
-        if i == len(lengths) or lengths[i] != lengths[first]:
-            runs.append((first, i))
-            first = i
-    return runs
-
-
 def _score_run(
-    scorer: Scorer, q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, start: int, m: int,
-    n: int, sm_scale: float,
-) -> torch.Tensor:  # fmt: skip
+    scorer: Scorer,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    lse: torch.Tensor,
+    start: int,
+    m: int,
+    n: int,
+    sm_scale: float,
+) -> torch.Tensor:
     """float32 ``[m, H_kv, n]`` scores of ``m`` consecutive requests of ``n`` new tokens each."""
     w = min(scorer.obs_window, n)
     end = start + m * n
@@ -77,9 +96,11 @@ def _score_run(
     k_run = k[start:end].view(m, n, k.shape[1], k.shape[2])
     lse_run = lse[start:end].view(m, n, lse.shape[1])
     return scorer.score(
-        q_run[:, n - w :].transpose(1, 2), k_run.transpose(1, 2), sm_scale,
+        q_run[:, n - w :].transpose(1, 2),
+        k_run.transpose(1, 2),
+        sm_scale,
         lse_obs=lse_run[:, n - w :].transpose(1, 2),
-    )  # fmt: skip
+    )
 
 
 def batch_kept_indices(
@@ -126,25 +147,221 @@ def batch_kept_indices(
     out = torch.zeros(bs, num_kv_heads, max(max_k, 1), dtype=torch.int64, device=device)
     if kept_per_head_dev is None:
         kept_per_head_dev = torch.from_numpy(kept_host).to(device)
-    lengths = np.diff(np.asarray(bounds, np.int64)).tolist()
-    for first, end in _runs(lengths):
-        n = lengths[first]
-        if n == 0:
-            continue
-        run_k = kept_host[first:end]
-        run_max = int(run_k.max())
-        if int(run_k.min()) < 1 or run_max > n:  # host check: select_kept's contract, no sync
-            raise KernelError(
-                f"batch_kept_indices: kept_per_head of requests {first}..{end - 1} must lie in "
-                f"[1, n={n}] (no head keeps 0 tokens), got {run_k.min()}..{run_max}"
-            )
-        if int(run_k.min()) == n:  # every head keeps the whole segment: no scoring needed
-            out[first:end, :, :n] = torch.arange(n, device=device)
-            continue
-        scores = _score_run(scorer, q, k_new, lse, bounds[first], end - first, n, sm_scale)
-        key = priority_key(scores, sink_tokens, recent_window)
-        out[first:end, :, :run_max] = kept_from_ranks(key, kept_per_head_dev[first:end], run_max)
+    lengths = np.diff(np.asarray(bounds, np.int64))
+    nonempty = lengths > 0
+    low, high = kept_host.min(axis=1), kept_host.max(axis=1)
+    bad = nonempty & ((low < 1) | (high > lengths))
+    if bad.any():  # host check: select_kept's contract, no sync
+        i = int(np.nonzero(bad)[0][0])
+        raise KernelError(
+            f"batch_kept_indices: kept_per_head of request {i} must lie in [1, n={lengths[i]}] "
+            f"(no head keeps 0 tokens), got {low[i]}..{high[i]}"
+        )
+    whole = nonempty & (low == lengths)  # every head keeps the whole segment: no scoring
+    scored = nonempty & ~whole
+    if whole.any():
+        _keep_whole(out, np.nonzero(whole)[0], lengths, device)
+    if not scored.any():
+        return out
+    if not isinstance(scorer, SnapKVScorer):  # a scorer of its own: one pass per run
+        _score_runs(
+            out,
+            scorer,
+            q,
+            k_new,
+            lse,
+            bounds,
+            kept_host,
+            kept_per_head_dev,
+            np.nonzero(scored)[0],
+            sm_scale,
+            sink_tokens,
+            recent_window,
+        )
+        return out
+    windows = (scorer.obs_window, sink_tokens, recent_window)
+    for bucket in _bucket_plan(bounds, scored, windows, device):
+        kept_dev = kept_per_head_dev.index_select(0, bucket.rows)
+        key = _bucket_key(scorer, q, k_new, lse, bucket, sm_scale)
+        width = int(kept_host[bucket.rows_host].max())
+        idx = kept_from_ranks(key, kept_dev, width) - bucket.offset.view(-1, 1, 1)
+        cols = torch.arange(width, device=device)
+        idx = torch.where(cols < kept_dev.unsqueeze(-1), idx, 0)
+        out[bucket.rows, :, :width] = idx
     return out
+
+
+@dataclass(frozen=True, slots=True)
+class _Bucket:
+    """Device index tensors of one length bucket (built once per batch shape, cached)."""
+
+    rows: torch.Tensor  # int64 [b]: requests of the batch in this bucket
+    rows_host: np.ndarray  # int64 [b]: the same on the host
+    length: int  # N: padded segment length (tokens)
+    window: int  # W: widest observation window of the bucket (queries)
+    tokens: torch.Tensor  # int64 [b, N]: batch token index of each position (0 on pad)
+    queries: torch.Tensor  # int64 [b, W]: batch token index of each query slot (0 if unused)
+    offset: torch.Tensor  # int64 [b]: off_i = N - n_i, first real position
+    key_valid: torch.Tensor  # bool [b, N]: position holds a token of the segment
+    context: torch.Tensor  # bool [b, N]: a token before the segment's window (pooled, ranked)
+    query_scale: torch.Tensor  # float32 [b, W]: 1 / w_i on valid query slots, 0 elsewhere
+    query_valid: torch.Tensor  # bool [b, 1, W]: the query slot is one of the segment's window
+    masked: torch.Tensor  # bool [b, 1, W, N]: pairs of an unused query slot or a pad key
+    protected: torch.Tensor  # bool [b, N]: sinks (at off_i) and the recent window
+
+
+_PLANS: dict[tuple, list[_Bucket]] = {}
+
+
+def _bucket_plan(
+    bounds: list[int], scored: np.ndarray, windows: tuple[int, int, int], device: torch.device
+) -> list[_Bucket]:
+    """The buckets of the scored requests; cached per (bounds, scored, windows, device).
+
+    ``windows`` = (scorer's observation window, sink tokens, recent window), in tokens.
+
+    Every layer of a batch asks for the same plan: its index tensors are uploaded once per
+    batch (one host-to-device copy), not per layer.
+    """
+    cache_key = (tuple(bounds), scored.tobytes(), windows, str(device))
+    plan = _PLANS.get(cache_key)
+    if plan is not None:
+        return plan
+    starts = np.asarray(bounds[:-1], np.int64)
+    lengths = np.diff(np.asarray(bounds, np.int64))
+    rows = np.nonzero(scored)[0]
+    size = np.maximum(MIN_BUCKET, 1 << np.ceil(np.log2(lengths[rows])).astype(np.int64))
+    plan = [
+        _make_bucket(rows[size == n], int(n), starts, lengths, windows, device)
+        for n in np.unique(size)
+    ]
+    if len(_PLANS) >= _PLAN_CACHE_SIZE:
+        _PLANS.pop(next(iter(_PLANS)))
+    _PLANS[cache_key] = plan
+    return plan
+
+
+def _make_bucket(
+    rows: np.ndarray,
+    length: int,
+    starts: np.ndarray,
+    lengths: np.ndarray,
+    windows: tuple[int, int, int],
+    device: torch.device,
+) -> _Bucket:
+    obs_window, sink_tokens, recent_window = windows
+    n = lengths[rows]
+    w = np.minimum(obs_window, n)
+    width = int(w.max())
+    off = length - n
+    pos = np.arange(length)
+    key_valid = pos[None, :] >= off[:, None]
+    tokens = np.where(key_valid, starts[rows, None] + pos[None, :] - off[:, None], 0)
+    slot = np.arange(width)
+    q_valid = slot[None, :] >= (width - w)[:, None]
+    queries = np.where(q_valid, starts[rows, None] + n[:, None] - width + slot[None, :], 0)
+    context = key_valid & (pos[None, :] < (length - w)[:, None])
+    scale = np.where(q_valid, 1.0 / w[:, None], 0.0).astype(np.float32)
+    rel = pos[None, :] - off[:, None]  # token index within the segment
+    protected = key_valid & ((rel < sink_tokens) | (pos >= length - recent_window)[None, :])
+    up = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(device)  # noqa: E731
+    return _Bucket(
+        rows=up(rows),
+        rows_host=rows,
+        length=length,
+        window=width,
+        tokens=up(tokens),
+        queries=up(queries),
+        offset=up(off),
+        key_valid=up(key_valid),
+        context=up(context),
+        query_scale=up(scale),
+        protected=up(protected),
+        query_valid=up(q_valid[:, None, :]),
+        masked=up(~(q_valid[:, None, :, None] & key_valid[:, None, None, :])),
+    )
+
+
+def _bucket_key(
+    scorer: SnapKVScorer,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    lse: torch.Tensor,
+    b: _Bucket,
+    sm_scale: float,
+) -> torch.Tensor:
+    """float32 ``[b, H_kv, N]`` priority keys of a bucket (SnapKV scores, padded layout)."""
+    num_kv_heads, dim = k.shape[1], k.shape[2]
+    num_qo_heads = q.shape[1]
+    bsz, width, length = b.queries.shape[0], b.window, b.length
+    # Window attention of the bucket, in place: logits [b, H_kv, gqa * W, N] (query heads of a
+    # KV head folded into the query axis, as scoring.snapkv.window_attention), minus the LSE of
+    # history + segment, pad keys and unused query slots at -inf, exp. No causal mask: it only
+    # hides window keys from earlier window queries, and window keys are not scored (they rank
+    # as the window below); every window query sees every context key.
+    q_obs = q[b.queries].float().permute(0, 2, 1, 3)  # [b, Hq, W, D]
+    q_obs = q_obs.reshape(bsz, num_kv_heads, -1, dim)  # [b, H_kv, gqa * W, D]
+    k_pad = k[b.tokens].float().permute(0, 2, 3, 1)  # [b, H_kv, D, N]
+    logits = torch.matmul(q_obs, k_pad).mul_(sm_scale)
+    logits = logits.view(bsz, num_qo_heads, width, length)
+    lse_obs = torch.where(b.query_valid, lse[b.queries].float().transpose(1, 2), 0.0)
+    logits.sub_(lse_obs.unsqueeze(-1)).masked_fill_(b.masked, float("-inf")).exp_()
+    # Mean over each segment's own window queries (weights 1 / w_i), then 0 past its context
+    # (the per-segment path pools the context alone, with zero padding).
+    attn = torch.matmul(b.query_scale.view(bsz, 1, 1, width), logits).squeeze(2)  # [b, Hq, N]
+    attn = torch.where(b.context.unsqueeze(1), attn, 0.0)
+    scores = reduce_gqa(scorer.pool(attn), k.shape[1], scorer.gqa_reduce)  # [b, H_kv, N]
+    # The window scores above the segment's context (kvpress: max + 1; NaN if any is NaN).
+    ctx = b.context.unsqueeze(1)
+    top = scores.masked_fill(~ctx, float("-inf")).amax(dim=(1, 2)) + 1.0  # [b]
+    top = top.masked_fill(top == float("-inf"), 0.0)  # no context: every token ties at 0
+    key = torch.where(ctx, scores, top.view(-1, 1, 1))
+    # NaN ranks below every score but above pad (-inf), so a pad is never kept instead.
+    key = torch.nan_to_num(key, nan=-torch.finfo(torch.float32).max)
+    key = key.masked_fill(b.protected.unsqueeze(1), float("inf"))
+    return key.masked_fill(~b.key_valid.unsqueeze(1), float("-inf"))
+
+
+def _keep_whole(out: torch.Tensor, rows: np.ndarray, lengths: np.ndarray, device) -> None:
+    """Rows whose every head keeps its whole segment: ``0 .. n - 1``, in one write."""
+    cols = np.arange(out.shape[-1])
+    n = lengths[rows]
+    fill = np.where(cols[None, :] < n[:, None], cols[None, :], 0)
+    idx = torch.from_numpy(rows).to(device)
+    out[idx] = torch.from_numpy(fill).to(device).unsqueeze(1).expand(-1, out.shape[1], -1)
+
+
+def _score_runs(
+    out: torch.Tensor,
+    scorer: Scorer,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    lse: torch.Tensor,
+    bounds: list[int],
+    kept_host: np.ndarray,
+    kept_dev: torch.Tensor,
+    rows: np.ndarray,
+    sm_scale: float,
+    sink_tokens: int,
+    recent_window: int,
+) -> None:
+    """Runs of consecutive scored requests of equal length, one scorer call each (any scorer)."""
+    lengths = np.diff(np.asarray(bounds, np.int64))
+    first = 0
+    while first < len(rows):
+        end = first + 1
+        while (
+            end < len(rows)
+            and rows[end] == rows[end - 1] + 1
+            and lengths[rows[end]] == lengths[rows[first]]
+        ):
+            end += 1
+        lo, hi, n = int(rows[first]), int(rows[end - 1]) + 1, int(lengths[rows[first]])
+        run_max = int(kept_host[lo:hi].max())
+        scores = _score_run(scorer, q, k, lse, bounds[lo], hi - lo, n, sm_scale)
+        key = priority_key(scores, sink_tokens, recent_window)
+        out[lo:hi, :, :run_max] = kept_from_ranks(key, kept_dev[lo:hi], run_max)
+        first = end
 
 
 def reference_kept_indices(
@@ -179,9 +396,11 @@ def reference_kept_indices(
             continue
         w = min(scorer.obs_window, n)
         scores = scorer.score(
-            q[end - w : end].transpose(0, 1), k_new[start:end].transpose(0, 1), sm_scale,
+            q[end - w : end].transpose(0, 1),
+            k_new[start:end].transpose(0, 1),
+            sm_scale,
             lse_obs=lse[end - w : end].transpose(0, 1),
-        )  # fmt: skip
+        )
         for k in sorted(set(kept_host[i].tolist())):
             heads = [h for h in range(num_kv_heads) if kept_host[i, h] == k]
             idx = torch.tensor(heads, device=k_new.device)

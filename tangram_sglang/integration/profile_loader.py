@@ -110,6 +110,7 @@ def resolve_profile(
                 f"the model has {model.num_kv_heads} KV heads per layer (per_layer scope needs "
                 "a divisor of it)"
             ) from None
+    profile = profile.with_min_compress_tokens(config.min_compress_tokens)
     return profile, config
 
 

@@ -41,6 +41,7 @@ FIELD_MAP = {
     "tangram_page_size": "page_size",
     "tangram_target_ratio": "target_ratio",
     "tangram_scope": "scope",
+    "tangram_min_compress_tokens": "min_compress_tokens",
 }
 TANGRAM_BACKEND = "tangram"  # name of Tangram's attention backend and radix cache backend
 PROFILE_STASH = "_tangram_profile_json"  # underscore: allowed after ServerArgs is sealed

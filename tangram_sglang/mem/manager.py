@@ -268,7 +268,7 @@ class TangramMemory:
         self._check_width(row, rid, self.table.lens[row] + kept)
         self.ledger.take(row, int(need.sum()), allow_overflow=False)
         first = self.table.num_pages[row] - cow
-        src, dst, _ = self._place(row, need, cow, self._alloc(int(need.sum())))
+        src, dst = self._place(row, need, cow, self._alloc(int(need.sum())))
         seg = self.table.open_segment(row, EXTEND, first)
         seg.num_tokens, seg.kept_len = int(extend_len), kept.copy()
         self.table.sync_range(row, first, self.table.num_pages[row])
@@ -288,7 +288,7 @@ class TangramMemory:
         if plan is None:
             raise PoolError(f"commit_extend: row {row} has no allocated extend; call alloc_extend")
         new = plan.start_len + plan.kept_len
-        self._fill(row, plan.start_len, new, plan.kept_len > 0)
+        self._fill(row, plan.start_len, new)
         self.table.lens[row] = new
         self.table.sync_lens(np.array([row]))
         self.pending[row] = None
@@ -487,6 +487,22 @@ class TangramMemory:
         self._after("free_pages")
         return freed
 
+    def share_pages(self, pages: np.ndarray, owner: str = "radix node") -> None:
+        """Add one outside holder to each listed page (a radix node takes a reference).
+
+        For a page a second node starts to hold (a parent adopting its child's copy of their
+        shared tail page). Free each reference with :meth:`free_pages`.
+
+        Raises:
+            PoolError: an id out of range, free or the padding page (nothing changes).
+        """
+        ids = torch.as_tensor(np.asarray(pages, np.int64))
+        try:
+            self.allocator.incref(ids)
+        except PoolError as exc:
+            raise PoolError(f"share_pages by {owner}: {exc}") from None
+        self._after("share_pages")
+
     def row_usage(self, row: int) -> RowUsage:
         """Pages one running row holds and has left (no side effects); for retraction choices.
 
@@ -588,34 +604,42 @@ class TangramMemory:
         self.peak_used_pages = max(self.peak_used_pages, self.allocator.num_used())
         return pages.numpy().copy()
 
-    def _place(self, row, need, cow, pages, track=False) -> tuple[np.ndarray, np.ndarray, tuple]:
-        """Put fresh pages into (row, g) tables: COW copy first where needed, then append."""
-        src, dst, changed = [], [], ([], [], [])
-        offset = 0
-        for g in np.nonzero(need)[0]:
-            ids = pages[offset : offset + need[g]]
-            offset += need[g]
-            self.page_group[ids] = g
-            self.page_fill[ids] = 0
-            self.row_refs[ids] += 1
-            first_idx = self.table.num_pages[row, g] - cow[g]
-            if cow[g]:
-                old = self.table.replace_last(row, g, int(ids[0]))
-                src.append(old)
-                dst.append(int(ids[0]))
-                self.page_fill[ids[0]] = self.table.lens[row, g] % self.page_size
-            self.table.append(row, g, ids[cow[g] :])
-            if track:
-                for i in range(first_idx, self.table.num_pages[row, g]):
-                    changed[0].append(row), changed[1].append(int(g)), changed[2].append(int(i))
-        src_a, dst_a = np.asarray(src, np.int64), np.asarray(dst, np.int64)
-        if src_a.size:
+    def _place(
+        self, row: int, need: np.ndarray, cow: np.ndarray, pages: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Put fresh pages into the (row, g) tables: COW copy first where needed, then append.
+
+        Args:
+            need: int64 ``[G]`` fresh pages per group (COW copies included).
+            cow: int64 ``[G]`` 1 where the group's shared partial tail page is copied first.
+            pages: int64 ``[need.sum()]`` fresh page ids, group after group.
+
+        Returns:
+            ``(src, dst)`` int64 ``[n]``: the shared tail pages copied and their copies.
+
+        Vectorised over groups: O(pages placed) numpy, no Python loop over groups.
+        """
+        t = self.table
+        g = np.repeat(np.arange(self.num_head_groups), need)  # group of each fresh page
+        first = t.num_pages[row] - cow  # [G] table index the group's first fresh page takes
+        idx = np.arange(pages.size) - np.repeat(np.cumsum(need) - need, need) + first[g]
+        cow_g = np.nonzero(cow)[0]
+        src = t.pages[row, cow_g, first[cow_g]].astype(np.int64)  # before overwriting
+        dst = pages[(np.cumsum(need) - need)[cow_g]]
+        t.pages[row, g, idx] = pages
+        t.own_start[row, cow_g] = first[cow_g]
+        t.num_pages[row] += need - cow
+        self.page_group[pages] = g
+        self.page_fill[pages] = 0
+        self.row_refs[pages] += 1
+        if src.size:
+            self.page_fill[dst] = t.lens[row, cow_g] % self.page_size
             if self.kv_pool is not None:
-                fill = torch.from_numpy(self.page_fill[dst_a])
-                self.kv_pool.copy_pages(torch.from_numpy(src_a), torch.from_numpy(dst_a), fill)
-            self.row_refs[src_a] -= 1
-            self.allocator.free(torch.from_numpy(src_a), f"COW of row {row}")
-        return src_a, dst_a, changed
+                fill = torch.from_numpy(self.page_fill[dst])
+                self.kv_pool.copy_pages(torch.from_numpy(src), torch.from_numpy(dst), fill)
+            self.row_refs[src] -= 1
+            self.allocator.free(torch.from_numpy(src.copy()), f"COW of row {row}")
+        return src, dst
 
     def _place_decode(self, rows, need, cow, pages) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Vectorised :meth:`_place` for one decode token: at most one page per (row, group).
@@ -645,28 +669,36 @@ class TangramMemory:
             self.allocator.free(torch.from_numpy(src.copy()), "decode COW")
         return r_idx, g_idx, idx
 
-    def _fill(self, row: int, old_len: np.ndarray, new_len: np.ndarray, grew: np.ndarray) -> None:
-        """``page_fill`` of the pages that hold tokens ``[old_len[g], new_len[g])`` of each group
-        where ``grew`` (vectorised over groups: int64 ``[G]`` lengths, bool ``[G]``)."""
+    def _fill(self, row: int, old_len: np.ndarray, new_len: np.ndarray) -> None:
+        """Record the filled slots of the pages (row, g) grew through, all groups at once.
+
+        ``old_len`` / ``new_len``: int64 ``[G]`` kept lengths before / after (tokens).
+        Vectorised: O(pages touched), no loop over groups.
+        """
         ps = self.page_size
-        lo = old_len // ps
-        count = np.where(grew, -(-new_len // ps) - lo, 0)
-        total = int(count.sum())
-        if not total:
+        lo, hi = old_len // ps, -(-new_len // ps)  # [G] first / past-last page index touched
+        count = np.maximum(hi - lo, 0)
+        if not count.any():
             return
-        groups = np.repeat(np.arange(count.size), count)
-        idx = np.repeat(lo, count) + np.arange(total) - np.repeat(np.cumsum(count) - count, count)
-        ids = self.table.pages[row, groups, idx]
-        self.page_fill[ids] = np.minimum(ps, new_len[groups] - idx * ps)
+        g = np.repeat(np.arange(self.num_head_groups), count)
+        idx = np.arange(int(count.sum())) - np.repeat(np.cumsum(count) - count, count) + lo[g]
+        ids = self.table.pages[row, g, idx]
+        self.page_fill[ids] = np.minimum(ps, new_len[g] - idx * ps)
 
     def _entries(self, row: int, own: bool | None) -> np.ndarray:
-        """Page ids of the row's table, tail first per group: own, borrowed or all (None)."""
-        t, out = self.table, []
-        for g in range(self.num_head_groups):
-            lo = t.own_start[row, g] if own else 0
-            hi = t.own_start[row, g] if own is False else t.num_pages[row, g]
-            out.append(t.pages[row, g, lo:hi][::-1])
-        return np.concatenate(out).astype(np.int64) if out else np.zeros(0, np.int64)
+        """Page ids of the row's table, tail first per group: own, borrowed or all (None).
+
+        int64 ``[n]``, groups in order, each group's entries last to first. Vectorised over
+        the row's ``[G, widest group]`` block (O(pages the row lists), no loop over groups).
+        """
+        t = self.table
+        n, own_start = t.num_pages[row], t.own_start[row]
+        lo = own_start if own else np.zeros_like(n)
+        hi = own_start if own is False else n
+        width = int(hi.max(initial=0))
+        idx = np.arange(width - 1, -1, -1)  # reversed table indices
+        keep = (idx >= lo[:, None]) & (idx < hi[:, None])
+        return t.pages[row, :, :width][:, ::-1][keep].astype(np.int64)
 
     def _drop_row(self, row: int, release: np.ndarray) -> int:
         """Release the row's references on ``release``, forget all its entries, clear it."""

@@ -8,8 +8,14 @@ Layout (like SGLang's ``PagedTokenToKVPoolAllocator``)::
 
     page id   0        1  2  3 ...                     num_pages - 1
               padding  <------------- usable pages ------------->
-    free_pages = tensor([ids ...])     alloc takes from the head, free appends to the tail
+    ring       = tensor([num_pages - 1])   the free list, a FIFO ring buffer of page ids:
+                 free ids are ring[(head + i) % capacity] for i in [0, num_free)
+                 alloc takes from the head, free appends at the tail (head + num_free)
     ref_count  = tensor([holders per page])   0 = free; page 0 is always 0 and never free
+
+The ring never overflows: at most ``num_pages - 1`` pages are free. Every alloc/incref/free
+costs O(pages touched) (a slice or two of the ring, ``unique`` over the listed ids); only the
+debug self-check (:meth:`PageAllocator.check_invariants`) is O(num_pages).
 
 A page's reference count is the number of holders: a running request's page table, or a radix
 node that took ownership of it. ``alloc`` hands out pages with count 1, ``incref`` adds a holder
@@ -43,7 +49,8 @@ def debug_pool_from_env() -> bool:
 class PageAllocator:
     """Free-page list and reference counts of one page pool.
 
-    Runs on the scheduler, once per alloc/free; all methods are O(pages touched) tensor ops.
+    Runs on the scheduler, once per alloc/free; alloc/incref/free are O(pages touched) tensor
+    ops whatever the pool size (:meth:`check_invariants` and :attr:`free_pages` are O(pool)).
 
     Args:
         num_pages: pages in the pool INCLUDING the padding page 0 (so ``num_pages - 1`` usable).
@@ -66,7 +73,9 @@ class PageAllocator:
         self.num_pages = int(num_pages)  # pages, including padding page 0
         self.device = torch.device(device)
         self.debug = debug_pool_from_env() if debug is None else bool(debug)
-        self.free_pages = torch.arange(1, num_pages, dtype=torch.int64, device=self.device)
+        self.ring = torch.arange(1, num_pages, dtype=torch.int64, device=self.device)
+        self.head = 0  # ring index of the next page alloc hands out
+        self._num_free = self.num_pages - 1  # pages on the ring from head on
         self.ref_count = torch.zeros(num_pages, dtype=torch.int32, device=self.device)
 
     # ---- sizes ---------------------------------------------------------------------------
@@ -77,7 +86,12 @@ class PageAllocator:
 
     def num_free(self) -> int:
         """Pages free now."""
-        return int(self.free_pages.numel())
+        return self._num_free
+
+    @property
+    def free_pages(self) -> torch.Tensor:
+        """int64 ``[num_free]``: the free list in hand-out order (a copy; O(num_free))."""
+        return self._ring_read(self.head, self._num_free)
 
     def num_used(self) -> int:
         """Pages with at least one holder."""
@@ -98,10 +112,11 @@ class PageAllocator:
         """
         if num < 0:
             raise PoolError(f"alloc(num={num}): the page count must be >= 0")
-        if num > self.free_pages.numel():
+        if num > self._num_free:
             return None
-        pages = self.free_pages[:num]
-        self.free_pages = self.free_pages[num:]
+        pages = self._ring_read(self.head, num)
+        self.head = (self.head + num) % self.ring.numel()
+        self._num_free -= num
         self.ref_count[pages] = 1
         self._after_mutation("alloc")
         return pages
@@ -113,7 +128,9 @@ class PageAllocator:
             PoolError: a listed page is free, the padding page or out of range (state unchanged).
         """
         pages = self._as_ids(pages)
-        self._check_held(torch.unique(pages), "incref")
+        if pages.numel() == 0:
+            return
+        self._check_held(pages, "incref", per_occurrence=False)
         self.ref_count.index_add_(0, pages, torch.ones_like(pages, dtype=torch.int32))
         self._after_mutation("incref")
 
@@ -137,13 +154,14 @@ class PageAllocator:
         pages = self._as_ids(pages)
         if pages.numel() == 0:
             return 0
-        self._check_held(pages, f"free by {owner}")
+        self._check_held(pages, f"free by {owner}", per_occurrence=True)
         self.ref_count.index_add_(0, pages, torch.full_like(pages, -1, dtype=torch.int32))
         released = pages[self.ref_count[pages] == 0]
         if released.numel():
             # A page listed twice reaches zero once; keep its first occurrence, in list order.
             released = released[_first_occurrences(released).sort().values]
-            self.free_pages = torch.cat((self.free_pages, released))
+            self._ring_write((self.head + self._num_free) % self.ring.numel(), released)
+            self._num_free += int(released.numel())
         self._after_mutation("free")
         return int(released.numel())
 
@@ -197,9 +215,11 @@ class PageAllocator:
             )
         return pages.to(torch.int64)
 
-    def _check_held(self, pages: torch.Tensor, what: str) -> None:
-        if pages.numel() == 0:
-            return
+    def _check_held(self, pages: torch.Tensor, what: str, per_occurrence: bool) -> None:
+        """Raise unless every listed page is held (``per_occurrence``: once per listing).
+
+        O(n log n) in the listed ids (``unique`` + a gather of their counts), never O(pool).
+        """
         out_of_range = (pages <= PADDING_PAGE) | (pages >= self.num_pages)
         if out_of_range.any():
             bad = pages[out_of_range][:8].tolist()
@@ -207,16 +227,40 @@ class PageAllocator:
                 f"{what}: page ids {bad} are the padding page 0 or outside [1, "
                 f"{self.num_pages}); only ids handed out by alloc may be passed"
             )
-        uses = torch.bincount(pages, minlength=self.num_pages)
-        short = uses > self.ref_count.to(torch.int64)
-        short[PADDING_PAGE] = False
+        if per_occurrence:
+            uniq, uses = torch.unique(pages, return_counts=True)
+        else:
+            uniq = torch.unique(pages)
+            uses = torch.ones_like(uniq)
+        held = self.ref_count[uniq].to(torch.int64)
+        short = uses > held
         if short.any():
-            ids = torch.nonzero(short).flatten()[:8]
             detail = ", ".join(
-                f"page {int(p)} ({int(self.ref_count[p])} holders, listed {int(uses[p])}x)"
-                for p in ids
+                f"page {p} ({h} holders, listed {u}x)"
+                for p, h, u in zip(
+                    uniq[short][:8].tolist(),
+                    held[short][:8].tolist(),
+                    uses[short][:8].tolist(),
+                    strict=True,
+                )
             )
             raise PoolError(f"{what}: {detail}: a double free or a page this owner does not hold")
+
+    def _ring_read(self, start: int, num: int) -> torch.Tensor:
+        """int64 ``[num]``: ring entries from ``start`` on, wrapping (a copy)."""
+        cap = self.ring.numel()
+        end = start + num
+        if end <= cap:
+            return self.ring[start:end].clone()
+        return torch.cat((self.ring[start:], self.ring[: end - cap]))
+
+    def _ring_write(self, start: int, ids: torch.Tensor) -> None:
+        """Write ``ids`` into the ring from ``start`` on, wrapping."""
+        cap, num = self.ring.numel(), ids.numel()
+        first = min(num, cap - start)
+        self.ring[start : start + first] = ids[:first]
+        if first < num:
+            self.ring[: num - first] = ids[first:]
 
     def _after_mutation(self, what: str) -> None:
         if self.debug:

@@ -18,7 +18,10 @@ idle self-check stay exact. On top, each node where a finished request's segment
   frees its pages exactly once through ``TangramMemory.free_pages``.
 
 The backend asks :meth:`prefix_for` for a new row's :class:`~tangram_sglang.mem.prefix.
-PrefixMatch` (the matched node is found from the last prefix token slot, which the tree owns).
+PrefixMatch`: from the matched node when the caller has it (``req.last_node``: no device
+read), else from the row's last prefix token slot (one device read). Each boundary node keeps
+its last token slot on the host (read once per finished request, for all its segments
+together), so eviction and ``/flush_cache`` never read the device.
 
 Why a ``RadixCache`` subclass and not a ``FullComponent`` override of ``UnifiedRadixCache``: the
 0.5.17 unified tree needs ``SGLANG_ENABLE_UNIFIED_RADIX_TREE`` or a hybrid model to be chosen by
@@ -52,6 +55,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 VALUE_ATTR = "tangram_value"  # TreeNode attribute holding a boundary node's SegmentValue
+SLOT_ATTR = "tangram_slot"  # TreeNode attribute: a boundary node's last token slot (host int)
 
 
 def value_of(node: TreeNode) -> SegmentValue | None:
@@ -103,6 +107,7 @@ class TangramRadixCache(RadixCache):
         self._boundaries: dict[int, TreeNode] = {}  # last token slot of a boundary -> node
         self.num_evicted_pages = 0  # pages freed by evicting nodes since start-up
         self.num_duplicate_pages = 0  # pages of segments already cached, freed at insert
+        self.num_adopted_pages = 0  # copy-on-write copies a parent chain took (duplicates saved)
         self._unlocked_pages = 0  # pages on boundary nodes with lock_ref == 0 (evictable)
         super().__init__(params)
         state = getattr(params.req_to_token_pool, "tangram_state", None)
@@ -135,15 +140,16 @@ class TangramRadixCache(RadixCache):
     def prefix_for(self, row: int, prefix_len: int, node: TreeNode | None = None) -> PrefixMatch:
         """The compressed prefix of a new row whose first ``prefix_len`` tokens were matched.
 
-        Called by the backend before the row's first extend; the matched node is locked by
-        SGLang (``inc_lock_ref``) from admission to ``cache_finished_req``.
+        Called before the row's first extend; the matched node is locked by SGLang
+        (``inc_lock_ref``) from admission to ``cache_finished_req``.
 
         Args:
-            row: the request row.
-            prefix_len: matched tokens.
-            node: the node the match ended at (SGLang's ``req.last_node``, handed over on the
-                host by the ``ForwardBatch.init_new`` hook); None looks it up by the row's last
-                prefix slot in ``req_to_token`` (a device read).
+            row: the row's ``req_pool_idx``.
+            prefix_len: matched tokens (``len(req.prefix_indices)``).
+            node: the matched boundary node (``req.last_node``, handed over on the host by the
+                ``ForwardBatch.init_new`` hook) when the caller has it: no device read. Without
+                it (or when it holds no segment) the node is found from the row's last prefix
+                token slot in ``req_to_token`` (one device-to-host read).
 
         Raises:
             PoolError: the prefix ends at no boundary node of the tree.
@@ -198,8 +204,12 @@ class TangramRadixCache(RadixCache):
     def _attach(
         self, key: RadixKey, start: TreeNode, start_len: int, segments: list[SegmentPages]
     ) -> None:
-        """Put each segment on the node ending at its last token; free what cannot be kept."""
-        parent = start
+        """Put each segment on the node ending at its last token; free what cannot be kept.
+
+        The new boundary nodes' last token slots are read to the host together (one
+        device-to-host copy per finished request, none when nothing new is attached).
+        """
+        parent, attached = start, []
         for (lo, hi), seg in zip(segment_depths(start_len, segments), segments, strict=True):
             if parent is None or seg.num_tokens <= 0 or hi > len(key):
                 self._free(seg.pages)
@@ -219,10 +229,62 @@ class TangramRadixCache(RadixCache):
             else:
                 value = SegmentValue(parent, lo, hi, seg)
                 setattr(node, VALUE_ATTR, value)
-                self._boundaries[int(node.value[-1])] = node
                 if node.lock_ref == 0:
                     self._unlocked_pages += value.num_pages
+                attached.append(node)
             parent = node
+        if attached and attached[0] is not None and value_of(attached[0]).start_node is start:
+            self._adopt_copies(start, attached[0])
+        if attached:
+            slots = torch.stack([n.value[-1] for n in attached]).tolist()
+            for node, slot in zip(attached, slots, strict=True):
+                setattr(node, SLOT_ATTR, int(slot))
+                self._boundaries[int(slot)] = node
+
+    def _adopt_copies(self, parent: TreeNode, child: TreeNode) -> None:
+        """The parent chain adopts the child's copies of its partial tail pages.
+
+        A row that continues a chain whose last page in group g is partial copies that page
+        (copy-on-write) and appends after the copied tokens. Once the row's first segment hangs
+        on ``child``, the copy holds the chain's tokens (slots ``[0, f)``, identical) plus the
+        child's. If no one but the chain's owning node holds the original, that node takes the
+        copy instead (its readers read only ``[0, f)``) and the original is freed: a turn
+        boundary then costs no duplicate page per group. The copy is then held by both nodes
+        and counted on the parent (``SegmentValue.shared_pages`` on the child), so eviction
+        counts stay exact; the child is a leaf below the parent, so it is evicted first.
+        """
+        if value_of(parent) is None:
+            return
+        ps, seg = self.memory.page_size, value_of(child).segment
+        plens = value_of(parent).group_lens
+        n_pages = -(-plens // ps)
+        cow = (plens % ps != 0) & (seg.first_page_index == n_pages - 1)
+        cow &= np.array([p.size > 0 for p in seg.pages])
+        owners: dict[int, SegmentValue] = {}
+        node = parent
+        while cow.any() and node is not self.root_node and len(owners) < int(cow.sum()):
+            value = value_of(node)
+            for g in np.nonzero(cow)[0].tolist():
+                if g not in owners and value.segment.pages[g].size:
+                    owners[g] = value
+            node = value.start_node
+        counts = self.memory.allocator.ref_count.numpy()
+        swaps = [
+            (g, v, int(v.segment.pages[g][-1]), int(seg.pages[g][0]))
+            for g, v in owners.items()
+            if counts[v.segment.pages[g][-1]] == 1
+            and self.memory.row_refs[v.segment.pages[g][-1]] == 0
+        ]
+        if not swaps:
+            return
+        self.memory.share_pages(np.array([new for *_, new in swaps]), "radix node (adopted copy)")
+        self.memory.free_pages(np.array([old for _, _, old, _ in swaps]), "radix node (copied)")
+        for g, value, _, new in swaps:
+            value.segment.pages[g][-1] = new
+        value_of(child).shared_pages += len(swaps)
+        if child.lock_ref == 0:
+            self._unlocked_pages -= len(swaps)
+        self.num_adopted_pages += len(swaps)
 
     def _node_at(self, key: RadixKey, depth: int) -> TreeNode:
         """The node ending exactly at ``depth`` on ``key``'s path (split if needed)."""
@@ -240,7 +302,7 @@ class TangramRadixCache(RadixCache):
         """SGLang's leaf removal, plus: free the node's pages (exactly once)."""
         value = value_of(node)
         if value is not None:
-            self._boundaries.pop(int(node.value[-1]), None)
+            self._boundaries.pop(getattr(node, SLOT_ATTR), None)
             setattr(node, VALUE_ATTR, None)
             if node.lock_ref == 0:
                 self._unlocked_pages -= value.num_pages
@@ -328,15 +390,15 @@ class TangramRadixCache(RadixCache):
     # ---- reports -----------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
         """Pages and nodes the tree holds (plain builtins, for ``/server_info``)."""
-        nodes = list(self._boundaries.values())
         return {
-            "segments": len(nodes),
-            "pages_held": sum(value_of(n).num_pages for n in nodes),
+            "segments": len(self._boundaries),
+            "pages_held": sum(value_of(n).num_pages for n in self._boundaries.values()),
             "pages_evictable": self.evictable_pages(),
             "tokens_evictable": int(self.evictable_size_),
             "tokens_protected": int(self.protected_size_),
             "pages_evicted": self.num_evicted_pages,
             "pages_duplicate_freed": self.num_duplicate_pages,
+            "pages_copy_adopted": self.num_adopted_pages,
         }
 
     def _free(self, pages: list[Any]) -> None:

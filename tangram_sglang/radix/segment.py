@@ -49,11 +49,12 @@ class SegmentValue:
     start_depth: int  # tokens from the root where the segment starts
     end_depth: int  # tokens from the root where it ends (= depth of the holding node)
     segment: SegmentPages  # per-group pages + kept lengths (the pages this node owns)
+    shared_pages: int = 0  # of them, first pages its parent chain adopted (held twice)
 
     @property
     def num_pages(self) -> int:
-        """Pages this node owns (all groups)."""
-        return self.segment.num_pages
+        """Pages only this node holds (all groups): evicting it frees exactly these."""
+        return self.segment.num_pages - self.shared_pages
 
     @property
     def group_lens(self) -> np.ndarray:
@@ -91,24 +92,34 @@ def chain_prefix(chain: list[SegmentValue], num_head_groups: int, page_size: int
         PoolError: a segment's first page index past the list built so far, or a list whose
             length does not match ``ceil(kept / page_size)`` (a broken chain).
     """
-    dense: list[list[int]] = [[] for _ in range(num_head_groups)]
+    firsts = [np.asarray(v.segment.first_page_index, np.int64) for v in chain]
+    counts = [np.array([p.size for p in v.segment.pages], np.int64) for v in chain]
+    ends = [int((f + n).max(initial=0)) for f, n in zip(firsts, counts, strict=True)]
+    width = max(ends, default=0)
+    dense = np.zeros((num_head_groups, width), np.int64)
+    length = np.zeros(num_head_groups, np.int64)  # pages of the chain so far, per group
     lens = np.zeros(num_head_groups, np.int64)
-    for value in chain:
-        seg = value.segment
-        for g in range(num_head_groups):
-            first = int(seg.first_page_index[g])
-            if first > len(dense[g]):
-                raise PoolError(
-                    f"radix chain: segment at depth {value.start_depth} group {g} starts at page "
-                    f"index {first} but the chain above holds {len(dense[g])} pages"
-                )
-            dense[g] = dense[g][:first] + [int(p) for p in seg.pages[g]]
-        lens = value.group_lens
-    pages = [np.asarray(d, np.int64) for d in dense]
-    for g in range(num_head_groups):
-        if pages[g].size != -(-int(lens[g]) // page_size):
+    groups = np.arange(num_head_groups)
+    for value, first, n in zip(chain, firsts, counts, strict=True):
+        past = np.nonzero(first > length)[0]
+        if past.size:
+            g = int(past[0])
             raise PoolError(
-                f"radix chain: group {g} holds {pages[g].size} pages for {int(lens[g])} kept "
-                f"tokens (page_size {page_size}); the chain is broken"
+                f"radix chain: segment at depth {value.start_depth} group {g} starts at page "
+                f"index {int(first[g])} but the chain above holds {int(length[g])} pages"
             )
-    return PrefixMatch(pages=pages, lens=lens)
+        g_of = np.repeat(groups, n)  # group of each of the segment's pages
+        idx = np.arange(int(n.sum())) - np.repeat(np.cumsum(n) - n, n) + first[g_of]
+        if idx.size:
+            dense[g_of, idx] = np.concatenate(value.segment.pages)
+        length = first + n  # a segment replaces everything from its first page on
+        lens = value.group_lens
+    want = -(-lens // page_size)
+    broken = np.nonzero(length != want)[0]
+    if broken.size:
+        g = int(broken[0])
+        raise PoolError(
+            f"radix chain: group {g} holds {int(length[g])} pages for {int(lens[g])} kept "
+            f"tokens (page_size {page_size}); the chain is broken"
+        )
+    return PrefixMatch(pages=[dense[g, : length[g]].copy() for g in groups], lens=lens)

@@ -67,12 +67,17 @@ class SnapKVScorer:
         if ctx <= 0:  # the whole segment is inside the window: every token ties (all kept first)
             return torch.zeros(k_seg.shape[:-1], dtype=torch.float32, device=k_seg.device)
         per_query_head = probs[..., :ctx].mean(dim=-2)  # [..., Hq, ctx]
-        pooled = self._pool(per_query_head)
+        pooled = self.pool(per_query_head)
         scores = reduce_gqa(pooled, k_seg.shape[-3], self.gqa_reduce)  # [..., H_kv, ctx]
         top = scores.amax(dim=(-2, -1), keepdim=True) + 1.0  # kvpress: window = max + 1
         return torch.cat([scores, top.expand(*scores.shape[:-1], w)], dim=-1)
 
-    def _pool(self, x: torch.Tensor) -> torch.Tensor:
+    def pool(self, x: torch.Tensor) -> torch.Tensor:
+        """1-D pooling of ``[..., n]`` scores over the token axis (zero padding at both ends).
+
+        ``kernel_size`` 1 returns ``x``; avg pooling counts the padding in the mean
+        (``F.avg_pool1d`` default, as kvpress), max pooling ignores it.
+        """
         if self.kernel_size == 1:
             return x
         flat = x.reshape(-1, 1, x.shape[-1])

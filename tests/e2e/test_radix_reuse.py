@@ -1,6 +1,7 @@
 """Radix reuse of compressed history on the real ``--tangram`` server (CPU, SmolLM2, 0.5 profile).
 
-One server (a small pool: ``--max-total-tokens 2048``):
+One server (a small pool: ``--max-total-tokens 2048``; ``--tangram-min-compress-tokens 0``, so
+the short prompts here are compressed segments):
 
 * turn 2 of a chat reports ``cached_tokens`` = turn 1's prompt + its decode-tail tokens (T with
   overlap scheduling, T - 1 without: ``SGLangServer.kv_tail_tokens``)
@@ -46,6 +47,8 @@ def server(servers) -> SGLangServer:
         PROFILE_05,
         "--max-total-tokens",
         str(MAX_TOTAL_TOKENS),
+        "--tangram-min-compress-tokens",
+        "0",
     ]
     return servers.get(args, "tangram-r0.5-radix")
 

@@ -1,14 +1,16 @@
 """The real ``python -m sglang.launch_server --tangram`` on CPU: compressed KV, served end to end.
 
 * A profile with every ratio 1.0 keeps every token: greedy tokens of a 3-turn chat equal stock
-  SGLang's (docs/design.md §7, the first correctness invariant).
+  SGLang's (docs/design.md §7, the first correctness invariant), and the pool holds no more KV
+  bytes than full KV for the chat's tokens plus one partial page per head group.
 * A tiny pool (``--max-total-tokens 1024``) and 16 concurrent short requests: SGLang's token
   estimate admits more than the pages hold (short segments keep everything, pages pad), so
   admission and decode answer in pages (retraction); every request completes, pages return.
-* The shipped 0.5 profile (chunked prefill of 128 tokens, so every chunk is a compressed
-  segment) answers, holds exactly the pages Budget Reservation predicts, and fewer bytes than
-  full KV; a fact given in turn 1 (in the compressed middle of a chunk) is recalled in turn 3
-  from the reused compressed history, and every turn's row (turns 2-3 extend a matched
+* The shipped 0.5 profile (chunked prefill of 128 tokens and ``--tangram-min-compress-tokens
+  0``, so every chunk is a compressed segment) answers, holds exactly the pages Budget
+  Reservation predicts, and fewer bytes than full KV; a fact given in turn 1 (in the
+  compressed middle of a chunk) is recalled in turn 3 from the reused compressed history, and
+  every turn's row (turns 2-3 extend a matched
   compressed prefix) owns exactly the pages the kept-length formula gives; a request larger
   than the whole pool is refused (HTTP 400) while the server stays up; free pages return to
   their start value once every request has ended.
@@ -67,11 +69,17 @@ def ratio_one_profile(path, smollm2_path) -> str:
 
 
 def greedy_chat(
-    base_url: str, tokenizer, turns, max_new_tokens: int = 24, cached: list | None = None
+    base_url: str,
+    tokenizer,
+    turns,
+    max_new_tokens: int = 24,
+    cached: list | None = None,
+    metas: list | None = None,
 ) -> list[list[int]]:
     """Token ids of each greedy reply; each turn sends the whole history (chat template).
 
-    ``cached`` (if given) receives each turn's ``meta_info.cached_tokens`` (radix reuse).
+    ``cached`` (if given) receives each turn's ``meta_info.cached_tokens`` (radix reuse);
+    ``metas`` each turn's whole ``meta_info``.
     """
     messages, outputs = [], []
     for user in turns:
@@ -83,6 +91,8 @@ def greedy_chat(
         outputs.append(resp["output_ids"])
         if cached is not None:
             cached.append(resp["meta_info"]["cached_tokens"])
+        if metas is not None:
+            metas.append(resp["meta_info"])
         reply = tokenizer.decode(resp["output_ids"], skip_special_tokens=True)
         messages.append({"role": "assistant", "content": reply})
     return outputs
@@ -108,13 +118,26 @@ def test_ratio_one_profile_is_token_identical_to_stock(
     expected = greedy_chat(stock_server.base_url, tokenizer, TURNS)
     profile = ratio_one_profile(tmp_path / "ratio1.json", smollm2_path)
     server = servers.get(["--tangram", "--tangram-profile", profile], "tangram-r1")
-    cached = []
-    got = greedy_chat(server.base_url, tokenizer, TURNS, cached=cached)
+    flush_radix(server)  # the session's server may hold earlier chats
+    adopted = pool_state(server)["radix"]["pages_copy_adopted"]
+    cached, metas = [], []
+    got = greedy_chat(server.base_url, tokenizer, TURNS, cached=cached, metas=metas)
+    summary, held = server.server_info()["tangram"], pool_state(server)
     flush_radix(server)
     pool = pool_state(server)
     assert got == expected
     assert all(c > 0 for c in cached[1:]), cached  # turns 2, 3 extend the reused history
     assert pool["pages_free"] == pool["pages_free_at_start"]
+    # Never more KV than full KV for the same tokens, up to page rounding: the tree holds one
+    # chain of the chat's KV tokens (kv_tail_tokens of the last turn); every head keeps each of
+    # them once, in G * H_p page columns (padded_kept_ratio = G * H_p / (L * H_kv) at ratio 1),
+    # plus at most one partial page per head group. Turn boundaries add nothing: each turn's
+    # copy of the partial tail page was adopted by the chain (no duplicate).
+    tokens = metas[-1]["prompt_tokens"] + server.kv_tail_tokens(metas[-1]["completion_tokens"])
+    full = tokens * held["full_kv_bytes_per_token"]
+    rounding = summary["num_head_groups"] * held["bytes_per_page"]
+    assert held["bytes_held"] <= full * summary["padded_kept_ratio"] + rounding
+    assert held["radix"]["pages_copy_adopted"] > adopted
 
 
 @pytest.fixture
@@ -128,6 +151,8 @@ def server05(servers) -> SGLangServer:
         str(CHUNK_TOKENS),
         "--max-total-tokens",
         str(MAX_TOTAL_TOKENS),
+        "--tangram-min-compress-tokens",
+        "0",
         "--enable-metrics",
     ]
     return servers.get(args, "tangram-r0.5-chunk128")
@@ -168,9 +193,11 @@ def test_fact_from_turn1_is_recalled_in_turn3_with_exact_pages_per_turn(server05
     kept lengths (the chain of earlier chunks and decode tails), plus ``k_g`` of each 128-token
     chunk of the extend, plus the decode tail (``kv_tail_tokens``), in pages past the shared
     prefix pages (a partial shared last page is copied: copy-on-write). The tree keeps every
-    row's pages, so pages used = the sum over turns.
+    row's pages and the chain adopts each copy (freeing the original), so pages used = the sum
+    over turns minus the adopted copies.
     """
     flush_radix(server05)  # turn 1 starts from an empty tree
+    adopted_before = pool_state(server05)["radix"]["pages_copy_adopted"]
     profile = BudgetProfile.load(PROFILE_05)
     page = server05.server_info()["tangram"]["page_size"]
     lens_at = {0: np.zeros(profile.grouping.num_head_groups, np.int64)}  # chain depth -> lens
@@ -194,7 +221,9 @@ def test_fact_from_turn1_is_recalled_in_turn3_with_exact_pages_per_turn(server05
         assert record["logical_tokens"] == depth
         assert record["pages"] == want  # exact to the page
         owned += want
-        assert pool["pages_used"] == pool["radix"]["pages_held"] == owned
+        # copies the chain took (their originals were freed)
+        adopted = pool["radix"]["pages_copy_adopted"] - adopted_before
+        assert pool["pages_used"] == pool["radix"]["pages_held"] == owned - adopted
         checked.append(want)
 
     turns = recall_chat(server05.base_url, on_turn=check_pages)

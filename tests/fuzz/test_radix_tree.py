@@ -88,6 +88,10 @@ class RadixLifecycle(RuleBasedStateMachine):
         self.req_pool.req_to_token[row, :p] = match.device_indices.to(torch.int32)
         self.req_pool.req_to_token[row, p : p + n] = fresh.to(torch.int32)
         self.running[row] = Running(req, p)
+        if p:  # the node the scheduler holds (req.last_node) names the same prefix, no slot read
+            by_node, by_slot = self.tree.prefix_for(row, p, node), self.tree.prefix_for(row, p)
+            assert np.array_equal(by_node.lens, by_slot.lens)
+            assert all(map(np.array_equal, by_node.pages, by_slot.pages))
         try:
             self.state.begin_extend([row], [n], [p])
         except PoolError:  # pages short even after eviction: the request ends (abort)

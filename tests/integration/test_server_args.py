@@ -13,7 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from tangram_sglang.config import DEFAULT_PAGE_SIZE
+from tangram_sglang.config import DEFAULT_MIN_COMPRESS_TOKENS, DEFAULT_PAGE_SIZE
 from tangram_sglang.errors import ConfigError, ProfileError
 from tangram_sglang.integration import plugin
 from tangram_sglang.integration.hook_targets import HOOKS, REGISTRATIONS
@@ -28,7 +28,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 FLAGS = ("--tangram", "--tangram-profile", "--tangram-page-group-size", "--tangram-page-size",
-         "--tangram-target-ratio", "--tangram-scope")  # fmt: skip
+         "--tangram-target-ratio", "--tangram-scope", "--tangram-min-compress-tokens")  # fmt: skip
 # A value that turns each incompatible flag on (default: True).
 BAD_VALUES = {
     "speculative_algorithm": "EAGLE", "disaggregation_mode": "prefill", "tp_size": 2,
@@ -81,9 +81,24 @@ def test_engine_kwargs_path_and_pickling(patched_sglang, smollm2_path, smollm2_p
         True, smollm2_profile, 8,
     )  # fmt: skip
     assert summary_from_server_args(clone) == summary_from_server_args(args)
-    assert (
-        profile_from_server_args(clone).to_dict() == BudgetProfile.load(smollm2_profile).to_dict()
+    shipped = BudgetProfile.load(smollm2_profile)
+    assert profile_from_server_args(clone).to_dict() == (
+        shipped.with_min_compress_tokens(DEFAULT_MIN_COMPRESS_TOKENS).to_dict()
     )
+
+
+def test_min_compress_tokens_reaches_the_scheduler_profile(
+    patched_sglang, smollm2_path, smollm2_profile
+):
+    """The flag is one number for admission, allocation and scoring: it rides on the profile."""
+    args = make_args(patched_sglang, smollm2_path, smollm2_profile, tangram_min_compress_tokens=64)
+    profile = profile_from_server_args(pickle.loads(pickle.dumps(args)))
+    assert profile.min_compress_tokens == 64
+    assert profile.group_kept_lens(63) == [63] * profile.grouping.num_head_groups
+    assert min(profile.group_kept_lens(64)) < 64  # the smollm2 profile compresses 64 tokens
+    assert summary_from_server_args(args)["min_compress_tokens"] == 64
+    with pytest.raises(ConfigError, match="--tangram-min-compress-tokens -1 must be an integer"):
+        make_args(patched_sglang, smollm2_path, smollm2_profile, tangram_min_compress_tokens=-1)
 
 
 def test_stock_args_unchanged(patched_sglang, smollm2_path):

@@ -59,6 +59,7 @@ def test_observer_sees_post_rope_queries_and_keys(smollm2):
         assert (ours[layer, :, -8:] > ours[layer, :, :-8].max()).all()
 
 
+@pytest.mark.slow  # a real 2-sample calibration on CPU: ~25 s
 def test_tiny_calibration_run_writes_a_valid_profile(smollm2_path, tmp_path, capsys):
     out = tmp_path / "smollm2" / "ada-snapkv-r0.25.json"
     cache = tmp_path / "cache"

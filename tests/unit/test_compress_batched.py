@@ -91,3 +91,80 @@ def test_kept_counts_outside_one_to_n_raise(bad):
     q, k, lse, bounds = _batch([6, 6], 0)
     with pytest.raises(KernelError, match=r"\[1, n=6\]"):
         batch_kept_indices(scorer, q, k, lse, bounds, [[2, 3, 4], [2, bad, 4]], 0.3, 1, 1)
+
+
+@pytest.mark.parametrize(
+    ("window", "kernel", "pooling", "gqa_reduce", "sink", "recent"),
+    [(8, 5, "avg", "mean", 2, 3), (32, 7, "max", "max", 4, 32), (16, 1, "avg", "mean", 0, 40)],
+)
+def test_mixed_lengths_across_buckets_equal_the_reference(
+    window, kernel, pooling, gqa_reduce, sink, recent
+):
+    """Distinct lengths spread over several buckets (and under the window) in one batch."""
+    rng = np.random.default_rng(window + kernel)
+    lengths = [70, 5, 130, 0, 64, 65, 300, 12, 129, 257, 40, 90]
+    scorer = SnapKVScorer(obs_window=window, kernel_size=kernel, pooling=pooling,
+                          gqa_reduce=gqa_reduce)  # fmt: skip
+    q, k, lse, bounds = _batch(lengths, window)
+    kept = [[int(rng.integers(1, n + 1)) if n else 1 for _ in range(H_KV)] for n in lengths]
+    want = reference_kept_indices(scorer, q, k, lse, bounds, kept, 0.3, sink, recent)
+    got = batch_kept_indices(scorer, q, k, lse, bounds, kept, 0.3, sink, recent)
+    assert torch.equal(got, want)
+
+
+def test_nan_scores_rank_last_but_never_below_pad():
+    """A NaN score ranks after every real token, yet a pad position is never kept instead."""
+    scorer = SnapKVScorer(obs_window=4, kernel_size=1)
+    q, k, lse, bounds = _batch([10, 70], 3)
+    q[0:10] = float("nan")  # request 0: every score NaN
+    kept = [[9, 9, 9], [30, 2, 60]]
+    want = reference_kept_indices(scorer, q, k, lse, bounds, kept, 0.3, 1, 1)
+    got = batch_kept_indices(scorer, q, k, lse, bounds, kept, 0.3, 1, 1)
+    assert torch.equal(got, want)
+    assert (got[0, :, :9] < 10).all() and (got[0, :, :9] >= 0).all()
+
+
+def _top_level_aten_ops(fn) -> int:
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+    return sum(1 for e in prof.events() if e.name.startswith("aten::") and e.cpu_parent is None)
+
+
+def test_launches_per_layer_depend_on_buckets_not_on_batch_size():
+    """16 or 64 distinct lengths in the same buckets: the same op count (was one pass per
+    distinct length: 4,098 top-level aten ops for 64 ShareGPT-like turns, benchmarks/RESULTS.md)."""
+    scorer = SnapKVScorer(obs_window=8, kernel_size=5)
+    rng = np.random.default_rng(0)
+
+    def ops(lengths):
+        q, k, lse, bounds = _batch(lengths, 1)
+        kept = [[max(n // 4, 1)] * H_KV for n in lengths]
+        dev = torch.tensor(kept, dtype=torch.int64)
+        call = lambda: batch_kept_indices(scorer, q, k, lse, bounds, kept, 0.3, 2, 4, dev)  # noqa: E731
+        call()  # the bucket plan is built (and cached) on the first layer of a batch
+        return _top_level_aten_ops(call)
+
+    few = ops([70, 100, 150, 200] * 4)  # buckets 128 and 256
+    many = ops(rng.permutation(np.arange(65, 257))[:64].tolist())  # 64 distinct, same buckets
+    one = ops([100])
+    assert few == many <= 2 * one + 2
+
+
+def test_a_scorer_of_its_own_runs_per_run_of_equal_lengths():
+    """A Scorer that is not SnapKV-based still works (one scorer call per run)."""
+
+    class Reversed:
+        name, obs_window = "reversed", 4
+
+        def score(self, q_obs, k_seg, sm_scale, lse_obs=None):
+            n = k_seg.shape[-2]
+            return torch.arange(n, 0, -1, dtype=torch.float32).expand(*k_seg.shape[:-1])
+
+    q, k, lse, bounds = _batch([20, 20, 9, 30], 2)
+    kept = [[3, 5, 20], [1, 2, 3], [9, 9, 9], [4, 4, 4]]
+    want = reference_kept_indices(Reversed(), q, k, lse, bounds, kept, 0.3, 1, 1)
+    got = batch_kept_indices(Reversed(), q, k, lse, bounds, kept, 0.3, 1, 1)
+    assert torch.equal(got, want)
+    assert got[0, 0, :3].tolist() == [0, 1, 19]  # sink, best score, recent

@@ -6,7 +6,12 @@ import numpy as np
 import pytest
 from factories import random_profile
 
-from tangram_sglang.config import DEFAULT_PAGE_SIZE, SCOPES, TangramConfig
+from tangram_sglang.config import (
+    DEFAULT_MIN_COMPRESS_TOKENS,
+    DEFAULT_PAGE_SIZE,
+    SCOPES,
+    TangramConfig,
+)
 from tangram_sglang.errors import ConfigError, ProfileError
 from tangram_sglang.grouping import SCOPES as GROUPING_SCOPES
 from tangram_sglang.integration import profile_loader
@@ -39,6 +44,7 @@ def test_defaults(profile_file):
     assert config.as_dict() == {
         "enabled": True, "profile_path": profile_file, "page_group_size": None,
         "page_size": DEFAULT_PAGE_SIZE, "target_ratio": None, "scope": None,
+        "min_compress_tokens": DEFAULT_MIN_COMPRESS_TOKENS,
     }  # fmt: skip
 
 
@@ -58,6 +64,8 @@ def test_missing_profile_path_means_shipped_default():
         ({"page_size": 12}, "--tangram-page-size"),
         ({"page_size": 2048}, "--tangram-page-size"),
         ({"page_size": True}, "--tangram-page-size"),
+        ({"min_compress_tokens": -1}, "--tangram-min-compress-tokens"),
+        ({"min_compress_tokens": 1.5}, "--tangram-min-compress-tokens"),
         ({"page_group_size": 0}, "--tangram-page-group-size"),
         ({"page_group_size": 1.5}, "--tangram-page-group-size"),
         ({"target_ratio": 0.0}, "--tangram-target-ratio"),

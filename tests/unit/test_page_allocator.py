@@ -1,5 +1,8 @@
 """PageAllocator: exact page ids, free order, reference counts, errors leave state unchanged."""
 
+import random
+from collections import Counter, deque
+
 import pytest
 import torch
 
@@ -111,7 +114,7 @@ def test_check_invariants_collects_every_violation():
 
 def test_check_invariants_finds_duplicate_free_entries():
     alloc = PageAllocator(num_pages=4)
-    alloc.free_pages = torch.tensor([1, 2, 3, 3])
+    alloc.ring[1] = 3  # the free list reads [1, 3, 3]: page 3 twice, page 2 lost
     with pytest.raises(PoolError, match=r"pages \[3\] are on the free list more than once"):
         alloc.check_invariants()
 
@@ -130,3 +133,46 @@ def test_debug_env_read_at_construction(monkeypatch):
 def test_pool_needs_a_usable_page():
     with pytest.raises(PoolError, match="num_pages=1"):
         PageAllocator(num_pages=1)
+
+
+def test_ring_free_list_is_fifo_through_wraparound():
+    """Against a deque model: hand-out order, holder counts and errors over many wraps."""
+    rng = random.Random(3)
+    alloc = PageAllocator(num_pages=9, debug=True)
+    model, held = deque(range(1, 9)), Counter()
+    for _ in range(600):
+        if rng.random() < 0.5 and model:
+            got = alloc.alloc(rng.randint(0, len(model))).tolist()
+            assert got == [model.popleft() for _ in got]
+            held.update(got)
+        elif held:
+            ids_ = rng.sample(sorted(held.elements()), rng.randint(1, min(3, sum(held.values()))))
+            if rng.random() < 0.3:
+                alloc.incref(torch.tensor(ids_))
+                held.update(ids_)
+                continue
+            held.subtract(ids_)
+            released = list(dict.fromkeys(p for p in ids_ if held[p] == 0))  # listed order
+            assert alloc.free(torch.tensor(ids_)) == len(released)
+            model.extend(released)
+            held = +held
+        assert alloc.free_pages.tolist() == list(model)
+        assert alloc.num_free() == len(model)
+    assert alloc.head != 0  # the ring wrapped
+
+
+def test_mutations_skip_the_pool_wide_check_unless_debug(monkeypatch):
+    """alloc / incref / free never run the O(num_pages) self-check outside debug mode."""
+
+    def whole_pool_check(self):
+        raise AssertionError("O(num_pages) check ran")
+
+    monkeypatch.setattr(PageAllocator, "check_invariants", whole_pool_check)
+    alloc = PageAllocator(num_pages=16, debug=False)
+    pages = alloc.alloc(4)
+    alloc.incref(pages[:2])
+    assert alloc.free(pages) == 2 and alloc.free(pages[:2]) == 2
+    with pytest.raises(PoolError, match="double free"):  # held-checks still run, on the ids
+        alloc.free(pages[:1])
+    with pytest.raises(AssertionError, match="O\\(num_pages\\) check ran"):
+        PageAllocator(num_pages=16, debug=True).alloc(1)

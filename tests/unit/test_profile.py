@@ -8,6 +8,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from tangram_sglang.errors import ProfileError
 from tangram_sglang.grouping import HeadGrouping
@@ -69,6 +71,37 @@ def test_all_ones_profile_is_valid_and_keeps_everything():
 )
 def test_kept_len(n, ratio, expected):
     assert kept_len(n, ratio, 4, 32) == expected
+
+
+@given(
+    n=st.integers(0, 5000), ratio=st.floats(1e-6, 1.0), sink=st.integers(0, 64),
+    window=st.integers(0, 256), floor=st.integers(0, 2048),
+)  # fmt: skip
+def test_kept_len_never_exceeds_the_segment_and_keeps_short_segments_whole(
+    n, ratio, sink, window, floor
+):
+    """No head ever holds more tokens than full KV; below the floor a segment is kept whole."""
+    k = kept_len(n, ratio, sink, window, floor)
+    assert min(n, 1) <= k <= n
+    if n < floor:
+        assert k == n
+    else:
+        assert k == kept_len(n, ratio, sink, window)
+
+
+def test_min_compress_tokens_threads_through_group_kept_lens_and_the_json_copy():
+    profile = calibrated_profile().with_min_compress_tokens(512)
+    groups = profile.grouping.num_head_groups
+    assert profile.group_kept_lens(511) == [511] * groups
+    assert profile.group_kept_lens(512) == calibrated_profile().group_kept_lens(512)
+    assert min(profile.group_kept_lens(512)) < 512
+    again = BudgetProfile.from_dict(json.loads(json.dumps(profile.to_dict())))
+    assert again.min_compress_tokens == 512 and again.to_dict() == profile.to_dict()
+    assert "min_compress_tokens" not in calibrated_profile().to_dict()  # files stay as they were
+    with pytest.raises(ProfileError, match="min_compress_tokens=-1 must be an integer >= 0"):
+        calibrated_profile().with_min_compress_tokens(-1)
+    with pytest.raises(ProfileError, match="min_compress_tokens='64' must be an integer"):
+        BudgetProfile.from_dict(as_dict(min_compress_tokens="64"))
 
 
 def test_shape_mismatch_with_the_model():

@@ -29,6 +29,7 @@ def model_and_ids(smollm2_path):
     return model, torch.tensor([sample.input_ids])
 
 
+@pytest.mark.slow  # SmolLM2 forward through kvpress and through our scorer: ~30 s
 @pytest.mark.parametrize("ratio", [0.25], ids=["r0.25"])  # r0.5: see calibration/README.md
 def test_selection_matches_kvpress_per_head(model_and_ids, ratio):
     model, ids = model_and_ids
@@ -41,6 +42,7 @@ def test_selection_matches_kvpress_per_head(model_and_ids, ratio):
         assert res.num_diff_tokens == res.num_tie_diff_tokens, method
 
 
+@pytest.mark.slow  # ~25 s (model forward)
 def test_the_check_detects_a_different_selection(model_and_ids):
     """The comparison is not vacuous: a changed scorer (max-pool, window 16) disagrees."""
     from tangram_sglang.calibrate.observe import ScoreObserver
