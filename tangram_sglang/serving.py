@@ -191,3 +191,13 @@ class SGLangServer:
     def server_info(self) -> dict:
         """``GET /server_info`` as a dict."""
         return requests.get(f"{self.base_url}/server_info", timeout=30).json()
+
+    def kv_tail_tokens(self, completion_tokens: int) -> int:
+        """Decoded tokens of a finished request that have K/V in the cache (its decode tail).
+
+        ``T`` with SGLang's overlap scheduler (the default: it runs one more decode step for a
+        request before it processes the step that finished it, so the last sampled token is fed
+        back too), ``T - 1`` with ``--disable-overlap-schedule``.
+        """
+        overlap = not self.server_info()["disable_overlap_schedule"]
+        return max(int(completion_tokens) - (0 if overlap else 1), 0)

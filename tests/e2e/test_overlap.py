@@ -13,7 +13,7 @@ the host (the next owner's upload overwrites the device row in stream order).
   requests decode next to them; every output equals the same request run alone, and once idle
   and flushed the pool has all its pages back.
 
-Servers are shared: one per (ratio, overlap) pair, started once for the module.
+Servers come from the session's pool (``tests/e2e/conftest.py``): one per (ratio, overlap) pair.
 """
 
 from __future__ import annotations
@@ -66,31 +66,20 @@ def profiles(tmp_path_factory, smollm2_path) -> dict[str, str]:
     return {"1.0": one, "0.25": PROFILE_025}
 
 
-@pytest.fixture(scope="module")
-def servers(profiles, smollm2_path):
-    """Start servers lazily, one per (ratio, overlap); a ratio's servers stop when another
-    ratio's start (memory), the rest at the end of the module."""
-    started: dict[tuple[str, bool], SGLangServer] = {}
+@pytest.fixture
+def overlap_servers(servers, profiles):
+    """``get(ratio, overlap)``: the session's server for that pair (``conftest.ServerPool``)."""
 
     def get(ratio: str, overlap: bool) -> SGLangServer:
-        key = (ratio, overlap)
-        for other in [k for k in started if k[0] != ratio]:  # at most two servers at a time
-            started.pop(other).stop()
-        if key not in started:
-            args = ["--tangram", "--tangram-profile", profiles[ratio],
-                    "--chunked-prefill-size", str(CHUNK_TOKENS)]  # fmt: skip
-            if not overlap:
-                args.append("--disable-overlap-schedule")
-            log = f"/tmp/tangram-e2e-overlap-{ratio}-{'on' if overlap else 'off'}.log"
-            srv = SGLangServer(smollm2_path, args=args, log_path=log, startup_timeout_s=900)
-            srv.start()
-            started[key] = srv
-            assert overlap_enabled(srv) == overlap, "the server's overlap setting"
-        return started[key]
+        args = ["--tangram", "--tangram-profile", profiles[ratio],
+                "--chunked-prefill-size", str(CHUNK_TOKENS)]  # fmt: skip
+        if not overlap:
+            args.append("--disable-overlap-schedule")
+        srv = servers.get(args, f"overlap-{ratio}-{'on' if overlap else 'off'}")
+        assert overlap_enabled(srv) == overlap, "the server's overlap setting"
+        return srv
 
-    yield get
-    for srv in started.values():
-        srv.stop()
+    return get
 
 
 def overlap_enabled(server: SGLangServer) -> bool:
@@ -184,7 +173,8 @@ def wait_idle_and_flush(server: SGLangServer, timeout_s: float = 300.0) -> dict:
 
 
 @pytest.mark.parametrize("ratio", ["1.0", "0.25"])
-def test_overlap_gives_the_same_tokens_over_multi_turn_chats_with_aborts(servers, ratio):
+def test_overlap_gives_the_same_tokens_over_multi_turn_chats_with_aborts(overlap_servers, ratio):
+    servers = overlap_servers
     with_overlap = chats_with_aborts(servers(ratio, True))
     without = chats_with_aborts(servers(ratio, False))
     for topic, a, b in zip(TOPICS, with_overlap, without, strict=True):
@@ -195,8 +185,8 @@ def test_overlap_gives_the_same_tokens_over_multi_turn_chats_with_aborts(servers
         assert pool["pages_free"] == pool["pages_free_at_start"], pool
 
 
-def test_rows_reused_by_short_requests_do_not_disturb_running_decodes(servers):
-    server = servers("0.25", True)
+def test_rows_reused_by_short_requests_do_not_disturb_running_decodes(overlap_servers):
+    server = overlap_servers("0.25", True)
     longs = [[{"role": "user", "content": f"{SHARED_FACT} Explain {t} in detail."}]
              for t in TOPICS[:2]]  # fmt: skip
     shorts = [[{"role": "user", "content": f"Say a word about {t} ({i})."}]

@@ -3,7 +3,8 @@
 One server (a small pool: ``--max-total-tokens 2048``; ``--tangram-min-compress-tokens 0``, so
 the short prompts here are compressed segments):
 
-* turn 2 of a chat reports ``cached_tokens`` = turn 1's prompt + its T - 1 decode-tail tokens
+* turn 2 of a chat reports ``cached_tokens`` = turn 1's prompt + its decode-tail tokens (T with
+  overlap scheduling, T - 1 without: ``SGLangServer.kv_tail_tokens``)
   (the whole compressed history, matched as whole segments, never recomputed);
 * a fork (two different turn 2s after one turn 1) shares turn 1's pages: the tree and the pool
   grow by the fork's own pages only; replaying turn 2a after the fork gives the same tokens
@@ -115,8 +116,9 @@ def test_turn2_reports_cached_tokens_covering_turn1(server, turn1):
     messages, usage1, held1 = turn1
     assert held1 > 0
     _, usage2 = chat(server, [*messages, {"role": "user", "content": "What is my name?"}])
-    # turn 1's prompt segment + its decode tail (T - 1 tokens: the last sampled token has no KV)
-    assert cached_tokens(usage2) == usage1["prompt_tokens"] + usage1["completion_tokens"] - 1
+    # turn 1's prompt segment + its decode tail
+    tail = server.kv_tail_tokens(usage1["completion_tokens"])
+    assert cached_tokens(usage2) == usage1["prompt_tokens"] + tail
     assert usage2["prompt_tokens"] > cached_tokens(usage2)
 
 
@@ -128,7 +130,7 @@ def test_fork_shares_turn1_pages_and_leaves_them_intact(server, turn1):
     before = pool(server)
     reply_b, usage_b = chat(server, ask_b)
     after = pool(server)
-    history = usage1["prompt_tokens"] + usage1["completion_tokens"] - 1
+    history = usage1["prompt_tokens"] + server.kv_tail_tokens(usage1["completion_tokens"])
     assert cached_tokens(usage_a) == cached_tokens(usage_b) == history
     own = after["last_release"]["pages"]  # pages fork b's row owned (its segments only)
     assert 0 < own < turn1[2]

@@ -130,11 +130,11 @@ def test_ratio_one_profile_is_token_identical_to_stock(
     assert all(c > 0 for c in cached[1:]), cached  # turns 2, 3 extend the reused history
     assert pool["pages_free"] == pool["pages_free_at_start"]
     # Never more KV than full KV for the same tokens, up to page rounding: the tree holds one
-    # chain of the chat's KV tokens (the last sampled token has none); every head keeps each of
+    # chain of the chat's KV tokens (kv_tail_tokens of the last turn); every head keeps each of
     # them once, in G * H_p page columns (padded_kept_ratio = G * H_p / (L * H_kv) at ratio 1),
     # plus at most one partial page per head group. Turn boundaries add nothing: each turn's
     # copy of the partial tail page was adopted by the chain (no duplicate).
-    tokens = metas[-1]["prompt_tokens"] + metas[-1]["completion_tokens"] - 1
+    tokens = metas[-1]["prompt_tokens"] + server.kv_tail_tokens(metas[-1]["completion_tokens"])
     full = tokens * held["full_kv_bytes_per_token"]
     rounding = summary["num_head_groups"] * held["bytes_per_page"]
     assert held["bytes_held"] <= full * summary["padded_kept_ratio"] + rounding
@@ -192,10 +192,10 @@ def test_fact_from_turn1_is_recalled_in_turn3_with_exact_pages_per_turn(server05
 
     Per turn the finished row's own pages follow the formula: the matched prefix's per-group
     kept lengths (the chain of earlier chunks and decode tails), plus ``k_g`` of each 128-token
-    chunk of the extend, plus the ``T - 1`` decode tail, in pages past the shared prefix pages
-    (a partial shared last page is copied: copy-on-write). The tree keeps every row's pages and
-    the chain adopts each copy (freeing the original), so pages used = the sum over turns minus
-    the adopted copies.
+    chunk of the extend, plus the decode tail (``kv_tail_tokens``), in pages past the shared
+    prefix pages (a partial shared last page is copied: copy-on-write). The tree keeps every
+    row's pages and the chain adopts each copy (freeing the original), so pages used = the sum
+    over turns minus the adopted copies.
     """
     flush_radix(server05)  # turn 1 starts from an empty tree
     adopted_before = pool_state(server05)["radix"]["pages_copy_adopted"]
@@ -213,7 +213,7 @@ def test_fact_from_turn1_is_recalled_in_turn3_with_exact_pages_per_turn(server05
             chunk = min(left, CHUNK_TOKENS)
             lens, depth, left = lens + profile.group_kept_lens(chunk), depth + chunk, left - chunk
             lens_at[depth] = lens
-        tail = turn.completion_tokens - 1  # the last sampled token has no KV
+        tail = server05.kv_tail_tokens(turn.completion_tokens)
         lens, depth = lens + tail, depth + tail
         lens_at[depth] = lens
         want = int(group_pages_needed(prefix, prefix > 0, lens - prefix, page).sum())
@@ -233,7 +233,8 @@ def test_fact_from_turn1_is_recalled_in_turn3_with_exact_pages_per_turn(server05
     assert KEYWORD not in turns[0].reply  # the fact is only in turn 1's prompt
     assert turns[0].prompt_tokens > CHUNK_TOKENS  # the fact lies in a full, compressed chunk
     assert turns[1].cached_tokens > 0 and turns[2].cached_tokens > 0  # compressed history reused
-    assert turns[2].cached_tokens == turns[1].prompt_tokens + turns[1].completion_tokens - 1
+    history = turns[1].prompt_tokens + server05.kv_tail_tokens(turns[1].completion_tokens)
+    assert turns[2].cached_tokens == history
     assert KEYWORD in turns[2].reply, replies
 
 
@@ -248,9 +249,10 @@ def test_long_prompt_holds_the_reserved_pages_and_fewer_bytes(server05, tokenize
     pool = pool_state(server05)
     record = pool["last_release"]
     num_out = len(resp["output_ids"])
-    assert record["logical_tokens"] == len(ids) + num_out - 1  # the last token is never fed back
+    tail = server05.kv_tail_tokens(num_out)  # decoded tokens fed back (K/V written)
+    assert record["logical_tokens"] == len(ids) + tail
     profile = BudgetProfile.load(PROFILE_05)
-    want = chunked_footprint_pages(profile, 16, len(ids), num_out, CHUNK_TOKENS)
+    want = chunked_footprint_pages(profile, 16, len(ids), tail + 1, CHUNK_TOKENS)
     assert record["pages"] == want  # exact to the page
     assert record["bytes_held"] == want * pool["bytes_per_page"]
     full = record["logical_tokens"] * pool["full_kv_bytes_per_token"]
