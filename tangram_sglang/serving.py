@@ -66,9 +66,15 @@ def free_port() -> int:
 
 
 def cpu_env(base: dict[str, str] | None = None) -> dict[str, str]:
-    """Environment for SGLang's CPU engine: the CPU flag and the stand-in first on PYTHONPATH."""
+    """Environment for SGLang's CPU engine: the CPU flag and the stand-in first on PYTHONPATH.
+
+    ``OMP_NUM_THREADS`` defaults to 1 (a caller's value is kept): on a loaded 2-core machine a
+    server's scheduler was seen stalling inside OpenMP's thread pool until SGLang's 300 s
+    watchdog killed it; one thread per server serves the embedded models faster there too.
+    """
     env = dict(os.environ if base is None else base)
     env["SGLANG_USE_CPU_ENGINE"] = "1"
+    env.setdefault("OMP_NUM_THREADS", "1")
     env["HF_HUB_OFFLINE"] = "1"
     env.pop("TRITON_INTERPRET", None)  # a test-process setting; the server compiles nothing
     paths = [str(STANDIN_DIR)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
