@@ -13,11 +13,13 @@
 set -u -o pipefail
 R=/tmp/nmt; mkdir -p "$R" "${OUT:=/tmp/out}"
 COMMON="--load-format dummy --skip-tokenizer-init --sampling-backend pytorch --mem-fraction-static 0.8 --context-length 20480 --max-running-requests 256 --disable-prefill-cuda-graph --cuda-graph-max-bs 128"
+WL=${WL:-long-context:256x1,cliff:64}
+case ",$WL," in *,cliff:64,*) MAIN=cliff-64 ;; *) MAIN=$(echo "${WL%%,*}" | tr : -) ;; esac
 CUDA_VISIBLE_DEVICES=${GPU:-0} timeout -s INT "${CAP_S:-450}" python3 -m tangram_sglang.bench.multiturn \
   --model-path "$MODEL" --device cuda --profile "$PROFILE" --systems "${SYSTEMS:-baseline,tangram:0.25}" \
   --server-args "$COMMON" --baseline-args "--attention-backend triton" --no-max-tokens \
-  --workloads "${WL:-long-context:256x1,cliff:64}" --context-tokens 2048 --max-parallel 512 \
-  --main-workload cliff-64 --workload-timeout-s "${T:-160}" --startup-timeout-s 400 \
+  --workloads "$WL" --context-tokens 2048 --max-parallel 512 \
+  --main-workload "$MAIN" --workload-timeout-s "${T:-160}" --startup-timeout-s 400 \
   --log-dir "$R" --output "$OUT/no-max-tokens-h200.json" > "$R/bench.out" 2>&1
 grep "\[multiturn\]" "$R/bench.out"
 python3 -c "import json; s=json.load(open('$OUT/no-max-tokens-h200.json'))['summary']; print(json.dumps({k: s.get(k) for k in ('concurrency', 'cliff_throughput_ratio_64_clients', 'max_concurrency_ratio', 'missing')}, indent=1))"
