@@ -304,8 +304,11 @@ def metadata_dirs() -> list[Path]:
     ``dist-info`` in site-packages; a process started from the repository root (``python -m
     sglang.launch_server``, pytest) finds the egg-info first, so both must carry the entry point.
     """
-    dirs = {Path(str(d._path)) for d in importlib.metadata.distributions()
-            if (d.metadata["Name"] or "").lower().replace("_", "-") == PROJECT_DIST}  # fmt: skip
+    dirs = {
+        Path(str(d._path))
+        for d in importlib.metadata.distributions()
+        if (d.metadata["Name"] or "").lower().replace("_", "-") == PROJECT_DIST
+    }
     egg_info = REPO / "tangram_sglang.egg-info"
     if egg_info.is_dir():
         dirs.add(egg_info)
@@ -345,14 +348,17 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("action", choices=["apply", "unapply", "check"])
     parser.add_argument(
-        "--site-packages", type=Path, default=None,
+        "--site-packages",
+        type=Path,
+        default=None,
         help="folder holding sglang/ and sglang-*.dist-info (default: this interpreter's)",
-    )  # fmt: skip
+    )
     parser.add_argument("--patch-dir", type=Path, default=PATCH_DIR)
     parser.add_argument(
-        "--skip-entry-point", action="store_true",
+        "--skip-entry-point",
+        action="store_true",
         help="do not install the plugin entry point (implied with --site-packages)",
-    )  # fmt: skip
+    )
     args = parser.parse_args(argv)
     try:
         site = args.site_packages or default_site_packages()

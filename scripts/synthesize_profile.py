@@ -39,8 +39,9 @@ from tangram_sglang.grouping import HeadGrouping  # noqa: E402
 from tangram_sglang.profile import BudgetProfile, ModelIdentity  # noqa: E402
 
 
-def transplant(sources: list[BudgetProfile], num_layers: int, num_kv_heads: int,
-               seed: int) -> np.ndarray:  # fmt: skip
+def transplant(
+    sources: list[BudgetProfile], num_layers: int, num_kv_heads: int, seed: int
+) -> np.ndarray:
     """float64 ``[num_layers, num_kv_heads]`` ratios drawn by relative depth from ``sources``."""
     rng = np.random.default_rng(seed)
     ratio = np.empty((num_layers, num_kv_heads))
@@ -51,8 +52,9 @@ def transplant(sources: list[BudgetProfile], num_layers: int, num_kv_heads: int,
     return ratio
 
 
-def synthesize(config_dir: Path, source_paths: list[Path], heads_per_group: int, scope: str,
-               seed: int) -> BudgetProfile:  # fmt: skip
+def synthesize(
+    config_dir: Path, source_paths: list[Path], heads_per_group: int, scope: str, seed: int
+) -> BudgetProfile:
     """The synthetic profile for the model of ``config_dir`` (see the module docstring)."""
     from transformers import AutoConfig
 
@@ -69,17 +71,27 @@ def synthesize(config_dir: Path, source_paths: list[Path], heads_per_group: int,
         "scorer_options": first.provenance.get("scorer_options"),
     }
     return BudgetProfile(
-        model=model, scorer=first.scorer, target_ratio=first.target_ratio, ratio=ratio,
-        sink_tokens=first.sink_tokens, recent_window=first.recent_window,
-        grouping=HeadGrouping.build(ratio, heads_per_group, scope), provenance=provenance,
-    )  # fmt: skip
+        model=model,
+        scorer=first.scorer,
+        target_ratio=first.target_ratio,
+        ratio=ratio,
+        sink_tokens=first.sink_tokens,
+        recent_window=first.recent_window,
+        grouping=HeadGrouping.build(ratio, heads_per_group, scope),
+        provenance=provenance,
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", type=Path, required=True, help="folder with config.json")
-    parser.add_argument("--source", type=Path, action="append", required=True,
-                        help="calibrated profile (repeat for several)")  # fmt: skip
+    parser.add_argument(
+        "--source",
+        type=Path,
+        action="append",
+        required=True,
+        help="calibrated profile (repeat for several)",
+    )
     parser.add_argument("--output", type=Path, required=True)
     parser.add_argument("--page-group-size", type=int, default=4, help="H_p (default 4)")
     parser.add_argument("--scope", choices=["global", "per_layer"], default="global")
@@ -93,9 +105,11 @@ def main(argv: list[str] | None = None) -> int:
     profile.save(args.output)
     ratio = profile.ratio
     groups = profile.grouping
-    print(f"{args.output}: {profile.model.architecture} {ratio.shape[0]}x{ratio.shape[1]} "
-          f"mean ratio {ratio.mean():.3f} (min {ratio.min():.3f}, max {ratio.max():.3f}), "
-          f"{groups.num_head_groups} head groups of {groups.heads_per_group}")  # fmt: skip
+    print(
+        f"{args.output}: {profile.model.architecture} {ratio.shape[0]}x{ratio.shape[1]} "
+        f"mean ratio {ratio.mean():.3f} (min {ratio.min():.3f}, max {ratio.max():.3f}), "
+        f"{groups.num_head_groups} head groups of {groups.heads_per_group}"
+    )
     return 0
 
 

@@ -129,17 +129,21 @@ def report_turn(server: SGLangServer, per_token_bytes: int, i: int, turn: TurnRe
     pool = tangram_pool(server)
     kind = "compressed KV" if pool else "KV"
     print(f"\n--- turn {i} ---\nuser:      ...{turn.user[-60:]}\nassistant: {turn.reply}")
-    print(f"prompt tokens {turn.prompt_tokens}, served from the radix cache {turn.cached_tokens}"
-          f" (earlier turns' {kind}, reused without recomputation)")  # fmt: skip
+    print(
+        f"prompt tokens {turn.prompt_tokens}, served from the radix cache {turn.cached_tokens}"
+        f" (earlier turns' {kind}, reused without recomputation)"
+    )
     full = (turn.prompt_tokens + turn.completion_tokens) * per_token_bytes
     if pool and pool.get("last_release"):
         new = pool["last_release"]["bytes_held"]
         radix = pool.get("radix") or {}
         held = radix.get("pages_held", 0) * pool["bytes_per_page"] or new
-        print(f"KV of this turn's new tokens: {new / 2**20:.2f} MiB in Tangram pages; whole "
-              f"conversation held: {held / 2**20:.2f} MiB vs {full / 2**20:.2f} MiB full KV "
-              f"(saved {1 - held / full:.0%}); pool pages free "
-              f"{pool['pages_free']}/{pool['pages_total']}")  # fmt: skip
+        print(
+            f"KV of this turn's new tokens: {new / 2**20:.2f} MiB in Tangram pages; whole "
+            f"conversation held: {held / 2**20:.2f} MiB vs {full / 2**20:.2f} MiB full KV "
+            f"(saved {1 - held / full:.0%}); pool pages free "
+            f"{pool['pages_free']}/{pool['pages_total']}"
+        )
     else:
         print(f"KV held by the request (full KV): {full / 2**20:.2f} MiB")
 
@@ -161,13 +165,17 @@ def server_banner(info: dict) -> list[str]:
     Under ``--tangram`` the plugin reports a dict under ``tangram`` (profile path, mean kept
     ratio, head groups); a stock server reports the ``tangram`` flag itself (False).
     """
-    lines = [f"server up: sglang {info.get('version')}, attention backend "
-             f"{info.get('attention_backend')}, KV dtype {info.get('dtype')}"]  # fmt: skip
+    lines = [
+        f"server up: sglang {info.get('version')}, attention backend "
+        f"{info.get('attention_backend')}, KV dtype {info.get('dtype')}"
+    ]
     t = info.get("tangram")
     if isinstance(t, dict):
         ratio, groups = t.get("mean_kept_ratio", 0.0), t.get("num_head_groups")
-        lines.append(f"Tangram profile {t.get('profile_path')}: mean kept ratio {ratio:.3f}, "
-                     f"{groups} head groups")  # fmt: skip
+        lines.append(
+            f"Tangram profile {t.get('profile_path')}: mean kept ratio {ratio:.3f}, "
+            f"{groups} head groups"
+        )
     return lines
 
 
@@ -194,8 +202,10 @@ def check_demo_args(args: argparse.Namespace) -> None:
             ``--device cuda`` where torch sees no GPU (the server would die in start-up).
     """
     if args.full_kv and args.profile:
-        raise ConfigError(f"--profile {args.profile}: --full-kv runs stock SGLang, which takes "
-                          "no profile; drop one of the two flags")  # fmt: skip
+        raise ConfigError(
+            f"--profile {args.profile}: --full-kv runs stock SGLang, which takes "
+            "no profile; drop one of the two flags"
+        )
     if args.device == "cuda":
         import torch
 
@@ -217,8 +227,11 @@ def run_demo(args: argparse.Namespace) -> int:
         print("\n".join(server_banner(info)))
         requests.post(f"{server.base_url}/flush_cache", timeout=60)  # drop the warm-up request
         per_token = full_kv_bytes_per_token(folder, 4 if info.get("dtype") == "float32" else 2)
-        chat(server.base_url, DEMO_TURNS,
-             on_turn=lambda i, turn: report_turn(server, per_token, i, turn))  # fmt: skip
+        chat(
+            server.base_url,
+            DEMO_TURNS,
+            on_turn=lambda i, turn: report_turn(server, per_token, i, turn),
+        )
     print("\nserver stopped")
     return 0
 

@@ -117,10 +117,20 @@ class SGLangServer:
                 if flag not in args and not skip:
                     args += [flag, value]
         self.command = [
-            sys.executable, "-m", "sglang.launch_server", "--model-path", str(model_path),
-            "--device", device, "--host", "127.0.0.1", "--port", str(self.port),
-            "--enable-cache-report", *args,
-        ]  # fmt: skip
+            sys.executable,
+            "-m",
+            "sglang.launch_server",
+            "--model-path",
+            str(model_path),
+            "--device",
+            device,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--enable-cache-report",
+            *args,
+        ]
         self._env = env
         self._timeout = startup_timeout_s
         self.process: subprocess.Popen | None = None
@@ -144,9 +154,13 @@ class SGLangServer:
         _sigterm_as_interrupt(self, True)
         log = self.log_path.open("w")
         self.process = subprocess.Popen(
-            self.command, env=self._env, stdout=log, stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL, start_new_session=True,
-        )  # fmt: skip
+            self.command,
+            env=self._env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
         try:
             self._wait_healthy()
         except BaseException:

@@ -25,14 +25,16 @@ RATIOS = [[1.0, 0.5, 0.25, 0.25]]  # one layer, four KV heads -> two head groups
 
 def build_tree() -> tuple[TangramRadixCache, TangramState, ReqToTokenPool, TokenToKVPoolAllocator]:
     """A fresh tree, its Tangram state (debug pool checks on), row pool and slot allocator."""
-    prof = make_profile(RATIOS, heads_per_group=2, scope="global", sink_tokens=1,
-                        recent_window=2, head_dim=1)  # fmt: skip
+    prof = make_profile(
+        RATIOS, heads_per_group=2, scope="global", sink_tokens=1, recent_window=2, head_dim=1
+    )
     pool = KVPool.create(NUM_PAGES, 2, PAGE, 1, torch.float32)
     memory = TangramMemory(prof, PAGE, NUM_PAGES, ROWS + 1, WIDTH, pool, debug=True)
     state = TangramState(memory, full_kv_bytes_per_token=32, device="cpu")
     req_pool = ReqToTokenPool(ROWS, WIDTH * PAGE, "cpu", False)
     req_pool.tangram_state = state
     slots = TokenToKVPoolAllocator(SLOTS, torch.float32, "cpu", None, False)
-    params = CacheInitParams(disable=False, req_to_token_pool=req_pool,
-                             token_to_kv_pool_allocator=slots, page_size=1)  # fmt: skip
+    params = CacheInitParams(
+        disable=False, req_to_token_pool=req_pool, token_to_kv_pool_allocator=slots, page_size=1
+    )
     return TangramRadixCache(params), state, req_pool, slots

@@ -52,9 +52,16 @@ def recall_chat(
     messages, out = [], []
     for user in turns:
         messages.append({"role": "user", "content": user})
-        resp = requests.post(f"{base_url}/v1/chat/completions", json={
-            "model": "default", "temperature": 0, "max_tokens": MAX_TOKENS, "messages": messages,
-        }, timeout=900)  # fmt: skip
+        resp = requests.post(
+            f"{base_url}/v1/chat/completions",
+            json={
+                "model": "default",
+                "temperature": 0,
+                "max_tokens": MAX_TOKENS,
+                "messages": messages,
+            },
+            timeout=900,
+        )
         assert resp.status_code == 200, resp.text
         body = resp.json()
         reply, usage = body["choices"][0]["message"]["content"], body["usage"]

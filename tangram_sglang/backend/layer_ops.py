@@ -26,8 +26,22 @@ from tangram_sglang.kernels import reference
 class ReferenceKernels:
     """CPU path: :mod:`tangram_sglang.kernels.reference` (also the tests' oracle)."""
 
-    def extend(self, q, k, v, qo_indptr, k_pool, v_pool, page_table, group_len, rows, goh, coh,
-               sm_scale, max_extend_len):  # fmt: skip
+    def extend(
+        self,
+        q,
+        k,
+        v,
+        qo_indptr,
+        k_pool,
+        v_pool,
+        page_table,
+        group_len,
+        rows,
+        goh,
+        coh,
+        sm_scale,
+        max_extend_len,
+    ):
         """``(out [T, H_q, D], lse float32 [T, H_q])`` of one extend layer."""
         return reference.extend_reference(
             q, k, v, qo_indptr, k_pool, v_pool, page_table, group_len, rows, goh, coh, sm_scale
@@ -41,8 +55,9 @@ class ReferenceKernels:
         """The new token's K/V ``[bs, H_kv, D]`` into its group slots (``meta``: decode plan)."""
         md.write_decode_token(k_pool, v_pool, k, v, meta, goh, coh)
 
-    def decode(self, q, k_pool, v_pool, page_table, group_len, rows, goh, coh, sm_scale, lid,
-               out=None):  # fmt: skip
+    def decode(
+        self, q, k_pool, v_pool, page_table, group_len, rows, goh, coh, sm_scale, lid, out=None
+    ):
         """``[bs, H_q, D]`` ragged decode of one layer."""
         return reference.decode_reference(
             q, k_pool, v_pool, page_table, group_len, rows, goh, coh, sm_scale
@@ -75,17 +90,44 @@ class TritonKernels(ReferenceKernels):
             max_batch_size, m.num_qo_heads, self.tables.max_splits, m.head_dim, device
         )
 
-    def extend(self, q, k, v, qo_indptr, k_pool, v_pool, page_table, group_len, rows, goh, coh,
-               sm_scale, max_extend_len):  # fmt: skip
+    def extend(
+        self,
+        q,
+        k,
+        v,
+        qo_indptr,
+        k_pool,
+        v_pool,
+        page_table,
+        group_len,
+        rows,
+        goh,
+        coh,
+        sm_scale,
+        max_extend_len,
+    ):
         """``(out, lse)`` from ``kernels.extend_attention.ragged_extend_attention``."""
         from tangram_sglang.kernels.extend_attention import ragged_extend_attention
 
         out = torch.empty_like(q)
         lse = torch.empty(q.shape[0], q.shape[1], dtype=torch.float32, device=q.device)
         return ragged_extend_attention(
-            q, k, v, qo_indptr, k_pool, v_pool, page_table, group_len, rows, goh, coh,
-            sm_scale, out, lse, max_extend_len,
-        )  # fmt: skip
+            q,
+            k,
+            v,
+            qo_indptr,
+            k_pool,
+            v_pool,
+            page_table,
+            group_len,
+            rows,
+            goh,
+            coh,
+            sm_scale,
+            out,
+            lse,
+            max_extend_len,
+        )
 
     def kv_write(self, *args) -> None:
         """``kernels.kv_write.write_kept_kv`` (one launch per layer)."""
@@ -99,17 +141,29 @@ class TritonKernels(ReferenceKernels):
 
         write_decode_kv(k, v, k_pool, v_pool, meta.dest_page, meta.dest_slot, goh, coh)
 
-    def decode(self, q, k_pool, v_pool, page_table, group_len, rows, goh, coh, sm_scale, lid,
-               out=None):  # fmt: skip
+    def decode(
+        self, q, k_pool, v_pool, page_table, group_len, rows, goh, coh, sm_scale, lid, out=None
+    ):
         """AOT-split ragged decode with layer ``lid``'s split table."""
         from tangram_sglang.kernels.decode_attention import ragged_decode_attention
 
         table = self.tables.for_batch(q.shape[0]).layer(lid)
         out = torch.empty_like(q) if out is None else out
         return ragged_decode_attention(
-            q, k_pool, v_pool, page_table, group_len, rows, goh, coh, table, sm_scale, out,
-            self.mid_o, self.mid_lse,
-        )  # fmt: skip
+            q,
+            k_pool,
+            v_pool,
+            page_table,
+            group_len,
+            rows,
+            goh,
+            coh,
+            table,
+            sm_scale,
+            out,
+            self.mid_o,
+            self.mid_lse,
+        )
 
 
 def kernels_for(device: torch.device, state: TangramState, max_batch_size: int) -> ReferenceKernels:
@@ -147,18 +201,46 @@ def extend_layer(
     table = memory.table
     goh, coh = state.group_of_head[layer_id], state.column_of_head[layer_id]
     out, lse = kernels.extend(
-        q3, k3, v3, meta.qo_indptr, memory.kv_pool.k_pool, memory.kv_pool.v_pool,
-        table.page_table, table.group_len, meta.req_rows, goh, coh, sm_scale,
+        q3,
+        k3,
+        v3,
+        meta.qo_indptr,
+        memory.kv_pool.k_pool,
+        memory.kv_pool.v_pool,
+        table.page_table,
+        table.group_len,
+        meta.req_rows,
+        goh,
+        coh,
+        sm_scale,
         meta.max_extend_len,
-    )  # fmt: skip
+    )
     profile = state.profile
     kept_host, kept_dev = meta.layer_kept(layer_id, profile.grouping.cluster_of[layer_id])
     kept_idx = batch_kept_indices(
-        state.scorer, q3, k3, lse, meta.bounds, kept_host, sm_scale, profile.sink_tokens,
-        profile.recent_window, kept_dev,
-    )  # fmt: skip
+        state.scorer,
+        q3,
+        k3,
+        lse,
+        meta.bounds,
+        kept_host,
+        sm_scale,
+        profile.sink_tokens,
+        profile.recent_window,
+        kept_dev,
+    )
     kernels.kv_write(
-        k3, v3, meta.qo_indptr, kept_idx, meta.kept_count, memory.kv_pool.k_pool,
-        memory.kv_pool.v_pool, table.page_table, table.group_len, meta.req_rows, goh, coh,
-    )  # fmt: skip
+        k3,
+        v3,
+        meta.qo_indptr,
+        kept_idx,
+        meta.kept_count,
+        memory.kv_pool.k_pool,
+        memory.kv_pool.v_pool,
+        table.page_table,
+        table.group_len,
+        meta.req_rows,
+        goh,
+        coh,
+    )
     return out

@@ -77,9 +77,13 @@ def ideal_slots(profile: BudgetProfile, context_tokens: int, max_new_tokens: int
 
 
 def fill_pool(
-    profile: BudgetProfile, memory_bytes: int, page_size: int, context_tokens: int,
-    max_new_tokens: int, dtype: torch.dtype,
-) -> tuple[int, int, Any]:  # fmt: skip
+    profile: BudgetProfile,
+    memory_bytes: int,
+    page_size: int,
+    context_tokens: int,
+    max_new_tokens: int,
+    dtype: torch.dtype,
+) -> tuple[int, int, Any]:
     """Admit conversations until the pool is full. Returns (count, pages of one, stats)."""
     h_p, dim = profile.grouping.heads_per_group, profile.model.head_dim
     num_pages = memory_bytes // bytes_per_page(h_p, page_size, dim, dtype) + 1
@@ -100,8 +104,11 @@ def fill_pool(
 
 
 def measure(
-    name: str, profile: BudgetProfile, ideal_profile: BudgetProfile, args: argparse.Namespace,
-) -> CapacityRow:  # fmt: skip
+    name: str,
+    profile: BudgetProfile,
+    ideal_profile: BudgetProfile,
+    args: argparse.Namespace,
+) -> CapacityRow:
     """Run one configuration; ``ideal_profile`` gives each head's own budget."""
     dtype = DTYPES[args.dtype]
     memory_bytes = int(args.memory_gib * (1 << 30))
@@ -131,13 +138,23 @@ def configurations(profile: BudgetProfile) -> list[tuple[str, BudgetProfile]]:
     """(label, profile) of every configuration, full KV first."""
     m = profile.model
     full = make_profile(
-        np.ones_like(profile.ratio), m.num_kv_heads, "per_layer", profile.sink_tokens,
-        profile.recent_window, m.head_dim, m.num_qo_heads // m.num_kv_heads,
-    )  # fmt: skip
+        np.ones_like(profile.ratio),
+        m.num_kv_heads,
+        "per_layer",
+        profile.sink_tokens,
+        profile.recent_window,
+        m.head_dim,
+        m.num_qo_heads // m.num_kv_heads,
+    )
     padded = make_profile(
-        np.full_like(profile.ratio, profile.ratio.max()), m.num_kv_heads, "per_layer",
-        profile.sink_tokens, profile.recent_window, m.head_dim, m.num_qo_heads // m.num_kv_heads,
-    )  # fmt: skip
+        np.full_like(profile.ratio, profile.ratio.max()),
+        m.num_kv_heads,
+        "per_layer",
+        profile.sink_tokens,
+        profile.recent_window,
+        m.head_dim,
+        m.num_qo_heads // m.num_kv_heads,
+    )
     out = [("full_kv", full), ("uniform_padded", padded)]
     for scope in SCOPES:  # the profile's own H_p too, so its summary row always exists
         for h_p in sorted({*HEADS_PER_GROUP, profile.grouping.heads_per_group}):
@@ -231,24 +248,44 @@ def markdown_table(report: dict[str, Any]) -> str:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m tangram_sglang.bench.capacity", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    p = argparse.ArgumentParser(
+        prog="python -m tangram_sglang.bench.capacity",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--profile", help="budget profile JSON (default: a synthetic skewed one)")
-    p.add_argument("--geometry", default="llama3-8b", choices=sorted(GEOMETRIES),
-                   help="model geometry of the synthetic profile")  # fmt: skip
+    p.add_argument(
+        "--geometry",
+        default="llama3-8b",
+        choices=sorted(GEOMETRIES),
+        help="model geometry of the synthetic profile",
+    )
     p.add_argument("--target-ratio", type=float, default=0.25, help="synthetic profile target")
     p.add_argument("--seed", type=int, default=0, help="synthetic profile seed")
     p.add_argument("--context-tokens", type=int, default=32768, help="tokens per conversation")
-    p.add_argument("--max-new-tokens", type=int, default=1,
-                   help="T; T - 1 uncompressed decode-tail tokens per conversation")  # fmt: skip
+    p.add_argument(
+        "--max-new-tokens",
+        type=int,
+        default=1,
+        help="T; T - 1 uncompressed decode-tail tokens per conversation",
+    )
     p.add_argument("--memory-gib", type=float, default=40.0, help="KV memory budget (GiB)")
     p.add_argument("--page-size", type=int, default=16, help="tokens per page")
     p.add_argument("--dtype", default="bf16", choices=sorted(DTYPES), help="KV dtype")
-    p.add_argument("--heads-per-group", type=int, default=None, choices=HEADS_PER_GROUP,
-                   help="H_p of the configuration the summary reports (default: the profile's; "
-                        "4 for a synthetic profile)")  # fmt: skip
-    p.add_argument("--scope", default=None, choices=SCOPES,
-                   help="scope of that configuration (default: the profile's)")  # fmt: skip
+    p.add_argument(
+        "--heads-per-group",
+        type=int,
+        default=None,
+        choices=HEADS_PER_GROUP,
+        help="H_p of the configuration the summary reports (default: the profile's; "
+        "4 for a synthetic profile)",
+    )
+    p.add_argument(
+        "--scope",
+        default=None,
+        choices=SCOPES,
+        help="scope of that configuration (default: the profile's)",
+    )
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     args = p.parse_args(argv)
     _check_args(p, args)

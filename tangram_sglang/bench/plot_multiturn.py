@@ -61,19 +61,25 @@ def plot(result: dict, workload: str, output: str) -> None:
     if tangram:
         xs, ys = zip(*tangram, strict=True)
         # zorder 3: Tangram's point at 1.0 stays above the stock markers there
-        ax.plot(xs, ys, "o-", color="tab:green", label="Tangram (--tangram-target-ratio)",
-                zorder=3)  # fmt: skip
+        ax.plot(xs, ys, "o-", color="tab:green", label="Tangram (--tangram-target-ratio)", zorder=3)
         for x, y in tangram:
-            ax.annotate(f"{y:.0f}", (x, y), textcoords="offset points", xytext=(0, 6),
-                        ha="center", fontsize=8)  # fmt: skip
+            ax.annotate(
+                f"{y:.0f}",
+                (x, y),
+                textcoords="offset points",
+                xytext=(0, 6),
+                ha="center",
+                fontsize=8,
+            )
     colors = ("tab:blue", "tab:orange", "tab:red", "tab:purple")
     for (name, y), color in zip(sorted(stock.items()), colors, strict=False):
         label = f"stock SGLang, full KV ({name.removeprefix('baseline').strip('-') or 'triton'})"
         ax.axhline(y, ls="--", lw=1, color=color)
         ax.plot([1.0], [y], "s", color=color, label=label)
         # at the left end of its level: the markers at 1.0 are left to the Tangram point there
-        ax.annotate(f"{y:.0f}", (0.0, y), textcoords="offset points", xytext=(4, 3),
-                    fontsize=8, color=color)  # fmt: skip
+        ax.annotate(
+            f"{y:.0f}", (0.0, y), textcoords="offset points", xytext=(4, 3), fontsize=8, color=color
+        )
     ax.set_xlabel("kept ratio (mean kept fraction of KV)")
     ax.set_ylabel("output tokens / s")
     ax.set_xticks([0.1, 0.25, 0.5, 1.0])
@@ -98,8 +104,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         result = json.loads(Path(args.result).read_text())
     except (OSError, ValueError) as exc:
-        print(f"plot_multiturn: result {args.result!r} is not a readable JSON file: {exc}",
-              file=sys.stderr)  # fmt: skip
+        print(
+            f"plot_multiturn: result {args.result!r} is not a readable JSON file: {exc}",
+            file=sys.stderr,
+        )
         return 2
     try:
         plot(result, args.workload, args.output)

@@ -97,9 +97,14 @@ def _build_state(profile, case: Case, device: torch.device, page_size: int):
         profile.grouping.heads_per_group, page_size, profile.model.head_dim, torch.bfloat16
     )
     memory = TangramMemory.create(
-        profile, budget, page_size, max_rows=case.batch + 1, max_context_tokens=context + 64,
-        dtype=torch.bfloat16, device=device,
-    )  # fmt: skip
+        profile,
+        budget,
+        page_size,
+        max_rows=case.batch + 1,
+        max_context_tokens=context + 64,
+        dtype=torch.bfloat16,
+        device=device,
+    )
     full = 2 * profile.model.num_layers * profile.model.num_kv_heads * profile.model.head_dim * 2
     return TangramState(memory, full, device, 0)
 
@@ -155,14 +160,16 @@ def _stock_extend(profile, case: Case, q, k, v, sm_scale: float):
     o = torch.empty_like(q)
 
     def run(_i: int) -> None:
-        extend_attention_fwd(q, k, v, o, kb, vb, qo, kv_indptr, kv_idx, None, True, None, n,
-                             1.0, 1.0, sm_scale)  # fmt: skip
+        extend_attention_fwd(
+            q, k, v, o, kb, vb, qo, kv_indptr, kv_idx, None, True, None, n, 1.0, 1.0, sm_scale
+        )
 
     return run
 
 
-def profile_case(profile, case: Case, device: torch.device, page_size: int,
-                 trace_table: str | None) -> dict[str, Any]:  # fmt: skip
+def profile_case(
+    profile, case: Case, device: torch.device, page_size: int, trace_table: str | None
+) -> dict[str, Any]:
     """Time every stage of ``case`` over all layers (see the module docstring)."""
     from tangram_sglang.backend import metadata as md
     from tangram_sglang.backend.compress import batch_kept_indices, reference_kept_indices
@@ -191,9 +198,19 @@ def profile_case(profile, case: Case, device: torch.device, page_size: int,
     def ext(i: int):
         lid = i % layers
         return kernels.extend(
-            q, k, v, meta.qo_indptr, *pools, table.page_table, table.group_len, meta.req_rows,
-            state.group_of_head[lid], state.column_of_head[lid], sm_scale, meta.max_extend_len,
-        )  # fmt: skip
+            q,
+            k,
+            v,
+            meta.qo_indptr,
+            *pools,
+            table.page_table,
+            table.group_len,
+            meta.req_rows,
+            state.group_of_head[lid],
+            state.column_of_head[lid],
+            sm_scale,
+            meta.max_extend_len,
+        )
 
     _, lse = ext(0)
 
@@ -201,9 +218,17 @@ def profile_case(profile, case: Case, device: torch.device, page_size: int,
         lid = i % layers
         kept_host, kept_dev = meta.layer_kept(lid, profile.grouping.cluster_of[lid])
         return batch_kept_indices(
-            state.scorer, q, k, lse, meta.bounds, kept_host, sm_scale, profile.sink_tokens,
-            profile.recent_window, kept_dev,
-        )  # fmt: skip
+            state.scorer,
+            q,
+            k,
+            lse,
+            meta.bounds,
+            kept_host,
+            sm_scale,
+            profile.sink_tokens,
+            profile.recent_window,
+            kept_dev,
+        )
 
     idx = select(0)
 
@@ -211,26 +236,49 @@ def profile_case(profile, case: Case, device: torch.device, page_size: int,
         lid = i % layers
         kept_host, _ = meta.layer_kept(lid, profile.grouping.cluster_of[lid])
         return reference_kept_indices(
-            state.scorer, q, k, lse, meta.bounds, kept_host, sm_scale, profile.sink_tokens,
+            state.scorer,
+            q,
+            k,
+            lse,
+            meta.bounds,
+            kept_host,
+            sm_scale,
+            profile.sink_tokens,
             profile.recent_window,
-        )  # fmt: skip
+        )
 
     res_same = all(torch.equal(select(i), select_ref(i)) for i in range(layers))
 
     def write(i: int) -> None:
         lid = i % layers
         kernels.kv_write(
-            k, v, meta.qo_indptr, idx, meta.kept_count, *pools, table.page_table,
-            table.group_len, meta.req_rows, state.group_of_head[lid], state.column_of_head[lid],
-        )  # fmt: skip
+            k,
+            v,
+            meta.qo_indptr,
+            idx,
+            meta.kept_count,
+            *pools,
+            table.page_table,
+            table.group_len,
+            meta.req_rows,
+            state.group_of_head[lid],
+            state.column_of_head[lid],
+        )
 
     def layer(i: int) -> None:
         extend_layer(kernels, state, meta, q, k, v, i % layers, sm_scale)
 
-    res: dict[str, Any] = {"case": case.label, "tokens": case.batch * case.new_tokens,
-                           "select_equals_reference": res_same}  # fmt: skip
-    stages = (("extend_ms", ext), ("select_ms", select), ("select_ref_ms", select_ref),
-              ("kv_write_ms", write))  # fmt: skip
+    res: dict[str, Any] = {
+        "case": case.label,
+        "tokens": case.batch * case.new_tokens,
+        "select_equals_reference": res_same,
+    }
+    stages = (
+        ("extend_ms", ext),
+        ("select_ms", select),
+        ("select_ref_ms", select_ref),
+        ("kv_write_ms", write),
+    )
     for name, fn in stages:
         _events(fn, layers)  # warm-up (Triton JIT, allocator)
         res[name] = statistics.median(_events(fn, layers))
@@ -305,22 +353,39 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device("cuda")
     results = []
     for i, case in enumerate(cases):
-        res = profile_case(profile, case, device, args.page_size, args.trace_table if i == 0
-                           else None)  # fmt: skip
+        res = profile_case(
+            profile, case, device, args.page_size, args.trace_table if i == 0 else None
+        )
         print(json.dumps(res), flush=True)
         results.append(res)
         torch.cuda.empty_cache()
-    cols = ["case", "extend_ms", "stock_extend_ms", "select_ms", "select_host_ms",
-            "select_ref_ms", "select_ref_host_ms", "kv_write_ms", "layer_ms",
-            "overhead_all_layers_ms", "select_equals_reference"]  # fmt: skip
+    cols = [
+        "case",
+        "extend_ms",
+        "stock_extend_ms",
+        "select_ms",
+        "select_host_ms",
+        "select_ref_ms",
+        "select_ref_host_ms",
+        "kv_write_ms",
+        "layer_ms",
+        "overhead_all_layers_ms",
+        "select_equals_reference",
+    ]
     print(" | ".join(cols))
     for r in results:
-        print(" | ".join(f"{r[c]:.3f}" if isinstance(r.get(c), float) else str(r.get(c))
-                         for c in cols))  # fmt: skip
+        print(
+            " | ".join(
+                f"{r[c]:.3f}" if isinstance(r.get(c), float) else str(r.get(c)) for c in cols
+            )
+        )
     if args.json:
         with open(args.json, "w") as fh:
-            json.dump({"target_ratio": args.target_ratio, "profile": args.profile,
-                       "results": results}, fh, indent=1)  # fmt: skip
+            json.dump(
+                {"target_ratio": args.target_ratio, "profile": args.profile, "results": results},
+                fh,
+                indent=1,
+            )
     return 0
 
 

@@ -85,8 +85,14 @@ def skewed_profile(
         num_qo_heads // num_kv_heads,
         f"synthetic-{geometry}",
     )
-    provenance = {"source": "synthetic skewed", "geometry": geometry, "seed": seed,
-                  "sigma": sigma, "spread": spread, "alpha": alpha}  # fmt: skip
+    provenance = {
+        "source": "synthetic skewed",
+        "geometry": geometry,
+        "seed": seed,
+        "sigma": sigma,
+        "spread": spread,
+        "alpha": alpha,
+    }
     return BudgetProfile(
         **{n: getattr(profile, n) for n in BudgetProfile.__dataclass_fields__}
         | {"target_ratio": target_ratio, "provenance": provenance}

@@ -71,9 +71,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="sharegpt | ruler-squad | PATH.jsonl; several joined by commas",
     )
     p.add_argument(
-        "--page-group-size", type=int, default=4,
+        "--page-group-size",
+        type=int,
+        default=4,
         help="H_p, KV heads per head group (with --scope per_layer: a divisor of the KV heads)",
-    )  # fmt: skip
+    )
     p.add_argument("--scope", choices=SCOPES, default="global")
     p.add_argument("--output", required=True, help="profile JSON to write")
     p.add_argument("--alpha", type=float, default=2.0, help="r = mean + alpha * std")

@@ -67,10 +67,14 @@ def compare(rep: dict[str, Any], profiles: dict[float, BudgetProfile]) -> dict[s
         deficit = (dyn - tan).mean(axis=0)
         order = np.argsort(deficit, axis=None)[::-1][:5]
         worst = [
-            (int(layer), int(head), round(float(tan[:, layer, head].mean()), 3),
-             round(float(dyn[:, layer, head].mean()), 3))
+            (
+                int(layer),
+                int(head),
+                round(float(tan[:, layer, head].mean()), 3),
+                round(float(dyn[:, layer, head].mean()), 3),
+            )
             for layer, head in zip(*np.unravel_index(order, deficit.shape), strict=True)
-        ]  # fmt: skip
+        ]
         out[str(ratio)] = {
             "num_samples": len(recs),
             "kept_share_tangram": round(float(tan.mean()), 4),

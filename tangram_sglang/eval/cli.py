@@ -47,8 +47,11 @@ DEFAULT_SERVER_ARGS = {
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m tangram_sglang.eval", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    p = argparse.ArgumentParser(
+        prog="python -m tangram_sglang.eval",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--model", default="qwen2.5-0.5b", help="embedded model name or HF folder")
     p.add_argument("--task", default="needle", help=f"comma list of {', '.join(TASKS)} or 'all'")
     p.add_argument("--ratios", default="1.0,0.5,0.25", help="average kept ratios in (0, 1]")
@@ -57,28 +60,45 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--depths", default="0.1,0.5,0.9", help="needle depths in [0, 1]")
     p.add_argument("--num-turns", type=int, default=3, help="questions per multi-turn sample")
     p.add_argument("--systems", default=",".join(SYSTEMS), help=f"subset of {SYSTEMS}")
-    p.add_argument("--profile-dir", default=None,
-                   help="folder with ada-snapkv-r*.json (default calibration/<model>)")  # fmt: skip
-    p.add_argument("--server-args", default=None,
-                   help="extra launch_server flags for both servers (one string; default "
-                        f"{DEFAULT_SERVER_ARGS})")  # fmt: skip
+    p.add_argument(
+        "--profile-dir",
+        default=None,
+        help="folder with ada-snapkv-r*.json (default calibration/<model>)",
+    )
+    p.add_argument(
+        "--server-args",
+        default=None,
+        help="extra launch_server flags for both servers (one string; default "
+        f"{DEFAULT_SERVER_ARGS})",
+    )
     p.add_argument(
         "--device",
         default="cpu",
         choices=("cpu", "cuda"),
         help="where the servers and the transformers model run (cuda: bfloat16)",
     )
-    p.add_argument("--protocol", default="query-agnostic", choices=tuple(PROTOCOLS),
-                   help="what is compressed: the context alone, or the first prompt with "
-                        "its question (SnapKV)")  # fmt: skip
+    p.add_argument(
+        "--protocol",
+        default="query-agnostic",
+        choices=tuple(PROTOCOLS),
+        help="what is compressed: the context alone, or the first prompt with "
+        "its question (SnapKV)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None, help="torch threads (kvpress side)")
     p.add_argument("--json", default=None, help="write the report here")
     p.add_argument("--markdown", action="store_true", help="print the RESULTS.md table")
-    p.add_argument("--resume", action="store_true",
-                   help="keep the records in --json and run only the missing ones")  # fmt: skip
-    p.add_argument("--skip", type=int, default=0,
-                   help="leave out the first N samples (a 2nd process filling a run)")  # fmt: skip
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="keep the records in --json and run only the missing ones",
+    )
+    p.add_argument(
+        "--skip",
+        type=int,
+        default=0,
+        help="leave out the first N samples (a 2nd process filling a run)",
+    )
     return p.parse_args(argv)
 
 
@@ -106,8 +126,10 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
     if any(s not in SYSTEMS for s in systems):
         raise ConfigError(f"--systems {args.systems!r}: use a subset of {', '.join(SYSTEMS)}")
     if args.model not in MODELS and not Path(args.model).is_dir():
-        raise ConfigError(f"--model {args.model!r}: not an embedded model ({', '.join(MODELS)}) "
-                          "nor an HF model folder")  # fmt: skip
+        raise ConfigError(
+            f"--model {args.model!r}: not an embedded model ({', '.join(MODELS)}) "
+            "nor an HF model folder"
+        )
     text = DEFAULT_SERVER_ARGS[args.device] if args.server_args is None else args.server_args
     try:
         server_args = tuple(shlex.split(text))
@@ -116,17 +138,23 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
     if args.threads is not None and args.device != "cpu":
         raise ConfigError("--threads sets CPU threads; leave it out with --device cuda")
     if any(a.startswith("--dtype") for a in server_args):
-        raise ConfigError("--server-args: --dtype is set by the harness from --device (the same "
-                          "dtype as the transformers model); remove it")  # fmt: skip
+        raise ConfigError(
+            "--server-args: --dtype is set by the harness from --device (the same "
+            "dtype as the transformers model); remove it"
+        )
     # Tangram must compress each context as ONE segment (same scope as kvpress's press) for the
     # per-head budgets and scores to be comparable; the template adds < 1k tokens.
     if any(a.startswith("--chunked-prefill-size") for a in server_args):
-        raise ConfigError("--server-args: --chunked-prefill-size is set by the harness (each "
-                          "context is one compressed segment); remove it")  # fmt: skip
+        raise ConfigError(
+            "--server-args: --chunked-prefill-size is set by the harness (each "
+            "context is one compressed segment); remove it"
+        )
     if args.device == "cpu" and max(lengths) + TEMPLATE_MARGIN > CHUNKED_PREFILL_TOKENS:
         limit = CHUNKED_PREFILL_TOKENS - TEMPLATE_MARGIN
-        raise ConfigError(f"--lengths {max(lengths)}: contexts must stay under {limit} tokens "
-                          "on cpu (one prefill chunk, the CPU KV pool)")  # fmt: skip
+        raise ConfigError(
+            f"--lengths {max(lengths)}: contexts must stay under {limit} tokens "
+            "on cpu (one prefill chunk, the CPU KV pool)"
+        )
     if args.device == "cuda":
         import torch
 
@@ -141,13 +169,26 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
         raise ConfigError(f"--model {args.model}: no config.json in {model_dir}")
     chunk = _chunk_tokens(max(lengths), args.device, model_dir)
     return RunConfig(
-        model=args.model, model_dir=model_dir, profile_dir=profile_dir, tasks=tasks,
-        ratios=ratios, num_samples=args.num_samples, lengths=lengths, depths=depths,
-        num_turns=args.num_turns, systems=systems, seed=args.seed,
-        json_path=Path(args.json) if args.json else None, threads=args.threads,
-        server_args=server_args, resume=args.resume, skip=args.skip, device=args.device,
-        protocol=args.protocol, chunked_prefill_tokens=chunk,
-    )  # fmt: skip
+        model=args.model,
+        model_dir=model_dir,
+        profile_dir=profile_dir,
+        tasks=tasks,
+        ratios=ratios,
+        num_samples=args.num_samples,
+        lengths=lengths,
+        depths=depths,
+        num_turns=args.num_turns,
+        systems=systems,
+        seed=args.seed,
+        json_path=Path(args.json) if args.json else None,
+        threads=args.threads,
+        server_args=server_args,
+        resume=args.resume,
+        skip=args.skip,
+        device=args.device,
+        protocol=args.protocol,
+        chunked_prefill_tokens=chunk,
+    )
 
 
 def _chunk_tokens(max_length: int, device: str, model_dir: Path) -> int:
@@ -166,9 +207,11 @@ def _chunk_tokens(max_length: int, device: str, model_dir: Path) -> int:
         config = json.loads((model_dir / "config.json").read_text())
         context = int(config.get("max_position_embeddings", need))
         if need > context:
-            raise ConfigError(f"--lengths {max_length}: contexts must stay under "
-                              f"{context - TEMPLATE_MARGIN} tokens (the model's context "
-                              f"length {context})")  # fmt: skip
+            raise ConfigError(
+                f"--lengths {max_length}: contexts must stay under "
+                f"{context - TEMPLATE_MARGIN} tokens (the model's context "
+                f"length {context})"
+            )
     return max(CHUNKED_PREFILL_TOKENS, need)
 
 

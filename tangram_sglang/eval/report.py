@@ -54,7 +54,7 @@ def build(cfg: Any, samples: list, records: list[dict[str, Any]], wall_s: float)
             "device": cfg.device,
             "dtype": cfg.dtype,
             "protocol": cfg.protocol,
-        },  # fmt: skip
+        },
         "samples": [
             {
                 "task": s.task,
@@ -64,7 +64,7 @@ def build(cfg: Any, samples: list, records: list[dict[str, Any]], wall_s: float)
                 **s.meta,
             }
             for s in samples
-        ],  # fmt: skip
+        ],
         "results": results,
         "summary": summary(results),
         "wall_s": round(wall_s, 1),
@@ -231,11 +231,16 @@ def merge(reports: list[dict[str, Any]]) -> dict[str, Any]:
     config = dict(first["config"], systems=systems, ratios=list(ratios))
     scored = sorted({r["sample_id"] for r in records})
     return dict(
-        first, config=config, results=results, summary=summary(results), records=records,
-        command=[rep["command"] for rep in reports], wall_s=[rep["wall_s"] for rep in reports],
+        first,
+        config=config,
+        results=results,
+        summary=summary(results),
+        records=records,
+        command=[rep["command"] for rep in reports],
+        wall_s=[rep["wall_s"] for rep in reports],
         machine=[rep.get("machine") for rep in reports],
         scored_samples=scored,
-    )  # fmt: skip
+    )
 
 
 def common_samples(records: list[dict[str, Any]]) -> list[dict[str, Any]]:

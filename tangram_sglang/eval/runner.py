@@ -285,8 +285,9 @@ class _Context:
                 if system in self.cfg.systems:
                     for r in self.cfg.ratios:
                         presses[(system, r)] = KvpressRunner.make_press(system, 1 - kept[r])
-            outs = runner.generate(conv.context_ids, conv.turn_ids, presses,
-                                   MAX_NEW_TOKENS[sample.task])  # fmt: skip
+            outs = runner.generate(
+                conv.context_ids, conv.turn_ids, presses, MAX_NEW_TOKENS[sample.task]
+            )
             for (system, r), per_turn in outs.items():
                 frac = 1.0 if r is None else kept[r]
                 for turn, (ids, out) in enumerate(zip(conv.turn_ids, per_turn, strict=True)):
@@ -310,11 +311,18 @@ class _Context:
         answers = sample.turns[turn].answers
         self.records.append(
             {
-                "task": sample.task, "sample_id": sample.sample_id, "turn": turn,
-                "system": system, "ratio": ratio, "prompt_tokens": len(ids),
-                "context_prompt_tokens": len(conv.context_ids), "cached_tokens": cached,
+                "task": sample.task,
+                "sample_id": sample.sample_id,
+                "turn": turn,
+                "system": system,
+                "ratio": ratio,
+                "prompt_tokens": len(ids),
+                "context_prompt_tokens": len(conv.context_ids),
+                "cached_tokens": cached,
                 "kept_fraction": round(kept, 4),
-                "output_ids": out, "prediction": text, "answers": list(answers),
+                "output_ids": out,
+                "prediction": text,
+                "answers": list(answers),
                 **score(text, answers),
             }
-        )  # fmt: skip
+        )

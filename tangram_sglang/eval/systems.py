@@ -244,9 +244,13 @@ class KvpressRunner:
             pos = torch.arange(n, device=self.device)
             # the last position's logits: turn 0's first token in the query-aware protocol
             logits = self.model(
-                input_ids=ids, past_key_values=cache, use_cache=True,
-                cache_position=pos, position_ids=pos[None], logits_to_keep=1,
-            ).logits[:, -1]  # fmt: skip
+                input_ids=ids,
+                past_key_values=cache,
+                use_cache=True,
+                cache_position=pos,
+                position_ids=pos[None],
+                logits_to_keep=1,
+            ).logits[:, -1]
         caches = {}
         for name in presses:
             c = copy.deepcopy(cache)
@@ -278,9 +282,12 @@ class KvpressRunner:
                 if logits is None:
                     logits = self.model(
                         input_ids=torch.tensor([step_ids], device=self.device),
-                        past_key_values=cache, use_cache=True, cache_position=pos,
-                        position_ids=pos[None], logits_to_keep=1,
-                    ).logits[:, -1]  # fmt: skip
+                        past_key_values=cache,
+                        use_cache=True,
+                        cache_position=pos,
+                        position_ids=pos[None],
+                        logits_to_keep=1,
+                    ).logits[:, -1]
                 token = int(logits.argmax(-1))
                 logits = None
                 out.append(token)

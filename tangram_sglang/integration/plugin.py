@@ -67,8 +67,9 @@ def register() -> None:
         return
     if not _patch_applied():
         _STATE.inert_reason = "sglang ServerArgs has no `tangram` field (patches not applied)"
-        logger.info("Tangram plugin inert: %s; run `make apply` to enable --tangram",
-                    _STATE.inert_reason)  # fmt: skip
+        logger.info(
+            "Tangram plugin inert: %s; run `make apply` to enable --tangram", _STATE.inert_reason
+        )
         return
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
@@ -88,8 +89,9 @@ def register() -> None:
         )
     _STATE.active = True
     _STATE.inert_reason = ""
-    logger.info("Tangram plugin active: %d hooks, %d registrations verified",
-                len(HOOKS), len(REGISTRATIONS))  # fmt: skip
+    logger.info(
+        "Tangram plugin active: %d hooks, %d registrations verified", len(HOOKS), len(REGISTRATIONS)
+    )
 
 
 def install_excepthook() -> None:
@@ -141,12 +143,18 @@ def verify() -> list[str]:
     _STATE.verified.clear()
     for row in HOOKS:
         problem = _check_hook(row)
-        (failures.append(f"{row.target}: {problem}") if problem else _STATE.verified.append(
-            row.target))  # fmt: skip
+        (
+            failures.append(f"{row.target}: {problem}")
+            if problem
+            else _STATE.verified.append(row.target)
+        )
     for reg in REGISTRATIONS:
         problem = _check_registration(reg)
-        (failures.append(f"{reg.registry}[{reg.key!r}]: {problem}") if problem else
-         _STATE.verified.append(f"{reg.registry}[{reg.key!r}]"))  # fmt: skip
+        (
+            failures.append(f"{reg.registry}[{reg.key!r}]: {problem}")
+            if problem
+            else _STATE.verified.append(f"{reg.registry}[{reg.key!r}]")
+        )
     return failures
 
 
@@ -164,8 +172,11 @@ def resolve_raw(target: str) -> Any:
     """
     owner_path, attr = target.rsplit(".", 1)
     owner = pkgutil.resolve_name(owner_path)
-    raw = owner.__dict__[attr] if isinstance(owner, type) and attr in owner.__dict__ else getattr(
-        owner, attr)  # fmt: skip
+    raw = (
+        owner.__dict__[attr]
+        if isinstance(owner, type) and attr in owner.__dict__
+        else getattr(owner, attr)
+    )
     return raw.__func__ if isinstance(raw, classmethod | staticmethod) else raw
 
 

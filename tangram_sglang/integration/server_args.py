@@ -72,10 +72,16 @@ def _above_one(value: Any) -> bool:
 
 
 INCOMPATIBLE_FLAGS: tuple[Incompatible, ...] = (
-    Incompatible("speculative_algorithm", _on,
-                 "speculative decoding verifies drafts with SGLang's full-KV kernels"),
-    Incompatible("disaggregation_mode", lambda v: v not in (None, "null"),
-                 f"prefill/decode disaggregation transfers KV; {KV_LAYOUT}"),
+    Incompatible(
+        "speculative_algorithm",
+        _on,
+        "speculative decoding verifies drafts with SGLang's full-KV kernels",
+    ),
+    Incompatible(
+        "disaggregation_mode",
+        lambda v: v not in (None, "null"),
+        f"prefill/decode disaggregation transfers KV; {KV_LAYOUT}",
+    ),
     Incompatible("enable_hierarchical_cache", _on, f"hierarchical (host) cache: {KV_LAYOUT}"),
     Incompatible("enable_hisparse", _on, f"hierarchical sparse attention: {KV_LAYOUT}"),
     Incompatible("enable_lmcache", _on, f"LMCache: {KV_LAYOUT}"),
@@ -93,14 +99,23 @@ INCOMPATIBLE_FLAGS: tuple[Incompatible, ...] = (
     Incompatible("is_embedding", _on, "embedding models keep no KV cache to compress"),
     Incompatible("enable_two_batch_overlap", _on, "two-batch overlap splits batches per layer"),
     Incompatible("enable_single_batch_overlap", _on, "single-batch overlap is not supported"),
-    Incompatible("enable_mixed_chunk", _on,
-                 "mixed prefill+decode batches are not supported by the tangram backend yet"),
-    Incompatible("kv_cache_dtype", lambda v: v != "auto",
-                 "Tangram's pool stores K/V in the model's dtype (quantized or other-dtype KV "
-                 "caches are not supported)"),
-    Incompatible("enable_streaming_session", _on,
-                 "streaming sessions keep a request's KV row outside the radix tree; Tangram "
-                 "reuses compressed history through the radix tree"),
+    Incompatible(
+        "enable_mixed_chunk",
+        _on,
+        "mixed prefill+decode batches are not supported by the tangram backend yet",
+    ),
+    Incompatible(
+        "kv_cache_dtype",
+        lambda v: v != "auto",
+        "Tangram's pool stores K/V in the model's dtype (quantized or other-dtype KV "
+        "caches are not supported)",
+    ),
+    Incompatible(
+        "enable_streaming_session",
+        _on,
+        "streaming sessions keep a request's KV row outside the radix tree; Tangram "
+        "reuses compressed history through the radix tree",
+    ),
     Incompatible("enable_session_radix_cache", _on, "session radix caches are not supported"),
     Incompatible("dllm_algorithm", _on, "diffusion LLM decoding is not supported"),
     Incompatible("enable_pdmux", _on, "PD multiplexing is not supported"),
@@ -108,11 +123,14 @@ INCOMPATIBLE_FLAGS: tuple[Incompatible, ...] = (
     Incompatible("enable_unified_memory", _on, f"unified memory pool: {KV_LAYOUT}"),
     Incompatible("prefill_only_disable_kv_cache", _on, "there is no KV cache to compress"),
     Incompatible("encoder_only", _on, "encoder-only serving keeps no decoder KV"),
-    Incompatible("page_size", _above_one,
-                 "SGLang's token pages would page-align radix keys that Tangram's compressed "
-                 "segments do not follow; Tangram pages its pool itself: use "
-                 "--tangram-page-size"),
-)  # fmt: skip
+    Incompatible(
+        "page_size",
+        _above_one,
+        "SGLang's token pages would page-align radix keys that Tangram's compressed "
+        "segments do not follow; Tangram pages its pool itself: use "
+        "--tangram-page-size",
+    ),
+)
 
 
 def config_from_server_args(server_args: Any) -> TangramConfig:
@@ -166,8 +184,10 @@ def force_milestone_settings(server_args: Any, has_radix: bool) -> None:
     """
     if not has_radix and not server_args.disable_radix_cache:
         server_args.disable_radix_cache = True
-        logger.info("Tangram: radix cache disabled (--disable-radix-cache): no 'tangram' radix "
-                    "cache backend registered")  # fmt: skip
+        logger.info(
+            "Tangram: radix cache disabled (--disable-radix-cache): no 'tangram' radix "
+            "cache backend registered"
+        )
     if not server_args.disable_prefill_cuda_graph:
         server_args.disable_prefill_cuda_graph = True
         logger.info("Tangram: prefill CUDA graphs disabled (decode graphs stay on)")
@@ -246,8 +266,11 @@ def _log_startup(summary: dict[str, object]) -> None:
     """The start-up log line: the profile summary and how many hooks the plugin verified."""
     from tangram_sglang.integration.plugin import state
 
-    logger.info("%s; plugin verified %d hooks/registrations", profile_loader.summary_line(summary),
-                len(state().verified))  # fmt: skip
+    logger.info(
+        "%s; plugin verified %d hooks/registrations",
+        profile_loader.summary_line(summary),
+        len(state().verified),
+    )
 
 
 def require_compressing_backend() -> None:
@@ -275,16 +298,20 @@ def _check_model_kind(model_config: Any) -> None:
     window = model_config.sliding_window_size
     uses_window = getattr(text_config, "use_sliding_window", True) is not False
     problems = [
-        (model_config.attention_arch == AttentionArch.MLA,
-         "MLA (multi-head latent attention) keeps one latent per token, not per-KV-head K/V"),
+        (
+            model_config.attention_arch == AttentionArch.MLA,
+            "MLA (multi-head latent attention) keeps one latent per token, not per-KV-head K/V",
+        ),
         (model_config.is_hybrid_swa, "hybrid sliding-window attention layers"),
-        (bool(window) and uses_window and window < model_config.context_len,
-         f"sliding-window attention (window {window} tokens)"),
+        (
+            bool(window) and uses_window and window < model_config.context_len,
+            f"sliding-window attention (window {window} tokens)",
+        ),
         (mambaish_config(model_config) is not None, "linear-attention / Mamba layers"),
         (model_config.is_multimodal, "a multimodal model"),
         (not model_config.is_generation, "not a generation model"),
         (model_config.is_encoder_decoder, "an encoder-decoder model"),
-    ]  # fmt: skip
+    ]
     for bad, what in problems:
         if bad:
             raise ConfigError(

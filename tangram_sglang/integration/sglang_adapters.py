@@ -91,14 +91,20 @@ class TangramTokenToKVPool(NoOpMHATokenToKVPool):
         )
         self.tangram_profile = profile
         self.full_kv_bytes_per_token = int(full_cell)
-        self.mem_usage = self.tangram_kv_pool.num_pages * self.tangram_kv_pool.bytes_per_page / (
-            1 << 30)  # fmt: skip
+        self.mem_usage = (
+            self.tangram_kv_pool.num_pages * self.tangram_kv_pool.bytes_per_page / (1 << 30)
+        )
         logger.info(
             "Tangram KV pool: %d pages x %d bytes = %.3f GB (H_p=%d, page_size=%d, D=%d) for %d "
             "logical token slots; SGLang's full-size token K/V buffers not allocated",
-            num_pages, self.tangram_kv_pool.bytes_per_page, self.mem_usage, h_p, page_size, dim,
+            num_pages,
+            self.tangram_kv_pool.bytes_per_page,
+            self.mem_usage,
+            h_p,
+            page_size,
+            dim,
             self.size,
-        )  # fmt: skip
+        )
 
     def get_kv_size_bytes(self):
         """K and V bytes of the Tangram page pool (what SGLang reports as the KV cache)."""

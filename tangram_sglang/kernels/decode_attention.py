@@ -113,10 +113,25 @@ def _decode_stage1(
     l_i = tl.zeros([GQA_PAD], dtype=tl.float32)
     acc = tl.zeros([GQA_PAD, HEAD_DIM], dtype=tl.float32)
     m_i, l_i, acc = attend_paged(
-        q, m_i, l_i, acc, page_row_ptr, col_offset, start, end, k_pool_ptr, v_pool_ptr,
-        stride_pool_page, stride_pool_slot, sm_scale_log2,
-        BLOCK_N, HEAD_DIM, PAGE_SIZE, DOT_PRECISION, UPCAST_DOT,
-    )  # fmt: skip
+        q,
+        m_i,
+        l_i,
+        acc,
+        page_row_ptr,
+        col_offset,
+        start,
+        end,
+        k_pool_ptr,
+        v_pool_ptr,
+        stride_pool_page,
+        stride_pool_slot,
+        sm_scale_log2,
+        BLOCK_N,
+        HEAD_DIM,
+        PAGE_SIZE,
+        DOT_PRECISION,
+        UPCAST_DOT,
+    )
 
     # Normalise this split's output; an empty split writes zeros with lse = -inf (weight 0).
     has_keys = l_i > 0.0

@@ -117,10 +117,25 @@ def _extend_kernel(
     page_row_ptr = page_table_ptr + row * stride_pt_row + group * stride_pt_group
     col_offset = column.to(tl.int64) * stride_pool_col
     m_i, l_i, acc = attend_paged(
-        q, m_i, l_i, acc, page_row_ptr, col_offset, 0, hist_len, k_pool_ptr, v_pool_ptr,
-        stride_pool_page, stride_pool_slot, sm_scale_log2,
-        BLOCK_N, HEAD_DIM, PAGE_SIZE, DOT_PRECISION, UPCAST_DOT,
-    )  # fmt: skip
+        q,
+        m_i,
+        l_i,
+        acc,
+        page_row_ptr,
+        col_offset,
+        0,
+        hist_len,
+        k_pool_ptr,
+        v_pool_ptr,
+        stride_pool_page,
+        stride_pool_slot,
+        sm_scale_log2,
+        BLOCK_N,
+        HEAD_DIM,
+        PAGE_SIZE,
+        DOT_PRECISION,
+        UPCAST_DOT,
+    )
 
     # Phase 2: transient new tokens, causal (key j visible to query i iff j <= i); keys past
     # this block's last query are never visible, so the sweep stops there.

@@ -181,9 +181,11 @@ class TangramRadixCache(RadixCache):
         start = req.last_node if req.last_node is not None else self.root_node
         start_len = int(req.cache_protected_len)
         if (
-            self.disable_finished_insert or not is_insert or self.memory.rids[row] is None
+            self.disable_finished_insert
+            or not is_insert
+            or self.memory.rids[row] is None
             or node_depth(start) != start_len
-        ):  # fmt: skip
+        ):
             self.state.release(row)
             return super().cache_finished_req(req, False, kv_len_to_handle=kv_len_to_handle)
         segments = self.state.finish_row(row)

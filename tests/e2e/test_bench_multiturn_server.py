@@ -19,19 +19,49 @@ from tangram_sglang.bench import multiturn as mt
 pytestmark = pytest.mark.e2e
 
 PROFILE_05 = "calibration/smollm2/ada-snapkv-r0.5.json"
-RUN_KEYS = {"requests_ok", "requests_failed", "wall_s", "output_tok_per_s", "cache_hit_rate",
-            "ttft_s", "tpot_s", "peak_running_reqs", "retracted_requests_total"}  # fmt: skip
+RUN_KEYS = {
+    "requests_ok",
+    "requests_failed",
+    "wall_s",
+    "output_tok_per_s",
+    "cache_hit_rate",
+    "ttft_s",
+    "tpot_s",
+    "peak_running_reqs",
+    "retracted_requests_total",
+}
 
 
 def test_toy_run_writes_both_systems_and_the_summary(tmp_path):
     out = tmp_path / "multiturn-cpu.json"
-    code = mt.main([
-        "--model-path", "smollm2", "--device", "cpu", "--profile", PROFILE_05,
-        "--systems", "baseline,tangram:0.5", "--workloads", "long-context:2x2,prefill:2x64",
-        "--context-tokens", "96", "--request-length", "16", "--output-length", "4",
-        "--main-workload", "long-context-2x2", "--workload-timeout-s", "300",
-        "--log-dir", str(tmp_path), "--output", str(out),
-    ])  # fmt: skip
+    code = mt.main(
+        [
+            "--model-path",
+            "smollm2",
+            "--device",
+            "cpu",
+            "--profile",
+            PROFILE_05,
+            "--systems",
+            "baseline,tangram:0.5",
+            "--workloads",
+            "long-context:2x2,prefill:2x64",
+            "--context-tokens",
+            "96",
+            "--request-length",
+            "16",
+            "--output-length",
+            "4",
+            "--main-workload",
+            "long-context-2x2",
+            "--workload-timeout-s",
+            "300",
+            "--log-dir",
+            str(tmp_path),
+            "--output",
+            str(out),
+        ]
+    )
     assert code == 0
     result = json.loads(out.read_text())
     assert result["schema"] == mt.SCHEMA and set(result["systems"]) == {"baseline", "tangram-r0.5"}

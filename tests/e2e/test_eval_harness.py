@@ -30,12 +30,21 @@ REPO = Path(__file__).resolve().parents[2]
 def report(smollm2_path, tmp_path_factory, request):
     out = tmp_path_factory.mktemp("eval") / "accuracy.json"
     cfg = RunConfig(
-        model="smollm2", model_dir=smollm2_path, profile_dir=REPO / "calibration" / "smollm2",
-        tasks=TASKS, ratios=(1.0,), num_samples=1, lengths=(160,), depths=(0.5,), num_turns=2,
-        systems=("full", "tangram"), seed=0, json_path=out,
+        model="smollm2",
+        model_dir=smollm2_path,
+        profile_dir=REPO / "calibration" / "smollm2",
+        tasks=TASKS,
+        ratios=(1.0,),
+        num_samples=1,
+        lengths=(160,),
+        depths=(0.5,),
+        num_turns=2,
+        systems=("full", "tangram"),
+        seed=0,
+        json_path=out,
         server_args=("--mem-fraction-static", "0.85"),  # as the CLI: shared hosts run low
         protocol=request.param,
-    )  # fmt: skip
+    )
     rep = run(cfg)
     assert json.loads(out.read_text())["summary"] == rep["summary"]
     return rep

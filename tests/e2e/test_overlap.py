@@ -71,8 +71,13 @@ def overlap_servers(servers, profiles):
     """``get(ratio, overlap)``: the session's server for that pair (``conftest.ServerPool``)."""
 
     def get(ratio: str, overlap: bool) -> SGLangServer:
-        args = ["--tangram", "--tangram-profile", profiles[ratio],
-                "--chunked-prefill-size", str(CHUNK_TOKENS)]  # fmt: skip
+        args = [
+            "--tangram",
+            "--tangram-profile",
+            profiles[ratio],
+            "--chunked-prefill-size",
+            str(CHUNK_TOKENS),
+        ]
         if not overlap:
             args.append("--disable-overlap-schedule")
         srv = servers.get(args, f"overlap-{ratio}-{'on' if overlap else 'off'}")
@@ -142,8 +147,10 @@ def victim(server: SGLangServer, index: int, stop: threading.Event) -> int:
     while not stop.is_set():
         abandoned_stream(server, messages, chunks=2 + aborted % 3)
         aborted += 1
-        messages += [{"role": "assistant", "content": "I will stop here."},
-                     {"role": "user", "content": "Go on, differently."}]  # fmt: skip
+        messages += [
+            {"role": "assistant", "content": "I will stop here."},
+            {"role": "user", "content": "Go on, differently."},
+        ]
     return aborted
 
 
@@ -187,10 +194,14 @@ def test_overlap_gives_the_same_tokens_over_multi_turn_chats_with_aborts(overlap
 
 def test_rows_reused_by_short_requests_do_not_disturb_running_decodes(overlap_servers):
     server = overlap_servers("0.25", True)
-    longs = [[{"role": "user", "content": f"{SHARED_FACT} Explain {t} in detail."}]
-             for t in TOPICS[:2]]  # fmt: skip
-    shorts = [[{"role": "user", "content": f"Say a word about {t} ({i})."}]
-              for i in range(4) for t in TOPICS]  # fmt: skip
+    longs = [
+        [{"role": "user", "content": f"{SHARED_FACT} Explain {t} in detail."}] for t in TOPICS[:2]
+    ]
+    shorts = [
+        [{"role": "user", "content": f"Say a word about {t} ({i})."}]
+        for i in range(4)
+        for t in TOPICS
+    ]
     short_tokens = [1 + i % 3 for i in range(len(shorts))]
     alone_long = [chat(server, m, 32) for m in longs]
     alone_short = [chat(server, m, n) for m, n in zip(shorts, short_tokens, strict=True)]
@@ -198,8 +209,7 @@ def test_rows_reused_by_short_requests_do_not_disturb_running_decodes(overlap_se
     with ThreadPoolExecutor(8) as pool:
         running = [pool.submit(chat, server, m, 32) for m in longs]
         time.sleep(0.5)  # the long requests are decoding when the short ones come and go
-        churn = [pool.submit(chat, server, m, n)
-                 for m, n in zip(shorts, short_tokens, strict=True)]  # fmt: skip
+        churn = [pool.submit(chat, server, m, n) for m, n in zip(shorts, short_tokens, strict=True)]
         together_short = [f.result() for f in churn]
         together_long = [f.result() for f in running]
     assert together_long == alone_long

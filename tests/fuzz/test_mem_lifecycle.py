@@ -167,8 +167,10 @@ class Lifecycle(RuleBasedStateMachine):
             assert res.used_pages == res.reserved_pages and res.overflow_pages == 0
         table = [self.mem.group_pages(row, g) for g in range(self.groups)]
         segments = self.mem.finish(row)
-        own = [np.concatenate([s.pages[g] for s in segments] + [np.zeros(0, np.int64)])
-               for g in range(self.groups)]  # fmt: skip
+        own = [
+            np.concatenate([s.pages[g] for s in segments] + [np.zeros(0, np.int64)])
+            for g in range(self.groups)
+        ]
         own = [np.concatenate([own[g]] + [d[g] for d in run.detached]) for g in range(self.groups)]
         if run.node is not None:
             run.node.locks -= 1
@@ -202,7 +204,7 @@ class Lifecycle(RuleBasedStateMachine):
             [
                 np.concatenate([s.pages[g] for s in segments] + [np.zeros(0, np.int64)])
                 for g in range(self.groups)
-            ]  # fmt: skip
+            ]
         )
 
     @rule(data=st.data())
@@ -243,8 +245,9 @@ class Lifecycle(RuleBasedStateMachine):
         for row, run in self.rows.items():
             for g in range(self.groups):
                 assert lens[row, g] == len(run.tokens[g])
-                k, _ = self.mem.kv_pool.gather(torch.from_numpy(self.mem.group_pages(row, g)),
-                                               0, len(run.tokens[g]))  # fmt: skip
+                k, _ = self.mem.kv_pool.gather(
+                    torch.from_numpy(self.mem.group_pages(row, g)), 0, len(run.tokens[g])
+                )
                 assert k[:, 0].tolist() == run.tokens[g]
 
     def teardown(self):

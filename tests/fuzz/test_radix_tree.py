@@ -78,9 +78,15 @@ class RadixLifecycle(RuleBasedStateMachine):
         self.tree.inc_lock_ref(node)
         row, n = self.req_pool.free_slots.pop(0), len(ids) - p
         fresh = self.alloc_slots(n)
-        req = SimpleNamespace(req_pool_idx=row, last_node=node, cache_protected_len=p,
-                              origin_input_ids=ids, output_ids=array("q"), extra_key=None,
-                              priority=0)  # fmt: skip
+        req = SimpleNamespace(
+            req_pool_idx=row,
+            last_node=node,
+            cache_protected_len=p,
+            origin_input_ids=ids,
+            output_ids=array("q"),
+            extra_key=None,
+            priority=0,
+        )
         if fresh is None:
             self.tree.dec_lock_ref(node)
             self.req_pool.free_slots.append(row)
@@ -159,10 +165,15 @@ class RadixLifecycle(RuleBasedStateMachine):
 
     @invariant()
     def token_slots_add_up(self):
-        own = sum(len(r.req.origin_input_ids) - r.prefix_len + r.decoded
-                  for r in self.running.values())  # fmt: skip
-        total = (self.slots.available_size() + self.tree.evictable_size()
-                 + self.tree.protected_size() + own)  # fmt: skip
+        own = sum(
+            len(r.req.origin_input_ids) - r.prefix_len + r.decoded for r in self.running.values()
+        )
+        total = (
+            self.slots.available_size()
+            + self.tree.evictable_size()
+            + self.tree.protected_size()
+            + own
+        )
         assert total == SLOTS
 
     @invariant()

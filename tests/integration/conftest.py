@@ -35,8 +35,10 @@ def patched_sglang():
     """The venv's sglang must be patched (`make apply`); fail with the fix otherwise."""
     result = subprocess.run(
         [sys.executable, str(REPO / "scripts" / "patches.py"), "check"],
-        capture_output=True, text=True, check=False,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     if result.returncode != 0:
         pytest.fail(f"sglang is not patched ({result.stdout.strip()}): run `make apply`")
     from sglang.srt.server_args import ServerArgs

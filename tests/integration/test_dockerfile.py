@@ -124,9 +124,13 @@ def test_make_targets_build_and_lint_the_dockerfile():
 def run_entrypoint(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
     keep = {k: v for k, v in os.environ.items() if not k.startswith("TANGRAM_")}
     return subprocess.run(
-        ["bash", str(ENTRYPOINT), *args], env={**keep, **env}, capture_output=True, text=True,
-        timeout=30, check=False,
-    )  # fmt: skip
+        ["bash", str(ENTRYPOINT), *args],
+        env={**keep, **env},
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
 
 
 @pytest.fixture
@@ -145,16 +149,34 @@ def test_entrypoint_passes_tangram_and_the_environment_through(model_dir):
     tmp_path = model_dir
     profile = tmp_path / "profile.json"
     profile.write_text("{}")
-    env = {"DRY_RUN": "1", "TANGRAM_MODEL_PATH": str(tmp_path), "TANGRAM_PROFILE": str(profile),
-           "TANGRAM_PORT": "31000", "TANGRAM_HOST": "127.0.0.1",
-           "TANGRAM_PYTHON": "python3"}  # fmt: skip
+    env = {
+        "DRY_RUN": "1",
+        "TANGRAM_MODEL_PATH": str(tmp_path),
+        "TANGRAM_PROFILE": str(profile),
+        "TANGRAM_PORT": "31000",
+        "TANGRAM_HOST": "127.0.0.1",
+        "TANGRAM_PYTHON": "python3",
+    }
     result = run_entrypoint(env, "--tangram-target-ratio", "0.3", "--mem-fraction-static", "0.8")
     assert result.returncode == 0, result.stderr
     assert shlex.split(result.stdout) == [
-        "python3", "-m", "sglang.launch_server", "--tangram", "--model-path", str(tmp_path),
-        "--tangram-profile", str(profile), "--host", "127.0.0.1", "--port", "31000",
-        "--tangram-target-ratio", "0.3", "--mem-fraction-static", "0.8",
-    ]  # fmt: skip
+        "python3",
+        "-m",
+        "sglang.launch_server",
+        "--tangram",
+        "--model-path",
+        str(tmp_path),
+        "--tangram-profile",
+        str(profile),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "31000",
+        "--tangram-target-ratio",
+        "0.3",
+        "--mem-fraction-static",
+        "0.8",
+    ]
 
 
 def test_entrypoint_without_profile_uses_the_shipped_default(model_dir):

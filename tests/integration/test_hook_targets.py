@@ -73,12 +73,14 @@ def test_plugin_applies_and_verifies_every_hook(patched_sglang):
 def test_verify_reports_a_hook_that_is_not_applied(patched_sglang):
     row = HookTarget(
         target="sglang.srt.managers.schedule_batch.ScheduleBatch.check_decode_mem",
-        hook_type="around", body="tangram_sglang.integration.hooks:add_tangram_init_info",
+        hook_type="around",
+        body="tangram_sglang.integration.hooks:add_tangram_init_info",
         purpose="never registered",
-    )  # fmt: skip
+    )
     assert "around hook" in plugin._check_hook(row) and "not applied" in plugin._check_hook(row)
-    missing = HookTarget("sglang.srt.managers.scheduler.Scheduler.no_such_method", "after",
-                         row.body, "typo")  # fmt: skip
+    missing = HookTarget(
+        "sglang.srt.managers.scheduler.Scheduler.no_such_method", "after", row.body, "typo"
+    )
     assert "does not resolve" in plugin._check_hook(missing)
 
 

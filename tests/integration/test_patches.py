@@ -16,8 +16,9 @@ import patches  # noqa: E402  (scripts/ is not a package)
 
 
 def run(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True,
-                          check=False)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, str(SCRIPT), *args], capture_output=True, text=True, check=False
+    )
 
 
 def touched_files() -> list[str]:

@@ -27,14 +27,29 @@ from tangram_sglang.profile import BudgetProfile, ModelIdentity
 REPO = Path(__file__).resolve().parents[2]
 
 
-FLAGS = ("--tangram", "--tangram-profile", "--tangram-page-group-size", "--tangram-page-size",
-         "--tangram-target-ratio", "--tangram-scope", "--tangram-min-compress-tokens")  # fmt: skip
+FLAGS = (
+    "--tangram",
+    "--tangram-profile",
+    "--tangram-page-group-size",
+    "--tangram-page-size",
+    "--tangram-target-ratio",
+    "--tangram-scope",
+    "--tangram-min-compress-tokens",
+)
 # A value that turns each incompatible flag on (default: True).
 BAD_VALUES = {
-    "speculative_algorithm": "EAGLE", "disaggregation_mode": "prefill", "tp_size": 2,
-    "pp_size": 2, "dp_size": 2, "attn_cp_size": 2, "dcp_size": 2, "lora_paths": ["a=/tmp/a"],
-    "kv_cache_dtype": "float16", "dllm_algorithm": "LowConfidence", "page_size": 16,
-}  # fmt: skip
+    "speculative_algorithm": "EAGLE",
+    "disaggregation_mode": "prefill",
+    "tp_size": 2,
+    "pp_size": 2,
+    "dp_size": 2,
+    "attn_cp_size": 2,
+    "dcp_size": 2,
+    "lora_paths": ["a=/tmp/a"],
+    "kv_cache_dtype": "float16",
+    "dllm_algorithm": "LowConfidence",
+    "page_size": 16,
+}
 
 
 def make_args(server_args_cls, model_path, profile, **kwargs):
@@ -55,12 +70,26 @@ def test_help_documents_every_flag(patched_sglang):
 def test_cli_flags_parse_through_prepare_server_args(patched_sglang, smollm2_path, smollm2_profile):
     from sglang.srt.server_args import prepare_server_args
 
-    args = prepare_server_args([
-        "--model-path", str(smollm2_path), "--device", "cpu", "--tangram",
-        "--tangram-profile", smollm2_profile, "--tangram-page-group-size", "1",
-        "--tangram-page-size", "32", "--tangram-target-ratio", "0.4", "--tangram-scope",
-        "per_layer", "--disable-radix-cache",
-    ])  # fmt: skip
+    args = prepare_server_args(
+        [
+            "--model-path",
+            str(smollm2_path),
+            "--device",
+            "cpu",
+            "--tangram",
+            "--tangram-profile",
+            smollm2_profile,
+            "--tangram-page-group-size",
+            "1",
+            "--tangram-page-size",
+            "32",
+            "--tangram-target-ratio",
+            "0.4",
+            "--tangram-scope",
+            "per_layer",
+            "--disable-radix-cache",
+        ]
+    )
     assert (args.tangram, args.tangram_profile) == (True, smollm2_profile)
     assert (args.tangram_page_group_size, args.tangram_page_size) == (1, 32)
     assert (args.tangram_target_ratio, args.tangram_scope) == (0.4, "per_layer")
@@ -78,8 +107,10 @@ def test_engine_kwargs_path_and_pickling(patched_sglang, smollm2_path, smollm2_p
     args = make_args(patched_sglang, smollm2_path, smollm2_profile, tangram_page_size=8)
     clone = pickle.loads(pickle.dumps(args))  # how the scheduler process receives it
     assert (clone.tangram, clone.tangram_profile, clone.tangram_page_size) == (
-        True, smollm2_profile, 8,
-    )  # fmt: skip
+        True,
+        smollm2_profile,
+        8,
+    )
     assert summary_from_server_args(clone) == summary_from_server_args(args)
     shipped = BudgetProfile.load(smollm2_profile)
     assert profile_from_server_args(clone).to_dict() == (
@@ -121,31 +152,64 @@ def test_incompatible_flag_rejected(patched_sglang, smollm2_path, smollm2_profil
 @pytest.mark.parametrize(
     ("name", "overrides", "what"),
     [
-        ("mistral", {"architectures": ["MistralForCausalLM"], "model_type": "mistral",
-                     "sliding_window": 256}, "sliding-window attention"),
-        ("gpt-oss", {"architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss",
-                     "sliding_window": 128, "num_local_experts": 4, "num_experts_per_tok": 2,
-                     "layer_types": ["sliding_attention", "full_attention"] * 15},
-         "hybrid sliding-window"),
-        ("deepseek-mla", {"architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2",
-                          "kv_lora_rank": 32, "q_lora_rank": None, "qk_rope_head_dim": 16,
-                          "qk_nope_head_dim": 32, "v_head_dim": 32, "n_routed_experts": 4,
-                          "n_shared_experts": 1, "num_experts_per_tok": 2,
-                          "moe_intermediate_size": 64, "first_k_dense_replace": 100,
-                          "topk_method": "greedy", "n_group": 1, "topk_group": 1}, "MLA"),
+        (
+            "mistral",
+            {
+                "architectures": ["MistralForCausalLM"],
+                "model_type": "mistral",
+                "sliding_window": 256,
+            },
+            "sliding-window attention",
+        ),
+        (
+            "gpt-oss",
+            {
+                "architectures": ["GptOssForCausalLM"],
+                "model_type": "gpt_oss",
+                "sliding_window": 128,
+                "num_local_experts": 4,
+                "num_experts_per_tok": 2,
+                "layer_types": ["sliding_attention", "full_attention"] * 15,
+            },
+            "hybrid sliding-window",
+        ),
+        (
+            "deepseek-mla",
+            {
+                "architectures": ["DeepseekV2ForCausalLM"],
+                "model_type": "deepseek_v2",
+                "kv_lora_rank": 32,
+                "q_lora_rank": None,
+                "qk_rope_head_dim": 16,
+                "qk_nope_head_dim": 32,
+                "v_head_dim": 32,
+                "n_routed_experts": 4,
+                "n_shared_experts": 1,
+                "num_experts_per_tok": 2,
+                "moe_intermediate_size": 64,
+                "first_k_dense_replace": 100,
+                "topk_method": "greedy",
+                "n_group": 1,
+                "topk_group": 1,
+            },
+            "MLA",
+        ),
     ],
     ids=lambda v: v if isinstance(v, str) else "",
-)  # fmt: skip
-def test_unsupported_model_rejected(patched_sglang, fake_model, smollm2_profile, name,
-                                    overrides, what):  # fmt: skip
+)
+def test_unsupported_model_rejected(
+    patched_sglang, fake_model, smollm2_profile, name, overrides, what
+):
     with pytest.raises(ConfigError, match=f"--tangram cannot serve .*{what}"):
         make_args(patched_sglang, fake_model(name, **overrides), smollm2_profile)
 
 
-def test_profile_for_another_model_stops_startup(patched_sglang, smollm2_path, tmp_path,
-                                                  make_profile):  # fmt: skip
-    other = ModelIdentity("LlamaForCausalLM", num_layers=4, num_kv_heads=3, num_qo_heads=9,
-                          head_dim=64)  # fmt: skip
+def test_profile_for_another_model_stops_startup(
+    patched_sglang, smollm2_path, tmp_path, make_profile
+):
+    other = ModelIdentity(
+        "LlamaForCausalLM", num_layers=4, num_kv_heads=3, num_qo_heads=9, head_dim=64
+    )
     path = tmp_path / "other.json"
     make_profile(other).save(path)
     with pytest.raises(ProfileError, match=r"model.num_layers=4 but the served model has 30"):
@@ -164,16 +228,18 @@ def test_bad_tangram_option_names_flag(patched_sglang, smollm2_path, smollm2_pro
         make_args(patched_sglang, smollm2_path, smollm2_profile, tangram_page_size=12)
 
 
-def test_plugin_hooks_applied_in_process(patched_sglang, smollm2_path, smollm2_profile,
-                                         tangram_backends_registered):  # fmt: skip
+def test_plugin_hooks_applied_in_process(
+    patched_sglang, smollm2_path, smollm2_profile, tangram_backends_registered
+):
     args = make_args(patched_sglang, smollm2_path, smollm2_profile)  # runs ensure_active()
     assert plugin.state().active and plugin.verify() == []
     registered = [f"{reg.registry}[{reg.key!r}]" for reg in REGISTRATIONS]
     assert plugin.state().verified == [row.target for row in HOOKS] + registered
     from sglang.srt.managers.scheduler import Scheduler
 
-    scheduler = SimpleNamespace(server_args=args, max_total_num_tokens=64,
-                                max_req_input_len=32, startup_time=0.0)  # fmt: skip
+    scheduler = SimpleNamespace(
+        server_args=args, max_total_num_tokens=64, max_req_input_len=32, startup_time=0.0
+    )
     info = Scheduler.get_init_info(scheduler)  # the real, wrapped method
     assert info["max_total_num_tokens"] == 64
     assert info["tangram"]["profile_path"] == smollm2_profile
@@ -187,8 +253,9 @@ def test_plugin_hooks_applied_in_process(patched_sglang, smollm2_path, smollm2_p
 
 
 @pytest.mark.slow
-def test_plugin_left_out_by_sglang_plugins_stops_startup(patched_sglang, smollm2_path,
-                                                         smollm2_profile):  # fmt: skip
+def test_plugin_left_out_by_sglang_plugins_stops_startup(
+    patched_sglang, smollm2_path, smollm2_profile
+):
     code = (
         "from sglang.srt.plugins import load_plugins; load_plugins()\n"
         "from sglang.srt.server_args import prepare_server_args\n"
@@ -196,8 +263,15 @@ def test_plugin_left_out_by_sglang_plugins_stops_startup(patched_sglang, smollm2
         f"'--tangram', '--tangram-profile', {smollm2_profile!r}])\n"
     )
     env = {**os.environ, "SGLANG_PLUGINS": "smg-zmq"}
-    result = subprocess.run([sys.executable, "-c", code], env=env, cwd=REPO, capture_output=True,
-                            text=True, timeout=300, check=False)  # fmt: skip
+    result = subprocess.run(
+        [sys.executable, "-c", code],
+        env=env,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
     assert result.returncode != 0
     assert "--tangram needs the Tangram SGLang plugin" in result.stderr
     assert "SGLANG_PLUGINS" in result.stderr
@@ -224,8 +298,9 @@ def tangram_backends_registered(patched_sglang):
         del table["tangram"]
 
 
-def test_start_refused_without_a_tangram_backend(patched_sglang, smollm2_path, smollm2_profile,
-                                                 monkeypatch):  # fmt: skip
+def test_start_refused_without_a_tangram_backend(
+    patched_sglang, smollm2_path, smollm2_profile, monkeypatch
+):
     """Without a registered backend nothing would compress: start-up fails in the scheduler."""
     from sglang.srt.layers.attention import attention_registry
 
@@ -237,21 +312,26 @@ def test_start_refused_without_a_tangram_backend(patched_sglang, smollm2_path, s
         require_compressing_backend()
 
 
-def test_registered_backends_are_selected(patched_sglang, smollm2_path, smollm2_profile,
-                                          tangram_backends_registered):  # fmt: skip
+def test_registered_backends_are_selected(
+    patched_sglang, smollm2_path, smollm2_profile, tangram_backends_registered
+):
     args = make_args(patched_sglang, smollm2_path, smollm2_profile)
     assert args.attention_backend == "tangram" and args.radix_cache_backend == "tangram"
     no_radix = make_args(patched_sglang, smollm2_path, smollm2_profile, disable_radix_cache=True)
     assert no_radix.attention_backend == "tangram" and no_radix.radix_cache_backend is None
-    for field, value in (("attention_backend", "triton"), ("decode_attention_backend", "triton"),
-                         ("radix_cache_backend", "lmcache")):  # fmt: skip
+    for field, value in (
+        ("attention_backend", "triton"),
+        ("decode_attention_backend", "triton"),
+        ("radix_cache_backend", "lmcache"),
+    ):
         flag = "--" + field.replace("_", "-")
         with pytest.raises(ConfigError, match=f"{flag} '{value}' cannot be combined"):
             make_args(patched_sglang, smollm2_path, smollm2_profile, **{field: value})
 
 
-def test_default_profile_is_the_shipped_one(patched_sglang, smollm2_path, smollm2_identity,
-                                            make_profile, tmp_path, monkeypatch):  # fmt: skip
+def test_default_profile_is_the_shipped_one(
+    patched_sglang, smollm2_path, smollm2_identity, make_profile, tmp_path, monkeypatch
+):
     from tangram_sglang.integration import profile_loader
 
     monkeypatch.setattr(profile_loader, "CALIBRATION_DIR", tmp_path)

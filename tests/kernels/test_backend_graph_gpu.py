@@ -32,11 +32,18 @@ PAGE, HQ, HKV, D, BS, LAYER = 16, 8, 4, 64, 4, 1
 
 def make_state() -> TangramState:
     ratio = np.array([[1.0, 0.5, 0.3, 0.1], [0.8, 0.25, 0.6, 0.05]])
-    profile = make_profile(ratio, 2, "global", sink_tokens=4, recent_window=16, head_dim=D,
-                           gqa_size=HQ // HKV)  # fmt: skip
-    mem = TangramMemory.create(profile, memory_bytes=64 << 20, page_size=PAGE, max_rows=8,
-                               max_context_tokens=2048, dtype=torch.bfloat16,
-                               device=DEV)  # fmt: skip
+    profile = make_profile(
+        ratio, 2, "global", sink_tokens=4, recent_window=16, head_dim=D, gqa_size=HQ // HKV
+    )
+    mem = TangramMemory.create(
+        profile,
+        memory_bytes=64 << 20,
+        page_size=PAGE,
+        max_rows=8,
+        max_context_tokens=2048,
+        dtype=torch.bfloat16,
+        device=DEV,
+    )
     state = TangramState(mem, full_kv_bytes_per_token=2 * 2 * HKV * D * 2, device=DEV)
     for row, n in ((1, 300), (2, 45), (3, 700)):
         state.begin_extend([row], [n], [0])
@@ -62,9 +69,18 @@ def test_decode_step_captured_on_padding_replays_real_batches():
 
     def step(meta):
         md.write_decode_token(pools[0], pools[1], k, v, meta, goh, coh)
-        return ragged_decode_attention(q, *pools, meta.req_rows, goh, coh,
-                                       tables.for_batch(BS).layer(LAYER), 0.125, meta.out,
-                                       mid_o, mid_lse)  # fmt: skip
+        return ragged_decode_attention(
+            q,
+            *pools,
+            meta.req_rows,
+            goh,
+            coh,
+            tables.for_batch(BS).layer(LAYER),
+            0.125,
+            meta.out,
+            mid_o,
+            mid_lse,
+        )
 
     meta = buf.fill([], BS, mem.table.pages, mem.table.lens, PAGE)  # capture: all padding
     side = torch.cuda.Stream()
@@ -83,8 +99,16 @@ def test_decode_step_captured_on_padding_replays_real_batches():
         graph.replay()
         torch.cuda.synchronize()
         n = len(rows)
-        want = decode_reference(q[:n].float(), pools[0].float(), pools[1].float(), *pools[2:],
-                                buf.req_rows[:n], goh, coh, 0.125)  # fmt: skip
+        want = decode_reference(
+            q[:n].float(),
+            pools[0].float(),
+            pools[1].float(),
+            *pools[2:],
+            buf.req_rows[:n],
+            goh,
+            coh,
+            0.125,
+        )
         torch.testing.assert_close(out[:n].float(), want, atol=2e-2, rtol=2e-2)
         assert out[n:].abs().sum().item() == 0  # padded entries read row 0: zeros, not NaN
         assert torch.isfinite(out).all()

@@ -21,8 +21,10 @@ DTYPE_IDS = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16
 def decode_case(dtype, bs=5, num_kv_heads=4, num_groups=3, h_p=2, page_size=8, head_dim=32):
     gen = torch.Generator().manual_seed(7)
     num_pages = 1 + bs * num_groups
-    pools = [torch.randn(num_pages, h_p, page_size, head_dim, generator=gen).to(dtype).to(DEVICE)
-             for _ in range(2)]  # fmt: skip
+    pools = [
+        torch.randn(num_pages, h_p, page_size, head_dim, generator=gen).to(dtype).to(DEVICE)
+        for _ in range(2)
+    ]
     goh = torch.tensor([0, 2, 1, 2], dtype=torch.int32, device=DEVICE)[:num_kv_heads]
     coh = torch.tensor([0, 0, 1, 1], dtype=torch.int32, device=DEVICE)[:num_kv_heads]
     # Distinct (page, slot) per group and entry; the last entry is CUDA-graph padding.
@@ -42,10 +44,16 @@ def test_one_launch_writes_what_the_torch_path_writes(dtype):
     assert not k.is_contiguous()  # strided views of the fused QKV output
     want_k, want_v = k_pool.clone(), v_pool.clone()
     plan = md.TangramForwardMetadata(
-        mode=md.DECODE, req_rows=torch.zeros(k.shape[0], dtype=torch.int32), qo_indptr=None,
-        bounds=[], kept_lens=None, kept_count=None, dest_page=page, dest_slot=slot,
+        mode=md.DECODE,
+        req_rows=torch.zeros(k.shape[0], dtype=torch.int32),
+        qo_indptr=None,
+        bounds=[],
+        kept_lens=None,
+        kept_count=None,
+        dest_page=page,
+        dest_slot=slot,
         max_extend_len=0,
-    )  # fmt: skip
+    )
     md.write_decode_token(want_k, want_v, k, v, plan, goh, coh)
     write_decode_kv(k, v, k_pool, v_pool, page, slot, goh, coh)
     # Page 0 is the padding page: the padded entry's heads all write its slot 0, in an order

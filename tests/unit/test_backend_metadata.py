@@ -17,25 +17,33 @@ from tangram_sglang.profile import BudgetProfile, ModelIdentity
 from tangram_sglang.scoring.select import select_kept
 
 PAGE = 4
-MODEL = ModelIdentity("LlamaForCausalLM", num_layers=2, num_kv_heads=2, num_qo_heads=4,
-                      head_dim=16)  # fmt: skip
+MODEL = ModelIdentity("LlamaForCausalLM", num_layers=2, num_kv_heads=2, num_qo_heads=4, head_dim=16)
 RATIOS = np.array([[1.0, 0.5], [0.25, 0.5]])
 
 
 def make_profile(ratio=RATIOS, sink=1, window=2) -> BudgetProfile:
     return BudgetProfile(
-        model=MODEL, scorer="snapkv", target_ratio=0.5, ratio=np.asarray(ratio, float),
-        sink_tokens=sink, recent_window=window,
+        model=MODEL,
+        scorer="snapkv",
+        target_ratio=0.5,
+        ratio=np.asarray(ratio, float),
+        sink_tokens=sink,
+        recent_window=window,
         grouping=HeadGrouping.build(np.asarray(ratio, float), 2, "global"),
         provenance={"scorer_options": {"obs_window": 3, "kernel_size": 1, "unknown": 7}},
-    )  # fmt: skip
+    )
 
 
 def make_state(profile=None, num_pages=64, max_rows=4) -> TangramState:
     profile = profile or make_profile()
-    mem = TangramMemory.create(profile, memory_bytes=num_pages * 2 * 2 * PAGE * 16 * 4,
-                               page_size=PAGE, max_rows=max_rows, max_context_tokens=256,
-                               dtype=torch.float32)  # fmt: skip
+    mem = TangramMemory.create(
+        profile,
+        memory_bytes=num_pages * 2 * 2 * PAGE * 16 * 4,
+        page_size=PAGE,
+        max_rows=max_rows,
+        max_context_tokens=256,
+        dtype=torch.float32,
+    )
     return TangramState(mem, full_kv_bytes_per_token=2 * 2 * 2 * 16 * 4, device="cpu")
 
 
@@ -136,12 +144,14 @@ def test_extend_then_decode_matches_attention_over_the_kept_tokens(ratio):
     meta = md.extend_metadata([1], [n], state.begin_extend([1], [n], [0]), "cpu")
     mem, goh, coh = state.memory, state.group_of_head[layer], state.column_of_head[layer]
     pools = (mem.kv_pool.k_pool, mem.kv_pool.v_pool, mem.table.page_table, mem.table.group_len)
-    out, lse = reference.extend_reference(q, k, v, meta.qo_indptr, *pools, meta.req_rows, goh,
-                                          coh, 0.35)  # fmt: skip
+    out, lse = reference.extend_reference(
+        q, k, v, meta.qo_indptr, *pools, meta.req_rows, goh, coh, 0.35
+    )
     per_head, _ = meta.layer_kept(layer, profile.grouping.cluster_of[layer])
     kept = batch_kept_indices(state.scorer, q, k, lse, meta.bounds, per_head, 0.35, 1, 2)
-    reference.kv_write_reference(k, v, meta.qo_indptr, kept, meta.kept_count, *pools,
-                                 meta.req_rows, goh, coh)  # fmt: skip
+    reference.kv_write_reference(
+        k, v, meta.qo_indptr, kept, meta.kept_count, *pools, meta.req_rows, goh, coh
+    )
     state.commit_extend([1])
     state.begin_decode([1], [n + 1])
     dmeta = md.decode_metadata([1], mem.table.pages, mem.table.lens, PAGE, "cpu")

@@ -24,8 +24,9 @@ def test_cliff_is_16k_then_three_rounds_of_256_with_128_out():
 
 
 def test_sharegpt_rounds_come_from_the_table_and_respect_caps():
-    spec = WorkloadSpec("sharegpt", num_clients=5, num_rounds=3, request_length=50,
-                        output_length=20)  # fmt: skip
+    spec = WorkloadSpec(
+        "sharegpt", num_clients=5, num_rounds=3, request_length=50, output_length=20
+    )
     convs = make_conversations(spec)
     assert len(convs) == 5 and all(len(c.rounds) == 3 for c in convs)
     assert all(1 <= a <= 50 and 1 <= b <= 20 for c in convs for a, b in c.rounds)
@@ -33,8 +34,15 @@ def test_sharegpt_rounds_come_from_the_table_and_respect_caps():
 
 
 def test_long_context_shares_its_context_only_when_asked():
-    spec = WorkloadSpec("long-context", num_clients=2, num_rounds=3, request_length=8,
-                        output_length=4, context_tokens=100, shared_context=True)  # fmt: skip
+    spec = WorkloadSpec(
+        "long-context",
+        num_clients=2,
+        num_rounds=3,
+        request_length=8,
+        output_length=4,
+        context_tokens=100,
+        shared_context=True,
+    )
     conv = make_conversations(spec)[0]
     assert conv.rounds == ((108, 4), (8, 4), (8, 4)) and conv.shared_prefix == 100
     assert spec.label == "long-context-shared-2x3"
@@ -59,8 +67,10 @@ def test_bad_workload_items_are_config_errors(bad):
 
 
 def test_systems_parse_and_reject_bad_ratios():
-    assert mt.parse_systems("baseline, tangram:0.25") == [("baseline", None),
-                                                          ("tangram-r0.25", 0.25)]  # fmt: skip
+    assert mt.parse_systems("baseline, tangram:0.25") == [
+        ("baseline", None),
+        ("tangram-r0.25", 0.25),
+    ]
     for bad in ("tangram:0", "tangram:1.5", "vllm", ""):
         with pytest.raises(ConfigError, match="--systems"):
             mt.parse_systems(bad)
@@ -76,15 +86,24 @@ def test_metrics_text_sums_label_sets_of_the_wanted_gauges():
 
 def test_summary_ratios_and_missing_runs():
     def run(tok_s, wall, peak):
-        return {"requests_ok": 4, "output_tok_per_s": tok_s, "wall_s": wall,
-                "peak_running_reqs": peak, "cache_hit_rate": 0.5}  # fmt: skip
+        return {
+            "requests_ok": 4,
+            "output_tok_per_s": tok_s,
+            "wall_s": wall,
+            "peak_running_reqs": peak,
+            "cache_hit_rate": 0.5,
+        }
 
     systems = {
-        "baseline": {"max_total_num_tokens": 100,
-                     "workloads": {"cliff-64": run(100, 10, 40), "prefill-2x8": run(1, 4.0, 2)}},
-        "tangram-r0.25": {"max_total_num_tokens": 400,
-                          "workloads": {"cliff-64": run(300, 5, 64), "prefill-2x8": run(1, 5, 2)}},
-    }  # fmt: skip
+        "baseline": {
+            "max_total_num_tokens": 100,
+            "workloads": {"cliff-64": run(100, 10, 40), "prefill-2x8": run(1, 4.0, 2)},
+        },
+        "tangram-r0.25": {
+            "max_total_num_tokens": 400,
+            "workloads": {"cliff-64": run(300, 5, 64), "prefill-2x8": run(1, 5, 2)},
+        },
+    }
     s = mt.summarize(systems, "cliff-64", "prefill-2x8")
     assert s["throughput_ratio_at_25pct"] == 3.0 and s["cliff_throughput_ratio_64_clients"] == 3.0
     assert s["prefill_time_ratio"] == 1.25 and s["max_concurrency_ratio"] == 1.6
@@ -142,15 +161,25 @@ def test_merge_joins_workloads_per_system_and_later_runs_win(tmp_path):
     def run(tok_s):
         return {"requests_ok": 4, "output_tok_per_s": tok_s, "wall_s": 1.0}
 
-    old = part("old.json", {
-        "baseline": {"startup_s": 1, "workloads": {"cliff-64": run(100), "cliff-32": run(400)}},
-        "tangram-r0.25": {"startup_s": 1, "workloads": {"cliff-64": run(300),
-                                                        "cliff-96": run(200)}},
-    })  # fmt: skip
-    new = part("new.json", {
-        "tangram-r0.25": {"startup_s": 2, "workloads": {"cliff-64": run(500),
-                                                        "sharegpt-64x4": run(50)}},
-    })  # fmt: skip
+    old = part(
+        "old.json",
+        {
+            "baseline": {"startup_s": 1, "workloads": {"cliff-64": run(100), "cliff-32": run(400)}},
+            "tangram-r0.25": {
+                "startup_s": 1,
+                "workloads": {"cliff-64": run(300), "cliff-96": run(200)},
+            },
+        },
+    )
+    new = part(
+        "new.json",
+        {
+            "tangram-r0.25": {
+                "startup_s": 2,
+                "workloads": {"cliff-64": run(500), "sharegpt-64x4": run(50)},
+            },
+        },
+    )
     merged = mt.merge([old, new], str(tmp_path / "merged.json"))
     t = merged["systems"]["tangram-r0.25"]
     assert set(t["workloads"]) == {"cliff-64", "cliff-96", "sharegpt-64x4"}

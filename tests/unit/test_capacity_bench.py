@@ -49,16 +49,24 @@ def test_ratio_one_profile_gains_nothing():
 def test_cli_json_reads_a_profile_file(tmp_path, capsys):
     path = tmp_path / "p.json"
     skewed_profile("qwen2.5-0.5b").save(path)
-    assert capacity.main(["--profile", str(path), "--context-tokens", "1024",
-                          "--memory-gib", "0.05", "--json"]) == 0  # fmt: skip
+    assert (
+        capacity.main(
+            ["--profile", str(path), "--context-tokens", "1024", "--memory-gib", "0.05", "--json"]
+        )
+        == 0
+    )
     report = json.loads(capsys.readouterr().out)
     assert set(report["summary"]) >= {
-        "capacity_ratio_vs_full_kv", "ideal_capacity_ratio", "fragmentation_fraction",
-    }  # fmt: skip
+        "capacity_ratio_vs_full_kv",
+        "ideal_capacity_ratio",
+        "fragmentation_fraction",
+    }
     assert report["inputs"]["profile"] == str(path)
     assert [r["name"] for r in report["rows"]][:3] == [
-        "full_kv", "uniform_padded", "tangram H_p=1 per_layer",
-    ]  # fmt: skip
+        "full_kv",
+        "uniform_padded",
+        "tangram H_p=1 per_layer",
+    ]
 
 
 @pytest.mark.parametrize(

@@ -103,8 +103,9 @@ def test_mixed_lengths_across_buckets_equal_the_reference(
     """Distinct lengths spread over several buckets (and under the window) in one batch."""
     rng = np.random.default_rng(window + kernel)
     lengths = [70, 5, 130, 0, 64, 65, 300, 12, 129, 257, 40, 90]
-    scorer = SnapKVScorer(obs_window=window, kernel_size=kernel, pooling=pooling,
-                          gqa_reduce=gqa_reduce)  # fmt: skip
+    scorer = SnapKVScorer(
+        obs_window=window, kernel_size=kernel, pooling=pooling, gqa_reduce=gqa_reduce
+    )
     q, k, lse, bounds = _batch(lengths, window)
     kept = [[int(rng.integers(1, n + 1)) if n else 1 for _ in range(H_KV)] for n in lengths]
     want = reference_kept_indices(scorer, q, k, lse, bounds, kept, 0.3, sink, recent)

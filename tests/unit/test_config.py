@@ -42,10 +42,14 @@ def test_defaults(profile_file):
     config = TangramConfig(enabled=True, profile_path=profile_file)
     assert config.page_size == DEFAULT_PAGE_SIZE
     assert config.as_dict() == {
-        "enabled": True, "profile_path": profile_file, "page_group_size": None,
-        "page_size": DEFAULT_PAGE_SIZE, "target_ratio": None, "scope": None,
+        "enabled": True,
+        "profile_path": profile_file,
+        "page_group_size": None,
+        "page_size": DEFAULT_PAGE_SIZE,
+        "target_ratio": None,
+        "scope": None,
         "min_compress_tokens": DEFAULT_MIN_COMPRESS_TOKENS,
-    }  # fmt: skip
+    }
 
 
 def test_scopes_match_grouping():
@@ -88,9 +92,12 @@ def test_frozen(profile_file):
 
 def test_resolve_rescales_and_regroups(profile_file):
     config = TangramConfig(
-        enabled=True, profile_path=profile_file, target_ratio=0.5, page_group_size=1,
+        enabled=True,
+        profile_path=profile_file,
+        target_ratio=0.5,
+        page_group_size=1,
         scope="per_layer",
-    )  # fmt: skip
+    )
     profile, resolved = profile_loader.resolve_profile(config, MODEL)
     assert resolved == config
     assert profile.mean_kept_fraction() == pytest.approx(0.5)
@@ -99,8 +106,9 @@ def test_resolve_rescales_and_regroups(profile_file):
 
 
 def test_resolve_rejects_group_size_the_model_cannot_take(profile_file):
-    config = TangramConfig(enabled=True, profile_path=profile_file, page_group_size=3,
-                           scope="per_layer")  # fmt: skip
+    config = TangramConfig(
+        enabled=True, profile_path=profile_file, page_group_size=3, scope="per_layer"
+    )
     with pytest.raises(ConfigError, match="--tangram-page-group-size 3"):
         profile_loader.resolve_profile(config, MODEL)
 

@@ -22,8 +22,10 @@ def test_banner_names_the_profile_only_for_a_tangram_server():
     base = {"version": "0.5.17", "attention_backend": "triton", "dtype": "auto"}
     stock = server_banner({**base, "tangram": False})  # a stock server reports the flag
     assert stock == ["server up: sglang 0.5.17, attention backend triton, KV dtype auto"]
-    info = {**base, "tangram": {"profile_path": "p.json", "mean_kept_ratio": 0.31,
-                                "num_head_groups": 14}}  # fmt: skip
+    info = {
+        **base,
+        "tangram": {"profile_path": "p.json", "mean_kept_ratio": 0.31, "num_head_groups": 14},
+    }
     assert server_banner(info)[1] == "Tangram profile p.json: mean kept ratio 0.310, 14 head groups"
 
 

@@ -28,8 +28,12 @@ def test_the_head_the_dynamic_method_gave_more_is_named_first(profile):
     dynamic = tangram.copy()
     dynamic[3, 1] += 200  # AdaKV moved 200 slots of layer 3 from head 0 to head 1
     dynamic[3, 0] -= 200
-    rec = {"system": "dynamic-ada-snapkv", "ratio": 0.25, "context_prompt_tokens": n,
-           "kept_per_head": dynamic.tolist()}  # fmt: skip
+    rec = {
+        "system": "dynamic-ada-snapkv",
+        "ratio": 0.25,
+        "context_prompt_tokens": n,
+        "kept_per_head": dynamic.tolist(),
+    }
     out = compare({"records": [rec, dict(rec, ratio=0.5)]}, {0.25: profile})["0.25"]
     assert out["num_samples"] == 1
     assert out["share_of_heads_below"] == pytest.approx(1 / tangram.size, abs=1e-3)

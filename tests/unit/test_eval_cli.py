@@ -56,10 +56,20 @@ def test_cuda_without_a_gpu_exits_2(capsys):
 def _cfg(smollm2_path, **kw):
     from tangram_sglang.eval.runner import RunConfig
 
-    base = dict(model="smollm2", model_dir=smollm2_path, profile_dir=smollm2_path,
-                tasks=("needle",), ratios=(0.5,), num_samples=1, lengths=(512,),
-                depths=(0.5,), num_turns=1, systems=("full",), seed=0,
-                json_path=None)  # fmt: skip
+    base = dict(
+        model="smollm2",
+        model_dir=smollm2_path,
+        profile_dir=smollm2_path,
+        tasks=("needle",),
+        ratios=(0.5,),
+        num_samples=1,
+        lengths=(512,),
+        depths=(0.5,),
+        num_turns=1,
+        systems=("full",),
+        seed=0,
+        json_path=None,
+    )
     return RunConfig(**{**base, **kw})
 
 
@@ -72,7 +82,7 @@ def test_cuda_servers_get_bfloat16_and_the_stock_one_the_triton_backend(smollm2_
         "0.85",
         "--chunked-prefill-size",
         "16384",
-    ]  # fmt: skip  (SGLangServer adds the CPU engine's float32)
+    ]  # SGLangServer adds the CPU engine's float32
     assert cpu.dtype == "float32"
     cuda = _cfg(smollm2_path, device="cuda", chunked_prefill_tokens=17000)
     stock, tangram = server_flags(cuda, tangram=False), server_flags(cuda, tangram=True)

@@ -43,17 +43,25 @@ def _reference(runner, press, context_ids, ids):
     with torch.inference_mode():
         with press(model) if press else contextlib.nullcontext():
             pos = torch.arange(n)  # kvpress's hook reads cache_position (5.12 no longer sets it)
-            model.model(input_ids=torch.tensor([context_ids]), past_key_values=cache,
-                        cache_position=pos, position_ids=pos[None])  # fmt: skip
+            model.model(
+                input_ids=torch.tensor([context_ids]),
+                past_key_values=cache,
+                cache_position=pos,
+                position_ids=pos[None],
+            )
         position_ids = torch.arange(n, len(ids))[None]
-        logits = model(input_ids=torch.tensor([ids[n:]]), past_key_values=cache,
-                       position_ids=position_ids).logits[:, -1]  # fmt: skip
+        logits = model(
+            input_ids=torch.tensor([ids[n:]]), past_key_values=cache, position_ids=position_ids
+        ).logits[:, -1]
         for i in range(MAX_NEW):
             out.append(int(logits.argmax(-1)))
             if out[-1] in runner.eos_ids or i == MAX_NEW - 1:
                 break
-            logits = model(input_ids=torch.tensor([[out[-1]]]), past_key_values=cache,
-                           position_ids=position_ids[:, -1:] + 1 + i).logits[:, -1]  # fmt: skip
+            logits = model(
+                input_ids=torch.tensor([[out[-1]]]),
+                past_key_values=cache,
+                position_ids=position_ids[:, -1:] + 1 + i,
+            ).logits[:, -1]
     return out, cache
 
 
@@ -104,14 +112,21 @@ def _reference_aware(runner, press, ids):
     with torch.inference_mode():
         with press(model) if press else contextlib.nullcontext():
             pos = torch.arange(n)
-            logits = model(input_ids=torch.tensor([ids]), past_key_values=cache,
-                           cache_position=pos, position_ids=pos[None]).logits[:, -1]  # fmt: skip
+            logits = model(
+                input_ids=torch.tensor([ids]),
+                past_key_values=cache,
+                cache_position=pos,
+                position_ids=pos[None],
+            ).logits[:, -1]
         for i in range(MAX_NEW):
             out.append(int(logits.argmax(-1)))
             if out[-1] in runner.eos_ids or i == MAX_NEW - 1:
                 break
-            logits = model(input_ids=torch.tensor([[out[-1]]]), past_key_values=cache,
-                           position_ids=torch.tensor([[n + i]])).logits[:, -1]  # fmt: skip
+            logits = model(
+                input_ids=torch.tensor([[out[-1]]]),
+                past_key_values=cache,
+                position_ids=torch.tensor([[n + i]]),
+            ).logits[:, -1]
     return out, cache
 
 

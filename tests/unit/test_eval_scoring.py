@@ -25,9 +25,17 @@ def test_normalize_is_squads():
         ("", ("France",), 0.0, 0.0),
         ("anything", ("the",), 0.0, 0.0),  # an answer that normalises to "" never matches
     ],
-    ids=["needle-sentence", "needle-exact", "needle-cut", "needle-longer", "squad-article",
-         "squad-wrong", "empty", "empty-answer"],
-)  # fmt: skip
+    ids=[
+        "needle-sentence",
+        "needle-exact",
+        "needle-cut",
+        "needle-longer",
+        "squad-article",
+        "squad-wrong",
+        "empty",
+        "empty-answer",
+    ],
+)
 def test_known_good_and_bad_answers(prediction, answers, contains, exact):
     assert contains_answer(prediction, answers) == contains
     assert exact_match(prediction, answers) == exact
@@ -35,9 +43,17 @@ def test_known_good_and_bad_answers(prediction, answers, contains, exact):
 
 
 def _rec(task, system, ratio, ok, turn=0):
-    return {"task": task, "sample_id": f"{task}:0", "system": system, "ratio": ratio,
-            "turn": turn, "contains_answer": ok, "exact_match": 0.0,
-            "kept_fraction": ratio or 1.0, "cached_tokens": 0}  # fmt: skip
+    return {
+        "task": task,
+        "sample_id": f"{task}:0",
+        "system": system,
+        "ratio": ratio,
+        "turn": turn,
+        "contains_answer": ok,
+        "exact_match": 0.0,
+        "kept_fraction": ratio or 1.0,
+        "cached_tokens": 0,
+    }
 
 
 def test_summary_is_tangram_minus_each_method_in_points_over_tasks_and_ratios():
@@ -52,8 +68,11 @@ def test_summary_is_tangram_minus_each_method_in_points_over_tasks_and_ratios():
     assert s["tangram_minus_dynamic_points"] == 25.0  # (50 + 0) / 2
     assert s["tangram_minus_uniform_points_by_ratio"] == {"0.25": 50.0, "0.5": 50.0}
     assert s["tangram_minus_full_points_by_task"]["needle"]["0.5"] == 0.0
-    assert s["targets"] == {"within_2_points_of_dynamic": True, "above_uniform_at_0.25": True,
-                            "needle_0.5_within_3_points_of_full": True}  # fmt: skip
+    assert s["targets"] == {
+        "within_2_points_of_dynamic": True,
+        "above_uniform_at_0.25": True,
+        "needle_0.5_within_3_points_of_full": True,
+    }
     assert "| needle | 0.25 | 0.25 | 100.0 | 50.0 | 50.0 | 0.0 | - | 2 |" in markdown_table(
         {"results": results}
     )
@@ -66,16 +85,23 @@ def test_missing_systems_give_none_not_a_number():
 
 
 def _rep(systems, recs, sample_ids=("needle:0",)):
-    return {"samples": [{"sample_id": s} for s in sample_ids], "records": recs, "command": "c",
-            "wall_s": 1.0, "config": {"systems": list(systems), "ratios": [0.5]}}  # fmt: skip
+    return {
+        "samples": [{"sample_id": s} for s in sample_ids],
+        "records": recs,
+        "command": "c",
+        "wall_s": 1.0,
+        "config": {"systems": list(systems), "ratios": [0.5]},
+    }
 
 
 def test_merge_joins_runs_of_other_systems_on_the_same_samples():
     from tangram_sglang.errors import ConfigError
     from tangram_sglang.eval.report import merge
 
-    servers = _rep(("full", "tangram"), [_rec("needle", "full", None, 1.0),
-                                         _rec("needle", "tangram", 0.5, 1.0)])  # fmt: skip
+    servers = _rep(
+        ("full", "tangram"),
+        [_rec("needle", "full", None, 1.0), _rec("needle", "tangram", 0.5, 1.0)],
+    )
     presses = _rep(("dynamic-ada-snapkv",), [_rec("needle", "dynamic-ada-snapkv", 0.5, 0.0)])
     merged = merge([servers, presses])
     assert merged["summary"]["tangram_minus_dynamic_points"] == 100.0
@@ -90,13 +116,23 @@ def test_merge_scores_only_the_samples_every_system_finished():
     from tangram_sglang.eval.report import merge
 
     ids = ("needle:0", "needle:1", "squad:0")
-    cut = _rep(("tangram",), [dict(_rec("needle", "tangram", 0.5, 1.0), sample_id="needle:0")],
-               sample_ids=ids)  # fmt: skip
-    full = _rep(("dynamic-ada-snapkv",), [
-        dict(_rec(t, "dynamic-ada-snapkv", 0.5, ok), sample_id=sid)
-        for t, sid, ok in (("needle", "needle:0", 1.0), ("needle", "needle:1", 0.0),
-                           ("squad", "squad:0", 1.0))
-    ], sample_ids=ids)  # fmt: skip
+    cut = _rep(
+        ("tangram",),
+        [dict(_rec("needle", "tangram", 0.5, 1.0), sample_id="needle:0")],
+        sample_ids=ids,
+    )
+    full = _rep(
+        ("dynamic-ada-snapkv",),
+        [
+            dict(_rec(t, "dynamic-ada-snapkv", 0.5, ok), sample_id=sid)
+            for t, sid, ok in (
+                ("needle", "needle:0", 1.0),
+                ("needle", "needle:1", 0.0),
+                ("squad", "squad:0", 1.0),
+            )
+        ],
+        sample_ids=ids,
+    )
     merged = merge([full, cut])
     assert merged["scored_samples"] == ["needle:0", "squad:0"]  # squad: tangram did not run it
     assert merged["results"]["needle"]["0.5"]["dynamic-ada-snapkv"]["contains_answer"] == 100.0
@@ -108,12 +144,18 @@ def test_merge_joins_one_system_run_by_two_processes_on_disjoint_samples():
 
     ids = ("needle:0", "needle:1")
     a, b = (
-        _rep(("uniform-snapkv",), [dict(_rec("needle", "uniform-snapkv", 0.5, ok), sample_id=sid)],
-             sample_ids=ids if sid == "needle:0" else (sid,))
+        _rep(
+            ("uniform-snapkv",),
+            [dict(_rec("needle", "uniform-snapkv", 0.5, ok), sample_id=sid)],
+            sample_ids=ids if sid == "needle:0" else (sid,),
+        )
         for sid, ok in (("needle:0", 1.0), ("needle:1", 0.0))
-    )  # fmt: skip
-    tangram = _rep(("tangram",), [dict(_rec("needle", "tangram", 0.5, 1.0), sample_id=sid)
-                                  for sid in ids], sample_ids=ids)  # fmt: skip
+    )
+    tangram = _rep(
+        ("tangram",),
+        [dict(_rec("needle", "tangram", 0.5, 1.0), sample_id=sid) for sid in ids],
+        sample_ids=ids,
+    )
     merged = merge([a, b, tangram])
     assert merged["scored_samples"] == ["needle:0", "needle:1"]
     assert merged["summary"]["tangram_minus_uniform_points"] == 50.0
@@ -136,8 +178,10 @@ def test_merge_refuses_reports_of_different_protocols():
 
     old = "query-agnostic: the context (instruction + documents / haystack) is compressed ..."
     agnostic = dict(_rep(("tangram",), [_rec("needle", "tangram", 0.5, 1.0)]), protocol=old)
-    aware = dict(_rep(("uniform-snapkv",), [_rec("needle", "uniform-snapkv", 0.5, 0.0)]),
-                 protocol="query-aware")  # fmt: skip
+    aware = dict(
+        _rep(("uniform-snapkv",), [_rec("needle", "uniform-snapkv", 0.5, 0.0)]),
+        protocol="query-aware",
+    )
     with pytest.raises(ConfigError, match="different protocols"):
         merge([agnostic, aware])
     # a report written before --protocol (its definition text) merges with a named one

@@ -103,8 +103,13 @@ def test_bad_sizes_are_config_errors_naming_the_flag(tok, task, kwargs, field):
     with pytest.raises(ConfigError, match=field):
         build_samples(task, tok, **args)
     with pytest.raises(ConfigError, match=field):  # the CLI's check, before any model loads
-        check_sizes((task,), args["num_samples"], args["lengths"], args.get("depths", (0.5,)),
-                    args.get("num_turns", 3))  # fmt: skip
+        check_sizes(
+            (task,),
+            args["num_samples"],
+            args["lengths"],
+            args.get("depths", (0.5,)),
+            args.get("num_turns", 3),
+        )
 
 
 @pytest.mark.parametrize("task", ["needle", "multiturn-squad"])

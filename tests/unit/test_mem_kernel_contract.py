@@ -79,11 +79,16 @@ def test_reference_decode_reads_what_the_manager_laid_out():
     q = torch.randn(1, 2, D, generator=w.gen, dtype=torch.float32)
     for layer in range(2):
         got = decode_reference(
-            q, pool.k_pool, pool.v_pool, mem.table.page_table, mem.table.group_len,
+            q,
+            pool.k_pool,
+            pool.v_pool,
+            mem.table.page_table,
+            mem.table.group_len,
             torch.tensor([1], dtype=torch.int32),
             torch.from_numpy(prof.grouping.cluster_of[layer]).int(),
-            torch.from_numpy(prof.grouping.column_of[layer]).int(), D**-0.5,
-        )  # fmt: skip
+            torch.from_numpy(prof.grouping.column_of[layer]).int(),
+            D**-0.5,
+        )
         for head in range(2):
             kv = torch.stack(w.seqs[1][(layer, head)])  # [tokens, 2, D]
             probs = torch.softmax(kv[:, 0] @ q[0, head] * D**-0.5, dim=0)

@@ -114,7 +114,7 @@ def test_does_not_fit_now_returns_none_and_evictable_pages_count():
         "prefix-group-count",
         "prefix-free-page",
         "table-too-narrow",
-    ],  # fmt: skip
+    ],
 )
 def test_broken_contracts_raise_and_change_nothing(call, match):
     mem = make_memory()

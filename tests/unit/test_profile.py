@@ -74,9 +74,12 @@ def test_kept_len(n, ratio, expected):
 
 
 @given(
-    n=st.integers(0, 5000), ratio=st.floats(1e-6, 1.0), sink=st.integers(0, 64),
-    window=st.integers(0, 256), floor=st.integers(0, 2048),
-)  # fmt: skip
+    n=st.integers(0, 5000),
+    ratio=st.floats(1e-6, 1.0),
+    sink=st.integers(0, 64),
+    window=st.integers(0, 256),
+    floor=st.integers(0, 2048),
+)
 def test_kept_len_never_exceeds_the_segment_and_keeps_short_segments_whole(
     n, ratio, sink, window, floor
 ):
@@ -264,10 +267,16 @@ def test_cluster_ids_with_a_gap_are_rejected():
 def test_config_fingerprint_is_the_same_across_transformers_config_layouts():
     # transformers >= 5 moves rope_theta into rope_parameters and may drop a derivable head_dim.
     old = {
-        "architectures": ["Qwen2ForCausalLM"], "hidden_size": 896, "num_hidden_layers": 24,
-        "num_attention_heads": 14, "num_key_value_heads": 2, "head_dim": 64,
-        "rope_theta": 1000000, "max_position_embeddings": 32768, "vocab_size": 151936,
-    }  # fmt: skip
+        "architectures": ["Qwen2ForCausalLM"],
+        "hidden_size": 896,
+        "num_hidden_layers": 24,
+        "num_attention_heads": 14,
+        "num_key_value_heads": 2,
+        "head_dim": 64,
+        "rope_theta": 1000000,
+        "max_position_embeddings": 32768,
+        "vocab_size": 151936,
+    }
     new = {k: v for k, v in old.items() if k not in ("rope_theta", "head_dim")}
     new["rope_parameters"] = {"rope_theta": 1000000.0, "rope_type": "default"}
     assert config_fingerprint(old) == config_fingerprint(new)

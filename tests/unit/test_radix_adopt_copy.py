@@ -51,9 +51,15 @@ class World:
         before = self.mem.table.lens[row].copy()
         self.state.commit_extend([row])
         self.write(row, before, self.mem.table.lens[row])
-        req = SimpleNamespace(req_pool_idx=row, last_node=node, cache_protected_len=p,
-                              origin_input_ids=ids, output_ids=array("q"), extra_key=None,
-                              priority=0)  # fmt: skip
+        req = SimpleNamespace(
+            req_pool_idx=row,
+            last_node=node,
+            cache_protected_len=p,
+            origin_input_ids=ids,
+            output_ids=array("q"),
+            extra_key=None,
+            priority=0,
+        )
         for i in range(decode):
             seq = len(ids) + i
             self.req_pool.req_to_token[row, seq] = int(self.slots.alloc(1)[0])
@@ -72,7 +78,7 @@ class World:
         return [
             mem.kv_pool.gather(
                 torch.from_numpy(mem.group_pages(row, g)), 0, int(mem.table.lens[row, g])
-            )[0].tolist()  # fmt: skip
+            )[0].tolist()
             for g in range(mem.num_head_groups)
         ]
 

@@ -35,9 +35,15 @@ def prefill(tree, state, req_pool, slots, chunks: list[int]) -> SimpleNamespace:
         state.begin_extend([row], [n], [done])
         state.commit_extend([row])
         done += n
-    return SimpleNamespace(req_pool_idx=row, last_node=tree.root_node, cache_protected_len=0,
-                           origin_input_ids=array("q", PROMPT), output_ids=array("q"),
-                           extra_key=None, priority=0)  # fmt: skip
+    return SimpleNamespace(
+        req_pool_idx=row,
+        last_node=tree.root_node,
+        cache_protected_len=0,
+        origin_input_ids=array("q", PROMPT),
+        output_ids=array("q"),
+        extra_key=None,
+        priority=0,
+    )
 
 
 def decode(state, req_pool, slots, req, tokens: list[int]) -> None:

@@ -53,8 +53,9 @@ def test_sigterm_to_the_holder_stops_the_server(tmp_path: Path, phase: str):
     pid_file = tmp_path / "server.pid"
     holder = subprocess.Popen(
         [sys.executable, "-c", textwrap.dedent(HOLDER), CHILD, str(pid_file), phase],
-        stdout=subprocess.PIPE, text=True,
-    )  # fmt: skip
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         if phase == "healthy":
             assert holder.stdout.readline().strip() == "healthy"
