@@ -22,10 +22,10 @@ prefix: per head group g with prefix kept length ``L_g`` and ``a_g = k_g(first c
 left - first chunk) + d`` appended tokens, ``sum_g ceil((L_g + a_g)/P) - ceil(L_g/P)`` plus one
 copy-on-write page per group whose shared prefix tail page is partial. It decides everything:
 
-* can never fit: ``prefix path pages + request_pages(d = T - 1) > pool pages`` (T =
+* can never fit: ``prefix path pages + request_pages(d = T) > pool pages`` (T =
   ``max_new_tokens``): HTTP 400, or, when the client set no ``max_tokens``, T is lowered to the
   largest value that fits (:meth:`max_decode_tokens`), as SGLang caps it to its token pool;
-* fits now: ``sum over new requests of request_pages(d = min(T - 1 - out, clip)) + sum over running
+* fits now: ``sum over new requests of request_pages(d = min(T - out, clip)) + sum over running
   rows of append_need(ceil(min(T_r - out_r, clip) x new_token_ratio)) <= unreserved free pages +
   evictable radix pages`` (clip = SGLang's ``SGLANG_CLIP_MAX_NEW_TOKENS_ESTIMATION``, 4096), the
   page form of SGLang's ``PrefillAdder`` token check; otherwise the request waits in the queue;
@@ -147,8 +147,9 @@ class PrefillAsk:
     Attributes:
         prompt_tokens: tokens still to prefill, after the matched prefix.
         first_chunk: tokens of its first prefill chunk (the rest is counted uncompressed).
-        decode_tokens: decode-tail tokens counted (admission: ``min(T - 1 - out, clip)``; whole-pool
-            check: ``T - 1``).
+        decode_tokens: decode-tail tokens counted (admission: ``min(T - out, clip)``; whole-pool
+            check: ``T``; a finished request writes its last sampled token too under overlap
+            scheduling, SGLang's default).
         prefix_lens: int64 ``[G]`` kept tokens per head group of the matched prefix; None = none.
         prefix_pages: pages the matched prefix's radix path pins (neither free nor evictable
             while the request uses it).
@@ -437,7 +438,7 @@ class TangramState:
 
         Args:
             asks: the requests picked this round and the candidate (decode tails as counted at
-                admission: ``min(T - 1 - out, clip)`` tokens each).
+                admission: ``min(T - out, clip)`` tokens each).
             headroom_pages: :meth:`decode_headroom_pages` of the running requests (their
                 remaining tails x SGLang's ``new_token_ratio``).
             evictable_pages: pages unlocked radix nodes would give back (the candidate's own
@@ -462,7 +463,7 @@ class TangramState:
         fit).
 
         Args:
-            ask: the request with its whole decode tail (``T - 1`` tokens).
+            ask: the request with its whole decode tail (``T`` tokens).
             max_new_tokens: T after SGLang's own cap (tokens).
             asked: the value the client sent (None: not set).
         """
@@ -476,9 +477,9 @@ class TangramState:
         cached = "" if not ask.cached_tokens else f", {ask.cached_tokens} of them cached"
         best = self.max_decode_tokens(ask)
         fix = (
-            f"at most max_tokens {best + 1} fits with this prompt: lower max_tokens "
+            f"at most max_tokens {best} fits with this prompt: lower max_tokens "
             "(max_new_tokens), shorten the prompt"
-            if best >= 0
+            if best >= 1
             else "the prompt alone does not fit: shorten the prompt"
         )
         return (

@@ -6,6 +6,10 @@ take a Tangram server down:
 
 * ``/generate`` ``input_ids`` outside ``[0, vocab_size)`` (``-1``, ``vocab_size``, ``10**9``):
   the embedding lookup raises in the scheduler;
+* an empty prompt sent as ids in the batch form (``{"input_ids": [[]]}``, OpenAI ``"prompt":
+  [[]]``): the scheduler runs a 0-token extend and its rotary embedding raises;
+* ``stop_token_ids`` outside ``[0, vocab_size)``: the ``min_new_tokens`` penalizer scatters them
+  into a ``[bs, vocab_size + 1]`` tensor (out of bounds on CPU, a device-side assert on CUDA);
 * ``top_logprobs_num`` (OpenAI ``top_logprobs``) above ``vocab_size``: ``torch.topk`` raises
   "selected index k out of range" in ``logprob_processor.py``;
 * a grammar-constrained request (``regex``, ``json_schema``, ``ebnf``, ``structural_tag``;
@@ -39,8 +43,15 @@ def check_request(manager: Any, obj: Any, input_ids: Any = None, *args: Any, **k
     if not getattr(server_args, "tangram", False) or not hasattr(obj, "top_logprobs_num"):
         return
     vocab = int(manager.model_config.vocab_size)
+    if input_ids is not None and len(input_ids) == 0:
+        raise ValueError(
+            "the prompt is empty (input_ids has no token): send at least one token id, or text"
+        )
     if getattr(obj, "input_ids", None) is not None and input_ids:
         check_token_ids(input_ids, vocab)
+    stop_ids = (obj.sampling_params or {}).get("stop_token_ids")
+    if stop_ids:
+        check_token_ids(list(stop_ids), vocab, field="stop_token_ids")
     top = obj.top_logprobs_num
     if obj.return_logprob and isinstance(top, int) and not 0 <= top <= vocab:
         raise ValueError(
@@ -50,8 +61,13 @@ def check_request(manager: Any, obj: Any, input_ids: Any = None, *args: Any, **k
     check_grammar(obj.sampling_params or {}, server_args)
 
 
-def check_token_ids(input_ids: list[Any], vocab_size: int) -> None:
+def check_token_ids(input_ids: list[Any], vocab_size: int, field: str = "input_ids") -> None:
     """Every id an integer in ``[0, vocab_size)``.
+
+    Args:
+        input_ids: the ids to check.
+        vocab_size: the served model's vocabulary size.
+        field: the request field the ids came from (named in the error).
 
     Raises:
         ValueError: the first bad id and its position.
@@ -59,7 +75,7 @@ def check_token_ids(input_ids: list[Any], vocab_size: int) -> None:
     for pos, tid in enumerate(input_ids):
         if isinstance(tid, bool) or not isinstance(tid, int) or not 0 <= tid < vocab_size:
             raise ValueError(
-                f"input_ids[{pos}] = {tid!r} is not a token id of the served model: ids must be "
+                f"{field}[{pos}] = {tid!r} is not a token id of the served model: ids must be "
                 f"integers in [0, {vocab_size}) (its vocabulary size); send `text` or ids from "
                 "the model's tokenizer"
             )

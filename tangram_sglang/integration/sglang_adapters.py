@@ -38,7 +38,7 @@ from tangram_sglang.backend.state import PrefillAsk
 from tangram_sglang.integration import profile_loader
 from tangram_sglang.integration.server_args import profile_from_server_args
 from tangram_sglang.mem.kv_pool import KVPool, bytes_per_page, num_pages_for_budget
-from tangram_sglang.mem.reservation import admission_decode_tokens, decode_tail_tokens
+from tangram_sglang.mem.reservation import admission_decode_tokens
 from tangram_sglang.profile import BudgetProfile
 from tangram_sglang.radix.cache import value_of
 
@@ -215,7 +215,7 @@ def refuse_too_large(original: Any, scheduler: Any, req: Any, *args: Any, **kwar
     """AROUND ``Scheduler.init_req_max_new_tokens``: the whole-pool check on arrival.
 
     SGLang first resolves (and caps to its token pool) ``max_new_tokens`` = T. The request is
-    priced with :meth:`TangramState.fits_pool` (prompt + the whole ``T - 1`` tail, empty pool):
+    priced with :meth:`TangramState.fits_pool` (prompt + the whole ``T``-token tail, empty pool):
 
     * fits: nothing changes;
     * the client set no ``max_new_tokens`` (OpenAI ``max_tokens`` unset): T is lowered to the
@@ -231,12 +231,12 @@ def refuse_too_large(original: Any, scheduler: Any, req: Any, *args: Any, **kwar
     setattr(req, ASKED_ATTR, asked)
     prompt = len(req.origin_input_ids)
     max_new = int(req.sampling_params.max_new_tokens or 0)
-    ask = PrefillAsk(prompt, _first_chunk(state, prompt), decode_tail_tokens(max_new))
+    ask = PrefillAsk(prompt, _first_chunk(state, prompt), max(max_new, 0))
     if state.fits_pool(ask):
         return result
     best = state.max_decode_tokens(ask)
-    if asked is None and best >= 0:
-        _cap_max_new_tokens(req, best + 1 + len(req.output_ids), state.pool_pages)
+    if asked is None and best >= 1:
+        _cap_max_new_tokens(req, best + len(req.output_ids), state.pool_pages)
         return result
     message = state.never_fits_message(ask, max_new, asked)
     setattr(req, REFUSAL_ATTR, message)
@@ -316,9 +316,11 @@ def _tokens_left(req: Any) -> int:
 
 
 def _new_tail(req: Any) -> int:
-    """Decode tokens a request not yet prefilled will write to KV: ``T - 1 - out`` (its prompt
-    holds its output so far; the last sampled token is never fed back)."""
-    return decode_tail_tokens(_tokens_left(req))
+    """Decode tokens a request not yet prefilled may write to KV: ``T - out`` (its prompt holds
+    its output so far). Without overlap scheduling the last sampled token is never written
+    (``T - 1 - out``); with it (SGLang's default) a finished request runs one more decode step
+    that writes it, so admission counts ``T - out``: one token of slack without overlap."""
+    return _tokens_left(req)
 
 
 def plan_rows(req_to_token_pool: Any, reqs: list[Any]) -> None:
@@ -379,7 +381,7 @@ def add_one_req(original, adder: Any, req: Any, *args: Any, **kwargs: Any) -> An
        request that could not run to ``max_new_tokens`` even alone is refused (HTTP 400), or
        when the client set no ``max_new_tokens`` its T is lowered to what fits.
     2. Now (:meth:`TangramState.can_admit`): the new requests of this round at
-       ``min(T - 1 - out, clip)`` tail tokens each, plus the running requests' remaining tails x
+       ``min(T - out, clip)`` tail tokens each, plus the running requests' remaining tails x
        ``new_token_ratio``, within unreserved free + evictable pages (the request's own prefix
        path excluded). Otherwise ``AddReqResult.NO_TOKEN``: the request waits in the queue.
     3. An idle pool (no row holds pages) on which it does not fit now: it never will; refused
@@ -397,8 +399,8 @@ def add_one_req(original, adder: Any, req: Any, *args: Any, **kwargs: Any) -> An
     if req.to_finish is None and not state.fits_pool(whole):
         asked = getattr(req, ASKED_ATTR, req.sampling_params.max_new_tokens)
         best = state.max_decode_tokens(whole)
-        if asked is None and best >= 0:
-            _cap_max_new_tokens(req, best + 1 + len(req.output_ids), state.pool_pages)
+        if asked is None and best >= 1:
+            _cap_max_new_tokens(req, best + len(req.output_ids), state.pool_pages)
         else:
             max_new = int(req.sampling_params.max_new_tokens or 0)
             return _refuse(state, req, state.never_fits_message(whole, max_new, asked))

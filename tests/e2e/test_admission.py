@@ -23,6 +23,7 @@ server with one line and no traceback.
 
 from __future__ import annotations
 
+import re
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -46,7 +47,7 @@ QUICK_S = 60.0  # a refusal or a normal chat on this 2-core box, with margin
 
 
 @pytest.fixture(scope="module")
-def server(smollm2_path):
+def server(smollm2_path, tmp_path_factory):
     args = [
         "--tangram",
         "--tangram-profile",
@@ -56,7 +57,7 @@ def server(smollm2_path):
         "--chunked-prefill-size",
         str(CHUNK),
     ]
-    log = "/tmp/tangram-e2e-admission.log"
+    log = tmp_path_factory.mktemp("admission") / "server.log"
     with SGLangServer(smollm2_path, args=args, log_path=log, startup_timeout_s=900) as srv:
         yield srv
 
@@ -117,6 +118,21 @@ def test_chat_without_max_tokens_is_served(server):
     assert_serves_a_normal_chat(server)
 
 
+def test_a_chat_without_max_tokens_runs_to_its_cap_and_is_answered(server):
+    """No max_tokens and no EOS: T is lowered to what the pool holds, and the request runs to
+    exactly that many tokens (its last decode step included) and is answered."""
+    requests.post(f"{server.base_url}/flush_cache", timeout=60).raise_for_status()
+    log_start = len(server.log_path.read_text())
+    resp = chat(server, [{"role": "user", "content": "Count to ten."}], ignore_eos=True)
+    assert resp.status_code == 200, resp.text
+    body = resp.json()
+    assert body["choices"][0]["finish_reason"] == "length", body
+    capped = re.search(r"capped to (\d+) so that it fits", server.log_path.read_text()[log_start:])
+    assert capped is not None
+    assert body["usage"]["completion_tokens"] == int(capped.group(1))
+    assert_serves_a_normal_chat(server)
+
+
 def test_max_tokens_the_pool_never_holds_gets_an_openai_400_at_once(server):
     total = pool(server)["pages_total"]
     resp, seconds = timed(
@@ -148,12 +164,15 @@ def test_generate_6000_tokens_is_refused_and_the_request_behind_it_served(server
 
 
 def scratch_fit_max_tokens(profile: BudgetProfile, prompt_len: int, pool_pages: int) -> int:
-    """Largest max_tokens whose pages from an EMPTY table (one segment + T - 1 tail) fit."""
+    """Largest max_tokens whose pages from an EMPTY table (one segment + T-token tail) fit.
+
+    The tail counts T tokens: under overlap scheduling (SGLang's default) a finished request
+    runs one more decode step, which writes its last sampled token too."""
     kept = np.asarray(profile.group_kept_lens(prompt_len), np.int64)
     zeros = np.zeros_like(kept)
     best = 0
     for t in range(1, pool_pages * PAGE):
-        if group_pages_needed(zeros, zeros.astype(bool), kept + t - 1, PAGE).sum() > pool_pages:
+        if group_pages_needed(zeros, zeros.astype(bool), kept + t, PAGE).sum() > pool_pages:
             break
         best = t
     return best
@@ -191,7 +210,7 @@ def test_two_requests_that_fit_only_one_at_a_time_are_both_served(server):
     requests.post(f"{server.base_url}/flush_cache", timeout=60).raise_for_status()
     total = pool(server)["pages_total"]
     prompt_len, new_tokens = 440, 4
-    need = upper_bound_pages(server_profile(server), prompt_len, new_tokens - 1)
+    need = upper_bound_pages(server_profile(server), prompt_len, new_tokens)
     assert need <= total < 2 * need
 
     def one(i: int) -> requests.Response:
@@ -212,6 +231,23 @@ def test_token_ids_outside_the_vocabulary_get_a_400(server, bad):
     resp = generate(server, [1, 2, bad, 4], timeout=QUICK_S, max_new_tokens=4)
     assert resp.status_code == 400, resp.text
     assert "[0, 49152)" in resp.json()["error"]["message"]
+    assert_serves_a_normal_chat(server)
+
+
+def test_an_empty_batch_prompt_gets_a_400(server):
+    body = {"input_ids": [[]], "sampling_params": {"max_new_tokens": 2}}
+    resp = requests.post(f"{server.base_url}/generate", json=body, timeout=QUICK_S)
+    assert resp.status_code == 400, resp.text
+    assert "prompt is empty" in resp.text
+    assert_serves_a_normal_chat(server)
+
+
+def test_stop_token_ids_outside_the_vocabulary_get_a_400(server):
+    params = {"max_new_tokens": 4, "min_new_tokens": 2, "stop_token_ids": [10**9]}
+    body = {"input_ids": [1, 2, 3], "sampling_params": params}
+    resp = requests.post(f"{server.base_url}/generate", json=body, timeout=QUICK_S)
+    assert resp.status_code == 400, resp.text
+    assert "stop_token_ids[0] = 1000000000" in resp.json()["error"]["message"]
     assert_serves_a_normal_chat(server)
 
 
@@ -261,10 +297,8 @@ def test_every_page_returns_after_the_bad_requests(server):
     assert state["pages_free"] == state["pages_free_at_start"]
 
 
-def start_fails(smollm2_path, args, name) -> str:
-    server = SGLangServer(
-        smollm2_path, args=args, log_path=f"/tmp/{name}.log", startup_timeout_s=300
-    )
+def start_fails(smollm2_path, args, log_path) -> str:
+    server = SGLangServer(smollm2_path, args=args, log_path=log_path, startup_timeout_s=300)
     with pytest.raises(TangramError, match="exited with code 1"):
         server.start()
     server.stop()
@@ -292,7 +326,7 @@ def test_start_up_refusals_print_one_line(smollm2_path, tmp_path, flags, line):
     log = start_fails(
         smollm2_path,
         ["--tangram", "--tangram-profile", profile, *flags],
-        "tangram-e2e-refusal-" + ("".join(flags).strip("-") or "profile"),
+        tmp_path / "server.log",
     )
     assert line in log, log[-2000:]
     assert "Traceback" not in log, log[-4000:]

@@ -71,7 +71,7 @@ def test_max_decode_tokens_is_the_largest_tail_that_fits():
     assert state.max_decode_tokens(PrefillAsk(200, 200, 0)) == -1  # the prompt alone is too big
     message = state.never_fits_message(ask.with_decode(100), 101, 101)
     assert "max_tokens 101" in message and "whole pool holds 16 pages" in message
-    assert f"at most max_tokens {best + 1} fits" in message
+    assert f"at most max_tokens {best} fits" in message  # T tokens written (overlap)
     capped = state.never_fits_message(ask.with_decode(100), 101, 5000)
     assert "max_tokens 5000, capped to 101 by the server" in capped
     alone = state.never_fits_message(PrefillAsk(200, 200, 7), 8, None)
@@ -116,6 +116,8 @@ def test_token_ids_outside_the_vocabulary_are_refused():
     for bad in (-1, 49152, 10**9, 1.5, True):
         with pytest.raises(ValueError, match=r"must be integers in \[0, 49152\)"):
             check_token_ids([1, bad], 49152)
+    with pytest.raises(ValueError, match=r"^stop_token_ids\[0\] = -3 is not a token id"):
+        check_token_ids([-3], 49152, field="stop_token_ids")
 
 
 def test_grammar_requests_are_refused_on_a_cpu_server_with_xgrammar():
