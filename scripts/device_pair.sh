@@ -7,7 +7,7 @@
 # Env: SYS0 (baseline; empty = none), SYS1 (tangram:0.25; empty = none), WL (workloads), T0/T1
 #      (per-workload timeout, s), CAP_S (each bench, s), PROFILE_CASES (e.g.
 #      1x8192,64x384+16384; empty = none), G1 (GPU of SYS1 and the profile: 1; on a one-GPU
-#      machine set G1=0 and run SYS0 and SYS1 in separate calls).
+#      machine set G1=0 and run SYS0 and SYS1 one after another).
 set -u -o pipefail
 R=/tmp/mt; mkdir -p "$R" "${OUT:=/tmp/out}"
 COMMON="--load-format dummy --skip-tokenizer-init --sampling-backend pytorch --mem-fraction-static 0.8 --context-length 20480 --max-running-requests 128 --disable-prefill-cuda-graph --cuda-graph-max-bs 128"

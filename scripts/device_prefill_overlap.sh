@@ -2,7 +2,8 @@
 # device_prefill_overlap.sh -- runs on an H200 machine after `source scripts/device_setup.sh`:
 # the prefill workload (16 x 8192 tokens at once, 1 output token) on stock SGLang (triton) with
 # and without overlap scheduling and on Tangram (which turns overlap off), each server's
-# scheduler process sampled by py-spy (carry .pyspy/ with the py-spy wheel). Where does
+# scheduler process sampled by py-spy (.pyspy/ with the py-spy wheel copied next to the
+# checkout). Where does
 # Tangram's prefill time beyond stock's go? Writes $OUT/prefill-<label>.json (bench results)
 # and $OUT/<label>.spy (py-spy raw stacks, read with scripts/spy_summary.py).
 # Env: RATIO (Tangram kept ratio, 0.25), WL (prefill:16x8192), CAP_S (per bench, 240).

@@ -1,15 +1,17 @@
 #!/usr/bin/env bash
 # device_sanity.sh -- runs on an H200 machine after `source scripts/device_setup.sh`: issue 7's
-# sanity run with real weights. Converts the carried GGUF pieces of an embedded model
-# (.carry/$NAME_DIR/pNN/*, whole-file sha256 in .carry/$NAME_DIR/SHA256) with
-# `python -m tangram_sglang.models convert`, synthesizes a budget profile for it from a calibrated
-# one of the same family (scripts/synthesize_profile.py; calibration data does not travel), then
+# sanity run with real weights. Converts the GGUF pieces of an embedded model copied to the GPU
+# machine next to the checkout (.carry/$NAME_DIR/pNN/*, whole-file sha256 in
+# .carry/$NAME_DIR/SHA256) with `python -m tangram_sglang.models convert`, synthesizes a budget
+# profile for it from a calibrated one of the same family (scripts/synthesize_profile.py;
+# calibration data is not copied there), then
 # runs the README's main job on the GPU twice: `python -m tangram_sglang.demo --device cuda`
 # with --tangram (replies, cached tokens, KV held vs full KV per turn) and with --full-kv.
 # Output: $OUT/sanity-tangram.txt, $OUT/sanity-full-kv.txt, $OUT/sanity-profile.json.
 # Env: MODEL_NAME (qwen2.5-1.5b), NAME_DIR (qwen15), SOURCE_PROFILE
 #      (calibration/qwen2.5-0.5b/ada-snapkv-r0.25.json), TANGRAM_CACHE_DIR (/tmp/tangram-cache).
-# Carry, one call per piece (64 MiB a call): .carry/$NAME_DIR/pNN (+ .carry/$NAME_DIR/SHA256 once).
+# Expects next to the checkout: .carry/$NAME_DIR/pNN (one 60 MiB piece each, within the GPU
+# machine's 64 MiB transfer limit) and .carry/$NAME_DIR/SHA256.
 set -u -o pipefail
 NAME=${MODEL_NAME:-qwen2.5-1.5b}
 DIR=.carry/${NAME_DIR:-qwen15}

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # device_serve.sh -- runs on the GPU machine after `source scripts/device_setup.sh`: start one server on the
-# dummy Llama-3.1-8B, smoke it (/generate x3, /server_info), optionally load it, stop it.
+# dummy Llama-3.1-8B, smoke it (/generate x3, /server_info), optionally load it (loadgen.py
+# from the wheelhouse folder .carry/sglang/p1), stop it.
 #   bash scripts/device_serve.sh NAME [server flags...]     e.g. NAME=tangram-eager --tangram ...
 # Env: PORT (30000), LOAD ("N IN OUT": loadgen.py prompts, input, output tokens; empty = none),
 #      UP_S (400: seconds to wait for /health). Logs: $OUT/NAME.server.log, $OUT/NAME.*.json.

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # device_setup.sh -- runs on the GPU machine, sourced at the start of every shell there:
 #   source scripts/device_setup.sh
-# Unpacks the carried stock sglang 0.5.17 wheelhouse into /tmp/site, applies patches/ to that copy
-# and checks that the `tangram` plugin entry point (carried tangram_sglang.egg-info, found through
-# PYTHONPATH=$PWD) is visible. Needs carry: [".carry/sglang/p1", "tangram_sglang.egg-info"].
+# Unpacks the stock sglang 0.5.17 wheelhouse copied to the GPU machine into /tmp/site, applies
+# patches/ to that copy and checks that the `tangram` plugin entry point (tangram_sglang.egg-info
+# copied beside the checkout, found through PYTHONPATH=$PWD) is visible. Expects next to the
+# checkout: .carry/sglang/p1 and tangram_sglang.egg-info (docs/gpu-benchmarks.md).
 # Writes the Llama-3.1-8B-shaped dummy model folder path to $MODEL.
 set -u
 export SITE=${SITE:-/tmp/site}

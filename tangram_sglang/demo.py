@@ -152,7 +152,7 @@ def demo_server_args(full_kv: bool, device: str, profile: str | None) -> list[st
     """``launch_server`` flags for the demo: ``--tangram`` (+ ``--tangram-profile``) or stock.
 
     Stock SGLang on CUDA gets :data:`~tangram_sglang.serving.CUDA_STOCK_FLAGS` (triton: the
-    carried ``sgl_kernel`` has no FA3, SGLang's Hopper default).
+    ``sgl_kernel`` of the GPU wheelhouse has no FA3, SGLang's Hopper default).
     """
     if full_kv:
         return [x for kv in CUDA_STOCK_FLAGS.items() for x in kv] if device == "cuda" else []

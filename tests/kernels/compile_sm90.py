@@ -4,7 +4,7 @@ Run as a script with ``TRITON_INTERPRET`` unset: ``python tests/kernels/compile_
 [fp32]`` (default bf16; fp32, the CPU-test dtype, takes ~2 min and spills on the GPU). It
 lowers each kernel with the launchers' tile constants through Triton's compiler and the ptxas it
 bundles, and prints registers / stack bytes per kernel, so compile errors (e.g. a non-constexpr
-global read in a kernel) and register spills show up in CPU CI before device time is spent.
+global read in a kernel) and register spills show up in CPU CI before a GPU run.
 Exit status 1 on any failure.
 """
 

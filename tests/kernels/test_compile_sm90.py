@@ -1,4 +1,4 @@
-"""The Triton kernels compile for sm_90a (H100/H200) on a CPU-only machine (no device time)."""
+"""The Triton kernels compile for sm_90a (H100/H200) on a CPU-only machine (no GPU needed)."""
 
 from __future__ import annotations
 
