@@ -8,13 +8,19 @@ pages of a few tokens, 1-4 KV heads of dimension 8), so a test can assert exact 
 * :func:`random_profile`: a seeded profile for a given model geometry (ratios in [0.1, 0.6]).
 * :func:`make_pool`, :func:`make_memory`, :func:`make_ledger`: the page pool, the memory manager
   (one layer, four KV heads: group 0 keeps everything, group 1 half) and the reservation ledger.
+* :func:`ratio_one_profile`: a keep-everything profile for a real model folder (end-to-end tests
+  compare it token for token with stock SGLang).
 """
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import numpy as np
 import torch
 
+from tangram_sglang.bench.synthetic import make_profile  # the one copy (also the benchmarks')
 from tangram_sglang.grouping import HeadGrouping
 from tangram_sglang.mem.kv_pool import KVPool
 from tangram_sglang.mem.manager import TangramMemory
@@ -23,46 +29,6 @@ from tangram_sglang.mem.reservation import ReservationLedger
 from tangram_sglang.profile import BudgetProfile, ModelIdentity
 
 MEMORY_RATIOS = [[1.0, 1.0, 0.5, 0.5]]  # make_memory's profile: 1 layer x 4 KV heads
-
-
-def make_profile(
-    ratio: np.ndarray | list[list[float]],
-    heads_per_group: int = 1,
-    scope: str = "per_layer",
-    sink_tokens: int = 0,
-    recent_window: int = 0,
-    head_dim: int = 8,
-    gqa_size: int = 1,
-    architecture: str = "synthetic",
-) -> BudgetProfile:
-    """A profile with the given ``ratio [num_layers, num_kv_heads]`` and budget-aware grouping.
-
-    Args:
-        ratio: kept fraction per (layer, KV head), each in (0, 1].
-        heads_per_group: H_p, KV heads sharing one page table.
-        scope: ``"per_layer"`` or ``"global"`` head groups.
-        sink_tokens: always-kept first tokens of each segment.
-        recent_window: always-kept last tokens of each segment.
-        head_dim: D of the synthetic model.
-        gqa_size: query heads per KV head.
-        architecture: the model identity's architecture name.
-
-    Returns:
-        The profile; its target ratio is the mean of ``ratio``.
-    """
-    ratio = np.asarray(ratio, dtype=np.float64)
-    num_layers, num_kv_heads = ratio.shape
-    model = ModelIdentity(architecture, num_layers, num_kv_heads, num_kv_heads * gqa_size, head_dim)
-    return BudgetProfile(
-        model=model,
-        scorer="ada-snapkv",
-        target_ratio=float(ratio.mean()),
-        ratio=ratio,
-        sink_tokens=sink_tokens,
-        recent_window=recent_window,
-        grouping=HeadGrouping.build(ratio, heads_per_group, scope),
-        provenance={"source": "synthetic"},
-    )
 
 
 def random_profile(
@@ -130,3 +96,21 @@ def make_memory(
 def make_ledger(num_pages: int = 16) -> ReservationLedger:
     """A reservation ledger over a fresh page allocator of ``num_pages`` (checks on)."""
     return ReservationLedger(PageAllocator(num_pages, debug=True))
+
+
+def ratio_one_profile(path: Path | str, model_path: Path | str) -> str:
+    """Save a profile keeping every token (ratio 1.0, H_p 4, global groups) for ``model_path``'s
+    geometry at ``path``; returns the path as a string."""
+    config = json.loads((Path(model_path) / "config.json").read_text())
+    model = ModelIdentity.from_hf_config(config)
+    ratio = np.ones((model.num_layers, model.num_kv_heads))
+    BudgetProfile(
+        model=model,
+        scorer="ada-snapkv",
+        target_ratio=1.0,
+        ratio=ratio,
+        sink_tokens=4,
+        recent_window=32,
+        grouping=HeadGrouping.build(ratio, 4, "global"),
+    ).save(path)
+    return str(path)

@@ -37,7 +37,21 @@ def make_profile(
     gqa_size: int = 1,
     architecture: str = "synthetic",
 ) -> BudgetProfile:
-    """A profile with the given ``ratio [num_layers, num_kv_heads]`` and budget-aware grouping."""
+    """A profile with the given ``ratio [num_layers, num_kv_heads]`` and budget-aware grouping.
+
+    Args:
+        ratio: kept fraction per (layer, KV head), each in (0, 1].
+        heads_per_group: H_p, KV heads sharing one page table.
+        scope: ``"per_layer"`` or ``"global"`` head groups.
+        sink_tokens: always-kept first tokens of each segment.
+        recent_window: always-kept last tokens of each segment.
+        head_dim: D of the synthetic model.
+        gqa_size: query heads per KV head.
+        architecture: the model identity's architecture name.
+
+    Returns:
+        The profile; its target ratio is the mean of ``ratio``.
+    """
     ratio = np.asarray(ratio, dtype=np.float64)
     num_layers, num_kv_heads = ratio.shape
     model = ModelIdentity(architecture, num_layers, num_kv_heads, num_kv_heads * gqa_size, head_dim)

@@ -18,17 +18,14 @@ Servers come from the session's pool (``tests/e2e/conftest.py``): one per (ratio
 
 from __future__ import annotations
 
-import json
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-import numpy as np
 import pytest
 import requests
+from factories import ratio_one_profile
 
-from tangram_sglang.grouping import HeadGrouping
-from tangram_sglang.profile import BudgetProfile, ModelIdentity
 from tangram_sglang.serving import SGLangServer
 
 pytestmark = pytest.mark.e2e
@@ -43,21 +40,6 @@ CHUNK_TOKENS = 4096
 TOPICS = ("rivers of Europe", "the history of tea", "how bridges stand", "birds that migrate")
 FOLLOW_UPS = ("Tell me one more detail.", "Summarise that in one sentence.")
 SHARED_FACT = "My name is Ada and I live in Lyon, near the river, with two cats and a piano. " * 4
-
-
-def ratio_one_profile(path, smollm2_path) -> str:
-    model = ModelIdentity.from_hf_config(json.loads((smollm2_path / "config.json").read_text()))
-    ratio = np.ones((model.num_layers, model.num_kv_heads))
-    BudgetProfile(
-        model=model,
-        scorer="ada-snapkv",
-        target_ratio=1.0,
-        ratio=ratio,
-        sink_tokens=4,
-        recent_window=32,
-        grouping=HeadGrouping.build(ratio, 4, "global"),
-    ).save(path)
-    return str(path)
 
 
 @pytest.fixture(scope="module")

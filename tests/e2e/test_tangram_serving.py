@@ -19,20 +19,19 @@
 
 from __future__ import annotations
 
-import json
 import re
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
 import requests
+from factories import ratio_one_profile
 from recall_chat import KEYWORD, recall_chat
 
 from tangram_sglang.backend.state import chunked_footprint_pages
-from tangram_sglang.grouping import HeadGrouping
 from tangram_sglang.integration.metrics import GAUGES
 from tangram_sglang.mem.reservation import group_pages_needed
-from tangram_sglang.profile import BudgetProfile, ModelIdentity
+from tangram_sglang.profile import BudgetProfile
 from tangram_sglang.serving import SGLangServer
 
 pytestmark = pytest.mark.e2e
@@ -52,21 +51,6 @@ def tokenizer(smollm2_path):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(smollm2_path)
-
-
-def ratio_one_profile(path, smollm2_path) -> str:
-    model = ModelIdentity.from_hf_config(json.loads((smollm2_path / "config.json").read_text()))
-    ratio = np.ones((model.num_layers, model.num_kv_heads))
-    BudgetProfile(
-        model=model,
-        scorer="ada-snapkv",
-        target_ratio=1.0,
-        ratio=ratio,
-        sink_tokens=4,
-        recent_window=32,
-        grouping=HeadGrouping.build(ratio, 4, "global"),
-    ).save(path)
-    return str(path)
 
 
 def greedy_chat(
