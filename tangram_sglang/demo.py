@@ -148,15 +148,21 @@ def report_turn(server: SGLangServer, per_token_bytes: int, i: int, turn: TurnRe
         print(f"KV held by the request (full KV): {full / 2**20:.2f} MiB")
 
 
+DEMO_MIN_COMPRESS_TOKENS = 128  # the demo's first turn (~250 tokens) is compressed
+
+
 def demo_server_args(full_kv: bool, device: str, profile: str | None) -> list[str]:
     """``launch_server`` flags for the demo: ``--tangram`` (+ ``--tangram-profile``) or stock.
 
-    Stock SGLang on CUDA gets :data:`~tangram_sglang.serving.CUDA_STOCK_FLAGS` (triton: the
-    ``sgl_kernel`` of the GPU wheelhouse has no FA3, SGLang's Hopper default).
+    Under ``--tangram`` segments of :data:`DEMO_MIN_COMPRESS_TOKENS` tokens or more are
+    compressed (the server's default, 256, would keep this short chat's turns whole and show no
+    saving). Stock SGLang on CUDA gets :data:`~tangram_sglang.serving.CUDA_STOCK_FLAGS` (triton:
+    the ``sgl_kernel`` of the GPU wheelhouse has no FA3, SGLang's Hopper default).
     """
     if full_kv:
         return [x for kv in CUDA_STOCK_FLAGS.items() for x in kv] if device == "cuda" else []
-    return ["--tangram"] + (["--tangram-profile", profile] if profile else [])
+    threshold = ["--tangram-min-compress-tokens", str(DEMO_MIN_COMPRESS_TOKENS)]
+    return ["--tangram", *threshold] + (["--tangram-profile", profile] if profile else [])
 
 
 def server_banner(info: dict) -> list[str]:

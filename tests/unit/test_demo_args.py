@@ -14,8 +14,14 @@ def test_full_kv_on_cuda_picks_triton_and_never_tangram():
 
 
 def test_tangram_args_carry_the_profile_when_given():
-    assert demo_server_args(False, "cuda", None) == ["--tangram"]
-    assert demo_server_args(False, "cpu", "p.json") == ["--tangram", "--tangram-profile", "p.json"]
+    threshold = ["--tangram-min-compress-tokens", "128"]  # the demo's ~250-token turn compresses
+    assert demo_server_args(False, "cuda", None) == ["--tangram", *threshold]
+    assert demo_server_args(False, "cpu", "p.json") == [
+        "--tangram",
+        *threshold,
+        "--tangram-profile",
+        "p.json",
+    ]
 
 
 def test_banner_names_the_profile_only_for_a_tangram_server():
