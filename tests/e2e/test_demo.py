@@ -1,0 +1,35 @@
+"""``make demo``'s Tangram chat against the real ``--tangram`` server: it must show a saving.
+
+The demo is the first thing a user runs; its report says how much KV the conversation holds in
+Tangram pages against full KV. With the demo's own flags (``demo_server_args``) every turn must
+hold less than full KV.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import requests
+
+from tangram_sglang.demo import (
+    DEMO_TURNS,
+    chat,
+    demo_server_args,
+    full_kv_bytes_per_token,
+    report_turn,
+)
+
+pytestmark = pytest.mark.e2e
+
+
+def test_the_demo_chat_holds_less_than_full_kv_every_turn(servers, smollm2_path, capsys):
+    server = servers.get(demo_server_args(False, "cpu", None), "demo-tangram")
+    requests.post(f"{server.base_url}/flush_cache", timeout=60).raise_for_status()
+    per_token = full_kv_bytes_per_token(smollm2_path, 4)  # the CPU engine serves float32
+    turns = chat(
+        server.base_url, DEMO_TURNS, on_turn=lambda i, t: report_turn(server, per_token, i, t)
+    )
+    saved = [int(x) for x in re.findall(r"full KV \(saved (-?\d+)%\)", capsys.readouterr().out)]
+    assert len(saved) == len(turns) == len(DEMO_TURNS)
+    assert all(s > 0 for s in saved), saved
