@@ -36,7 +36,7 @@ from sglang.srt.mem_cache.memory_pool import NoOpMHATokenToKVPool
 
 from tangram_sglang.backend.state import PrefillAsk
 from tangram_sglang.integration import profile_loader
-from tangram_sglang.integration.server_args import profile_from_server_args
+from tangram_sglang.integration.server_args import rank_profile_from_server_args
 from tangram_sglang.mem.kv_pool import KVPool, bytes_per_page, num_pages_for_budget
 from tangram_sglang.mem.reservation import admission_decode_tokens
 from tangram_sglang.profile import BudgetProfile
@@ -117,7 +117,7 @@ def compute_cell_size(original, configurator: Any, kvc: Any, num_layers: int) ->
     full = original(configurator, kvc, num_layers)
     if not tangram_on(kvc.server_args):
         return full
-    cell = tangram_cell_bytes(full, profile_from_server_args(kvc.server_args))
+    cell = tangram_cell_bytes(full, rank_profile_from_server_args(kvc.server_args))
     logger.info("Tangram: %d bytes per logical token (full KV %d)", cell, full)
     return cell
 
@@ -128,7 +128,7 @@ def build_mha_kv_pool(original, kvc: Any, **kwargs: Any) -> Any:
         return original(kvc, **kwargs)
     kwargs["mha_pool_class"] = TangramTokenToKVPool
     pool = original(kvc, **kwargs)
-    profile = profile_from_server_args(kvc.server_args)
+    profile = rank_profile_from_server_args(kvc.server_args)  # this TP rank's heads
     m = profile.model
     full = full_cell_bytes(m.num_layers, m.num_kv_heads, m.head_dim, pool.store_dtype)
     budget = kwargs["max_total_num_tokens"] * tangram_cell_bytes(full, profile)
