@@ -385,3 +385,21 @@ def test_tp_size_the_heads_cannot_follow_is_refused(
 ):
     with pytest.raises(ConfigError, match=needle):
         make_args(patched_sglang, smollm2_path, smollm2_profile, **kwargs)
+
+
+def test_rank_profile_reads_the_attention_tp_rank_from_sglang(
+    patched_sglang, smollm2_path, smollm2_profile
+):
+    """In a scheduler process the rank comes from SGLang's parallel state (``get_parallel``)."""
+    from sglang.srt.runtime_context import get_parallel
+
+    args = make_args(patched_sglang, smollm2_path, smollm2_profile, tp_size=3)
+    with get_parallel().override(attn_tp_rank=2, attn_tp_size=3):
+        read = rank_profile_from_server_args(args)
+    assert read.to_dict() == rank_profile_from_server_args(args, tp_rank=2).to_dict()
+    assert read.provenance["tensor_parallel"]["kv_heads"] == [2, 3]
+    with (
+        get_parallel().override(attn_tp_rank=0, attn_tp_size=1),
+        pytest.raises(ConfigError, match="attention TP size is 1"),
+    ):
+        rank_profile_from_server_args(args)
