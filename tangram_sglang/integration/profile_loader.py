@@ -147,12 +147,22 @@ def profile_summary(profile: BudgetProfile, config: TangramConfig) -> dict[str, 
 
 
 def summary_line(summary: dict[str, object]) -> str:
-    """One log line: the numbers an operator checks first."""
+    """One log line: the numbers an operator checks first (per TP rank under ``--tp-size``)."""
+    groups = (
+        f"{summary['num_head_groups']} head groups of {summary['heads_per_group']} "
+        f"({summary['group_scope']})"
+    )
+    if "tp_size" in summary:  # tensor parallelism: what each rank holds (tangram_sglang/tp.py)
+        groups = (
+            f"TP {summary['tp_size']}: per rank {summary['kv_heads_per_rank']} KV heads per "
+            f"layer in {summary['head_groups_per_rank']} head groups of "
+            f"{summary['heads_per_group']} ({summary['group_scope']}), budgets shared across "
+            f"ranks (+{100 * float(summary['tp_budget_overhead']):.1f}% kept tokens)"
+        )
     return (
         f"Tangram: profile {summary['profile_path']} ({summary['scorer']}), mean kept ratio "
         f"{summary['mean_kept_ratio']:.3f} ({summary['padded_kept_ratio']:.3f} with group "
-        f"padding), {summary['num_head_groups']} head groups of {summary['heads_per_group']} "
-        f"({summary['group_scope']}), page {summary['page_size']} tokens, predicted capacity "
+        f"padding), {groups}, page {summary['page_size']} tokens, predicted capacity "
         f"{summary['predicted_capacity_vs_full_kv']:.2f}x full KV for long prompts"
     )
 

@@ -269,3 +269,15 @@ def test_layout_build_runs_the_checks():
         TensorParallelLayout.build(profile, 2)
     with pytest.raises(ConfigError, match="does not divide the model's 4 KV heads"):
         TensorParallelLayout.build(profile, 3)
+
+
+def test_start_up_line_says_what_each_rank_holds():
+    from tangram_sglang.config import TangramConfig
+    from tangram_sglang.integration.profile_loader import profile_summary, summary_line
+
+    profile = random_profile(_model(4, 8), heads_per_group=2)
+    summary = profile_summary(profile, TangramConfig(enabled=True))
+    assert "TP" not in summary_line(summary)
+    summary |= TensorParallelLayout.build(profile, 2).summary()
+    line = summary_line(summary)
+    assert "TP 2: per rank 4 KV heads per layer in 8 head groups of 2 (global)" in line
