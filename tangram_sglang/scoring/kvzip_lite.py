@@ -33,6 +33,7 @@ oracle of ``tests/unit/test_kvzip_lite.py``.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -90,16 +91,15 @@ class KVzipLiteScorer:
                 f"gqa_reduce={self.gqa_reduce!r} is unknown; use one of {GQA_REDUCTIONS}"
             )
 
-    def query_slots(self, w: int, device: torch.device | str = "cpu") -> torch.Tensor:
-        """int64 ``[m]``: which of the ``w`` queries are scored (ascending, the last included).
+    def query_slots(self, w: int) -> list[int]:
+        """Which of the ``w`` queries are scored (host ints, ascending, the last included).
 
-        ``m = w`` when ``max_queries`` is 0 or >= w, else ``max_queries`` evenly spaced slots.
+        All ``w`` when ``max_queries`` is 0 or >= w, else ``max_queries`` evenly spaced slots.
         """
         if self.max_queries == 0 or self.max_queries >= w:
-            return torch.arange(w, device=device)
+            return list(range(w))
         step = w / self.max_queries
-        slots = torch.arange(self.max_queries, device=device, dtype=torch.float64)
-        return (w - 1 - torch.floor(slots * step)).long().flip(0)
+        return sorted(w - 1 - math.floor(i * step) for i in range(self.max_queries))
 
     def score(
         self,
@@ -109,6 +109,12 @@ class KVzipLiteScorer:
         lse_obs: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Max attention each token receives from the segment's later queries, per KV head.
+
+        Computed as ``exp(max_i(logit_ij - lse_i))`` (exp is monotonic, so the max is taken on
+        logits and only ``[H_q, n]`` values are exponentiated). Per block of queries at
+        positions ``p_0 < ... < p_last``, keys ``j <= p_0 - band`` are visible to every query of
+        the block (no mask) and keys past ``p_last - band`` to none (not computed): only the
+        columns in between are masked. No host synchronisation (positions are host ints).
 
         Args:
             q_obs: ``[..., num_qo_heads, w, D]`` post-RoPE queries of the segment's last ``w``
@@ -135,33 +141,49 @@ class KVzipLiteScorer:
         n = k_seg.shape[-2]
         w = min(q_obs.shape[-2], n)
         lead = q_obs.shape[:-3]
-        gqa = num_qo_heads // num_kv_heads
         device = k_seg.device
-        slots = self.query_slots(w, device)
+        slots = self.query_slots(w)
         offset = q_obs.shape[-2] - w  # q_obs may hold more queries than the segment has keys
+        band = self.local_band
         keys_t = k_seg.float().transpose(-1, -2)  # [..., H_kv, D, n]
-        key_pos = torch.arange(n, device=device)
-        best = torch.zeros(*lead, num_qo_heads, n, dtype=torch.float32, device=device)
-        for first in range(0, slots.numel(), self.query_block):
+        best = torch.full((*lead, num_qo_heads, n), float("-inf"), device=device)
+        for first in range(0, len(slots), self.query_block):
             block = slots[first : first + self.query_block]
-            m = block.numel()
-            q = q_obs[..., offset + block, :]
-            q = q.float().reshape(*lead, num_kv_heads, gqa * m, dim)
-            logits = torch.matmul(q, keys_t).mul_(sm_scale).view(*lead, num_qo_heads, m, n)
-            q_pos = (n - w + block).view(m, 1)
-            future = key_pos.view(1, n) > q_pos  # [m, n]
-            logits.masked_fill_(future, float("-inf"))
-            if lse_obs is None:
-                probs = torch.softmax(logits, dim=-1)
-            else:
-                lse = lse_obs[..., offset + block].float().unsqueeze(-1)
-                probs = logits.sub_(lse).exp_()
-            if self.local_band:
-                near = (q_pos - key_pos.view(1, n)) < self.local_band  # [m, n]
-                probs.masked_fill_(near, 0.0)
-            best = torch.maximum(best, probs.amax(dim=-2))
-        pooled = SnapKVScorer(kernel_size=self.kernel_size, pooling=self.pooling).pool(best)
+            pos = [n - w + i for i in block]  # token position of each query
+            hi = min(n, pos[-1] - band + 1)  # keys >= hi: no query of the block counts them
+            if hi <= 0:
+                continue
+            idx = torch.tensor([offset + i for i in block], device=device)
+            q = q_obs.index_select(-2, idx).float()  # [..., Hq, m, D]
+            lse = self._lse(q, keys_t, sm_scale, pos) if lse_obs is None else None
+            if lse is None:
+                lse = lse_obs.index_select(-1, idx).float()  # type: ignore[union-attr]
+            # (q * scale) . k - lse as ONE product: q gets a -lse column, k a row of ones.
+            q_aug = torch.cat([q * sm_scale, -lse.unsqueeze(-1)], dim=-1)
+            q_aug = q_aug.reshape(*lead, num_kv_heads, -1, dim + 1)  # GQA folded into queries
+            k_aug = torch.cat([keys_t[..., :hi], keys_t.new_ones(*keys_t.shape[:-2], 1, hi)], -2)
+            logits = torch.matmul(q_aug, k_aug).view(*lead, num_qo_heads, len(block), hi)
+            lo = max(0, pos[0] - band + 1)  # keys < lo: every query of the block counts them
+            if lo < hi:
+                q_pos = torch.tensor(pos, device=device).view(-1, 1)
+                key_pos = torch.arange(lo, hi, device=device).view(1, -1)
+                logits[..., lo:hi].masked_fill_(q_pos - key_pos < band, float("-inf"))
+            best[..., :hi] = torch.maximum(best[..., :hi], logits.amax(dim=-2))
+        probs = best.exp_()  # exp(-inf) = 0 for tokens no query counts
+        pooled = SnapKVScorer(kernel_size=self.kernel_size, pooling=self.pooling).pool(probs)
         return reduce_gqa(pooled, num_kv_heads, self.gqa_reduce)
+
+    @staticmethod
+    def _lse(q: torch.Tensor, keys_t: torch.Tensor, sm_scale: float, pos: list[int]):
+        """float32 ``[..., Hq, m]``: each query's log-sum-exp over the segment's keys up to its
+        own position (the causal softmax normaliser when the extend kernel's is not given)."""
+        num_qo_heads, m, dim = q.shape[-3], q.shape[-2], q.shape[-1]
+        num_kv_heads, end = keys_t.shape[-3], pos[-1] + 1
+        folded = (q * sm_scale).reshape(*q.shape[:-3], num_kv_heads, -1, dim)
+        logits = torch.matmul(folded, keys_t[..., :end]).view(*q.shape[:-3], num_qo_heads, m, end)
+        q_pos = torch.tensor(pos, device=q.device).view(-1, 1)
+        future = torch.arange(end, device=q.device).view(1, -1) > q_pos
+        return torch.logsumexp(logits.masked_fill_(future, float("-inf")), dim=-1)
 
 
 register_scorer("kvzip-lite", KVzipLiteScorer)
