@@ -217,6 +217,7 @@ def _overlap(scores, oracle, ratio):
     return float((mask(ours) & mask(theirs)).sum() / mask(theirs).sum())
 
 
+@pytest.mark.slow  # three SmolLM2 forwards + KVzip's replay: ~20 s on a quiet 2-core CPU
 def test_same_pass_selection_is_closer_to_kvzip_than_snapkv(smollm2):
     """The same-pass scores keep more of what KVzip keeps than SnapKV's window scores do."""
     from tangram_sglang.calibrate.observe import ScoreObserver
