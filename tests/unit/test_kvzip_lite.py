@@ -140,7 +140,7 @@ def smollm2(smollm2_path):
     model = AutoModelForCausalLM.from_pretrained(
         smollm2_path, dtype=torch.float32, attn_implementation="sdpa"
     ).eval()
-    sample = load_samples("ruler-squad", tok, 1, 384, 384, seed=1)[0]
+    sample = load_samples("ruler-squad", tok, 1, 192, 192, seed=1)[0]
     return model, sample.input_ids
 
 
