@@ -26,7 +26,9 @@ from tangram_sglang.profile import BudgetProfile, ModelIdentity
 
 CALIBRATION_DIR = Path(__file__).resolve().parents[2] / "calibration"
 DEFAULT_PROFILE_NAME = "default.json"  # a shipped profile of this name wins
-DEFAULT_SCORER = "ada-snapkv"
+# Among shipped profiles of a model, scorers in this order: kvzip-lite (query-agnostic: the kept
+# history also answers later turns' questions, benchmarks/RESULTS.md issue 20), then Ada-SnapKV.
+SCORER_PREFERENCE = ("kvzip-lite", "ada-snapkv")
 DEFAULT_TARGET_RATIO = 0.25  # among several matches, prefer the one calibrated closest to this
 CALIBRATE_HINT = (
     "calibrate one with `python -m tangram_sglang.calibrate --model-path <model> --scorer "
@@ -38,8 +40,9 @@ CALIBRATE_HINT = (
 def find_shipped_profile(model: ModelIdentity, calibration_dir: Path | None = None) -> Path:
     """The shipped profile for ``model``: ``calibration/*/*.json`` whose model matches.
 
-    Among several matches: ``default.json`` first, then scorer ``ada-snapkv``, then the
-    target ratio closest to 0.25, then the path name. Unreadable files are skipped.
+    Among several matches: ``default.json`` first, then by scorer (:data:`SCORER_PREFERENCE`:
+    ``kvzip-lite``, then ``ada-snapkv``, then any other), then the target ratio closest to 0.25,
+    then the path name. Unreadable files are skipped.
 
     Raises:
         ConfigError: no shipped profile matches; says where it looked and how to calibrate.
@@ -55,7 +58,7 @@ def find_shipped_profile(model: ModelIdentity, calibration_dir: Path | None = No
             continue
         rank = (
             path.name != DEFAULT_PROFILE_NAME,
-            profile.scorer != DEFAULT_SCORER,
+            _scorer_rank(profile.scorer),
             abs(profile.target_ratio - DEFAULT_TARGET_RATIO),
             str(path),
         )
@@ -68,6 +71,13 @@ def find_shipped_profile(model: ModelIdentity, calibration_dir: Path | None = No
             f"profiles for other models: {others or 'none'}); " + CALIBRATE_HINT
         )
     return min(matches)[1]
+
+
+def _scorer_rank(scorer: str) -> int:
+    """Position of ``scorer`` in :data:`SCORER_PREFERENCE` (others after every listed one)."""
+    return (
+        SCORER_PREFERENCE.index(scorer) if scorer in SCORER_PREFERENCE else len(SCORER_PREFERENCE)
+    )
 
 
 def resolve_profile(
