@@ -23,14 +23,22 @@ PAGE, NUM_PAGES, ROWS, WIDTH, SLOTS = 4, 64, 4, 16, 96
 RATIOS = [[1.0, 0.5, 0.25, 0.25]]  # one layer, four KV heads -> two head groups of two
 
 
-def build_tree() -> tuple[TangramRadixCache, TangramState, ReqToTokenPool, TokenToKVPoolAllocator]:
-    """A fresh tree, its Tangram state (debug pool checks on), row pool and slot allocator."""
+def build_tree(
+    chunk_tokens: int = 0,
+) -> tuple[TangramRadixCache, TangramState, ReqToTokenPool, TokenToKVPoolAllocator]:
+    """A fresh tree, its Tangram state (debug pool checks on), row pool and slot allocator.
+
+    ``chunk_tokens``: the state's chunked-prefill size (the segment grid when
+    ``TANGRAM_GRID_SEGMENTS=1`` is set in the environment).
+    """
     prof = make_profile(
         RATIOS, heads_per_group=2, scope="global", sink_tokens=1, recent_window=2, head_dim=1
     )
     pool = KVPool.create(NUM_PAGES, 2, PAGE, 1, torch.float32)
     memory = TangramMemory(prof, PAGE, NUM_PAGES, ROWS + 1, WIDTH, pool, debug=True)
-    state = TangramState(memory, full_kv_bytes_per_token=32, device="cpu")
+    state = TangramState(
+        memory, full_kv_bytes_per_token=32, device="cpu", chunk_tokens=chunk_tokens
+    )
     req_pool = ReqToTokenPool(ROWS, WIDTH * PAGE, "cpu", False)
     req_pool.tangram_state = state
     slots = TokenToKVPoolAllocator(SLOTS, torch.float32, "cpu", None, False)

@@ -46,7 +46,12 @@ from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey, TreeNode
 from tangram_sglang.errors import PoolError
 from tangram_sglang.mem.page_table import SegmentPages
 from tangram_sglang.mem.prefix import PrefixMatch
-from tangram_sglang.radix.segment import SegmentValue, chain_prefix, segment_depths
+from tangram_sglang.radix.segment import (
+    SegmentValue,
+    chain_prefix,
+    is_grid_cell,
+    segment_depths,
+)
 
 if TYPE_CHECKING:
     from sglang.srt.managers.schedule_batch import Req
@@ -109,6 +114,7 @@ class TangramRadixCache(RadixCache):
         self.num_duplicate_pages = 0  # pages of segments already cached, freed at insert
         self.num_adopted_pages = 0  # copy-on-write copies a parent chain took (duplicates saved)
         self._unlocked_pages = 0  # pages on boundary nodes with lock_ref == 0 (evictable)
+        self.num_off_grid_pages = 0  # pages of segments off the segment grid, freed at insert
         super().__init__(params)
         state = getattr(params.req_to_token_pool, "tangram_state", None)
         if state is None:
@@ -118,6 +124,9 @@ class TangramRadixCache(RadixCache):
             )
         self.state = state
         self.memory = state.memory
+        # Tokens per grid cell (TANGRAM_GRID_SEGMENTS=1): only whole cells are cached, so every
+        # match ends on the grid; 0 = segments cut at the match point (config.segment_grid).
+        self.grid = int(getattr(state, "segment_grid", 0))
         state.radix = self
 
     # ---- matching ----------------------------------------------------------------------------
@@ -213,8 +222,10 @@ class TangramRadixCache(RadixCache):
         """
         parent, attached = start, []
         for (lo, hi), seg in zip(segment_depths(start_len, segments), segments, strict=True):
-            if parent is None or seg.num_tokens <= 0 or hi > len(key):
+            off_grid = self.grid > 0 and not is_grid_cell(seg.kind, lo, hi, self.grid)
+            if parent is None or seg.num_tokens <= 0 or hi > len(key) or off_grid:
                 self._free(seg.pages)
+                self.num_off_grid_pages += seg.num_pages if off_grid else 0
                 parent = None  # a chain cannot skip a segment
                 continue
             node = self._node_at(key, hi)
@@ -414,6 +425,8 @@ class TangramRadixCache(RadixCache):
             "pages_evicted": self.num_evicted_pages,
             "pages_duplicate_freed": self.num_duplicate_pages,
             "pages_copy_adopted": self.num_adopted_pages,
+            "segment_grid": self.grid,
+            "pages_off_grid_freed": self.num_off_grid_pages,
         }
 
     def _free(self, pages: list[Any]) -> None:

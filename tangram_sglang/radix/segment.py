@@ -62,6 +62,24 @@ class SegmentValue:
         return np.asarray(self.segment.start_len, np.int64) + self.segment.kept_len
 
 
+def is_grid_cell(kind: str, start_depth: int, end_depth: int, grid: int) -> bool:
+    """Is ``[start_depth, end_depth)`` one whole cell of the segment grid (a prefill chunk)?
+
+    Under grid segmentation (``config.segment_grid``, ``grid`` = the chunk size in tokens) only
+    whole cells ``[k * grid, (k + 1) * grid)`` of compressed prompt are cached: a cold server cuts
+    the same prompt at the same absolute positions, so it computes the very same segment. A
+    prompt's last, partial chunk and a decode tail depend on where the request ended (the next
+    turn, cold, compresses those tokens inside a whole cell), so they are not reusable.
+
+    Args:
+        kind: ``SegmentPages.kind`` ("extend" or "decode").
+        start_depth: tokens from the root where the segment starts.
+        end_depth: tokens from the root where it ends.
+        grid: cell size in tokens (> 0).
+    """
+    return kind == "extend" and end_depth - start_depth == grid and start_depth % grid == 0
+
+
 def segment_depths(prefix_len: int, segments: list[SegmentPages]) -> list[tuple[int, int]]:
     """``(start_depth, end_depth)`` in tokens of each segment of a finished row, in order.
 
