@@ -115,6 +115,7 @@ class TangramRadixCache(RadixCache):
         self.num_adopted_pages = 0  # copy-on-write copies a parent chain took (duplicates saved)
         self._unlocked_pages = 0  # pages on boundary nodes with lock_ref == 0 (evictable)
         self.num_off_grid_pages = 0  # pages of segments off the segment grid, freed at insert
+        self.num_in_flight_inserts = 0  # chunked prefills whose grid cells were inserted mid-way
         super().__init__(params)
         state = getattr(params.req_to_token_pool, "tangram_state", None)
         if state is None:
@@ -220,7 +221,10 @@ class TangramRadixCache(RadixCache):
         The new boundary nodes' last token slots are read to the host together (one
         device-to-host copy per finished request, none when nothing new is attached).
         """
-        parent, attached = start, []
+        # A chain continues a boundary node (or the root); a row whose in-flight insert ended on
+        # a plain node (a cell another chain held) cannot hang anything after it.
+        chained = start is self.root_node or value_of(start) is not None
+        parent, attached = (start if chained else None), []
         for (lo, hi), seg in zip(segment_depths(start_len, segments), segments, strict=True):
             off_grid = self.grid > 0 and not is_grid_cell(seg.kind, lo, hi, self.grid)
             if parent is None or seg.num_tokens <= 0 or hi > len(key) or off_grid:
@@ -306,9 +310,76 @@ class TangramRadixCache(RadixCache):
         return node
 
     def cache_unfinished_req(self, req: Req, chunked: bool = False) -> None:
-        """Chunked prefill: keep the chunk in the row (no insert), like SGLang's ChunkCache."""
+        """Chunked prefill: insert the row's whole grid cells now (grid), else keep the chunk.
+
+        Without the grid the chunk stays in the row (no insert, like SGLang's ``ChunkCache``):
+        a row's chunks go to the tree together at finish. Under the grid
+        (``TANGRAM_GRID_SEGMENTS=1``) the cells prefilled so far are inserted while the row
+        runs on (:meth:`_insert_in_flight`), so requests that arrive while a long shared prefix
+        is being prefilled match its cells instead of prefilling their own copy.
+        """
+        if self.grid and self._insert_in_flight(req, chunked):
+            return
         kv = self.req_to_token_pool.req_to_token[req.req_pool_idx, : req.extend_range.end]
         req.prefix_indices = kv.to(dtype=torch.int64, copy=True)
+
+    def _insert_in_flight(self, req: Req, chunked: bool) -> bool:
+        """Hang a running row's committed grid cells on the tree; False when it cannot now.
+
+        The row's own pages pass to the new boundary nodes (``TangramMemory.detach_segments``:
+        the row keeps reading them as borrowed), its tokens are inserted and SGLang's lock moves
+        to the node ending at the prefilled tokens, exactly as SGLang's
+        ``RadixCache.cache_unfinished_req`` does (duplicate token slots freed, the row's slot
+        list rewritten to the tree's). Pages: the row's partial last pages become shared, so
+        its next chunk copies them (one copy-on-write page per such head group); those pages
+        are reserved first, and when they are not free the chunk simply stays in the row.
+        """
+        row, end = int(req.req_pool_idx), int(req.extend_range.end)
+        start = req.last_node if req.last_node is not None else self.root_node
+        start_len = int(req.cache_protected_len)
+        memory = self.memory
+        if (
+            self.disable
+            or memory.rids[row] is None
+            or end % self.grid
+            or end <= start_len
+            or node_depth(start) != start_len
+            or (start is not self.root_node and value_of(start) is None)
+            or not memory.ready[row]
+        ):
+            return False
+        lens = memory.table.lens[row]
+        cow_pages = int(np.count_nonzero(lens % memory.page_size))
+        if cow_pages and memory.ledger.reserve(row, memory.rids[row], cow_pages) is None:
+            return False
+        segments = memory.detach_segments(row)
+        token_ids = (req.origin_input_ids + req.output_ids)[:end]
+        kv_indices = self.req_to_token_pool.req_to_token[row, :end]
+        key = RadixKey(token_ids, req.extra_key)
+        priority = getattr(req, "priority", 0) or 0
+        result = self.insert(
+            InsertParams(
+                key=key,
+                value=kv_indices.to(torch.int64, copy=True),
+                chunked=chunked,
+                priority=priority,
+            )
+        )
+        self.token_to_kv_pool_allocator.free_segment(
+            kv_indices[start_len : result.prefix_len], start_pos=start_len
+        )
+        self._attach(key, start, start_len, segments)
+        match = super().match_prefix(MatchPrefixParams(key=key))
+        new_indices, node = match.device_indices, match.last_device_node
+        assert len(new_indices) == end, "inserted tokens must all be in the tree"
+        self.req_to_token_pool.write((row, slice(start_len, end)), new_indices[start_len:])
+        req.cache_protected_len = end
+        self.dec_lock_ref(start)
+        self.inc_lock_ref(node)
+        req.prefix_indices = new_indices.to(dtype=torch.int64, copy=True)
+        req.last_node = node
+        self.num_in_flight_inserts += 1
+        return True
 
     # ---- eviction ----------------------------------------------------------------------------
     def _delete_leaf(self, node: TreeNode) -> None:
@@ -427,6 +498,7 @@ class TangramRadixCache(RadixCache):
             "pages_copy_adopted": self.num_adopted_pages,
             "segment_grid": self.grid,
             "pages_off_grid_freed": self.num_off_grid_pages,
+            "in_flight_inserts": self.num_in_flight_inserts,
         }
 
     def _free(self, pages: list[Any]) -> None:

@@ -8,13 +8,17 @@ cut at absolute multiples of 64 tokens, the tree caches whole cells only;
   turn by turn whether the server cached the earlier turns (hot) or was flushed just before the
   turn (cold); hot turns reuse a whole number of cells;
 * a shared document is prefilled once: a second conversation on the same document (another
-  question) reuses every whole cell of it, and the tree holds one copy of those cells.
+  question) reuses every whole cell of it, and the tree holds one copy of those cells;
+* concurrent clients on one document: the cells of the first client's chunked prefill are
+  inserted while it runs, so the others match them instead of prefilling their own copy.
 
 Without the grid (segments cut where the radix match ends) the hot/cold test fails: the hot
 server compressed turn 1's prompt on its own, the cold one compressed it with the later turns.
 """
 
 from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import requests
@@ -129,3 +133,29 @@ def test_a_shared_document_is_prefilled_and_held_once(server, smollm2_path):
     assert after_two["segments"] == after_one["segments"] + new_cells, after_two
     if new_cells == 0:  # the shared cells are held once: the second chat added no page
         assert after_two["pages_held"] == after_one["pages_held"], after_two
+
+
+def test_concurrent_clients_on_one_document_prefill_it_once(server, smollm2_path):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_path)
+    convs = [[{"role": "user", "content": f"{DOCUMENT}\n\n{q}"}] for q in QUESTIONS]
+    ids = [tokenizer.apply_chat_template(c, add_generation_prompt=True)["input_ids"] for c in convs]
+    common = min(
+        next(i for i, (a, b) in enumerate(zip(ids[0], other, strict=False)) if a != b)
+        for other in ids[1:]
+    )
+    cells = common // GRID
+    assert cells >= 2
+    flush(server)
+    inserts = radix(server)["in_flight_inserts"]
+    with ThreadPoolExecutor(len(convs)) as pool:
+        replies = list(pool.map(lambda c: chat(server, c), convs))
+    cached = sorted(r["cached"] for r in replies)
+    # One client prefills the document; every other matches its cells (inserted while the
+    # first was still prefilling, since the others were scheduled before it finished).
+    assert cached[0] == 0 and cached[1:] == [cells * GRID] * (len(convs) - 1), cached
+    stats = radix(server)
+    assert stats["in_flight_inserts"] > inserts
+    extra = sum(len(i) // GRID - cells for i in ids)
+    assert stats["segments"] == cells + extra, stats  # the document's cells are held once

@@ -137,3 +137,51 @@ def test_a_shared_prefix_is_held_once(monkeypatch):
     new = next(v for v in map(value_of, tree._boundaries.values()) if v.start_depth == 8)
     assert stats["pages_held"] == held + new.num_pages
     assert state.memory.allocator.num_used() == stats["pages_held"]  # one copy in the pool
+
+
+def test_cells_of_a_running_chunked_prefill_are_matched_by_a_later_request(monkeypatch):
+    monkeypatch.setenv(GRID_ENV, "1")
+    tree, state, req_pool, slots = build_tree(chunk_tokens=GRID)
+    start_free = state.memory.allocator.num_free()
+    document = [40, 41, 42, 43, 44, 45, 46, 47, 48, 49]  # 10 tokens: cells [0, 4), [4, 8)
+    row = req_pool.free_slots.pop(0)
+    req_pool.req_to_token[row, : len(document)] = slots.alloc(len(document)).to(torch.int32)
+    tree.inc_lock_ref(tree.root_node)
+    running = SimpleNamespace(
+        req_pool_idx=row,
+        last_node=tree.root_node,
+        cache_protected_len=0,
+        origin_input_ids=array("q", document),
+        output_ids=array("q"),
+        extra_key=None,
+        priority=0,
+        prefix_indices=None,
+        extend_range=None,
+    )
+    for done in (0, 4):  # two chunks, each inserted before the next is scheduled
+        state.begin_extend([row], [GRID], [done])
+        state.commit_extend([row])
+        running.extend_range = SimpleNamespace(end=done + GRID)
+        tree.cache_unfinished_req(running, chunked=True)
+        assert running.cache_protected_len == done + GRID == len(running.prefix_indices)
+    assert tree.stats()["in_flight_inserts"] == 2
+    assert [c[:2] for c in _cells(tree)] == [(0, 4), (4, 8)]
+    assert tree.evictable_pages() == 0  # locked by the running row
+    # Another client on the same document, while the first is still prefilling: it matches
+    # both cells instead of prefilling them again.
+    cached, chunks = _request(tree, state, req_pool, slots, [*document, 7, 7], [3])
+    assert cached == 8 and chunks == [(8, 12)]
+    state.begin_extend([row], [2], [8])  # the first client's last chunk, then its reply
+    state.commit_extend([row])
+    req_pool.req_to_token[row, len(document)] = int(slots.alloc(1)[0])
+    running.output_ids.append(5)
+    state.begin_decode([row], [len(document) + 1])
+    running.output_ids.append(9)
+    tree.cache_finished_req(running, True, kv_len_to_handle=len(document) + 1)
+    req_pool.free_slots.append(row)
+    assert tree.stats()["segments"] == 3  # [0, 4), [4, 8) once; the second client's [8, 12)
+    assert state.memory.allocator.num_used() == tree.stats()["pages_held"]
+    assert tree.evictable_pages() == tree.evictable_pages_scan() == tree.stats()["pages_held"]
+    tree.reset()
+    assert state.memory.allocator.num_free() == start_free
+    state.memory.check_invariants()
