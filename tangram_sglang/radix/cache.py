@@ -116,6 +116,8 @@ class TangramRadixCache(RadixCache):
         self._unlocked_pages = 0  # pages on boundary nodes with lock_ref == 0 (evictable)
         self.num_off_grid_pages = 0  # pages of segments off the segment grid, freed at insert
         self.num_in_flight_inserts = 0  # chunked prefills whose grid cells were inserted mid-way
+        self.held_pages = 0  # pages the boundary nodes hold, each page once (kept up to date)
+        self.num_split_segments = 0  # whole segments split where a match ended inside them
         super().__init__(params)
         state = getattr(params.req_to_token_pool, "tangram_state", None)
         if state is None:
@@ -132,9 +134,20 @@ class TangramRadixCache(RadixCache):
 
     # ---- matching ----------------------------------------------------------------------------
     def match_prefix(self, params: MatchPrefixParams) -> MatchResult:
-        """SGLang's match, cut back to the deepest boundary node (whole segments only)."""
+        """SGLang's match, ending on a boundary node.
+
+        A match that ends inside a segment kept whole (every group kept every token: a short
+        turn, a system prompt under ``--tangram-min-compress-tokens``, a decode tail) ends
+        there: the segment is split at that token (:meth:`_split_whole_segment`), as SGLang's
+        tree splits a node, so a conversation that shares only part of it reuses that part.
+        Otherwise the match is cut back to the deepest boundary node (a compressed segment is
+        reused whole or not at all). Without the segment grid only: under it every match ends
+        on the grid.
+        """
         result = super().match_prefix(params)
         node = result.last_device_node
+        if node is not self.root_node and value_of(node) is None and not self.grid:
+            self._split_whole_segment(node)
         while node is not self.root_node and value_of(node) is None:
             node = node.parent
         if node is result.last_device_node:
@@ -146,6 +159,66 @@ class TangramRadixCache(RadixCache):
             last_host_node=node,
             best_match_node=node,
         )
+
+    def _split_whole_segment(self, node: TreeNode, max_candidates: int = 8) -> bool:
+        """Make the plain ``node`` a boundary holding the first tokens of a whole segment.
+
+        The first boundary below ``node`` (on any of up to ``max_candidates`` paths) whose
+        segment ``[lo, hi)`` contains ``node``'s depth ``d`` and keeps every token in every
+        group: the tokens ``[lo, d)`` of that segment are a segment of their own on the same
+        chain (the KV of a token kept whole depends on the tokens before it only), so ``node``
+        gets a :class:`SegmentValue` over ``[lo, d)`` whose pages are the first pages of the
+        segment's (a reference each, ``TangramMemory.share_pages``; no page is copied). Pages
+        are counted once: a page held by several nodes counts on the shallowest, so the longer
+        segment's ``shared_pages`` becomes the split's page count and the split takes over the
+        longer segment's own shared count (pages its chain's ancestors adopted).
+
+        Returns:
+            True when ``node`` now holds a segment.
+        """
+        depth = node_depth(node)
+        below, stack = None, list(node.children.values())
+        while stack and max_candidates > 0:
+            child = stack.pop()
+            value = value_of(child)
+            if value is None:
+                stack.extend(child.children.values())
+                continue
+            max_candidates -= 1
+            seg = value.segment
+            if value.start_depth < depth and np.all(seg.kept_len == seg.num_tokens):
+                below = child
+                break
+        if below is None:
+            return False
+        value = value_of(below)
+        seg, ps = value.segment, self.memory.page_size
+        kept = depth - value.start_depth
+        start_len = np.asarray(seg.start_len, np.int64)
+        counts = -(-(start_len + kept) // ps) - np.asarray(seg.first_page_index, np.int64)
+        pages = [ids[: int(n)].copy() for ids, n in zip(seg.pages, counts, strict=True)]
+        head = SegmentPages(
+            seg.kind,
+            kept,
+            start_len.copy(),
+            np.full(len(pages), kept, np.int64),
+            np.asarray(seg.first_page_index, np.int64).copy(),
+            pages,
+        )
+        self.memory.share_pages(np.concatenate(pages), "radix node (split of a whole segment)")
+        split = SegmentValue(value.start_node, value.start_depth, depth, head, value.shared_pages)
+        moved = head.num_pages - value.shared_pages  # pages now counted on the split, not below
+        value.shared_pages = head.num_pages
+        setattr(node, VALUE_ATTR, split)
+        if node.lock_ref == 0:
+            self._unlocked_pages += split.num_pages
+        if below.lock_ref == 0:
+            self._unlocked_pages -= moved
+        slot = int(node.value[-1])
+        setattr(node, SLOT_ATTR, slot)
+        self._boundaries[slot] = node
+        self.num_split_segments += 1
+        return True
 
     def prefix_for(self, row: int, prefix_len: int, node: TreeNode | None = None) -> PrefixMatch:
         """The compressed prefix of a new row whose first ``prefix_len`` tokens were matched.
@@ -246,6 +319,7 @@ class TangramRadixCache(RadixCache):
             else:
                 value = SegmentValue(parent, lo, hi, seg)
                 setattr(node, VALUE_ATTR, value)
+                self.held_pages += value.num_pages
                 if node.lock_ref == 0:
                     self._unlocked_pages += value.num_pages
                 attached.append(node)
@@ -299,6 +373,7 @@ class TangramRadixCache(RadixCache):
         for g, value, _, new in swaps:
             value.segment.pages[g][-1] = new
         value_of(child).shared_pages += len(swaps)
+        self.held_pages -= len(swaps)
         if child.lock_ref == 0:
             self._unlocked_pages -= len(swaps)
         self.num_adopted_pages += len(swaps)
@@ -391,6 +466,7 @@ class TangramRadixCache(RadixCache):
             if node.lock_ref == 0:
                 self._unlocked_pages -= value.num_pages
             self._free(value.segment.pages)
+            self.held_pages -= value.num_pages
             self.num_evicted_pages += value.num_pages
         super()._delete_leaf(node)
 
@@ -482,6 +558,7 @@ class TangramRadixCache(RadixCache):
         if hasattr(self, "_boundaries"):
             self._boundaries.clear()
         self._unlocked_pages = 0
+        self.held_pages = 0
         super().reset()
 
     # ---- reports -----------------------------------------------------------------------------
@@ -489,7 +566,7 @@ class TangramRadixCache(RadixCache):
         """Pages and nodes the tree holds (plain builtins, for ``/server_info``)."""
         return {
             "segments": len(self._boundaries),
-            "pages_held": sum(value_of(n).num_pages for n in self._boundaries.values()),
+            "pages_held": self.held_pages,
             "pages_evictable": self.evictable_pages(),
             "tokens_evictable": int(self.evictable_size_),
             "tokens_protected": int(self.protected_size_),
@@ -499,6 +576,7 @@ class TangramRadixCache(RadixCache):
             "segment_grid": self.grid,
             "pages_off_grid_freed": self.num_off_grid_pages,
             "in_flight_inserts": self.num_in_flight_inserts,
+            "whole_segments_split": self.num_split_segments,
         }
 
     def _free(self, pages: list[Any]) -> None:

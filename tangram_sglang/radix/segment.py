@@ -5,9 +5,10 @@ conversation's compressed state is the chain of its segments from the root (docs
 segment covering tokens ``[start_depth, end_depth)`` is stored on the tree node that ENDS at
 ``end_depth`` (a "boundary" node); the nodes above it down to ``start_depth`` may be plain
 token nodes (SGLang splits nodes wherever two conversations diverge). Matches stop only at
-boundaries: a compressed segment cannot be cut mid-way. Decode-tail segments are matched whole
-too (v1 choice: simpler, and a turn's tail is reused by the next turn of the same chat, which
-contains it whole).
+boundaries: a compressed segment cannot be cut mid-way. A segment kept whole (a decode tail, a
+short prompt under ``--tangram-min-compress-tokens``) can: the tree splits it where a match ends
+inside it, and the split node holds its first pages too (``cache.TangramRadixCache.
+_split_whole_segment``).
 
 ::
 
@@ -49,7 +50,9 @@ class SegmentValue:
     start_depth: int  # tokens from the root where the segment starts
     end_depth: int  # tokens from the root where it ends (= depth of the holding node)
     segment: SegmentPages  # per-group pages + kept lengths (the pages this node owns)
-    shared_pages: int = 0  # of them, first pages its parent chain adopted (held twice)
+    # Of them, the first pages shallower nodes also hold (a parent's adopted copies, a split
+    # node's share of a whole segment): counted there, so each page counts once.
+    shared_pages: int = 0
 
     @property
     def num_pages(self) -> int:

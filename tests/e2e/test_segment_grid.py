@@ -56,6 +56,7 @@ def server(servers) -> SGLangServer:
         str(GRID),
         "--tangram-min-compress-tokens",
         "0",
+        "--enable-metrics",
     ]
     return servers.get(args, "tangram-r0.5-grid", env={"TANGRAM_GRID_SEGMENTS": "1"})
 
@@ -133,6 +134,8 @@ def test_a_shared_document_is_prefilled_and_held_once(server, smollm2_path):
     assert after_two["segments"] == after_one["segments"] + new_cells, after_two
     if new_cells == 0:  # the shared cells are held once: the second chat added no page
         assert after_two["pages_held"] == after_one["pages_held"], after_two
+    pool = server.server_info()["internal_states"][0]["tangram_pool"]
+    assert pool["pages_used"] == after_two["pages_held"]  # idle: the pool holds the tree only
 
 
 def test_concurrent_clients_on_one_document_prefill_it_once(server, smollm2_path):
@@ -159,3 +162,8 @@ def test_concurrent_clients_on_one_document_prefill_it_once(server, smollm2_path
     assert stats["in_flight_inserts"] > inserts
     extra = sum(len(i) // GRID - cells for i in ids)
     assert stats["segments"] == cells + extra, stats  # the document's cells are held once
+    pool = server.server_info()["internal_states"][0]["tangram_pool"]
+    assert pool["pages_used"] == stats["pages_held"]
+    metrics = requests.get(f"{server.base_url}/metrics", timeout=60).text
+    held = [ln for ln in metrics.splitlines() if ln.startswith("tangram:radix_pages_held")]
+    assert held and float(held[0].rsplit(" ", 1)[1]) > 0, held  # as of the last batch

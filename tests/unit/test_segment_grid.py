@@ -15,9 +15,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from radix_world import build_tree
-from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
-from sglang.srt.mem_cache.radix_cache import RadixKey
+from radix_world import build_tree, run_request
 
 from tangram_sglang.config import GRID_ENV, segment_grid
 from tangram_sglang.errors import ConfigError
@@ -54,43 +52,6 @@ def test_truncation_is_aligned_to_the_grid_by_position_or_keyword():
     )
 
 
-def _request(tree, state, req_pool, slots, prompt: list[int], outputs: list[int]):
-    """Match ``prompt`` in the tree, prefill the rest in grid chunks, decode ``outputs``."""
-    key = RadixKey(array("q", prompt[:-1]), None)
-    match = tree.match_prefix(MatchPrefixParams(key=key))
-    node, done = match.last_device_node, len(match.device_indices)
-    row = req_pool.free_slots.pop(0)
-    req_pool.req_to_token[row, :done] = match.device_indices.to(torch.int32)
-    req_pool.req_to_token[row, done : len(prompt)] = slots.alloc(len(prompt) - done).to(torch.int32)
-    tree.inc_lock_ref(node)
-    state.host_prefix_nodes = {row: node}
-    chunks = []
-    while done < len(prompt):
-        n = min(GRID, len(prompt) - done)  # SGLang's chunks from a grid-aligned start
-        state.begin_extend([row], [n], [done])
-        state.commit_extend([row])
-        chunks.append((done, done + n))
-        done += n
-    req = SimpleNamespace(
-        req_pool_idx=row,
-        last_node=node,
-        cache_protected_len=len(match.device_indices),
-        origin_input_ids=array("q", prompt),
-        output_ids=array("q"),
-        extra_key=None,
-        priority=0,
-    )
-    for token in outputs:
-        seq = len(prompt) + len(req.output_ids)
-        req_pool.req_to_token[row, seq] = int(slots.alloc(1)[0])
-        req.output_ids.append(token)
-        state.begin_decode([row], [seq + 1])
-    req.output_ids.append(9)  # the last sampled token (no KV)
-    tree.cache_finished_req(req, True, kv_len_to_handle=len(prompt) + len(outputs))
-    req_pool.free_slots.append(row)
-    return len(match.device_indices), chunks
-
-
 def _cells(tree) -> list[tuple[int, int, tuple[int, ...]]]:
     return sorted(
         (v.start_depth, v.end_depth, tuple(v.group_lens.tolist()))
@@ -104,19 +65,19 @@ def test_hot_and_cold_requests_cut_the_same_cells(monkeypatch):
     assert tree.grid == GRID and state.segment_grid == GRID
     start_free = state.memory.allocator.num_free()
     turn1 = [5, 6, 7, 8, 1, 2, 3, 4, 9, 9]  # 10 tokens: cells [0, 4), [4, 8); [8, 10) partial
-    cached, chunks = _request(tree, state, req_pool, slots, turn1, [11, 12, 13])
+    cached, chunks = run_request(tree, state, req_pool, slots, turn1, [11, 12, 13], GRID)
     assert cached == 0 and chunks == [(0, 4), (4, 8), (8, 10)]
     assert [c[:2] for c in _cells(tree)] == [(0, 4), (4, 8)]
     assert tree.stats()["pages_off_grid_freed"] > 0  # the partial chunk and the decode tail
     turn2 = [*turn1, 11, 12, 13, 21, 22, 23, 24]  # 17 tokens: the reply, then a new question
-    cached, chunks = _request(tree, state, req_pool, slots, turn2, [31])
+    cached, chunks = run_request(tree, state, req_pool, slots, turn2, [31], GRID)
     assert cached == 8  # the deepest whole cell, not turn 1's prompt + tail (13)
     assert chunks == [(8, 12), (12, 16), (16, 17)]
     hot = _cells(tree)
     assert [c[:2] for c in hot] == [(0, 4), (4, 8), (8, 12), (12, 16)]
     tree.reset()
     assert state.memory.allocator.num_free() == start_free
-    cached, chunks = _request(tree, state, req_pool, slots, turn2, [31])
+    cached, chunks = run_request(tree, state, req_pool, slots, turn2, [31], GRID)
     assert cached == 0 and [c[1] for c in chunks] == [4, 8, 12, 16, 17]
     assert _cells(tree) == hot  # the same cells, kept lengths included
     tree.reset()
@@ -128,9 +89,9 @@ def test_a_shared_prefix_is_held_once(monkeypatch):
     monkeypatch.setenv(GRID_ENV, "1")
     tree, state, req_pool, slots = build_tree(chunk_tokens=GRID)
     document = [40, 41, 42, 43, 44, 45, 46, 47, 48]  # 9 tokens: two whole cells
-    _request(tree, state, req_pool, slots, [*document, 1, 2], [3])
+    run_request(tree, state, req_pool, slots, [*document, 1, 2], [3], GRID)
     held = tree.stats()["pages_held"]
-    cached, _ = _request(tree, state, req_pool, slots, [*document, 7, 7, 7], [3])
+    cached, _ = run_request(tree, state, req_pool, slots, [*document, 7, 7, 7], [3], GRID)
     assert cached == 8
     stats = tree.stats()
     assert stats["segments"] == 3  # [0, 4), [4, 8) once, and the second chat's [8, 12)
@@ -169,7 +130,7 @@ def test_cells_of_a_running_chunked_prefill_are_matched_by_a_later_request(monke
     assert tree.evictable_pages() == 0  # locked by the running row
     # Another client on the same document, while the first is still prefilling: it matches
     # both cells instead of prefilling them again.
-    cached, chunks = _request(tree, state, req_pool, slots, [*document, 7, 7], [3])
+    cached, chunks = run_request(tree, state, req_pool, slots, [*document, 7, 7], [3], GRID)
     assert cached == 8 and chunks == [(8, 12)]
     state.begin_extend([row], [2], [8])  # the first client's last chunk, then its reply
     state.commit_extend([row])
