@@ -120,6 +120,8 @@ class SGLangServer:
         device: ``"cpu"`` (adds the CPU engine settings) or ``"cuda"``.
         log_path: file that receives the server's stdout+stderr (default: a temp file).
         startup_timeout_s: seconds to wait for ``/health`` (imports alone take ~40 s on CPU).
+        env: extra environment variables of the server process (e.g.
+            ``{"TANGRAM_GRID_SEGMENTS": "1"}``), over this process's environment.
 
     Raises:
         TangramError: the server exits or is not healthy in time; the message holds the log tail.
@@ -132,12 +134,13 @@ class SGLangServer:
         device: str = "cpu",
         log_path: str | Path | None = None,
         startup_timeout_s: float = 300.0,
+        env: dict[str, str] | None = None,
     ) -> None:
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.log_path = Path(log_path or f"/tmp/sglang-server-{self.port}.log")
         args = list(args or [])
-        env = dict(os.environ)
+        env = {**os.environ, **(env or {})}
         if device == "cpu":
             env = cpu_env(env)
             tp_size = _flag_int(args, "--tp-size", 1)

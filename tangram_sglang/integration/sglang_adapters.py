@@ -389,8 +389,14 @@ def add_one_req(original, adder: Any, req: Any, *args: Any, **kwargs: Any) -> An
 
     Refused requests return ``AddReqResult.OTHER`` (this round ends; nothing is marked full)
     and are answered by :func:`answer_refused_in_admission`. Then SGLang's own checks run.
+
+    Under grid segmentation (``TangramState.segment_grid`` > 0) SGLang's
+    ``truncation_align_size`` is set to the grid, so a truncated chunk ends on an absolute
+    multiple of it (the matched prefix already does: the tree holds whole grid cells only).
     """
     state = getattr(getattr(adder.tree_cache, "req_to_token_pool", None), "tangram_state", None)
+    if state is not None:
+        args, kwargs = _align_to_grid(int(getattr(state, "segment_grid", 0)), args, kwargs)
     if state is None or getattr(req, REFUSAL_ATTR, None) is not None:
         return original(adder, req, *args, **kwargs)
     from sglang.srt.managers.schedule_policy import AddReqResult
@@ -415,6 +421,9 @@ def add_one_req(original, adder: Any, req: Any, *args: Any, **kwargs: Any) -> An
     budget = getattr(adder, "rem_chunk_tokens", None)
     left = _extend_len(req)
     first = left if budget is None else max(min(left, int(budget)), 1)
+    grid = int(getattr(state, "segment_grid", 0))
+    if grid and first < left:  # SGLang cuts the chunk down to a grid multiple (or skips it)
+        first = max(first // grid * grid, 1)
     tail = admission_decode_tokens(_new_tail(req), _clip())
     new.append(_ask(state, req, first, tail))
     evictable = state.evictable_pages(getattr(req, "last_node", None))
@@ -431,6 +440,19 @@ def add_one_req(original, adder: Any, req: Any, *args: Any, **kwargs: Any) -> An
         )
         return _refuse(state, req, message)
     return AddReqResult.NO_TOKEN
+
+
+def _align_to_grid(grid: int, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """``add_one_req``'s ``(has_chunked_req, truncation_align_size)`` with the grid as the
+    truncation alignment (tokens; the least common multiple with SGLang's own, if it set one)."""
+    if grid <= 0:
+        return args, kwargs
+    if "truncation_align_size" in kwargs:
+        own = kwargs["truncation_align_size"]
+        return args, {**kwargs, "truncation_align_size": math.lcm(grid, own or grid)}
+    if len(args) >= 2:
+        return (args[0], math.lcm(grid, args[1] or grid), *args[2:]), kwargs
+    return args, {**kwargs, "truncation_align_size": grid}
 
 
 def _refuse(state: Any, req: Any, message: str) -> Any:
