@@ -26,7 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from tangram_sglang.config import TangramConfig
+from tangram_sglang.config import TangramConfig, segment_grid
 from tangram_sglang.errors import ConfigError
 from tangram_sglang.integration import profile_loader
 from tangram_sglang.profile import BudgetProfile, ModelIdentity
@@ -273,8 +273,10 @@ def check_model(server_args: Any) -> None:
 
     Raises:
         ConfigError: unsupported model kind, no profile, a flag the profile cannot honour,
-            ``--tp-size`` not dividing the KV heads or head groups that would cross TP ranks, or
-            the Tangram plugin not active in this process.
+            ``--tp-size`` not dividing the KV heads or head groups that would cross TP ranks,
+            ``TANGRAM_GRID_SEGMENTS`` not 0/1 or on with chunked prefill off
+            (:func:`tangram_sglang.config.segment_grid`), or the Tangram plugin not active in
+            this process.
         ProfileError: profile file missing, corrupt or made for another model.
     """
     from tangram_sglang.integration.plugin import ensure_active
@@ -285,6 +287,9 @@ def check_model(server_args: Any) -> None:
     profile, config = profile_loader.resolve_profile(config_from_server_args(server_args), model)
     tp_size = int(server_args.tp_size or 1)
     layout = TensorParallelLayout.build(profile, tp_size) if tp_size > 1 else None
+    # TANGRAM_GRID_SEGMENTS is read again by each scheduler's TangramState; a bad value must stop
+    # the start here, in one line, not in a scheduler process after the weights are loaded.
+    segment_grid(int(server_args.chunked_prefill_size or 0))
     ensure_active()
     summary = profile_loader.profile_summary(profile, config)
     if layout is not None:

@@ -403,3 +403,21 @@ def test_rank_profile_reads_the_attention_tp_rank_from_sglang(
         pytest.raises(ConfigError, match="attention TP size is 1"),
     ):
         rank_profile_from_server_args(args)
+
+
+@pytest.mark.parametrize(
+    ("value", "kwargs", "needle"),
+    [
+        ("junk", {}, r"TANGRAM_GRID_SEGMENTS='junk': use 1 .* or 0"),
+        ("1", {"chunked_prefill_size": -1}, r"chunked prefill is off \(-1\); pass"),
+    ],
+    ids=["junk", "grid-without-chunking"],
+)
+def test_bad_grid_switch_stops_startup_in_the_main_process(
+    patched_sglang, smollm2_path, smollm2_profile, monkeypatch, value, kwargs, needle
+):
+    """A bad ``TANGRAM_GRID_SEGMENTS`` is refused by ``check_model`` (one line at start-up),
+    not by each scheduler's ``TangramState`` after the weights are loaded."""
+    monkeypatch.setenv("TANGRAM_GRID_SEGMENTS", value)
+    with pytest.raises(ConfigError, match=needle):
+        make_args(patched_sglang, smollm2_path, smollm2_profile, **kwargs)
