@@ -160,12 +160,16 @@ def batch_kept_indices(
     whole = nonempty & (low == lengths)  # every head keeps the whole segment: no scoring
     scored = nonempty & ~whole
     windows = (scorer.obs_window, sink_tokens, recent_window)
-    plan = _batch_plan(bounds, whole, scored, windows, out.shape[-1], device)
+    # The length buckets serve the SnapKV family only; another scorer (kvzip-lite: every query,
+    # obs_window = ALL_QUERIES) would get a [b, 1, n, N] mask per bucket it never reads.
+    snapkv = isinstance(scorer, SnapKVScorer)
+    bucketed = scored if snapkv else np.zeros_like(scored)
+    plan = _batch_plan(bounds, whole, bucketed, windows, out.shape[-1], device)
     if plan.whole_rows is not None:
         out[plan.whole_rows] = plan.whole_fill
     if not scored.any():
         return out
-    if not isinstance(scorer, SnapKVScorer):  # a scorer of its own: one pass per run
+    if not snapkv:  # a scorer of its own: one pass per run
         _score_runs(
             out,
             scorer,

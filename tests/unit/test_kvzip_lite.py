@@ -229,3 +229,23 @@ def test_same_pass_selection_is_closer_to_kvzip_than_snapkv(smollm2):
     for ratio in (0.25, 0.5):
         ours, window = _overlap(lite, oracle, ratio), _overlap(snap, oracle, ratio)
         assert ours > window + 0.02, (ratio, ours, window)
+
+
+def test_serving_path_builds_no_snapkv_buckets():
+    """The per-batch plan holds no SnapKV length bucket for kvzip-lite: its ``masked`` tensor
+    is ``[b, 1, W, N]`` bools with ``W = n`` under every-query scoring (256 MiB at n = 16384,
+    kept in the plan cache on the device), and the kvzip-lite path never reads it."""
+    from tangram_sglang.backend import compress
+
+    n = 300
+    gen = torch.Generator().manual_seed(5)
+    q = torch.randn(n, GQA * H_KV, D, generator=gen)
+    k = torch.randn(n, H_KV, D, generator=gen)
+    lse = torch.randn(n, GQA * H_KV, generator=gen).abs() + 3.0
+    compress._PLANS.clear()
+    scorer = KVzipLiteScorer(max_queries=16)
+    got = batch_kept_indices(scorer, q, k, lse, [0, n], [[40] * H_KV], 0.3, 2, 3)
+    assert torch.equal(
+        got, reference_kept_indices(scorer, q, k, lse, [0, n], [[40] * H_KV], 0.3, 2, 3)
+    )
+    assert compress._PLANS and all(not plan.buckets for plan in compress._PLANS.values())
