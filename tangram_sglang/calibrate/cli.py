@@ -240,8 +240,26 @@ def check_args(args: argparse.Namespace) -> None:
     for flag, (value, low) in counts.items():
         if value < low:
             raise ConfigError(f"{flag} {value} must be >= {low}")
-    build_scorer(args)
+    try:
+        scorer = build_scorer(args)
+    except ConfigError as exc:
+        raise ConfigError(
+            f"--scorer {args.scorer} with --obs-window {args.obs_window} and --kernel-size "
+            f"{args.kernel_size} (None: the scorer's default): {exc}"
+        ) from None
+    if args.allocation in WINDOWED_ALLOCATIONS and scorer.obs_window > args.min_tokens:
+        # pyramid and duo place the scorer's window at the end of each sample; a window over
+        # the whole sample (kvzip-lite: every query) leaves pyramid uniform and duo meaningless.
+        raise ConfigError(
+            f"--allocation {args.allocation} needs an observation window shorter than the "
+            f"samples (--min-tokens {args.min_tokens}), but --scorer {args.scorer} scores "
+            f"{scorer.obs_window} queries; pass --obs-window N, or --allocation layer/global "
+            "(kvzip-lite's default: global)"
+        )
     _check_output(Path(args.output))
+
+
+WINDOWED_ALLOCATIONS = ("pyramid", "duo")  # allocations that read the scorer's obs_window
 
 
 SNAPKV_FAMILY_DEFAULTS = {"obs_window": 32, "kernel_size": 5}

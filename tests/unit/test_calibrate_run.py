@@ -167,6 +167,25 @@ def test_bad_flags_are_reported_before_the_model_is_looked_up(tmp_path, capsys, 
     assert message in err and "--model-path" not in err
 
 
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--kernel-size", "4"], "--scorer kvzip-lite with --obs-window None and --kernel-size 4"),
+        (["--allocation", "pyramid"], "--allocation pyramid needs an observation window shorter"),
+        (["--allocation", "duo"], "pass --obs-window N, or --allocation layer/global"),
+    ],
+    ids=lambda v: " ".join(v) if isinstance(v, list) else None,
+)
+def test_bad_kvzip_lite_flags_name_the_flag(tmp_path, capsys, extra, message):
+    """kvzip-lite scores every query: pyramid/duo (a window at the sample's end) would silently
+    fall back to uniform budgets or mark every head a retrieval head."""
+    args = ["--model-path", str(tmp_path / "no-model"), "--scorer", "kvzip-lite"]
+    args += ["--target-ratio", "0.25", "--output", str(tmp_path / "p.json"), *extra]
+    assert calibrate_main(args) == 2
+    err = capsys.readouterr().err
+    assert message in err and "--model-path" not in err
+
+
 def test_show_plot_to_an_unwritable_path_is_a_clean_error(tmp_path, capsys):
     (tmp_path / "file.txt").write_text("x")
     profile = "calibration/smollm2/snapkv-r0.5.json"
