@@ -75,6 +75,14 @@ class KVzipLiteScorer:
     name: str = "kvzip-lite"
 
     def __post_init__(self) -> None:
+        ints = ("obs_window", "max_queries", "local_band", "kernel_size", "query_block")
+        for field in ints:
+            value = getattr(self, field)
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise ConfigError(
+                    f"{field}={value!r} must be an integer (a profile's provenance "
+                    "scorer_options or a --obs-window / --kernel-size flag)"
+                )
         if self.obs_window < 1:
             raise ConfigError(f"obs_window={self.obs_window} must be >= 1 (queries)")
         if self.max_queries < 0 or self.local_band < 0 or self.query_block < 1:

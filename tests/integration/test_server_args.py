@@ -421,3 +421,26 @@ def test_bad_grid_switch_stops_startup_in_the_main_process(
     monkeypatch.setenv("TANGRAM_GRID_SEGMENTS", value)
     with pytest.raises(ConfigError, match=needle):
         make_args(patched_sglang, smollm2_path, smollm2_profile, **kwargs)
+
+
+@pytest.mark.parametrize(
+    ("options", "needle"),
+    [
+        ({"local_band": 1.5}, "local_band=1.5 must be an integer"),
+        ({"max_queries": "64"}, "max_queries='64' must be an integer"),
+        ({"kernel_size": 4}, "kernel_size=4 must be odd"),
+    ],
+    ids=["float-band", "string-queries", "even-kernel"],
+)
+def test_bad_scorer_options_of_the_profile_stop_startup(
+    patched_sglang, smollm2_path, tmp_path, options, needle
+):
+    """A hand-edited profile's scorer options are checked in ``check_model``; a float
+    ``local_band`` used to pass start-up and fail in the scheduler's first prefill."""
+    profile = BudgetProfile.load(REPO / "calibration/smollm2/kvzip-lite-r0.25.json")
+    provenance = {**profile.provenance}
+    provenance["scorer_options"] = {**provenance["scorer_options"], **options}
+    path = tmp_path / "edited.json"
+    dataclasses.replace(profile, provenance=provenance).save(path)
+    with pytest.raises(ConfigError, match=needle):
+        make_args(patched_sglang, smollm2_path, str(path))
