@@ -164,6 +164,7 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
     profile_dir = Path(args.profile_dir or REPO / "calibration" / name)
     if not profile_dir.is_dir():
         raise ConfigError(f"--profile-dir {profile_dir} does not exist; pass one")
+    _check_profiles(profile_dir, systems)
     model_dir = model_path(args.model) if args.model in MODELS else Path(args.model)
     if not (model_dir / "config.json").is_file():
         raise ConfigError(f"--model {args.model}: no config.json in {model_dir}")
@@ -189,6 +190,33 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
         protocol=args.protocol,
         chunked_prefill_tokens=chunk,
     )
+
+
+def _check_profiles(profile_dir: Path, systems: tuple[str, ...]) -> None:
+    """The shipped profiles the run loads are in ``--profile-dir`` (before any model loads).
+
+    ``ada-snapkv-r*.json`` always (it sets every compressed system's budget), and each selected
+    Tangram system's ``<scorer>-r*.json`` (``runner.TANGRAM_SYSTEMS``).
+
+    Raises:
+        ConfigError: a missing profile, with the systems that need it and the fix.
+    """
+    from tangram_sglang.errors import ConfigError
+    from tangram_sglang.eval.runner import TANGRAM_SYSTEMS
+
+    wanted = {"ada-snapkv": []}
+    for system, scorer in TANGRAM_SYSTEMS.items():
+        if system in systems:
+            wanted.setdefault(scorer, []).append(system)
+    for scorer, users in wanted.items():
+        if any(profile_dir.glob(f"{scorer}-r*.json")):
+            continue
+        fix = f"leave {', '.join(users)} out of --systems, or " if scorer != "ada-snapkv" else ""
+        raise ConfigError(
+            f"--profile-dir {profile_dir} holds no {scorer}-r*.json profile "
+            f"({', '.join(users) or 'every compressed system'}'s budget); {fix}calibrate one: "
+            f"python -m tangram_sglang.calibrate --scorer {scorer} (calibration/README.md)"
+        )
 
 
 def _chunk_tokens(max_length: int, device: str, model_dir: Path) -> int:

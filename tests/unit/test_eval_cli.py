@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from tangram_sglang.eval.cli import main
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.parametrize(
@@ -29,6 +33,32 @@ from tangram_sglang.eval.cli import main
 def test_bad_flags_exit_2_naming_the_flag(capsys, argv, match):
     assert main(["--model", "smollm2", *argv]) == 2
     assert match in capsys.readouterr().err
+
+
+def test_a_missing_profile_of_a_selected_system_is_named_before_any_model(
+    capsys, tmp_path, smollm2_path
+):
+    """A profile folder without kvzip-lite profiles: the default systems (which include
+    tangram-kvzip-lite) stop at once naming the system; leaving it out passes the check."""
+    import shutil
+
+    for name in ("ada-snapkv-r0.25.json", "ada-snapkv-r0.5.json"):
+        shutil.copy(REPO / "calibration" / "smollm2" / name, tmp_path / name)
+    argv = ["--model", "smollm2", "--profile-dir", str(tmp_path)]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "no kvzip-lite-r*.json profile (tangram-kvzip-lite's budget)" in err
+    assert "leave tangram-kvzip-lite out of --systems" in err
+    from tangram_sglang.eval.cli import config_from_args, parse_args
+
+    cfg = config_from_args(parse_args([*argv, "--systems", "full,tangram"]))
+    assert cfg.systems == ("full", "tangram")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert main(["--model", "smollm2", "--profile-dir", str(empty), "--systems", "full"]) == 2
+    assert "no ada-snapkv-r*.json profile (every compressed system's budget)" in (
+        capsys.readouterr().err
+    )
 
 
 def test_unknown_model_is_named_as_such(capsys):
