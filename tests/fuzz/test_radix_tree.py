@@ -2,7 +2,7 @@
 
 SGLang's own ``ReqToTokenPool`` and ``TokenToKVPoolAllocator`` hold the logical token slots; the
 test plays the scheduler's part (match, lock, slot allocation, finish/abort) and the backend's
-(``TangramState.begin_extend`` / ``begin_decode``) for requests whose tokens extend earlier
+(``TangramState.allocate_extend`` / ``allocate_decode``) for requests whose tokens extend earlier
 conversations (so matches, forks, duplicates and node splits happen). After every step:
   - pages: used pages == pages held by tree nodes + pages owned by running rows (every page
     has exactly one owner; ``TANGRAM_DEBUG``-style invariants run inside TangramMemory);
@@ -99,11 +99,10 @@ class RadixLifecycle(RuleBasedStateMachine):
             assert np.array_equal(by_node.lens, by_slot.lens)
             assert all(map(np.array_equal, by_node.pages, by_slot.pages))
         try:
-            self.state.begin_extend([row], [n], [p])
+            self.state.allocate_extend([row], [n], [p])
         except PoolError:  # pages short even after eviction: the request ends (abort)
             self.end(row, insert=False)
             return
-        self.state.commit_extend([row])
 
     @precondition(lambda self: self.running)
     @rule(pick=st.integers(0, ROWS), token=st.integers(1, 3))
@@ -117,7 +116,7 @@ class RadixLifecycle(RuleBasedStateMachine):
         self.req_pool.req_to_token[row, seq] = int(slot[0])
         run.req.output_ids.append(token)
         try:
-            self.state.begin_decode([row], [seq + 1])
+            self.state.allocate_decode([row], [seq + 1])
         except PoolError:  # out of pages: retract (abort) the request
             run.req.output_ids.pop()
             self.slots.free(slot)
