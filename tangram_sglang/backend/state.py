@@ -409,10 +409,15 @@ class TangramState:
         if short > 0 and self.radix is not None:
             self.radix.evict_pages(short)
 
-    def make_room_for_decode(self, rows: list[int]) -> None:
+    def _active_rows(self, rows: Any) -> np.ndarray:
+        """int64 ``[n]``: the rows that hold pages (vectorised; no loop over rows)."""
+        rows = np.asarray(rows, np.int64).reshape(-1)
+        return rows[self.memory.active[rows]]
+
+    def make_room_for_decode(self, rows: Any) -> None:
         """Evict radix nodes so one decode step of ``rows`` fits (SGLang's decode check)."""
-        active = [r for r in rows if self.memory.rids[r] is not None]
-        if active:
+        active = self._active_rows(rows)
+        if active.size:
             self._make_room(self.memory.decode_pages_needed(active))
 
     def evictable_pages(self, exclude: Any = None) -> int:
@@ -530,9 +535,12 @@ class TangramState:
         """No request row holds pages or a reservation (nothing running, no chunked prefill)."""
         return not self.memory.ledger.by_row
 
-    def can_decode(self, rows: list[int]) -> bool:
-        """No side effects: does one decode step of ``rows`` fit (see ``TangramMemory``)?"""
-        return self.memory.can_decode([r for r in rows if self.memory.rids[r] is not None])
+    def can_decode(self, rows: Any) -> bool:
+        """No side effects: does one decode step of ``rows`` fit (see ``TangramMemory``)?
+
+        Rows that hold no pages are skipped. ``rows``: int ``[n]`` (list or array).
+        """
+        return self.memory.can_decode(self._active_rows(rows))
 
     def never_fits_message(self, ask: PrefillAsk, max_new_tokens: int, asked: int | None) -> str:
         """The HTTP 400 text for a request that :meth:`fits_pool` refuses.

@@ -486,6 +486,17 @@ def _refuse(state: Any, req: Any, message: str) -> Any:
     return AddReqResult.OTHER
 
 
+def _decode_rows(batch: Any, selected: Any) -> Any:
+    """The request rows of a decode batch (``selected_indices`` into ``batch.reqs``, or all),
+    from the batch's host copy ``req_pool_indices_cpu`` when it matches ``batch.reqs``."""
+    host = getattr(batch, "req_pool_indices_cpu", None)
+    if host is not None and len(host) == len(batch.reqs):
+        rows = host.numpy()
+        return rows if selected is None else rows[list(selected)]
+    reqs = batch.reqs if selected is None else [batch.reqs[i] for i in selected]
+    return [int(r.req_pool_idx) for r in reqs if r.req_pool_idx is not None]
+
+
 def check_decode_mem(original, batch: Any, *args: Any, **kwargs: Any) -> bool:
     """AROUND ``ScheduleBatch.check_decode_mem``: the next decode step must fit in pages too.
 
@@ -499,8 +510,7 @@ def check_decode_mem(original, batch: Any, *args: Any, **kwargs: Any) -> bool:
     if not ok or state is None:
         return ok
     selected = kwargs.get("selected_indices", args[0] if args else None)
-    reqs = batch.reqs if selected is None else [batch.reqs[i] for i in selected]
-    rows = [int(r.req_pool_idx) for r in reqs if r.req_pool_idx is not None]
+    rows = _decode_rows(batch, selected)
     if state.can_decode(rows):
         return True
     state.make_room_for_decode(rows)  # evict unlocked radix nodes before retracting anyone

@@ -8,8 +8,11 @@ tree does, and hands pages back through :meth:`TangramMemory.free_pages`).
 
 Life of a request row (every call names SGLang's ``req_pool_idx`` as ``row``)::
 
-    can_admit ─(no side effects)─> admit(prefix) ──> alloc_extend ──> [forward] ──> commit_extend
-        ┌──────────────────────────────────────────────────────────────────────────────┘
+    can_admit ─(no side effects)─> admit(prefix) ──> alloc_extend ──> commit_extend ──> [forward]
+        ┌─────────────────────────────────────────────────────────────┘
+        │  (TangramState calls alloc_extend + commit_extend when SGLang schedules the batch:
+        │   lengths advance before the forward writes the kept K/V; COW copies wait for
+        │   run_copies when defer_copies is set)
         ├─> admit_chunk ─> alloc_extend ─> commit_extend     (next chunk of a chunked prefill)
         ├─> can_decode ─> alloc_decode (x T-1)               (group_len includes the new token)
         ├─> finish -> [SegmentPages]   caller (radix node) now holds the row's own pages
@@ -122,6 +125,7 @@ class TangramMemory:
         self.rids: list[str | None] = [None] * max_rows  # rid per active row, None = free row
         self.pending: list[ExtendPlan | None] = [None] * max_rows  # allocated, not committed
         self.ready = np.zeros(max_rows, bool)  # active with no pending extend (may decode)
+        self.active = np.zeros(max_rows, bool)  # rids[row] is not None, vectorised
         self.row_refs = np.zeros(num_pages, np.int64)  # holders per page that are row tables
         self.page_group = np.full(num_pages, -1, np.int64)  # head group a page was taken for
         self.page_fill = np.zeros(num_pages, np.int64)  # filled slots per page (tokens)
@@ -226,6 +230,7 @@ class TangramMemory:
             return None
         self.rids[row] = rid
         self.ready[row] = True
+        self.active[row] = True
         borrowed = np.concatenate(pages) if pages else np.zeros(0, np.int64)
         self.allocator.incref(torch.from_numpy(borrowed))
         np.add.at(self.row_refs, borrowed, 1)
@@ -330,7 +335,7 @@ class TangramMemory:
             PoolError: a row is not active.
         """
         rows = np.asarray(rows, np.int64).reshape(-1)
-        active = np.fromiter((self.rids[r] is not None for r in rows.tolist()), bool, rows.size)
+        active = self.active[rows]
         if not active.all():
             self._check_row(int(rows[~active][0]), None, active=True)
         per_row = self._decode_need(rows)[0].sum(axis=-1)
@@ -740,6 +745,7 @@ class TangramMemory:
         self.ledger.release(row)
         self.table.clear(row)
         self.rids[row] = None
+        self.active[row] = False
         self.pending[row] = None
         self.ready[row] = False
         self._after("release")
