@@ -209,18 +209,28 @@ class BudgetProfile:
         """Kept length (tokens) of each head group for one segment of ``num_tokens`` tokens.
 
         :func:`kept_len` per group (``min_compress_tokens`` included): the one footprint
-        formula that admission, page allocation and the scorer all read.
+        formula that admission, page allocation and the scorer all read. Computed for all
+        groups at once (:meth:`group_kept_array`); equal to ``kept_len`` group by group.
         """
-        return [
-            kept_len(
-                num_tokens,
-                float(r),
-                self.sink_tokens,
-                self.recent_window,
-                self.min_compress_tokens,
-            )
-            for r in self.group_ratios
-        ]
+        return self.group_kept_array(num_tokens).tolist()
+
+    def group_kept_array(self, num_tokens: int) -> np.ndarray:
+        """int64 ``[num_head_groups]``: :meth:`group_kept_lens` as one vectorised array.
+
+        The hot-path form (admission and allocation call it per segment): :func:`kept_len`'s
+        formula over every group's ratio in a few numpy operations instead of a Python loop.
+        """
+        n = int(num_tokens)
+        ratios = self.group_ratios
+        if n <= 0:
+            return np.zeros(ratios.shape, np.int64)
+        if n < self.min_compress_tokens:
+            return np.full(ratios.shape, n, np.int64)
+        sink_part = min(self.sink_tokens, n)
+        window_part = min(self.recent_window, n - sink_part)
+        rest = n - sink_part - window_part
+        kept = sink_part + window_part + np.ceil(ratios * rest - _CEIL_EPS).astype(np.int64)
+        return np.clip(kept, 1, n)
 
     def with_min_compress_tokens(self, tokens: int) -> BudgetProfile:
         """The same profile keeping segments shorter than ``tokens`` whole (not scored).

@@ -51,16 +51,22 @@ def validate_prefix(
             f"shape {list(lens.shape)}; need {num_head_groups} head groups"
         )
     pages = [np.asarray(p, np.int64).ravel() for p in prefix.pages]
-    for g, ids in enumerate(pages):
-        want = -(-int(lens[g]) // page_size)
-        if lens[g] < 0 or ids.size != want:
-            raise PoolError(
-                f"request {rid!r} (row {row}), group {g}: prefix length {int(lens[g])} needs "
-                f"{want} pages, got {ids.size}"
-            )
-        if ids.size and (
-            ids.min() < 1 or ids.max() >= ref_count.size or (ref_count[ids] < 1).any()
-        ):
+    sizes = np.fromiter((ids.size for ids in pages), np.int64, num_head_groups)
+    want = -(-lens // page_size)
+    bad = np.flatnonzero((lens < 0) | (sizes != want))
+    if bad.size:
+        g = int(bad[0])
+        raise PoolError(
+            f"request {rid!r} (row {row}), group {g}: prefix length {int(lens[g])} needs "
+            f"{max(int(want[g]), 0)} pages, got {int(sizes[g])}"
+        )
+    if sizes.any():
+        flat = np.concatenate(pages)
+        in_range = (flat >= 1) & (flat < ref_count.size)
+        held = np.zeros(flat.size, bool)
+        held[in_range] = ref_count[flat[in_range]] >= 1
+        if not held.all():
+            g = int(np.searchsorted(np.cumsum(sizes), int(np.argmin(held)), side="right"))
             raise PoolError(
                 f"request {rid!r} (row {row}), group {g}: prefix pages must be held pages (a "
                 "radix node's), not free or padding pages"

@@ -95,6 +95,18 @@ def test_does_not_fit_now_returns_none_and_evictable_pages_count():
             r"request 'p' \(row 1\), group 1: prefix pages must be held",
         ),
         (
+            lambda m: m.admit(
+                1, "q", 1, 1, PrefixMatch([np.array([1]), np.array([], np.int64)], np.array([4, 1]))
+            ),
+            r"request 'q' \(row 1\), group 1: prefix length 1 needs 1 pages, got 0",
+        ),
+        (
+            lambda m: m.admit(
+                1, "o", 1, 1, PrefixMatch([np.array([1]), np.array([99])], np.array([4, 1]))
+            ),
+            r"request 'o' \(row 1\), group 1: prefix pages must be held",
+        ),
+        (
             lambda m: m.admit(1, "w", 1, 40, decode_tokens=40),
             r"request 'w' \(row 1\), group 0: 41 kept tokens need 11 pages > max_pages",
         ),
@@ -113,6 +125,8 @@ def test_does_not_fit_now_returns_none_and_evictable_pages_count():
         "repeated-decode-row",
         "prefix-group-count",
         "prefix-free-page",
+        "prefix-page-count",
+        "prefix-page-out-of-range",
         "table-too-narrow",
     ],
 )

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from tangram_sglang.errors import ProfileError
@@ -289,3 +289,19 @@ def test_shipped_smollm2_profiles_match_the_embedded_model(smollm2_path):
         profile = BudgetProfile.load(path)
         assert profile.model.config_fingerprint == local.config_fingerprint, path
         profile.check_model(local)
+
+
+@given(n=st.integers(0, 70_000), floor=st.sampled_from([0, 1, 256, 512, 4096]))
+@example(n=255, floor=256)
+@example(n=256, floor=256)
+@example(n=1, floor=0)
+def test_group_kept_array_is_kept_len_group_by_group(n, floor):
+    """The vectorised hot-path form equals the scalar formula for every head group."""
+    profile = calibrated_profile().with_min_compress_tokens(floor)
+    expected = [
+        kept_len(n, float(r), profile.sink_tokens, profile.recent_window, floor)
+        for r in profile.group_ratios
+    ]
+    got = profile.group_kept_array(n)
+    assert got.dtype == np.int64
+    assert got.tolist() == expected == profile.group_kept_lens(n)
