@@ -13,6 +13,7 @@ the allowed values and the fix.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -150,3 +151,46 @@ def _check_min_compress_tokens(tokens: object) -> None:
             "shorter than this many tokens are kept whole (0 compresses every segment; default "
             f"{DEFAULT_MIN_COMPRESS_TOKENS})"
         )
+
+
+# Environment switch of grid segmentation (read once per server, at start-up; see segment_grid).
+GRID_ENV = "TANGRAM_GRID_SEGMENTS"
+
+
+def segment_grid(chunk_tokens: int, environ: dict[str, str] | None = None) -> int:
+    """Tokens per segment-grid cell: ``--chunked-prefill-size`` under grid segmentation, else 0.
+
+    With ``TANGRAM_GRID_SEGMENTS=1`` prompt segments are cut at absolute multiples of the chunk
+    size ``C``: every prefill chunk starts at a multiple of ``C`` and is one segment, and the
+    radix tree matches only at those cuts. A segment then depends on its own tokens and the
+    tokens before it only, never on what the tree held when the request came, so a conversation
+    gets the same kept KV on a server that cached its earlier turns and on one that did not
+    (docs/design.md §5.1). The grid must equal the chunk size: the new tokens of one chunk attend
+    to each other uncompressed, so a cut inside a chunk would not be where a cold server cuts.
+
+    Args:
+        chunk_tokens: SGLang's ``--chunked-prefill-size`` (tokens; <= 0 = chunking off).
+        environ: the environment to read (default ``os.environ``).
+
+    Returns:
+        ``C`` (tokens) when the switch is on, 0 when it is off or unset.
+
+    Raises:
+        ConfigError: a value other than 0/1, or the switch on with chunked prefill off.
+    """
+    raw = (os.environ if environ is None else environ).get(GRID_ENV, "0").strip().lower()
+    if raw in ("", "0", "false", "no", "off"):
+        return 0
+    if raw not in ("1", "true", "yes", "on"):
+        raise ConfigError(
+            f"{GRID_ENV}={raw!r}: use 1 to cut prompt segments at multiples of "
+            "--chunked-prefill-size (hot and cold servers keep the same tokens) or 0 to cut them "
+            "where the radix match ends (default)"
+        )
+    if int(chunk_tokens) <= 0:
+        raise ConfigError(
+            f"{GRID_ENV}=1 cuts prompt segments at multiples of --chunked-prefill-size, but "
+            f"chunked prefill is off ({int(chunk_tokens)}); pass --chunked-prefill-size N (the "
+            f"grid, tokens) or unset {GRID_ENV}"
+        )
+    return int(chunk_tokens)

@@ -3,7 +3,8 @@
 This is tooling around SGLang, not part of the serving path. On ``device="cpu"`` it sets what the
 CPU engine needs (``SGLANG_USE_CPU_ENGINE=1``, the ``sgl_kernel`` stand-in first on
 ``PYTHONPATH``, ``--attention-backend torch_native`` unless another is given, ``--dtype
-float32`` and a bounded ``--max-total-tokens``); on a GPU it adds nothing. The server runs in its
+float32``, a bounded ``--max-total-tokens``, and with ``--tp-size N`` the gloo settings of
+:func:`cpu_tp_env`); on a GPU it adds nothing. The server runs in its
 own process session so that stopping it never leaves children behind: SIGTERM to the launcher
 (it drains and kills its tree), then SIGKILL to the whole process group if it lingers.
 """
@@ -82,6 +83,34 @@ def cpu_env(base: dict[str, str] | None = None) -> dict[str, str]:
     return env
 
 
+def cpu_tp_env(tp_size: int, base: dict[str, str]) -> dict[str, str]:
+    """What SGLang's CPU engine needs to run ``--tp-size N > 1`` (gloo all-reduce), on ``base``.
+
+    * ``SGLANG_CPU_OMP_THREADS_BIND``: one core list per rank (``"0|1|0"`` for 3 ranks on 2
+      cores, cycling). Without it SGLang wants one NUMA node per rank (``numa_utils``).
+    * ``SGLANG_NCCL_SO_PATH`` pointing at no file: the venv's torch ships an NCCL library, which
+      makes SGLang build a CUDA communicator for the TP group and fail on the CPU ("Expected a
+      cuda device"); without NCCL it falls back to gloo, as on a CPU-only host.
+
+    A caller's values are kept.
+    """
+    env = dict(base)
+    cores = max(os.cpu_count() or 1, 1)
+    env.setdefault(
+        "SGLANG_CPU_OMP_THREADS_BIND", "|".join(str(r % cores) for r in range(int(tp_size)))
+    )
+    env.setdefault("SGLANG_NCCL_SO_PATH", "/nonexistent/no-nccl-on-cpu/libnccl.so")
+    return env
+
+
+def _flag_int(args: list[str], flag: str, default: int) -> int:
+    """The integer value of ``flag`` in a launch_server argument list (``--flag V``)."""
+    for i, arg in enumerate(args[:-1]):
+        if arg == flag:
+            return int(args[i + 1])
+    return default
+
+
 class SGLangServer:
     """A running SGLang HTTP server; use as a context manager.
 
@@ -91,6 +120,8 @@ class SGLangServer:
         device: ``"cpu"`` (adds the CPU engine settings) or ``"cuda"``.
         log_path: file that receives the server's stdout+stderr (default: a temp file).
         startup_timeout_s: seconds to wait for ``/health`` (imports alone take ~40 s on CPU).
+        env: extra environment variables of the server process (e.g.
+            ``{"TANGRAM_GRID_SEGMENTS": "1"}``), over this process's environment.
 
     Raises:
         TangramError: the server exits or is not healthy in time; the message holds the log tail.
@@ -103,14 +134,18 @@ class SGLangServer:
         device: str = "cpu",
         log_path: str | Path | None = None,
         startup_timeout_s: float = 300.0,
+        env: dict[str, str] | None = None,
     ) -> None:
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.log_path = Path(log_path or f"/tmp/sglang-server-{self.port}.log")
         args = list(args or [])
-        env = dict(os.environ)
+        env = {**os.environ, **(env or {})}
         if device == "cpu":
             env = cpu_env(env)
+            tp_size = _flag_int(args, "--tp-size", 1)
+            if tp_size > 1:
+                env = cpu_tp_env(tp_size, env)
             for flag, value in CPU_DEFAULTS.items():
                 # --tangram selects its own attention backend; an explicit one is rejected.
                 skip = flag == "--attention-backend" and "--tangram" in args

@@ -59,6 +59,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from tangram_sglang.config import segment_grid
 from tangram_sglang.errors import KernelError, PoolError
 from tangram_sglang.mem.manager import TangramMemory
 from tangram_sglang.mem.page_table import SegmentPages
@@ -213,6 +214,9 @@ class TangramState:
         self.group_of_head, self.column_of_head = layer_maps(self.profile, device)
         self.full_kv_bytes_per_token = int(full_kv_bytes_per_token)  # bytes per logical token
         self.chunk_tokens = int(chunk_tokens or 0)  # tokens per prefill segment (<= 0: whole)
+        # Grid segmentation (TANGRAM_GRID_SEGMENTS=1): segments cut at absolute multiples of the
+        # chunk size, so hot and cold servers keep the same tokens (config.segment_grid); 0 = off.
+        self.segment_grid = segment_grid(self.chunk_tokens)
         self.logical_tokens = np.zeros(len(memory.rids), np.int64)  # per row (tokens)
         self.start_free_pages = memory.allocator.num_free()  # pages
         self.num_released = 0  # requests released since start-up

@@ -24,6 +24,10 @@ GPU each) and recomputes the ``summary``:
 * ``kv_capacity_ratio``: ``max_total_num_tokens`` (logical token slots), Tangram / baseline;
 * ``concurrency``: peak running requests per system and workload (``--no-max-tokens``: requests
   that set no ``max_tokens``, ending on stop ids with the round's output length as mean length).
+* ``shared_context_ratio_vs_stock`` / ``system_prompt_ratio_vs_stock``: output tok/s of
+  ``tangram:0.25`` over the best stock system on ``long-context-shared-*`` (``--shared-context``)
+  / ``system-prompt-*`` (``--system-prompt-tokens``), with each run's hit rate under
+  ``shared_prefix``.
 A ratio whose runs are missing is null and ``missing`` says why.
 
 Source: issue 7; SGLang ``benchmark/hicache/bench_multiturn.py``.
@@ -47,7 +51,12 @@ from pathlib import Path
 import numpy as np
 
 from tangram_sglang.bench.multiturn_client import LoadSettings, RequestRecord, run_conversations
-from tangram_sglang.bench.multiturn_workloads import WORKLOADS, WorkloadSpec, make_conversations
+from tangram_sglang.bench.multiturn_workloads import (
+    DEFAULT_SYSTEM_PROMPT_TOKENS,
+    WORKLOADS,
+    WorkloadSpec,
+    make_conversations,
+)
 from tangram_sglang.errors import ConfigError, TangramError
 
 SCHEMA = "tangram-multiturn/1"
@@ -140,6 +149,7 @@ def parse_workload(item: str, args: argparse.Namespace) -> WorkloadSpec:
         "output_length": args.output_length,
         "context_tokens": args.context_tokens,
         "shared_context": args.shared_context,
+        "system_prompt_tokens": args.system_prompt_tokens,
     }
     if name == "prefill":
         return WorkloadSpec(name, request_length=second or args.request_length or 8192, **common)
@@ -314,6 +324,7 @@ def summarize(systems: dict, main: str, prefill: str | None) -> dict:
         for name, sys_ in systems.items()
     }
     out.update(never_slower_ratios(systems, missing))
+    out.update(shared_prefix_ratios(systems, missing))
     out["missing"] = missing
     return out
 
@@ -327,6 +338,47 @@ def _best_stock(systems: dict, workload: str) -> tuple[str | None, float | None]
             if value is not None and (best[1] is None or value > best[1]):
                 best = (name, value)
     return best
+
+
+SHARED_WORKLOADS = {  # summary key -> label prefix of its workload (issue targets: 64x4)
+    "shared_context_ratio_vs_stock": "long-context-shared-",
+    "system_prompt_ratio_vs_stock": "system-prompt-",
+}
+
+
+def shared_prefix_ratios(systems: dict, missing: dict[str, str]) -> dict:
+    """Tangram (0.25) over the best stock backend on the shared-prefix workloads.
+
+    * ``shared_context_ratio_vs_stock``: output tok/s of ``tangram-r0.25`` on the
+      ``long-context-shared-*`` run (``64x4`` when several were run) over the best ``baseline*``
+      system's on the same workload (target >= 1.0);
+    * ``system_prompt_ratio_vs_stock``: the same on ``system-prompt-*`` (target >= 0.95);
+    * ``shared_prefix``: per system and shared-prefix workload, output tok/s and cache hit rate
+      (the prefix hit rate target: Tangram within 2 points of stock's).
+    """
+    t25 = "tangram-r0.25"
+    out: dict = {}
+    for key, prefix in SHARED_WORKLOADS.items():
+        labels = sorted(
+            w for w in systems.get(t25, {}).get("workloads", {}) if w.startswith(prefix)
+        )
+        label = next((w for w in labels if w.endswith("-64x4")), labels[0] if labels else None)
+        stock, value = _best_stock(systems, label) if label else (None, None)
+        mine = _metric(systems, t25, label, "output_tok_per_s") if label else None
+        if mine is None or not value:
+            missing[key] = f"needs output_tok_per_s of {prefix}* on {t25} and a baseline* system"
+            out[key] = None
+        else:
+            out[key] = mine / value
+    out["shared_prefix"] = {
+        name: {
+            w: {k: run.get(k) for k in ("output_tok_per_s", "cache_hit_rate")}
+            for w, run in sys_.get("workloads", {}).items()
+            if w.startswith(tuple(SHARED_WORKLOADS.values()))
+        }
+        for name, sys_ in systems.items()
+    }
+    return out
 
 
 def never_slower_ratios(systems: dict, missing: dict[str, str]) -> dict:
@@ -515,6 +567,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output-length", type=int, default=None, help="tokens per round")
     p.add_argument("--context-tokens", type=int, default=8192, help="long-context round 1")
     p.add_argument("--shared-context", action="store_true", help="one long context for all")
+    p.add_argument(
+        "--system-prompt-tokens",
+        type=int,
+        default=DEFAULT_SYSTEM_PROMPT_TOKENS,
+        help="system-prompt workload: tokens of the system prompt every conversation shares",
+    )
     p.add_argument("--max-parallel", type=int, default=128)
     p.add_argument("--request-rate", type=float, default=float("inf"))
     p.add_argument("--round-barrier", action="store_true")
@@ -623,6 +681,7 @@ def check_args(args: argparse.Namespace, systems: list, specs: list[WorkloadSpec
         "--context-tokens": args.context_tokens,
         "--request-length": args.request_length,
         "--output-length": args.output_length,
+        "--system-prompt-tokens": args.system_prompt_tokens,
     }
     for flag, value in positive.items():
         if value is not None and not value > 0:

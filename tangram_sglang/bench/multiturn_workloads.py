@@ -14,6 +14,9 @@ whole history (previous inputs and outputs) plus the round's new tokens, as SGLa
   ``request_length`` tokens, ``output_length`` out each.
 * ``cliff`` (issue 7): a 16,384-token context, then 3 rounds of +256 tokens, 128 out per round.
 * ``prefill``: one round of ``request_length`` tokens and 1 output token (prefill time).
+* ``system-prompt``: every conversation starts with the same ``system_prompt_tokens`` system
+  prompt (default 2,048; the same ids for every client), then its ``sharegpt`` rounds: round 1
+  is the system prompt + the first user turn.
 
 Source: SGLang ``bench_multiturn`` (clients, rounds, request/output length); SCBench (shared
 long context, multi-turn queries); issue 7 (cliff workload).
@@ -32,7 +35,8 @@ from tangram_sglang.errors import ConfigError
 ID_LOW = 1000  # smallest random token id (skips special tokens at the bottom of the vocab)
 SHAREGPT_TABLE = Path(__file__).resolve().parent / "data" / "sharegpt_rounds.json"
 CLIFF_CONTEXT, CLIFF_ROUNDS, CLIFF_STEP, CLIFF_OUTPUT = 16384, 3, 256, 128  # tokens
-WORKLOADS = ("sharegpt", "long-context", "cliff", "prefill")
+WORKLOADS = ("sharegpt", "long-context", "cliff", "prefill", "system-prompt")
+DEFAULT_SYSTEM_PROMPT_TOKENS = 2048  # system-prompt workload: tokens shared by every client
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,6 +63,7 @@ class WorkloadSpec:
     output_length: int | None = None  # sharegpt cap / output per round
     context_tokens: int = 8192  # long-context round-1 context
     shared_context: bool = False  # long-context: one context for every client
+    system_prompt_tokens: int = DEFAULT_SYSTEM_PROMPT_TOKENS  # system-prompt: shared prefix
     seed: int = 0
 
     @property
@@ -68,6 +73,10 @@ class WorkloadSpec:
             return f"cliff-{self.num_clients}"
         if self.name == "prefill":
             return f"prefill-{self.num_clients}x{self.request_length}"
+        if self.name == "system-prompt" and self.system_prompt_tokens != (
+            DEFAULT_SYSTEM_PROMPT_TOKENS
+        ):
+            return f"system-prompt{self.system_prompt_tokens}-{self.num_clients}x{self.num_rounds}"
         shared = "-shared" if self.shared_context and self.name == "long-context" else ""
         return f"{self.name}{shared}-{self.num_clients}x{self.num_rounds}"
 
@@ -97,6 +106,17 @@ def make_conversations(spec: WorkloadSpec) -> list[Conversation]:
         return [Conversation(rounds, shared)] * spec.num_clients
     if spec.name == "sharegpt":
         return _sharegpt(spec)
+    if spec.name == "system-prompt":
+        if spec.system_prompt_tokens < 1:
+            raise ConfigError(
+                f"system-prompt: --system-prompt-tokens must be >= 1, got "
+                f"{spec.system_prompt_tokens}"
+            )
+        system = int(spec.system_prompt_tokens)
+        return [
+            Conversation(((system + c.rounds[0][0], c.rounds[0][1]), *c.rounds[1:]), system)
+            for c in _sharegpt(spec)
+        ]
     raise ConfigError(f"unknown workload {spec.name!r}; choose from {', '.join(WORKLOADS)}")
 
 

@@ -89,8 +89,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--alpha-safeguard", type=float, default=0.2, help="AdaKV per-head floor")
     p.add_argument("--sink-tokens", type=int, default=4)
     p.add_argument("--recent-window", type=int, default=32)
-    p.add_argument("--obs-window", type=int, default=32, help="SnapKV observation window")
-    p.add_argument("--kernel-size", type=int, default=5, help="SnapKV pooling kernel")
+    p.add_argument(
+        "--obs-window",
+        type=int,
+        default=None,
+        help="observation window (queries; default: 32 for the SnapKV family, every query of "
+        "the sample for kvzip-lite)",
+    )
+    p.add_argument(
+        "--kernel-size",
+        type=int,
+        default=None,
+        help="pooling kernel (default: 5 for the SnapKV family, 1 for kvzip-lite)",
+    )
     p.add_argument("--min-tokens", type=int, default=1024)
     p.add_argument(
         "--max-tokens",
@@ -145,7 +156,6 @@ def calibrate(args: argparse.Namespace, command: str) -> BudgetProfile:
     from tangram_sglang.calibrate.fit import fit_ratios, stability_report
     from tangram_sglang.calibrate.observe import DEFAULT_ALLOCATION, ScoreObserver
     from tangram_sglang.errors import ConfigError
-    from tangram_sglang.scoring import get_scorer
 
     check_args(args)  # before the model loads: a bad flag must not cost a calibration run
     t_start = time.perf_counter()
@@ -162,7 +172,7 @@ def calibrate(args: argparse.Namespace, command: str) -> BudgetProfile:
     )
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device).eval()
-    scorer = get_scorer(args.scorer, obs_window=args.obs_window, kernel_size=args.kernel_size)
+    scorer = build_scorer(args)
     observer = ScoreObserver(model, scorer)
     allocation = args.allocation or DEFAULT_ALLOCATION[args.scorer]
     t_loaded = time.perf_counter()
@@ -212,7 +222,6 @@ def check_args(args: argparse.Namespace) -> None:
         ConfigError: naming the flag, its allowed range and the fix.
     """
     from tangram_sglang.errors import ConfigError
-    from tangram_sglang.scoring import get_scorer
 
     if not 0.0 < args.target_ratio <= 1.0:
         raise ConfigError(f"--target-ratio {args.target_ratio} must be in (0, 1]")
@@ -231,8 +240,37 @@ def check_args(args: argparse.Namespace) -> None:
     for flag, (value, low) in counts.items():
         if value < low:
             raise ConfigError(f"{flag} {value} must be >= {low}")
-    get_scorer(args.scorer, obs_window=args.obs_window, kernel_size=args.kernel_size)
+    build_scorer(args)
     _check_output(Path(args.output))
+
+
+SNAPKV_FAMILY_DEFAULTS = {"obs_window": 32, "kernel_size": 5}
+
+
+def build_scorer(args: argparse.Namespace):
+    """The scorer ``--scorer`` names, with ``--obs-window`` / ``--kernel-size`` when given.
+
+    Unset flags take the scorer family's defaults: window 32 and kernel 5 for the SnapKV family
+    (the shipped profiles' values), the scorer's own defaults otherwise (kvzip-lite: every
+    query, no pooling).
+
+    Raises:
+        ConfigError: an unknown scorer or a bad option value (names the flag).
+    """
+    from tangram_sglang.scoring import SnapKVScorer, get_scorer
+
+    given = {"obs_window": args.obs_window, "kernel_size": args.kernel_size}
+    probe = get_scorer(args.scorer)
+    defaults = SNAPKV_FAMILY_DEFAULTS if isinstance(probe, SnapKVScorer) else {}
+    options = {k: v if v is not None else defaults.get(k) for k, v in given.items()}
+    return get_scorer(args.scorer, **{k: v for k, v in options.items() if v is not None})
+
+
+def scorer_options(scorer) -> dict:
+    """The scorer's dataclass options (all fields but ``name``), JSON-ready."""
+    from dataclasses import fields
+
+    return {f.name: getattr(scorer, f.name) for f in fields(scorer) if f.name != "name"}
 
 
 def check_grouping(args: argparse.Namespace, num_kv_heads: int) -> None:
@@ -290,7 +328,7 @@ def _observe_all(args, samples, observer, cache: Path, allocation: str):
                 args.target_ratio,
                 args.sink_tokens,
                 args.recent_window,
-                args.obs_window,
+                observer.scorer.obs_window,
                 args.alpha_safeguard,
             )
         )
@@ -309,13 +347,7 @@ def _provenance(args, run: dict, scorer, samples, timing: dict, report: dict) ->
         "model_path": run["model_path"],
         "device": run["device"],
         "allocation": run["allocation"],
-        "scorer_options": {
-            "obs_window": args.obs_window,
-            "kernel_size": args.kernel_size,
-            "pooling": scorer.pooling,
-            "gqa_reduce": scorer.gqa_reduce,
-            "alpha_safeguard": args.alpha_safeguard,
-        },
+        "scorer_options": {**scorer_options(scorer), "alpha_safeguard": args.alpha_safeguard},
         "sample_tokens": {
             "min": min(lengths),
             "max": max(lengths),
@@ -346,18 +378,18 @@ def resolve_model_path(model: str) -> Path:
 
 
 def _cache_folder(args: argparse.Namespace, identity: ModelIdentity, path: Path, scorer) -> Path:
+    from tangram_sglang.scoring import SnapKVScorer
+
     root = args.cache_dir or os.environ.get("TANGRAM_CACHE_DIR")
     root = Path(root) / "calibrate" if root else Path.home() / ".cache/tangram_sglang/calibrate"
     weights = sorted(path.glob("*.safetensors"))
+    options = scorer_options(scorer)
+    legacy = [options.pop(k) for k in ("obs_window", "kernel_size", "pooling", "gqa_reduce")]
+    # SnapKV-family keys stay as before (their caches remain valid); other scorers add theirs.
+    extra = [] if isinstance(scorer, SnapKVScorer) else [scorer.name, sorted(options.items())]
     key = json.dumps(
-        [
-            identity.config_fingerprint,
-            [(w.name, w.stat().st_size) for w in weights],
-            scorer.obs_window,
-            scorer.kernel_size,
-            scorer.pooling,
-            scorer.gqa_reduce,
-        ]
+        [identity.config_fingerprint, [(w.name, w.stat().st_size) for w in weights], *legacy]
+        + extra
     )
     return root / hashlib.sha256(key.encode()).hexdigest()[:16]
 

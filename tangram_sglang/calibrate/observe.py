@@ -45,6 +45,7 @@ DEFAULT_ALLOCATION = {
     "snapkv": "global",
     "pyramidkv": "pyramid",
     "duo": "duo",
+    "kvzip-lite": "global",  # KVzip ranks (layer, head, token) triples in one competition
 }
 
 

@@ -8,6 +8,13 @@ Scores are means in points (0-100) over every scored turn. The full-KV systems (
 * ``tangram_minus_uniform_points``: the same against uniform SnapKV;
 * per-ratio breakdowns and the three targets with met / missed; the full-KV reference is stock
   SGLang (``full``), or ``full-hf`` when the stock server did not run (``full_reference``).
+
+Summary (issue 20, compressed history that answers later questions):
+
+* ``later_questions_minus_full_points``: per ratio, on the multi-turn task's questions 2+
+  (turns > 0, ``later_turns_<metric>``), the best Tangram system (any scorer) minus full KV;
+* ``later_questions_points``: per ratio and system, those later-question scores;
+* ``later_questions_best_tangram``: per ratio, which Tangram system that best one is.
 """
 
 from __future__ import annotations
@@ -24,6 +31,9 @@ from tangram_sglang.eval.scoring import METRIC
 from tangram_sglang.eval.tasks import PROTOCOLS
 
 FULL_SYSTEMS = ("full", "full-hf")
+TANGRAM_SYSTEMS = ("tangram", "tangram-kvzip-lite")  # eval.systems.TANGRAM_SYSTEMS' names
+MULTITURN_TASK = "multiturn-squad"
+LATER = "later_turns_" + METRIC
 SUMMARY_RATIOS = (0.25, 0.5)
 
 
@@ -143,7 +153,40 @@ def summary(results: dict[str, Any]) -> dict[str, Any]:
         "above_uniform_at_0.25": None if uni is None else bool(uni > 0.0),
         "needle_0.5_within_3_points_of_full": None if needle is None else bool(needle >= -3.0),
     }
+    out.update(later_questions(results, ref))
     return out
+
+
+def later_questions(results: dict[str, Any], ref: str) -> dict[str, Any]:
+    """The issue-20 fields: questions 2+ of the multi-turn task, per ratio (see module doc).
+
+    Args:
+        results: :func:`aggregate`'s ``results``.
+        ref: the full-KV system (:func:`_full_reference`).
+
+    Returns:
+        ``later_questions_points`` {ratio: {system: points}}, ``later_questions_best_tangram``
+        {ratio: system} and ``later_questions_minus_full_points`` {ratio: best Tangram - full}
+        (empty dicts without a multi-turn task; a ratio without Tangram or full KV is left out).
+    """
+    points: dict[str, dict[str, float]] = {}
+    best: dict[str, str] = {}
+    minus_full: dict[str, float] = {}
+    for r, cells in results.get(MULTITURN_TASK, {}).items():
+        later = {s: c[LATER] for s, c in cells.items() if c.get(LATER) is not None}
+        points[r] = later
+        ours = {s: v for s, v in later.items() if s in TANGRAM_SYSTEMS}
+        if not ours:
+            continue
+        top = max(ours, key=lambda s: (ours[s], s == "tangram"))
+        best[r] = top
+        if ref in later:
+            minus_full[r] = round(ours[top] - later[ref], 2)
+    return {
+        "later_questions_points": points,
+        "later_questions_best_tangram": best,
+        "later_questions_minus_full_points": minus_full,
+    }
 
 
 def _full_reference(results: dict[str, Any]) -> str:
@@ -174,7 +217,7 @@ def _mean(values: list[float]) -> float | None:
 
 def markdown_table(rep: dict[str, Any]) -> str:
     """A RESULTS.md table: one row per (task, ratio), one column per system (points)."""
-    systems = ["full", "tangram", "dynamic-ada-snapkv", "uniform-snapkv", "full-hf"]
+    systems = ["full", *TANGRAM_SYSTEMS, "dynamic-ada-snapkv", "uniform-snapkv", "kvzip", "full-hf"]
     lines = [
         f"| task | ratio | kept | {' | '.join(systems)} | n |",
         "|---|---|---|" + "---|" * len(systems) + "---|",

@@ -37,6 +37,7 @@ from tangram_sglang.eval.scoring import score
 from tangram_sglang.eval.systems import (
     DEVICE_DTYPES,
     PRESS_SYSTEMS,
+    TANGRAM_SYSTEMS,
     KvpressRunner,
     ServerClient,
     tangram_kept_fraction,
@@ -53,7 +54,7 @@ from tangram_sglang.profile import BudgetProfile, ModelIdentity
 from tangram_sglang.serving import CUDA_STOCK_FLAGS
 
 MAX_NEW_TOKENS = {"needle": 28, "squad": 24, "multiturn-squad": 24}
-SYSTEMS = ("full", "tangram", *PRESS_SYSTEMS, "full-hf")
+SYSTEMS = ("full", *TANGRAM_SYSTEMS, *PRESS_SYSTEMS, "full-hf")
 STARTUP_S = 1800.0  # server start-up limit: minutes on a busy shared CPU
 CHUNKED_PREFILL_TOKENS = 16384  # > any prompt here: the whole prompt is one Tangram segment
 TEMPLATE_MARGIN = 1024  # tokens the chat template, questions and multi-turn history add at most
@@ -69,7 +70,8 @@ class RunConfig:
     Attributes:
         model: embedded model name (``qwen2.5-0.5b``) or an HF folder.
         model_dir: the resolved HF folder.
-        profile_dir: folder with ``ada-snapkv-r{ratio}.json`` shipped profiles.
+        profile_dir: folder with ``<scorer>-r{ratio}.json`` shipped profiles (``ada-snapkv``,
+            and ``kvzip-lite`` for ``tangram-kvzip-lite``).
         tasks: task names.
         ratios: average kept ratios in (0, 1].
         num_samples: samples per task.
@@ -118,16 +120,21 @@ class RunConfig:
         return DEVICE_DTYPES[self.device]
 
 
-def shipped_profile(profile_dir: Path, ratio: float, model_dir: Path) -> BudgetProfile:
-    """The shipped Ada-SnapKV profile nearest to ``ratio`` (r0.25 or r0.5), for ``model_dir``.
+def shipped_profile(
+    profile_dir: Path, ratio: float, model_dir: Path, scorer: str = "ada-snapkv"
+) -> BudgetProfile:
+    """The shipped ``scorer`` profile nearest to ``ratio`` (r0.25 or r0.5), for ``model_dir``.
 
     Raises:
-        ConfigError: no profile in the folder.
+        ConfigError: no such profile in the folder.
         ProfileError: the profile was calibrated for another model (``check_model``).
     """
-    candidates = sorted(profile_dir.glob("ada-snapkv-r*.json"))
+    candidates = sorted(profile_dir.glob(f"{scorer}-r*.json"))
     if not candidates:
-        raise ConfigError(f"--profile-dir {profile_dir} holds no ada-snapkv-r*.json profile")
+        raise ConfigError(
+            f"--profile-dir {profile_dir} holds no {scorer}-r*.json profile; calibrate one "
+            f"(python -m tangram_sglang.calibrate --scorer {scorer}, calibration/README.md)"
+        )
     best = min(candidates, key=lambda p: abs(float(p.stem.split("-r")[-1]) - ratio))
     profile = BudgetProfile.load(best)
     local = ModelIdentity.from_hf_config(json.loads((model_dir / "config.json").read_text()))
@@ -170,15 +177,23 @@ def run(cfg: RunConfig, log: Callable[[str], None] | None = None) -> dict[str, A
         r: tangram_profile(shipped_profile(cfg.profile_dir, r, cfg.model_dir), r)
         for r in cfg.ratios
     }
+    # each Tangram system's own profile (the Ada-SnapKV one above also sets the presses' budget)
+    server_profiles = {
+        (system, r): tangram_profile(shipped_profile(cfg.profile_dir, r, cfg.model_dir, sc), r)
+        for system, sc in TANGRAM_SYSTEMS.items()
+        if system in cfg.systems
+        for r in cfg.ratios
+    }
     eos = GenerationConfig.from_pretrained(cfg.model_dir).eos_token_id
     eos_ids = set(eos if isinstance(eos, list) else [eos]) | {tok.eos_token_id}
     records = _resumed(cfg, {s.sample_id for s in samples}, log)
-    ctx = _Context(cfg, tok, samples, prompts, profiles, records, log, t0)
+    ctx = _Context(cfg, tok, samples, prompts, profiles, server_profiles, records, log, t0)
     if "full" in cfg.systems:
         ctx.server_phase("full", None)
-    if "tangram" in cfg.systems:
-        for ratio in cfg.ratios:
-            ctx.server_phase("tangram", ratio)
+    for system in TANGRAM_SYSTEMS:
+        if system in cfg.systems:
+            for ratio in cfg.ratios:
+                ctx.server_phase(system, ratio)
     if any(s in cfg.systems for s in (*PRESS_SYSTEMS, "full-hf")):
         ctx.kvpress_phase(eos_ids)
     return ctx.write()
@@ -214,7 +229,8 @@ class _Context:
     tok: Any
     samples: list[Sample]
     prompts: dict[str, Conversation]
-    profiles: dict[float, BudgetProfile]
+    profiles: dict[float, BudgetProfile]  # the Ada-SnapKV profile per ratio (presses' budget)
+    server_profiles: dict[tuple[str, float], BudgetProfile]  # (Tangram system, ratio) -> profile
     records: list[dict[str, Any]]
     log: Callable[[str], None]
     t0: float
@@ -236,7 +252,7 @@ class _Context:
         with tempfile.TemporaryDirectory(prefix="tangram-eval-") as tmp:
             if ratio is not None:
                 path = Path(tmp) / f"profile-r{ratio}.json"
-                self.profiles[ratio].save(path)
+                self.server_profiles[(system, ratio)].save(path)
                 args = ["--tangram", "--tangram-profile", str(path), *args]
             start = time.monotonic()
             server = SGLangServer(
@@ -255,7 +271,8 @@ class _Context:
         n = len(conv.context_ids)
         if len(conv.turn_ids[0]) > n:  # query-agnostic: the context alone, kept in the tree
             client.generate(conv.context_ids, 1)
-        kept = 1.0 if ratio is None else tangram_kept_fraction(self.profiles[ratio], n)
+        profile = None if ratio is None else self.server_profiles[(system, ratio)]
+        kept = 1.0 if profile is None else tangram_kept_fraction(profile, n)
         for turn, ids in enumerate(conv.turn_ids):
             out, cached = client.generate(ids, MAX_NEW_TOKENS[sample.task])
             if cached < n and len(ids) > n:  # (query-aware turn 0 is the compressed request)

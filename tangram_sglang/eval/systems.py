@@ -19,6 +19,12 @@ whole first prompt is the compressed part (``tasks.for_protocol``), later turns 
   per layer (heads of a layer compete for the layer's budget; it masks, never frees: the paper's
   "w/o Tangram" reference, Tangram arXiv 2606.06302 §5.2).
 * ``uniform-snapkv``: kvpress ``SnapKVPress``: every head keeps the same count.
+* ``kvzip``: kvpress ``KVzipPress`` (query-agnostic by context reconstruction: after the context
+  prefill, extra forwards of "Repeat the previous context." + the context score every KV pair by
+  the largest attention a reconstruction query pays it; one budget over all layers and heads).
+  It needs those extra forwards, so it gets its own prefill (:meth:`KvpressRunner._prefill_kvzip`).
+* ``tangram-kvzip-lite``: the ``--tangram`` server with the shipped ``kvzip-lite`` profile (the
+  same-pass query-agnostic scorer, ``scoring/kvzip_lite.py``), rescaled to the ratio.
 * ``full-hf``: the same transformers model without a press (a diagnostic: HF vs SGLang numerics).
 
 kvpress on transformers 5.12.1 (checked 2026-11-30): ``with press(model): model.generate(...)``
@@ -49,7 +55,9 @@ import requests
 from tangram_sglang.errors import TangramError
 from tangram_sglang.profile import BudgetProfile
 
-PRESS_SYSTEMS = ("dynamic-ada-snapkv", "uniform-snapkv")
+PRESS_SYSTEMS = ("dynamic-ada-snapkv", "uniform-snapkv", "kvzip")
+# Tangram systems: system name -> the scorer of its shipped profile (``<scorer>-r<ratio>.json``)
+TANGRAM_SYSTEMS = {"tangram": "ada-snapkv", "tangram-kvzip-lite": "kvzip-lite"}
 # model dtype per --device, for the transformers side and the SGLang servers alike (cpu: the CPU
 # engine's float32; cuda: bfloat16, the Qwen2.5 / SmolLM2 training dtype; SGLang's "auto" would
 # pick float16 for the float32-saved conversions)
@@ -155,6 +163,8 @@ class KvpressRunner:
             return snap
         if system == "dynamic-ada-snapkv":
             return kvpress.AdaKVPress(snap, alpha_safeguard=ADAKV_ALPHA)
+        if system == "kvzip":
+            return kvpress.KVzipPress(compression_ratio=compression_ratio)
         raise TangramError(f"unknown press system {system!r}; use one of {PRESS_SYSTEMS}")
 
     def generate(
@@ -193,7 +203,11 @@ class KvpressRunner:
             raise TangramError("every turn's prompt must extend the context ids (or equal them)")
         with torch.inference_mode():
             prompt = torch.tensor([context_ids], device=self.device)
-            logits, caches, masks = self._prefill(prompt, presses)
+            kvzip = {name: p for name, p in presses.items() if _is_kvzip(p)}
+            same_pass = {name: p for name, p in presses.items() if name not in kvzip}
+            logits, caches, masks = self._prefill(prompt, same_pass)
+            for name, press in kvzip.items():
+                logits, caches[name], masks[name] = self._prefill_kvzip(prompt, name, press)
             return {
                 name: [
                     self._answer(
@@ -259,6 +273,41 @@ class KvpressRunner:
             caches[name] = c
         return logits, caches, masks
 
+    def _prefill_kvzip(self, ids: Any, name: Any, press: Any) -> tuple[Any, Any, dict]:
+        """KVzip's own prefill of ``ids`` ``[1, n]``: the context forward, then kvpress's
+        reconstruction forwards, which leave the context's K/V in the cache and the evicted
+        (head, token) pairs in each attention module's ``masked_key_indices``.
+
+        Returns the last position's logits ``[1, vocab]``, the cache and the masks per layer;
+        records the kept entries per head in ``kept_per_head[name]``.
+        """
+        import torch
+        from transformers import DynamicCache
+
+        cache = DynamicCache(config=self.model.config)
+        n = ids.shape[1]
+        pos = torch.arange(n, device=self.device)
+        attns = [layer.self_attn for layer in self.model.model.layers]
+        try:
+            with press(self.model):
+                logits = self.model(
+                    input_ids=ids,
+                    past_key_values=cache,
+                    use_cache=True,
+                    cache_position=pos,
+                    position_ids=pos[None],
+                    logits_to_keep=1,
+                ).logits[:, -1]
+            masks = {i: getattr(attn, "masked_key_indices", None) for i, attn in enumerate(attns)}
+        finally:
+            for attn in attns:
+                attn.masked_key_indices = None
+        self.kept_per_head[name] = [
+            _kept_counts(layer.keys.shape[1], layer.keys.shape[2], masks.get(i))
+            for i, layer in enumerate(cache.layers)
+        ]
+        return logits, cache, masks
+
     def _answer(
         self, cache, masks: dict, ids: list[int], n: int, max_new_tokens: int, prefill_logits
     ) -> list[int]:
@@ -298,6 +347,11 @@ class KvpressRunner:
             for attn in attns:
                 attn.masked_key_indices = None
         return out
+
+
+def _is_kvzip(press: Any) -> bool:
+    """Whether ``press`` is kvpress's ``KVzipPress`` (it needs its own prefill)."""
+    return type(press).__name__ == "KVzipPress"
 
 
 def _kept_counts(num_heads: int, num_stored: int, masked: tuple | None) -> list[int]:

@@ -228,6 +228,11 @@ SEAMS: dict[str, tuple[str, ...]] = {
     "sglang.srt.server_args.prepare_server_args": ("argv",),
     "sglang.srt.server_args.ServerArgs.from_cli_args": ("args",),
     "sglang.srt.server_args.ServerArgs.get_model_config": ("self",),
+    # tensor parallelism: the rank whose KV heads this process's pool holds
+    "sglang.srt.runtime_context.get_parallel": (),
+    "sglang.srt.runtime_context.ParallelContext.attn_tp_rank": (),
+    "sglang.srt.runtime_context.ParallelContext.attn_tp_size": (),
+    "sglang.srt.layers.linear.QKVParallelLinear": (),
     # attention backend
     "sglang.srt.layers.attention.attention_registry.ATTENTION_BACKENDS": (),
     "sglang.srt.layers.attention.attention_registry.register_attention_backend": ("name",),

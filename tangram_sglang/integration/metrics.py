@@ -44,6 +44,11 @@ GAUGES: dict[str, tuple[str, str]] = {
         "bytes_saved",
         "full_kv_bytes - kv_bytes_held (negative when short segments pad past full KV).",
     ),
+    "tangram:radix_pages_held": (
+        "radix_pages_held",
+        "Pages the radix tree holds (compressed history and shared prefixes), each shared page "
+        "once; included in pages_used.",
+    ),
     "tangram:fragmentation": (
         "fragmentation",
         "Share of the (token, KV head) slots of held pages that hold no token "
@@ -63,6 +68,8 @@ class PoolSnapshot:
             slots SGLang counts as used or evictable: running requests and radix tree).
         fragmentation: unused (token, head) slots / slots of held pages, in [0, 1]; up to
             :data:`FRAGMENTATION_MAX_AGE_S` old (0.0 at once when no page is held).
+        radix_pages_held: pages the radix tree's nodes hold (a page shared by many
+            conversations counts once; 0 without a tree); part of ``pages_used``.
     """
 
     pages_total: int
@@ -72,6 +79,7 @@ class PoolSnapshot:
     bytes_held: int
     full_kv_bytes: int
     fragmentation: float
+    radix_pages_held: int = 0
 
     @property
     def bytes_saved(self) -> int:
@@ -113,6 +121,7 @@ def snapshot(state: Any, held_tokens: int) -> PoolSnapshot:
         bytes_held=int(used) * int(state.memory.bytes_per_page),
         full_kv_bytes=int(held_tokens) * int(state.full_kv_bytes_per_token),
         fragmentation=float(state.fragmentation(FRAGMENTATION_MAX_AGE_S)),
+        radix_pages_held=int(getattr(state.radix, "held_pages", 0) or 0),
     )
 
 

@@ -26,7 +26,9 @@ from tangram_sglang.profile import BudgetProfile, ModelIdentity
 
 CALIBRATION_DIR = Path(__file__).resolve().parents[2] / "calibration"
 DEFAULT_PROFILE_NAME = "default.json"  # a shipped profile of this name wins
-DEFAULT_SCORER = "ada-snapkv"
+# Among shipped profiles of a model, scorers in this order: kvzip-lite (query-agnostic: the kept
+# history also answers later turns' questions, benchmarks/RESULTS.md issue 20), then Ada-SnapKV.
+SCORER_PREFERENCE = ("kvzip-lite", "ada-snapkv")
 DEFAULT_TARGET_RATIO = 0.25  # among several matches, prefer the one calibrated closest to this
 CALIBRATE_HINT = (
     "calibrate one with `python -m tangram_sglang.calibrate --model-path <model> --scorer "
@@ -38,8 +40,9 @@ CALIBRATE_HINT = (
 def find_shipped_profile(model: ModelIdentity, calibration_dir: Path | None = None) -> Path:
     """The shipped profile for ``model``: ``calibration/*/*.json`` whose model matches.
 
-    Among several matches: ``default.json`` first, then scorer ``ada-snapkv``, then the
-    target ratio closest to 0.25, then the path name. Unreadable files are skipped.
+    Among several matches: ``default.json`` first, then by scorer (:data:`SCORER_PREFERENCE`:
+    ``kvzip-lite``, then ``ada-snapkv``, then any other), then the target ratio closest to 0.25,
+    then the path name. Unreadable files are skipped.
 
     Raises:
         ConfigError: no shipped profile matches; says where it looked and how to calibrate.
@@ -55,7 +58,7 @@ def find_shipped_profile(model: ModelIdentity, calibration_dir: Path | None = No
             continue
         rank = (
             path.name != DEFAULT_PROFILE_NAME,
-            profile.scorer != DEFAULT_SCORER,
+            _scorer_rank(profile.scorer),
             abs(profile.target_ratio - DEFAULT_TARGET_RATIO),
             str(path),
         )
@@ -68,6 +71,13 @@ def find_shipped_profile(model: ModelIdentity, calibration_dir: Path | None = No
             f"profiles for other models: {others or 'none'}); " + CALIBRATE_HINT
         )
     return min(matches)[1]
+
+
+def _scorer_rank(scorer: str) -> int:
+    """Position of ``scorer`` in :data:`SCORER_PREFERENCE` (others after every listed one)."""
+    return (
+        SCORER_PREFERENCE.index(scorer) if scorer in SCORER_PREFERENCE else len(SCORER_PREFERENCE)
+    )
 
 
 def resolve_profile(
@@ -147,12 +157,22 @@ def profile_summary(profile: BudgetProfile, config: TangramConfig) -> dict[str, 
 
 
 def summary_line(summary: dict[str, object]) -> str:
-    """One log line: the numbers an operator checks first."""
+    """One log line: the numbers an operator checks first (per TP rank under ``--tp-size``)."""
+    groups = (
+        f"{summary['num_head_groups']} head groups of {summary['heads_per_group']} "
+        f"({summary['group_scope']})"
+    )
+    if "tp_size" in summary:  # tensor parallelism: what each rank holds (tangram_sglang/tp.py)
+        groups = (
+            f"TP {summary['tp_size']}: per rank {summary['kv_heads_per_rank']} KV heads per "
+            f"layer in {summary['head_groups_per_rank']} head groups of "
+            f"{summary['heads_per_group']} ({summary['group_scope']}), budgets shared across "
+            f"ranks (+{100 * float(summary['tp_budget_overhead']):.1f}% kept tokens)"
+        )
     return (
         f"Tangram: profile {summary['profile_path']} ({summary['scorer']}), mean kept ratio "
         f"{summary['mean_kept_ratio']:.3f} ({summary['padded_kept_ratio']:.3f} with group "
-        f"padding), {summary['num_head_groups']} head groups of {summary['heads_per_group']} "
-        f"({summary['group_scope']}), page {summary['page_size']} tokens, predicted capacity "
+        f"padding), {groups}, page {summary['page_size']} tokens, predicted capacity "
         f"{summary['predicted_capacity_vs_full_kv']:.2f}x full KV for long prompts"
     )
 

@@ -30,6 +30,7 @@ from tangram_sglang.config import TangramConfig
 from tangram_sglang.errors import ConfigError
 from tangram_sglang.integration import profile_loader
 from tangram_sglang.profile import BudgetProfile, ModelIdentity
+from tangram_sglang.tp import TensorParallelLayout
 
 logger = logging.getLogger(__name__)
 
@@ -46,7 +47,9 @@ FIELD_MAP = {
 TANGRAM_BACKEND = "tangram"  # name of Tangram's attention backend and radix cache backend
 PROFILE_STASH = "_tangram_profile_json"  # underscore: allowed after ServerArgs is sealed
 SUMMARY_STASH = "_tangram_summary"
-SINGLE_RANK = "the Tangram pool, page tables and kernels are single-rank in this version"
+TP_ONLY = (
+    "Tangram shards its KV pool by tensor parallelism only (--tp-size N, N dividing the KV heads)"
+)
 KV_LAYOUT = "it moves KV in SGLang's uniform per-token layout, which Tangram's pool replaces"
 
 
@@ -86,13 +89,33 @@ INCOMPATIBLE_FLAGS: tuple[Incompatible, ...] = (
     Incompatible("enable_hisparse", _on, f"hierarchical sparse attention: {KV_LAYOUT}"),
     Incompatible("enable_lmcache", _on, f"LMCache: {KV_LAYOUT}"),
     Incompatible("enable_flexkv", _on, f"FlexKV: {KV_LAYOUT}"),
-    Incompatible("enable_dp_attention", _on, SINGLE_RANK),
-    Incompatible("tp_size", _above_one, SINGLE_RANK),
-    Incompatible("pp_size", _above_one, SINGLE_RANK),
-    Incompatible("dp_size", _above_one, SINGLE_RANK),
-    Incompatible("attn_cp_size", _above_one, SINGLE_RANK),
-    Incompatible("dcp_size", _above_one, SINGLE_RANK),
-    Incompatible("enable_prefill_cp", _on, SINGLE_RANK),
+    Incompatible(
+        "enable_dp_attention",
+        _on,
+        f"DP attention runs different requests on the attention ranks, so their pools would "
+        f"not decide alike; {TP_ONLY}",
+    ),
+    Incompatible(
+        "pp_size",
+        _above_one,
+        f"pipeline parallelism splits the layers and runs micro-batches per stage; {TP_ONLY}",
+    ),
+    Incompatible("dp_size", _above_one, f"data parallelism runs independent schedulers; {TP_ONLY}"),
+    Incompatible(
+        "attn_cp_size",
+        _above_one,
+        f"context parallelism splits a request's tokens over ranks; {TP_ONLY}",
+    ),
+    Incompatible(
+        "dcp_size",
+        _above_one,
+        f"decode context parallelism splits a request's KV over ranks; {TP_ONLY}",
+    ),
+    Incompatible(
+        "enable_prefill_cp",
+        _on,
+        f"prefill context parallelism splits a prompt over ranks; {TP_ONLY}",
+    ),
     Incompatible("enable_lora", _on, "LoRA adapters are not supported with Tangram yet"),
     Incompatible("lora_paths", _on, "LoRA adapters are not supported with Tangram yet"),
     Incompatible("enable_multimodal", _on, "multimodal inputs are not supported with Tangram"),
@@ -243,8 +266,14 @@ def check_model(server_args: Any) -> None:
     ``/server_info`` names the file used), stashes the resolved profile and its summary on
     ``server_args`` (:data:`PROFILE_STASH`, :data:`SUMMARY_STASH`) and logs the summary.
 
+    With ``--tp-size N > 1`` it also runs the tensor-parallel checks
+    (:func:`tangram_sglang.tp.check_tensor_parallel`) and adds the per-rank numbers to the
+    summary (``tp_size``, ``kv_heads_per_rank``, ``head_groups_per_rank``,
+    ``tp_budget_overhead``).
+
     Raises:
-        ConfigError: unsupported model kind, no profile, a flag the profile cannot honour, or
+        ConfigError: unsupported model kind, no profile, a flag the profile cannot honour,
+            ``--tp-size`` not dividing the KV heads or head groups that would cross TP ranks, or
             the Tangram plugin not active in this process.
         ProfileError: profile file missing, corrupt or made for another model.
     """
@@ -254,8 +283,12 @@ def check_model(server_args: Any) -> None:
     _check_model_kind(model_config)
     model = ModelIdentity.from_hf_config(model_config.hf_text_config)
     profile, config = profile_loader.resolve_profile(config_from_server_args(server_args), model)
+    tp_size = int(server_args.tp_size or 1)
+    layout = TensorParallelLayout.build(profile, tp_size) if tp_size > 1 else None
     ensure_active()
     summary = profile_loader.profile_summary(profile, config)
+    if layout is not None:
+        summary |= layout.summary()
     server_args.tangram_profile = config.profile_path
     object.__setattr__(server_args, PROFILE_STASH, profile_loader.profile_to_json(profile))
     object.__setattr__(server_args, SUMMARY_STASH, summary)
@@ -336,6 +369,41 @@ def profile_from_server_args(server_args: Any) -> BudgetProfile:
     model = ModelIdentity.from_hf_config(model_config.hf_text_config)
     profile, _ = profile_loader.resolve_profile(config_from_server_args(server_args), model)
     return profile
+
+
+def rank_profile_from_server_args(server_args: Any, tp_rank: int | None = None) -> BudgetProfile:
+    """The profile this TP rank serves with: its own KV heads, head groups and shared budgets.
+
+    ``--tp-size 1``: the resolved profile itself. ``--tp-size N``: rank ``r`` holds KV heads
+    ``[r*K/N, (r+1)*K/N)`` of every layer (SGLang's shard),
+    :meth:`tangram_sglang.tp.TensorParallelLayout.rank_profile`.
+
+    Args:
+        server_args: the server's ``ServerArgs`` (scheduler process).
+        tp_rank: the attention TP rank; None reads it from SGLang's parallel state
+            (``get_parallel().attn_tp_rank``, set up before the KV pool is built).
+
+    Raises:
+        ConfigError: SGLang's attention TP size differs from ``--tp-size``, or the checks of
+            :func:`tangram_sglang.tp.check_tensor_parallel`.
+        ProfileError: as :func:`profile_from_server_args`.
+    """
+    profile = profile_from_server_args(server_args)
+    tp_size = int(server_args.tp_size or 1)
+    if tp_size == 1:
+        return profile
+    if tp_rank is None:
+        from sglang.srt.runtime_context import get_parallel
+
+        parallel = get_parallel()
+        if int(parallel.attn_tp_size) != tp_size:
+            raise ConfigError(
+                f"--tp-size {tp_size} but SGLang's attention TP size is "
+                f"{parallel.attn_tp_size}; --tangram needs attention sharded over every TP rank "
+                "(no DP attention, no context parallelism)"
+            )
+        tp_rank = int(parallel.attn_tp_rank)
+    return TensorParallelLayout.build(profile, tp_size).rank_profile(profile, tp_rank)
 
 
 def summary_from_server_args(server_args: Any) -> dict[str, object]:

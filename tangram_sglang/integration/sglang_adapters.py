@@ -42,7 +42,7 @@ from sglang.srt.mem_cache.memory_pool import NoOpMHATokenToKVPool
 from tangram_sglang.backend.state import PrefillAsk
 from tangram_sglang.errors import ConfigError
 from tangram_sglang.integration import profile_loader
-from tangram_sglang.integration.server_args import profile_from_server_args
+from tangram_sglang.integration.server_args import rank_profile_from_server_args
 from tangram_sglang.mem.kv_pool import KVPool, bytes_per_page, num_pages_for_budget
 from tangram_sglang.mem.reservation import admission_decode_tokens
 from tangram_sglang.profile import BudgetProfile
@@ -123,7 +123,7 @@ def compute_cell_size(original, configurator: Any, kvc: Any, num_layers: int) ->
     full = original(configurator, kvc, num_layers)
     if not tangram_on(kvc.server_args):
         return full
-    cell = tangram_cell_bytes(full, profile_from_server_args(kvc.server_args))
+    cell = tangram_cell_bytes(full, rank_profile_from_server_args(kvc.server_args))
     logger.info("Tangram: %d bytes per logical token (full KV %d)", cell, full)
     return cell
 
@@ -134,7 +134,7 @@ def build_mha_kv_pool(original, kvc: Any, **kwargs: Any) -> Any:
         return original(kvc, **kwargs)
     kwargs["mha_pool_class"] = TangramTokenToKVPool
     pool = original(kvc, **kwargs)
-    profile = profile_from_server_args(kvc.server_args)
+    profile = rank_profile_from_server_args(kvc.server_args)  # this TP rank's heads
     m = profile.model
     full = full_cell_bytes(m.num_layers, m.num_kv_heads, m.head_dim, pool.store_dtype)
     budget = kwargs["max_total_num_tokens"] * tangram_cell_bytes(full, profile)
@@ -435,8 +435,14 @@ def add_one_req(original, adder: Any, req: Any, *args: Any, **kwargs: Any) -> An
 
     Refused requests return ``AddReqResult.OTHER`` (this round ends; nothing is marked full)
     and are answered by :func:`answer_refused_in_admission`. Then SGLang's own checks run.
+
+    Under grid segmentation (``TangramState.segment_grid`` > 0) SGLang's
+    ``truncation_align_size`` is set to the grid, so a truncated chunk ends on an absolute
+    multiple of it (the matched prefix already does: the tree holds whole grid cells only).
     """
     state = getattr(getattr(adder.tree_cache, "req_to_token_pool", None), "tangram_state", None)
+    if state is not None:
+        args, kwargs = _align_to_grid(int(getattr(state, "segment_grid", 0)), args, kwargs)
     if state is None or getattr(req, REFUSAL_ATTR, None) is not None:
         return original(adder, req, *args, **kwargs)
     from sglang.srt.managers.schedule_policy import AddReqResult
@@ -461,6 +467,9 @@ def add_one_req(original, adder: Any, req: Any, *args: Any, **kwargs: Any) -> An
     budget = getattr(adder, "rem_chunk_tokens", None)
     left = _extend_len(req)
     first = left if budget is None else max(min(left, int(budget)), 1)
+    grid = int(getattr(state, "segment_grid", 0))
+    if grid and first < left:  # SGLang cuts the chunk down to a grid multiple (or skips it)
+        first = max(first // grid * grid, 1)
     tail = admission_decode_tokens(_new_tail(req), _clip())
     new.append(_ask(state, req, first, tail))
     evictable = state.evictable_pages(getattr(req, "last_node", None))
@@ -477,6 +486,19 @@ def add_one_req(original, adder: Any, req: Any, *args: Any, **kwargs: Any) -> An
         )
         return _refuse(state, req, message)
     return AddReqResult.NO_TOKEN
+
+
+def _align_to_grid(grid: int, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """``add_one_req``'s ``(has_chunked_req, truncation_align_size)`` with the grid as the
+    truncation alignment (tokens; the least common multiple with SGLang's own, if it set one)."""
+    if grid <= 0:
+        return args, kwargs
+    if "truncation_align_size" in kwargs:
+        own = kwargs["truncation_align_size"]
+        return args, {**kwargs, "truncation_align_size": math.lcm(grid, own or grid)}
+    if len(args) >= 2:
+        return (args[0], math.lcm(grid, args[1] or grid), *args[2:]), kwargs
+    return args, {**kwargs, "truncation_align_size": grid}
 
 
 def _refuse(state: Any, req: Any, message: str) -> Any:

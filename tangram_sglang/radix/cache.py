@@ -46,7 +46,12 @@ from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey, TreeNode
 from tangram_sglang.errors import PoolError
 from tangram_sglang.mem.page_table import SegmentPages
 from tangram_sglang.mem.prefix import PrefixMatch
-from tangram_sglang.radix.segment import SegmentValue, chain_prefix, segment_depths
+from tangram_sglang.radix.segment import (
+    SegmentValue,
+    chain_prefix,
+    is_grid_cell,
+    segment_depths,
+)
 
 if TYPE_CHECKING:
     from sglang.srt.managers.schedule_batch import Req
@@ -109,6 +114,10 @@ class TangramRadixCache(RadixCache):
         self.num_duplicate_pages = 0  # pages of segments already cached, freed at insert
         self.num_adopted_pages = 0  # copy-on-write copies a parent chain took (duplicates saved)
         self._unlocked_pages = 0  # pages on boundary nodes with lock_ref == 0 (evictable)
+        self.num_off_grid_pages = 0  # pages of segments off the segment grid, freed at insert
+        self.num_in_flight_inserts = 0  # chunked prefills whose grid cells were inserted mid-way
+        self.held_pages = 0  # pages the boundary nodes hold, each page once (kept up to date)
+        self.num_split_segments = 0  # whole segments split where a match ended inside them
         super().__init__(params)
         state = getattr(params.req_to_token_pool, "tangram_state", None)
         if state is None:
@@ -118,13 +127,27 @@ class TangramRadixCache(RadixCache):
             )
         self.state = state
         self.memory = state.memory
+        # Tokens per grid cell (TANGRAM_GRID_SEGMENTS=1): only whole cells are cached, so every
+        # match ends on the grid; 0 = segments cut at the match point (config.segment_grid).
+        self.grid = int(getattr(state, "segment_grid", 0))
         state.radix = self
 
     # ---- matching ----------------------------------------------------------------------------
     def match_prefix(self, params: MatchPrefixParams) -> MatchResult:
-        """SGLang's match, cut back to the deepest boundary node (whole segments only)."""
+        """SGLang's match, ending on a boundary node.
+
+        A match that ends inside a segment kept whole (every group kept every token: a short
+        turn, a system prompt under ``--tangram-min-compress-tokens``, a decode tail) ends
+        there: the segment is split at that token (:meth:`_split_whole_segment`), as SGLang's
+        tree splits a node, so a conversation that shares only part of it reuses that part.
+        Otherwise the match is cut back to the deepest boundary node (a compressed segment is
+        reused whole or not at all). Without the segment grid only: under it every match ends
+        on the grid.
+        """
         result = super().match_prefix(params)
         node = result.last_device_node
+        if node is not self.root_node and value_of(node) is None and not self.grid:
+            self._split_whole_segment(node)
         while node is not self.root_node and value_of(node) is None:
             node = node.parent
         if node is result.last_device_node:
@@ -136,6 +159,66 @@ class TangramRadixCache(RadixCache):
             last_host_node=node,
             best_match_node=node,
         )
+
+    def _split_whole_segment(self, node: TreeNode, max_candidates: int = 8) -> bool:
+        """Make the plain ``node`` a boundary holding the first tokens of a whole segment.
+
+        The first boundary below ``node`` (on any of up to ``max_candidates`` paths) whose
+        segment ``[lo, hi)`` contains ``node``'s depth ``d`` and keeps every token in every
+        group: the tokens ``[lo, d)`` of that segment are a segment of their own on the same
+        chain (the KV of a token kept whole depends on the tokens before it only), so ``node``
+        gets a :class:`SegmentValue` over ``[lo, d)`` whose pages are the first pages of the
+        segment's (a reference each, ``TangramMemory.share_pages``; no page is copied). Pages
+        are counted once: a page held by several nodes counts on the shallowest, so the longer
+        segment's ``shared_pages`` becomes the split's page count and the split takes over the
+        longer segment's own shared count (pages its chain's ancestors adopted).
+
+        Returns:
+            True when ``node`` now holds a segment.
+        """
+        depth = node_depth(node)
+        below, stack = None, list(node.children.values())
+        while stack and max_candidates > 0:
+            child = stack.pop()
+            value = value_of(child)
+            if value is None:
+                stack.extend(child.children.values())
+                continue
+            max_candidates -= 1
+            seg = value.segment
+            if value.start_depth < depth and np.all(seg.kept_len == seg.num_tokens):
+                below = child
+                break
+        if below is None:
+            return False
+        value = value_of(below)
+        seg, ps = value.segment, self.memory.page_size
+        kept = depth - value.start_depth
+        start_len = np.asarray(seg.start_len, np.int64)
+        counts = -(-(start_len + kept) // ps) - np.asarray(seg.first_page_index, np.int64)
+        pages = [ids[: int(n)].copy() for ids, n in zip(seg.pages, counts, strict=True)]
+        head = SegmentPages(
+            seg.kind,
+            kept,
+            start_len.copy(),
+            np.full(len(pages), kept, np.int64),
+            np.asarray(seg.first_page_index, np.int64).copy(),
+            pages,
+        )
+        self.memory.share_pages(np.concatenate(pages), "radix node (split of a whole segment)")
+        split = SegmentValue(value.start_node, value.start_depth, depth, head, value.shared_pages)
+        moved = head.num_pages - value.shared_pages  # pages now counted on the split, not below
+        value.shared_pages = head.num_pages
+        setattr(node, VALUE_ATTR, split)
+        if node.lock_ref == 0:
+            self._unlocked_pages += split.num_pages
+        if below.lock_ref == 0:
+            self._unlocked_pages -= moved
+        slot = int(node.value[-1])
+        setattr(node, SLOT_ATTR, slot)
+        self._boundaries[slot] = node
+        self.num_split_segments += 1
+        return True
 
     def prefix_for(self, row: int, prefix_len: int, node: TreeNode | None = None) -> PrefixMatch:
         """The compressed prefix of a new row whose first ``prefix_len`` tokens were matched.
@@ -211,10 +294,15 @@ class TangramRadixCache(RadixCache):
         The new boundary nodes' last token slots are read to the host together (one
         device-to-host copy per finished request, none when nothing new is attached).
         """
-        parent, attached = start, []
+        # A chain continues a boundary node (or the root); a row whose in-flight insert ended on
+        # a plain node (a cell another chain held) cannot hang anything after it.
+        chained = start is self.root_node or value_of(start) is not None
+        parent, attached = (start if chained else None), []
         for (lo, hi), seg in zip(segment_depths(start_len, segments), segments, strict=True):
-            if parent is None or seg.num_tokens <= 0 or hi > len(key):
+            off_grid = self.grid > 0 and not is_grid_cell(seg.kind, lo, hi, self.grid)
+            if parent is None or seg.num_tokens <= 0 or hi > len(key) or off_grid:
                 self._free(seg.pages)
+                self.num_off_grid_pages += seg.num_pages if off_grid else 0
                 parent = None  # a chain cannot skip a segment
                 continue
             node = self._node_at(key, hi)
@@ -231,6 +319,7 @@ class TangramRadixCache(RadixCache):
             else:
                 value = SegmentValue(parent, lo, hi, seg)
                 setattr(node, VALUE_ATTR, value)
+                self.held_pages += value.num_pages
                 if node.lock_ref == 0:
                     self._unlocked_pages += value.num_pages
                 attached.append(node)
@@ -284,6 +373,7 @@ class TangramRadixCache(RadixCache):
         for g, value, _, new in swaps:
             value.segment.pages[g][-1] = new
         value_of(child).shared_pages += len(swaps)
+        self.held_pages -= len(swaps)
         if child.lock_ref == 0:
             self._unlocked_pages -= len(swaps)
         self.num_adopted_pages += len(swaps)
@@ -295,9 +385,76 @@ class TangramRadixCache(RadixCache):
         return node
 
     def cache_unfinished_req(self, req: Req, chunked: bool = False) -> None:
-        """Chunked prefill: keep the chunk in the row (no insert), like SGLang's ChunkCache."""
+        """Chunked prefill: insert the row's whole grid cells now (grid), else keep the chunk.
+
+        Without the grid the chunk stays in the row (no insert, like SGLang's ``ChunkCache``):
+        a row's chunks go to the tree together at finish. Under the grid
+        (``TANGRAM_GRID_SEGMENTS=1``) the cells prefilled so far are inserted while the row
+        runs on (:meth:`_insert_in_flight`), so requests that arrive while a long shared prefix
+        is being prefilled match its cells instead of prefilling their own copy.
+        """
+        if self.grid and self._insert_in_flight(req, chunked):
+            return
         kv = self.req_to_token_pool.req_to_token[req.req_pool_idx, : req.extend_range.end]
         req.prefix_indices = kv.to(dtype=torch.int64, copy=True)
+
+    def _insert_in_flight(self, req: Req, chunked: bool) -> bool:
+        """Hang a running row's committed grid cells on the tree; False when it cannot now.
+
+        The row's own pages pass to the new boundary nodes (``TangramMemory.detach_segments``:
+        the row keeps reading them as borrowed), its tokens are inserted and SGLang's lock moves
+        to the node ending at the prefilled tokens, exactly as SGLang's
+        ``RadixCache.cache_unfinished_req`` does (duplicate token slots freed, the row's slot
+        list rewritten to the tree's). Pages: the row's partial last pages become shared, so
+        its next chunk copies them (one copy-on-write page per such head group); those pages
+        are reserved first, and when they are not free the chunk simply stays in the row.
+        """
+        row, end = int(req.req_pool_idx), int(req.extend_range.end)
+        start = req.last_node if req.last_node is not None else self.root_node
+        start_len = int(req.cache_protected_len)
+        memory = self.memory
+        if (
+            self.disable
+            or memory.rids[row] is None
+            or end % self.grid
+            or end <= start_len
+            or node_depth(start) != start_len
+            or (start is not self.root_node and value_of(start) is None)
+            or not memory.ready[row]
+        ):
+            return False
+        lens = memory.table.lens[row]
+        cow_pages = int(np.count_nonzero(lens % memory.page_size))
+        if cow_pages and memory.ledger.reserve(row, memory.rids[row], cow_pages) is None:
+            return False
+        segments = memory.detach_segments(row)
+        token_ids = (req.origin_input_ids + req.output_ids)[:end]
+        kv_indices = self.req_to_token_pool.req_to_token[row, :end]
+        key = RadixKey(token_ids, req.extra_key)
+        priority = getattr(req, "priority", 0) or 0
+        result = self.insert(
+            InsertParams(
+                key=key,
+                value=kv_indices.to(torch.int64, copy=True),
+                chunked=chunked,
+                priority=priority,
+            )
+        )
+        self.token_to_kv_pool_allocator.free_segment(
+            kv_indices[start_len : result.prefix_len], start_pos=start_len
+        )
+        self._attach(key, start, start_len, segments)
+        match = super().match_prefix(MatchPrefixParams(key=key))
+        new_indices, node = match.device_indices, match.last_device_node
+        assert len(new_indices) == end, "inserted tokens must all be in the tree"
+        self.req_to_token_pool.write((row, slice(start_len, end)), new_indices[start_len:])
+        req.cache_protected_len = end
+        self.dec_lock_ref(start)
+        self.inc_lock_ref(node)
+        req.prefix_indices = new_indices.to(dtype=torch.int64, copy=True)
+        req.last_node = node
+        self.num_in_flight_inserts += 1
+        return True
 
     # ---- eviction ----------------------------------------------------------------------------
     def _delete_leaf(self, node: TreeNode) -> None:
@@ -309,6 +466,7 @@ class TangramRadixCache(RadixCache):
             if node.lock_ref == 0:
                 self._unlocked_pages -= value.num_pages
             self._free(value.segment.pages)
+            self.held_pages -= value.num_pages
             self.num_evicted_pages += value.num_pages
         super()._delete_leaf(node)
 
@@ -400,6 +558,7 @@ class TangramRadixCache(RadixCache):
         if hasattr(self, "_boundaries"):
             self._boundaries.clear()
         self._unlocked_pages = 0
+        self.held_pages = 0
         super().reset()
 
     # ---- reports -----------------------------------------------------------------------------
@@ -407,13 +566,17 @@ class TangramRadixCache(RadixCache):
         """Pages and nodes the tree holds (plain builtins, for ``/server_info``)."""
         return {
             "segments": len(self._boundaries),
-            "pages_held": sum(value_of(n).num_pages for n in self._boundaries.values()),
+            "pages_held": self.held_pages,
             "pages_evictable": self.evictable_pages(),
             "tokens_evictable": int(self.evictable_size_),
             "tokens_protected": int(self.protected_size_),
             "pages_evicted": self.num_evicted_pages,
             "pages_duplicate_freed": self.num_duplicate_pages,
             "pages_copy_adopted": self.num_adopted_pages,
+            "segment_grid": self.grid,
+            "pages_off_grid_freed": self.num_off_grid_pages,
+            "in_flight_inserts": self.num_in_flight_inserts,
+            "whole_segments_split": self.num_split_segments,
         }
 
     def _free(self, pages: list[Any]) -> None:

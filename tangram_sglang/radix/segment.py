@@ -5,9 +5,10 @@ conversation's compressed state is the chain of its segments from the root (docs
 segment covering tokens ``[start_depth, end_depth)`` is stored on the tree node that ENDS at
 ``end_depth`` (a "boundary" node); the nodes above it down to ``start_depth`` may be plain
 token nodes (SGLang splits nodes wherever two conversations diverge). Matches stop only at
-boundaries: a compressed segment cannot be cut mid-way. Decode-tail segments are matched whole
-too (v1 choice: simpler, and a turn's tail is reused by the next turn of the same chat, which
-contains it whole).
+boundaries: a compressed segment cannot be cut mid-way. A segment kept whole (a decode tail, a
+short prompt under ``--tangram-min-compress-tokens``) can: the tree splits it where a match ends
+inside it, and the split node holds its first pages too (``cache.TangramRadixCache.
+_split_whole_segment``).
 
 ::
 
@@ -49,7 +50,9 @@ class SegmentValue:
     start_depth: int  # tokens from the root where the segment starts
     end_depth: int  # tokens from the root where it ends (= depth of the holding node)
     segment: SegmentPages  # per-group pages + kept lengths (the pages this node owns)
-    shared_pages: int = 0  # of them, first pages its parent chain adopted (held twice)
+    # Of them, the first pages shallower nodes also hold (a parent's adopted copies, a split
+    # node's share of a whole segment): counted there, so each page counts once.
+    shared_pages: int = 0
 
     @property
     def num_pages(self) -> int:
@@ -60,6 +63,24 @@ class SegmentValue:
     def group_lens(self) -> np.ndarray:
         """int64 ``[G]``: kept tokens per group of the whole chain up to this segment's end."""
         return np.asarray(self.segment.start_len, np.int64) + self.segment.kept_len
+
+
+def is_grid_cell(kind: str, start_depth: int, end_depth: int, grid: int) -> bool:
+    """Is ``[start_depth, end_depth)`` one whole cell of the segment grid (a prefill chunk)?
+
+    Under grid segmentation (``config.segment_grid``, ``grid`` = the chunk size in tokens) only
+    whole cells ``[k * grid, (k + 1) * grid)`` of compressed prompt are cached: a cold server cuts
+    the same prompt at the same absolute positions, so it computes the very same segment. A
+    prompt's last, partial chunk and a decode tail depend on where the request ended (the next
+    turn, cold, compresses those tokens inside a whole cell), so they are not reusable.
+
+    Args:
+        kind: ``SegmentPages.kind`` ("extend" or "decode").
+        start_depth: tokens from the root where the segment starts.
+        end_depth: tokens from the root where it ends.
+        grid: cell size in tokens (> 0).
+    """
+    return kind == "extend" and end_depth - start_depth == grid and start_depth % grid == 0
 
 
 def segment_depths(prefix_len: int, segments: list[SegmentPages]) -> list[tuple[int, int]]:

@@ -2,12 +2,14 @@
 
 Public names: :class:`Scorer`, :func:`get_scorer`, :func:`register_scorer`,
 :func:`available_scorers`, :func:`select_kept`, and the built-in scorers
-:class:`SnapKVScorer`, :class:`AdaSnapKVScorer`, :class:`PyramidKVScorer`, :class:`DuoScorer`.
+:class:`SnapKVScorer`, :class:`AdaSnapKVScorer`, :class:`PyramidKVScorer`, :class:`DuoScorer`,
+:class:`KVzipLiteScorer` (query-agnostic).
 """
 
 from tangram_sglang.scoring.ada_snapkv import AdaSnapKVScorer, adaptive_select
 from tangram_sglang.scoring.base import Scorer, available_scorers, get_scorer, register_scorer
 from tangram_sglang.scoring.duo import DuoScorer
+from tangram_sglang.scoring.kvzip_lite import KVzipLiteScorer
 from tangram_sglang.scoring.pyramidkv import PyramidKVScorer, pyramid_layer_budget
 from tangram_sglang.scoring.select import protected_mask, select_kept
 from tangram_sglang.scoring.snapkv import SnapKVScorer
@@ -15,6 +17,7 @@ from tangram_sglang.scoring.snapkv import SnapKVScorer
 __all__ = [
     "AdaSnapKVScorer",
     "DuoScorer",
+    "KVzipLiteScorer",
     "PyramidKVScorer",
     "Scorer",
     "SnapKVScorer",

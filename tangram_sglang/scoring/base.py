@@ -106,4 +106,4 @@ def get_scorer(name: str, **options: object) -> Scorer:
 
 def _load_builtin() -> None:
     """Import the built-in scorer modules (each registers itself once)."""
-    from tangram_sglang.scoring import ada_snapkv, duo, pyramidkv, snapkv  # noqa: F401
+    from tangram_sglang.scoring import ada_snapkv, duo, kvzip_lite, pyramidkv, snapkv  # noqa: F401

@@ -34,15 +34,22 @@ class ServerPool:
         self._alive: OrderedDict[tuple[str, ...], SGLangServer] = OrderedDict()
         self._starts: dict[str, int] = {}
 
-    def get(self, args: list[str], name: str, startup_timeout_s: float = 900.0) -> SGLangServer:
-        """The running server started with ``args`` (started now if none is).
+    def get(
+        self,
+        args: list[str],
+        name: str,
+        startup_timeout_s: float = 900.0,
+        env: dict[str, str] | None = None,
+    ) -> SGLangServer:
+        """The running server started with ``args`` and ``env`` (started now if none is).
 
         Args:
             args: ``launch_server`` flags (``[]`` = stock SGLang with the CPU defaults).
             name: a readable name for its log file (``<log_dir>/<name>.log``).
             startup_timeout_s: seconds to wait for ``/health``.
+            env: extra environment variables of the server process (part of its key).
         """
-        key = tuple(args)
+        key = (*args, *sorted(f"{k}={v}" for k, v in (env or {}).items()))
         server = self._alive.get(key)
         if server is not None:
             self._alive.move_to_end(key)
@@ -54,7 +61,11 @@ class ServerPool:
         self._starts[name] = count + 1
         log = self.log_dir / (f"{name}.log" if count == 0 else f"{name}-{count}.log")
         server = SGLangServer(
-            self.model_path, args=list(args), log_path=log, startup_timeout_s=startup_timeout_s
+            self.model_path,
+            args=list(args),
+            log_path=log,
+            startup_timeout_s=startup_timeout_s,
+            env=env,
         )
         server.start()
         self._alive[key] = server

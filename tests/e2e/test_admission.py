@@ -17,8 +17,9 @@ One server (the embedded SmolLM2, the shipped 0.25 profile, ``--max-total-tokens
   CPU (xgrammar): HTTP 400 (each crashes stock SGLang 0.5.17's scheduler);
 * at the end every page is back (``pages_free == pages_free_at_start``).
 
-Start-up refusals (``--tp-size 2``, ``--kv-cache-dtype fp8_e5m2``, a truncated profile) stop the
-server with one line and no traceback.
+Start-up refusals (``--tp-size 2``, which does not divide SmolLM2's 3 KV heads;
+``--kv-cache-dtype fp8_e5m2``; a truncated profile) stop the server with one line and no
+traceback.
 """
 
 from __future__ import annotations

@@ -1,8 +1,11 @@
 """``make demo``'s Tangram chat against the real ``--tangram`` server: it must show a saving.
 
 The demo is the first thing a user runs; its report says how much KV the conversation holds in
-Tangram pages against full KV. With the demo's own flags (``demo_server_args``) every turn must
-hold less than full KV.
+Tangram pages against full KV. With the demo's own flags (``demo_server_args``) and the shipped
+default profile (query-agnostic ``kvzip-lite``) every turn must hold less than full KV, and turn 2
+("And what is the capital of Italy?", answered from turn 1's compressed notes) must answer Rome,
+as stock SGLang with full KV does (a SnapKV-family profile dropped it: "Italy is the capital of
+Italy").
 """
 
 from __future__ import annotations
@@ -33,3 +36,5 @@ def test_the_demo_chat_holds_less_than_full_kv_every_turn(servers, smollm2_path,
     saved = [int(x) for x in re.findall(r"full KV \(saved (-?\d+)%\)", capsys.readouterr().out)]
     assert len(saved) == len(turns) == len(DEMO_TURNS)
     assert all(s > 0 for s in saved), saved
+    assert "Rome" in turns[1].reply, turns[1].reply
+    assert turns[1].cached_tokens > 0  # turn 1's compressed history was reused, not recomputed

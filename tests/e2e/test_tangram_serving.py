@@ -302,6 +302,7 @@ def test_pool_numbers_reach_metrics_and_the_step_log(server05):
     saved = gauges["tangram:full_kv_bytes"] - gauges["tangram:kv_bytes_held"]
     assert gauges["tangram:kv_bytes_saved"] == saved
     assert 0.0 <= gauges["tangram:fragmentation"] <= 1.0
+    assert 0 <= gauges["tangram:radix_pages_held"] <= gauges["tangram:pages_used"]
     # Pages held by running requests or the radix tree are priced at full KV for the same tokens.
     assert (gauges["tangram:full_kv_bytes"] > 0) == (gauges["tangram:kv_bytes_held"] > 0)
     total = pool["pages_total"]

@@ -9,12 +9,17 @@ conversations (so matches, forks, duplicates and node splits happen). After ever
   - token slots: free + evictable + protected + slots owned by running rows == all slots
     (SGLang's idle self-check relies on this);
   - every boundary node's chain builds a PrefixMatch whose lengths match its pages;
-  - a new request's cached prefix ends on a whole segment (never mid-segment).
+  - a new request's cached prefix ends on a boundary node: a whole segment, or the first
+    tokens of a segment kept whole (split there), never inside a compressed one;
+  - the tree's running page count equals a scan (a page held by several nodes counts once).
 At teardown all requests end and the tree is flushed: free pages and slots return to the start.
+``GridRadixLifecycle`` plays the same under grid segmentation, with each whole cell of a chunked
+prefill inserted while its row runs (in-flight nodes locked by the row).
 """
 
 from __future__ import annotations
 
+import os
 from array import array
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -28,6 +33,7 @@ from radix_world import PAGE, ROWS, SLOTS, WIDTH, build_tree
 from sglang.srt.mem_cache.base_prefix_cache import EvictParams, MatchPrefixParams
 from sglang.srt.mem_cache.radix_cache import RadixKey
 
+from tangram_sglang.config import GRID_ENV
 from tangram_sglang.errors import PoolError
 from tangram_sglang.radix.cache import node_depth, value_of
 from tangram_sglang.radix.segment import chain_prefix
@@ -68,9 +74,16 @@ class RadixLifecycle(RuleBasedStateMachine):
 
     # ---- rules ---------------------------------------------------------------------------------
     @precondition(lambda self: len(self.running) < ROWS)
-    @rule(base=st.integers(0, 50), new=st.lists(st.integers(1, 3), min_size=1, max_size=10))
-    def start(self, base, new):
-        ids = array("q", self.histories[base % len(self.histories)] + new)
+    @rule(
+        base=st.integers(0, 50),
+        drop=st.integers(0, 6),
+        new=st.lists(st.integers(1, 3), min_size=1, max_size=10),
+    )
+    def start(self, base, drop, new):
+        history = self.histories[base % len(self.histories)]
+        # A conversation that shares only the first tokens of an earlier one (``drop`` > 0)
+        # ends its match inside a segment: kept whole, the segment is split there.
+        ids = array("q", history[: max(len(history) - drop, 0)] + new)
         key = RadixKey(ids, None, limit=len(ids) - 1)
         match = self.tree.match_prefix(MatchPrefixParams(key=key))
         node, p = match.last_device_node, len(match.device_indices)
@@ -99,10 +112,14 @@ class RadixLifecycle(RuleBasedStateMachine):
             assert np.array_equal(by_node.lens, by_slot.lens)
             assert all(map(np.array_equal, by_node.pages, by_slot.pages))
         try:
-            self.state.allocate_extend([row], [n], [p])
+            self.prefill(req, n, p)
         except PoolError:  # pages short even after eviction: the request ends (abort)
             self.end(row, insert=False)
-            return
+
+    def prefill(self, req: SimpleNamespace, n: int, p: int) -> None:
+        """Extend the row by its ``n`` new tokens after a ``p``-token match (one segment)."""
+        row = req.req_pool_idx
+        self.state.allocate_extend([row], [n], [p])
 
     @precondition(lambda self: self.running)
     @rule(pick=st.integers(0, ROWS), token=st.integers(1, 3))
@@ -154,6 +171,8 @@ class RadixLifecycle(RuleBasedStateMachine):
         own = sum(self.memory.row_usage(r).own_pages for r in self.running)
         used = self.memory.allocator.num_usable_pages - self.memory.allocator.num_free()
         assert used == self.tree.stats()["pages_held"] + own
+        scan = sum(value_of(n).num_pages for n in self.tree._boundaries.values())
+        assert self.tree.held_pages == scan  # the running count, each shared page once
 
     @invariant()
     def evictable_pages_kept_up_to_date(self):
@@ -165,7 +184,8 @@ class RadixLifecycle(RuleBasedStateMachine):
     @invariant()
     def token_slots_add_up(self):
         own = sum(
-            len(r.req.origin_input_ids) - r.prefix_len + r.decoded for r in self.running.values()
+            len(r.req.origin_input_ids) - r.req.cache_protected_len + r.decoded
+            for r in self.running.values()
         )
         total = (
             self.slots.available_size()
@@ -194,10 +214,48 @@ class RadixLifecycle(RuleBasedStateMachine):
         self.memory.check_invariants()
 
 
-RadixLifecycle.TestCase.settings = settings(
-    max_examples=40,
-    stateful_step_count=30,
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow],
-)
+class GridRadixLifecycle(RadixLifecycle):
+    """The same lifecycle under grid segmentation (``TANGRAM_GRID_SEGMENTS=1``, grid 4).
+
+    Prompts are prefilled in grid chunks and each whole cell is inserted while the row runs
+    (``cache_unfinished_req``), so evictions, aborts and decodes also meet in-flight nodes.
+    """
+
+    def __init__(self):
+        super().__init__()
+        old = os.environ.get(GRID_ENV)
+        os.environ[GRID_ENV] = "1"
+        try:
+            self.tree, self.state, self.req_pool, self.slots = build_tree(chunk_tokens=GRID)
+        finally:
+            if old is None:
+                os.environ.pop(GRID_ENV)
+            else:
+                os.environ[GRID_ENV] = old
+        self.memory = self.state.memory
+        self.start_free = self.memory.allocator.num_free()
+        assert self.tree.grid == GRID
+
+    def prefill(self, req: SimpleNamespace, n: int, p: int) -> None:
+        assert p % GRID == 0, "matches end on the grid"
+        row, done = req.req_pool_idx, p
+        while done < p + n:
+            step = min(GRID, p + n - done)
+            self.state.allocate_extend([row], [step], [done])
+            done += step
+            if done < p + n:  # SGLang stashes a chunked request before its next chunk
+                req.extend_range = SimpleNamespace(end=done)
+                self.tree.cache_unfinished_req(req, chunked=True)
+
+
+GRID = 4  # tokens per grid cell (= chunk size) of GridRadixLifecycle
+
+for machine in (RadixLifecycle, GridRadixLifecycle):
+    machine.TestCase.settings = settings(
+        max_examples=40,
+        stateful_step_count=30,
+        deadline=None,
+        suppress_health_check=[HealthCheck.too_slow],
+    )
 TestRadixLifecycle = RadixLifecycle.TestCase
+TestGridRadixLifecycle = GridRadixLifecycle.TestCase

@@ -12,6 +12,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from tangram_sglang.config import DEFAULT_MIN_COMPRESS_TOKENS, DEFAULT_PAGE_SIZE
 from tangram_sglang.errors import ConfigError, ProfileError
@@ -20,6 +21,7 @@ from tangram_sglang.integration.hook_targets import HOOKS, REGISTRATIONS
 from tangram_sglang.integration.server_args import (
     INCOMPATIBLE_FLAGS,
     profile_from_server_args,
+    rank_profile_from_server_args,
     summary_from_server_args,
 )
 from tangram_sglang.profile import BudgetProfile, ModelIdentity
@@ -40,7 +42,6 @@ FLAGS = (
 BAD_VALUES = {
     "speculative_algorithm": "EAGLE",
     "disaggregation_mode": "prefill",
-    "tp_size": 2,
     "pp_size": 2,
     "dp_size": 2,
     "attn_cp_size": 2,
@@ -343,3 +344,62 @@ def test_default_profile_is_the_shipped_one(
     shipped = str(tmp_path / "smollm2" / "ada-snapkv-r0.25.json")
     assert args.tangram_profile == shipped  # filled in, so /server_info shows the file used
     assert summary_from_server_args(args)["profile_path"] == shipped
+
+
+def test_tp_size_dividing_the_kv_heads_is_accepted(patched_sglang, smollm2_path, smollm2_profile):
+    """SmolLM2 (3 KV heads, 9 query heads) at --tp-size 3: one KV head per rank, equal pools."""
+    from tangram_sglang.integration.sglang_adapters import full_cell_bytes, tangram_cell_bytes
+
+    args = make_args(patched_sglang, smollm2_path, smollm2_profile, tp_size=3)
+    summary = summary_from_server_args(pickle.loads(pickle.dumps(args)))
+    assert (summary["tp_size"], summary["kv_heads_per_rank"]) == (3, 1)
+    cells, groups = set(), set()
+    for rank in range(3):
+        profile = rank_profile_from_server_args(args, tp_rank=rank)
+        m = profile.model
+        assert (m.num_kv_heads, m.num_qo_heads) == (1, 3)
+        full = full_cell_bytes(m.num_layers, m.num_kv_heads, m.head_dim, torch.float32)
+        cells.add(tangram_cell_bytes(full, profile))  # bytes per logical token: pool size
+        groups.add(tuple(profile.group_ratios))
+    assert len(cells) == 1 and len(groups) == 1  # same pool, same budgets on every rank
+    padded = sum(groups.pop()) * profile.grouping.heads_per_group / (m.num_layers * 1)
+    assert summary["padded_kept_ratio"] == pytest.approx(padded, abs=1e-6)  # per rank
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "needle"),
+    [
+        (
+            {"tp_size": 2},
+            r"--tp-size 2 cannot be combined with --tangram.*Use --tp-size in \[1, 3\]",
+        ),
+        (
+            {"tp_size": 3, "tangram_page_group_size": 3, "tangram_scope": "per_layer"},
+            "a head group of 3 KV heads would span TP ranks",
+        ),
+    ],
+    ids=["tp2-does-not-divide", "group-spans-ranks"],
+)
+def test_tp_size_the_heads_cannot_follow_is_refused(
+    patched_sglang, smollm2_path, smollm2_profile, kwargs, needle
+):
+    with pytest.raises(ConfigError, match=needle):
+        make_args(patched_sglang, smollm2_path, smollm2_profile, **kwargs)
+
+
+def test_rank_profile_reads_the_attention_tp_rank_from_sglang(
+    patched_sglang, smollm2_path, smollm2_profile
+):
+    """In a scheduler process the rank comes from SGLang's parallel state (``get_parallel``)."""
+    from sglang.srt.runtime_context import get_parallel
+
+    args = make_args(patched_sglang, smollm2_path, smollm2_profile, tp_size=3)
+    with get_parallel().override(attn_tp_rank=2, attn_tp_size=3):
+        read = rank_profile_from_server_args(args)
+    assert read.to_dict() == rank_profile_from_server_args(args, tp_rank=2).to_dict()
+    assert read.provenance["tensor_parallel"]["kv_heads"] == [2, 3]
+    with (
+        get_parallel().override(attn_tp_rank=0, attn_tp_size=1),
+        pytest.raises(ConfigError, match="attention TP size is 1"),
+    ):
+        rank_profile_from_server_args(args)

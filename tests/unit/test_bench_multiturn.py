@@ -48,10 +48,62 @@ def test_long_context_shares_its_context_only_when_asked():
     assert spec.label == "long-context-shared-2x3"
 
 
+def test_system_prompt_conversations_share_one_system_prompt_then_sharegpt_rounds():
+    spec = WorkloadSpec("system-prompt", num_clients=5, num_rounds=3, output_length=20)
+    convs = make_conversations(spec)
+    plain = make_conversations(
+        WorkloadSpec("sharegpt", num_clients=5, num_rounds=3, output_length=20)
+    )
+    assert all(c.shared_prefix == 2048 for c in convs)
+    for conv, chat in zip(convs, plain, strict=True):  # the same ShareGPT rounds after it
+        assert conv.rounds[0] == (2048 + chat.rounds[0][0], chat.rounds[0][1])
+        assert conv.rounds[1:] == chat.rounds[1:]
+    assert spec.label == "system-prompt-5x3"
+    short = WorkloadSpec("system-prompt", num_clients=1, num_rounds=2, system_prompt_tokens=300)
+    assert make_conversations(short)[0].shared_prefix == 300
+    assert short.label == "system-prompt300-1x2"
+    with pytest.raises(ConfigError, match="--system-prompt-tokens"):
+        make_conversations(WorkloadSpec("system-prompt", num_clients=1, system_prompt_tokens=0))
+
+
+def test_shared_prefix_ratios_compare_tangram_025_with_the_best_stock():
+    def run(tok_s, hit):
+        return {"requests_ok": 4, "output_tok_per_s": tok_s, "wall_s": 1.0, "cache_hit_rate": hit}
+
+    systems = {
+        "baseline": {
+            "workloads": {
+                "long-context-shared-64x4": run(1449, 0.992),
+                "system-prompt-64x4": run(1000, 0.9),
+            }
+        },
+        "baseline-flashinfer": {"workloads": {"long-context-shared-64x4": run(1500, 0.99)}},
+        "tangram-r0.25": {
+            "workloads": {
+                "long-context-shared-64x4": run(1650, 0.97),
+                "long-context-shared-8x4": run(10, 0.5),
+                "system-prompt-64x4": run(960, 0.89),
+            }
+        },
+    }
+    s = mt.summarize(systems, "long-context-shared-64x4", None)
+    assert s["shared_context_ratio_vs_stock"] == 1650 / 1500
+    assert s["system_prompt_ratio_vs_stock"] == 960 / 1000
+    assert s["shared_prefix"]["tangram-r0.25"]["system-prompt-64x4"] == {
+        "output_tok_per_s": 960,
+        "cache_hit_rate": 0.89,
+    }
+    del systems["tangram-r0.25"]["workloads"]["system-prompt-64x4"]
+    s = mt.summarize(systems, "long-context-shared-64x4", None)
+    assert s["system_prompt_ratio_vs_stock"] is None
+    assert "system-prompt-" in s["missing"]["system_prompt_ratio_vs_stock"]
+
+
 ITEMS = [
     ("cliff:64", "cliff-64"),
     ("prefill:4x512", "prefill-4x512"),
     ("sharegpt:8x2", "sharegpt-8x2"),
+    ("system-prompt:64x4", "system-prompt-64x4"),
 ]
 
 

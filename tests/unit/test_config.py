@@ -126,7 +126,7 @@ def test_resolve_rejects_corrupt_profile(tmp_path):
         profile_loader.resolve_profile(TangramConfig(enabled=True, profile_path=str(path)), MODEL)
 
 
-def test_shipped_default_prefers_ada_snapkv_closest_to_quarter(tmp_path):
+def test_shipped_default_prefers_kvzip_lite_then_ada_snapkv_closest_to_quarter(tmp_path):
     folder = tmp_path / "tiny"
     folder.mkdir()
     model_profile(target=0.5).save(folder / "ada-snapkv-r0.5.json")
@@ -136,6 +136,9 @@ def test_shipped_default_prefers_ada_snapkv_closest_to_quarter(tmp_path):
     (folder / "broken.json").write_text("not json")
     assert profile_loader.find_shipped_profile(MODEL, tmp_path).name == "ada-snapkv-r0.25.json"
     assert profile_loader.find_shipped_profile(OTHER, tmp_path).name == "other-model.json"
+    model_profile(scorer="kvzip-lite", target=0.5).save(folder / "kvzip-lite-r0.5.json")
+    model_profile(scorer="kvzip-lite", target=0.25).save(folder / "kvzip-lite-r0.25.json")
+    assert profile_loader.find_shipped_profile(MODEL, tmp_path).name == "kvzip-lite-r0.25.json"
     model_profile(scorer="snapkv", target=0.9).save(folder / "default.json")
     assert profile_loader.find_shipped_profile(MODEL, tmp_path).name == "default.json"
 

@@ -91,6 +91,27 @@ def test_shared_context_prefill_equals_each_press_run_alone(setup):
     assert generated[0, len(ids) :].tolist()[: len(outs["full"][0])] == outs["full"][0]
 
 
+def test_kvzip_gets_its_own_prefill_and_answers_as_kvpress_does(setup):
+    """KVzip needs its reconstruction forwards: the runner's own prefill for it equals kvpress's
+    pipeline (press around the context prefill, then the question on the masked cache)."""
+    runner, conv = setup
+    (ids,) = conv.turn_ids
+    outs = runner.generate(
+        conv.context_ids, conv.turn_ids, {"kvzip": KvpressRunner.make_press("kvzip", 0.6)}, MAX_NEW
+    )
+    attns = [layer.self_attn for layer in runner.model.model.layers]
+    try:
+        ref, _ = _reference(runner, KvpressRunner.make_press("kvzip", 0.6), conv.context_ids, ids)
+    finally:
+        for attn in attns:  # kvpress's pipeline leaves KVzip's masks on the modules
+            attn.masked_key_indices = None
+    assert outs["kvzip"] == [ref]
+    kept = runner.kept_per_head["kvzip"]  # one budget over every layer and head (KVzip's)
+    layers, heads, n = len(kept), len(kept[0]), len(conv.context_ids)
+    assert sum(map(sum, kept)) == layers * heads * n - int(layers * heads * n * 0.6)
+    assert len({sum(per_layer) for per_layer in kept}) > 1  # layers keep different counts
+
+
 def test_a_turn_that_does_not_extend_the_context_is_refused(setup):
     from tangram_sglang.errors import TangramError
 

@@ -73,7 +73,8 @@ def test_summary_is_tangram_minus_each_method_in_points_over_tasks_and_ratios():
         "above_uniform_at_0.25": True,
         "needle_0.5_within_3_points_of_full": True,
     }
-    assert "| needle | 0.25 | 0.25 | 100.0 | 50.0 | 50.0 | 0.0 | - | 2 |" in markdown_table(
+    # columns: full, tangram, tangram-kvzip-lite, dynamic, uniform, kvzip, full-hf
+    assert "| needle | 0.25 | 0.25 | 100.0 | 50.0 | - | 50.0 | 0.0 | - | - | 2 |" in markdown_table(
         {"results": results}
     )
 
@@ -201,3 +202,38 @@ def test_merge_refuses_reports_of_different_devices():
         merge([on("cuda", "tangram", 1.0), on("cpu", "uniform-snapkv", 0.0)])
     old = _rep(("uniform-snapkv",), [_rec("needle", "uniform-snapkv", 0.5, 0.0)])  # no device
     assert merge([on("cpu", "tangram", 1.0), old])["config"]["device"] == "cpu"
+
+
+def _turn_records(system, ratio, per_turn):
+    """Multi-turn records: ``per_turn[t]`` = the contains-answer flags of turn t's samples."""
+    return [
+        {
+            "task": "multiturn-squad",
+            "sample_id": f"m{i}",
+            "turn": t,
+            "system": system,
+            "ratio": ratio,
+            "kept_fraction": 1.0 if ratio is None else ratio,
+            "cached_tokens": 0,
+            "contains_answer": flag,
+            "exact_match": 0.0,
+        }
+        for t, flags in enumerate(per_turn)
+        for i, flag in enumerate(flags)
+    ]
+
+
+def test_later_questions_take_the_best_tangram_scorer_minus_full_kv():
+    records = (
+        _turn_records("full", None, [[1, 1], [1, 0], [1, 1]])  # later turns: 3/4 = 75
+        + _turn_records("tangram", 0.25, [[1, 1], [0, 0], [0, 1]])  # 25
+        + _turn_records("tangram-kvzip-lite", 0.25, [[1, 0], [1, 0], [1, 1]])  # 75
+        + _turn_records("tangram", 0.5, [[1, 1], [1, 0], [0, 1]])  # 50
+        + _turn_records("kvzip", 0.5, [[1, 1], [1, 1], [1, 1]])  # a press, never "best Tangram"
+    )
+    out = summary(aggregate(records, (0.5, 0.25)))
+    assert out["later_questions_minus_full_points"] == {"0.25": 0.0, "0.5": -25.0}
+    assert out["later_questions_best_tangram"] == {"0.25": "tangram-kvzip-lite", "0.5": "tangram"}
+    assert out["later_questions_points"]["0.5"] == {"full": 75.0, "tangram": 50.0, "kvzip": 100.0}
+    # no multi-turn task: empty fields, not an error
+    assert summary(aggregate([], (0.5,)))["later_questions_minus_full_points"] == {}

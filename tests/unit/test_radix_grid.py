@@ -1,0 +1,146 @@
+"""Grid segmentation (``TANGRAM_GRID_SEGMENTS=1``): segments cut at absolute multiples of the
+chunk size, the tree caches whole cells only, so a match never depends on what the tree held.
+
+On the real tree + state + SGLang slot pools of ``radix_world`` (no server): a finished request
+leaves exactly its whole cells in the tree (its last partial chunk and decode tail are freed and
+counted), a later request matches at the deepest cell it shares, continues chunking on the grid
+and leaves the same cells as a cold request over the same prompt. The same tokens and logprobs,
+hot and cold, on the real server: ``tests/e2e/test_segment_grid.py``.
+"""
+
+from __future__ import annotations
+
+from array import array
+from types import SimpleNamespace
+
+import pytest
+import torch
+from radix_world import build_tree, run_request
+
+from tangram_sglang.config import GRID_ENV, segment_grid
+from tangram_sglang.errors import ConfigError
+from tangram_sglang.integration.sglang_adapters import _align_to_grid
+from tangram_sglang.radix.cache import value_of
+from tangram_sglang.radix.segment import is_grid_cell
+
+GRID = 4  # tokens per cell = the chunked-prefill size of the world
+
+
+def test_the_grid_is_the_chunk_size_when_switched_on():
+    assert segment_grid(128, {}) == 0
+    assert segment_grid(128, {GRID_ENV: "0"}) == 0
+    assert segment_grid(128, {GRID_ENV: "1"}) == 128
+    with pytest.raises(ConfigError, match="--chunked-prefill-size"):
+        segment_grid(-1, {GRID_ENV: "1"})
+    with pytest.raises(ConfigError, match=GRID_ENV):
+        segment_grid(128, {GRID_ENV: "maybe"})
+
+
+def test_only_whole_prefill_cells_are_grid_cells():
+    assert is_grid_cell("extend", 8, 12, 4)
+    assert not is_grid_cell("extend", 8, 10, 4)  # a prompt's last, partial chunk
+    assert not is_grid_cell("extend", 6, 10, 4)  # off the grid
+    assert not is_grid_cell("decode", 8, 12, 4)  # a decode tail that happens to fill a cell
+
+
+def test_truncation_is_aligned_to_the_grid_by_position_or_keyword():
+    assert _align_to_grid(0, (False, None), {}) == ((False, None), {})
+    assert _align_to_grid(64, (False, None), {}) == ((False, 64), {})
+    assert _align_to_grid(64, (), {"has_chunked_req": True, "truncation_align_size": 96}) == (
+        (),
+        {"has_chunked_req": True, "truncation_align_size": 192},
+    )
+
+
+def _cells(tree) -> list[tuple[int, int, tuple[int, ...]]]:
+    return sorted(
+        (v.start_depth, v.end_depth, tuple(v.group_lens.tolist()))
+        for v in (value_of(n) for n in tree._boundaries.values())
+    )
+
+
+def test_hot_and_cold_requests_cut_the_same_cells(monkeypatch):
+    monkeypatch.setenv(GRID_ENV, "1")
+    tree, state, req_pool, slots = build_tree(chunk_tokens=GRID)
+    assert tree.grid == GRID and state.segment_grid == GRID
+    start_free = state.memory.allocator.num_free()
+    turn1 = [5, 6, 7, 8, 1, 2, 3, 4, 9, 9]  # 10 tokens: cells [0, 4), [4, 8); [8, 10) partial
+    cached, chunks = run_request(tree, state, req_pool, slots, turn1, [11, 12, 13], GRID)
+    assert cached == 0 and chunks == [(0, 4), (4, 8), (8, 10)]
+    assert [c[:2] for c in _cells(tree)] == [(0, 4), (4, 8)]
+    assert tree.stats()["pages_off_grid_freed"] > 0  # the partial chunk and the decode tail
+    turn2 = [*turn1, 11, 12, 13, 21, 22, 23, 24]  # 17 tokens: the reply, then a new question
+    cached, chunks = run_request(tree, state, req_pool, slots, turn2, [31], GRID)
+    assert cached == 8  # the deepest whole cell, not turn 1's prompt + tail (13)
+    assert chunks == [(8, 12), (12, 16), (16, 17)]
+    hot = _cells(tree)
+    assert [c[:2] for c in hot] == [(0, 4), (4, 8), (8, 12), (12, 16)]
+    tree.reset()
+    assert state.memory.allocator.num_free() == start_free
+    cached, chunks = run_request(tree, state, req_pool, slots, turn2, [31], GRID)
+    assert cached == 0 and [c[1] for c in chunks] == [4, 8, 12, 16, 17]
+    assert _cells(tree) == hot  # the same cells, kept lengths included
+    tree.reset()
+    assert state.memory.allocator.num_free() == start_free
+    state.memory.check_invariants()
+
+
+def test_a_shared_prefix_is_held_once(monkeypatch):
+    monkeypatch.setenv(GRID_ENV, "1")
+    tree, state, req_pool, slots = build_tree(chunk_tokens=GRID)
+    document = [40, 41, 42, 43, 44, 45, 46, 47, 48]  # 9 tokens: two whole cells
+    run_request(tree, state, req_pool, slots, [*document, 1, 2], [3], GRID)
+    held = tree.stats()["pages_held"]
+    cached, _ = run_request(tree, state, req_pool, slots, [*document, 7, 7, 7], [3], GRID)
+    assert cached == 8
+    stats = tree.stats()
+    assert stats["segments"] == 3  # [0, 4), [4, 8) once, and the second chat's [8, 12)
+    new = next(v for v in map(value_of, tree._boundaries.values()) if v.start_depth == 8)
+    assert stats["pages_held"] == held + new.num_pages
+    assert state.memory.allocator.num_used() == stats["pages_held"]  # one copy in the pool
+
+
+def test_cells_of_a_running_chunked_prefill_are_matched_by_a_later_request(monkeypatch):
+    monkeypatch.setenv(GRID_ENV, "1")
+    tree, state, req_pool, slots = build_tree(chunk_tokens=GRID)
+    start_free = state.memory.allocator.num_free()
+    document = [40, 41, 42, 43, 44, 45, 46, 47, 48, 49]  # 10 tokens: cells [0, 4), [4, 8)
+    row = req_pool.free_slots.pop(0)
+    req_pool.req_to_token[row, : len(document)] = slots.alloc(len(document)).to(torch.int32)
+    tree.inc_lock_ref(tree.root_node)
+    running = SimpleNamespace(
+        req_pool_idx=row,
+        last_node=tree.root_node,
+        cache_protected_len=0,
+        origin_input_ids=array("q", document),
+        output_ids=array("q"),
+        extra_key=None,
+        priority=0,
+        prefix_indices=None,
+        extend_range=None,
+    )
+    for done in (0, 4):  # two chunks, each inserted before the next is scheduled
+        state.allocate_extend([row], [GRID], [done])
+        running.extend_range = SimpleNamespace(end=done + GRID)
+        tree.cache_unfinished_req(running, chunked=True)
+        assert running.cache_protected_len == done + GRID == len(running.prefix_indices)
+    assert tree.stats()["in_flight_inserts"] == 2
+    assert [c[:2] for c in _cells(tree)] == [(0, 4), (4, 8)]
+    assert tree.evictable_pages() == 0  # locked by the running row
+    # Another client on the same document, while the first is still prefilling: it matches
+    # both cells instead of prefilling them again.
+    cached, chunks = run_request(tree, state, req_pool, slots, [*document, 7, 7], [3], GRID)
+    assert cached == 8 and chunks == [(8, 12)]
+    state.allocate_extend([row], [2], [8])  # the first client's last chunk, then its reply
+    req_pool.req_to_token[row, len(document)] = int(slots.alloc(1)[0])
+    running.output_ids.append(5)
+    state.allocate_decode([row], [len(document) + 1])
+    running.output_ids.append(9)
+    tree.cache_finished_req(running, True, kv_len_to_handle=len(document) + 1)
+    req_pool.free_slots.append(row)
+    assert tree.stats()["segments"] == 3  # [0, 4), [4, 8) once; the second client's [8, 12)
+    assert state.memory.allocator.num_used() == tree.stats()["pages_held"]
+    assert tree.evictable_pages() == tree.evictable_pages_scan() == tree.stats()["pages_held"]
+    tree.reset()
+    assert state.memory.allocator.num_free() == start_free
+    state.memory.check_invariants()
