@@ -73,8 +73,7 @@ def run_request(tree, state, req_pool, slots, prompt, outputs, chunk: int) -> tu
     chunks = []
     while done < len(prompt):
         n = min(chunk, len(prompt) - done)  # SGLang's chunks
-        state.begin_extend([row], [n], [done])
-        state.commit_extend([row])
+        state.allocate_extend([row], [n], [done])
         chunks.append((done, done + n))
         done += n
     req = SimpleNamespace(
@@ -90,7 +89,7 @@ def run_request(tree, state, req_pool, slots, prompt, outputs, chunk: int) -> tu
         seq = len(prompt) + len(req.output_ids)
         req_pool.req_to_token[row, seq] = int(slots.alloc(1)[0])
         req.output_ids.append(token)
-        state.begin_decode([row], [seq + 1])
+        state.allocate_decode([row], [seq + 1])
     req.output_ids.append(9)  # the last sampled token (no KV)
     tree.cache_finished_req(req, True, kv_len_to_handle=len(prompt) + len(outputs))
     req_pool.free_slots.append(row)

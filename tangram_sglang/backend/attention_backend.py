@@ -1,13 +1,18 @@
 """TangramAttnBackend: SGLang's ``tangram`` attention backend over the compressed, ragged pool.
 
-Plan per batch (``init_forward_metadata``: reserve/allocate the batch's pages through
-:class:`~tangram_sglang.backend.state.TangramState`, build :mod:`metadata` once), run per layer:
+The backend is a pure reader of page tables (FlashInfer-style plan/run). The scheduler owns the
+pages: :class:`~tangram_sglang.backend.state.TangramState` allocates them when SGLang schedules
+the batch (``alloc_for_extend`` / ``alloc_for_decode`` hooks, ``integration``) and advances each
+head group's kept length there. Plan per batch (``init_forward_metadata``: run the deferred
+copy-on-write copies, flush the page-table deltas and build :mod:`metadata` once, in one packed
+upload; no allocation, no commit, no ``PoolError``), run per layer:
 
 * ``forward_extend``: the new tokens attend to the row's compressed history pages + the causal
   new tokens (K/V of the new tokens stay transient, never in the pool); the profile's scorer
   scores the observation window (normalised by the extend ``lse``: history + new); every KV head
   keeps its own top ``k_g`` (``k_g = kept_len(n, group ratio)``); only the kept K/V are written
-  into the reserved pages. After the last layer each group's length grows by ``k_g``.
+  into the allocated pages. The history lengths come from the plan (the lengths before the
+  segment), since the live lengths already include ``k_g``.
 * ``forward_decode``: the new token's K/V go into its slot of every group, then ragged decode.
 
 Positions are SGLang's logical positions (RoPE is applied to q/k by the model before this
@@ -17,8 +22,8 @@ KV head h. CPU runs :mod:`tangram_sglang.kernels.reference`; CUDA runs the Trito
 CUDA graphs (decode only; SGLang 0.5.17's ``DecodeCudaGraphRunner``): ``init_cuda_graph_state``
 checks the static decode buffers (:class:`~tangram_sglang.backend.metadata.DecodeGraphBuffers`,
 built at start-up and also used by eager decode on CUDA); ``init_forward_metadata_out_graph``
-runs on the host before capture/replay (page allocation, then the plan written in place into
-the buffers, padded entries -> row 0 / page 0); ``init_forward_metadata_in_graph`` has nothing
+runs on the host before capture/replay (the plan written in place into the buffers, padded
+entries -> row 0 / page 0); ``init_forward_metadata_in_graph`` has nothing
 to record. Prefill stays eager (``--tangram`` sets ``--disable-prefill-cuda-graph``). Ran on the
 H200 with graphs for batch sizes 1-128 (benchmarks/RESULTS.md, issue 7).
 
@@ -108,14 +113,17 @@ class TangramAttnBackend(AttentionBackend):
         self.memory = self.state.memory
         self.k_pool = self.memory.kv_pool.k_pool
         self.v_pool = self.memory.kv_pool.v_pool
-        self.last_layer = self.state.profile.model.num_layers - 1
         self.forward_metadata: md.TangramForwardMetadata | None = None
         self.kernels = kernels_for(
             self.device, self.state, int(model_runner.req_to_token_pool.size)
         )
         m = self.state.profile.model
-        # Device writes of the page table are staged and flushed once per batch plan.
+        # Device writes of the page table and COW copies are staged when the scheduler
+        # allocates, and applied once per batch plan, on the stream the batch runs on.
         self.memory.table.deferred = True
+        self.memory.defer_copies = True
+        # The lengths before each extend segment, at the batch's rows (metadata.hist_len).
+        self.extend_hist_len = torch.zeros_like(self.memory.table.group_len)
         self.decode_buffers = md.DecodeGraphBuffers.create(
             self.memory.table.max_rows,
             self.memory.num_head_groups,
@@ -131,30 +139,33 @@ class TangramAttnBackend(AttentionBackend):
 
     # ---- plan (per batch) ----------------------------------------------------------------------
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
-        """Reserve/allocate the batch's pages and build the per-batch tensors (once per batch).
+        """Build the per-batch tensors from host data (once per batch); allocates nothing.
 
-        Host inputs only (rows and lengths from the schedule batch's CPU copies, see
-        :meth:`TangramState.host_batch_for`); the page-table deltas and the plan reach the
-        device in one packed non-blocking copy (``PageTable.flush``): no device-to-host read.
+        The scheduler allocated the batch's pages and advanced its lengths
+        (:meth:`TangramState.allocate_extend` / :meth:`~TangramState.allocate_decode`). Here:
+        the deferred copy-on-write copies run, then the page-table deltas and the plan reach the
+        device in one packed non-blocking copy (``PageTable.flush``). Host inputs only (rows
+        from the schedule batch's CPU copies, :meth:`TangramState.host_batch_for`; extend
+        lengths from the scheduler's plan): no device-to-host read.
 
         Raises:
             ConfigError: a mixed or other unsupported forward mode.
-            KernelError: no host copy of the batch's rows (the ``ForwardBatch.init_new`` hook
-                did not run).
+            KernelError: no host copy of the batch's rows, or no scheduler allocation for an
+                extend row (the plugin's hooks did not run).
         """
         mode = forward_batch.forward_mode
         table = self.memory.table
+        self.memory.run_copies()
         if mode.is_idle():
-            table.flush()  # lengths committed by the last extend batch
+            table.flush()  # deltas of rows released or allocated since the last batch
             self.forward_metadata = None
             return
-        rows, seq_lens = self.state.host_batch_for(forward_batch, int(forward_batch.batch_size))
+        rows, _ = self.state.host_batch_for(forward_batch, int(forward_batch.batch_size))
         if mode.is_decode():
-            self.forward_metadata = self._plan_decode(rows, seq_lens)
+            self.forward_metadata = self._plan_decode(rows)
         elif mode.is_extend() and not mode.is_mixed():
             extend_lens = list(forward_batch.extend_seq_lens_cpu)
-            prefix_lens = list(forward_batch.extend_prefix_lens_cpu)
-            kept = self.state.begin_extend(rows.tolist(), extend_lens, prefix_lens)
+            start, kept = self.state.extend_plan_for(rows, extend_lens)
             self.forward_metadata = md.extend_metadata(
                 rows,
                 extend_lens,
@@ -162,21 +173,21 @@ class TangramAttnBackend(AttentionBackend):
                 self.device,
                 self.state.profile.grouping.cluster_of,
                 upload=table.flush,
+                start_lens=start,
+                hist_len=self.extend_hist_len,
             )
         else:
             raise ConfigError(f"the {BACKEND_NAME} backend does not run forward mode {mode.name}")
 
     def _plan_decode(
-        self, rows: np.ndarray, seq_lens: np.ndarray, padded_bs: int | None = None
+        self, rows: np.ndarray, padded_bs: int | None = None
     ) -> md.TangramForwardMetadata:
-        """Allocate one decode token per group of ``rows``, then the plan (host, per step).
+        """The decode plan of ``rows`` (pages allocated by the scheduler), host work per step.
 
         CUDA: the plan is written into the static buffers (graph-safe, also used eagerly);
         CPU: fresh tensors for the reference kernels. Either way the page-table deltas and the
         plan go to the device in one packed copy.
         """
-        if rows.size:
-            self.state.begin_decode(rows, seq_lens)
         table = self.memory.table
         ps = self.memory.page_size
         if self.device.type != "cuda":
@@ -204,9 +215,10 @@ class TangramAttnBackend(AttentionBackend):
     def init_forward_metadata_out_graph(self, forward_batch, in_capture: bool = False) -> None:
         """Host planning before a decode graph is captured or replayed (SGLang calls it).
 
-        Capture: every entry is padding (no request owns the rows; nothing is allocated).
+        Capture: every entry is padding (no request owns the rows).
         Replay: ``forward_batch`` is SGLang's padded view (``num_padding`` entries at the end);
-        the real rows get their decode pages, the plan is written into the static buffers.
+        the plan of the real rows (pages allocated by the scheduler) is written into the static
+        buffers after the deferred copy-on-write copies.
 
         Raises:
             ConfigError: a non-decode batch (prefill graphs are not supported: pass
@@ -220,11 +232,12 @@ class TangramAttnBackend(AttentionBackend):
             )
         bs = int(forward_batch.batch_size)
         if in_capture:
-            rows, lens = np.zeros(0, np.int64), np.zeros(0, np.int64)
+            rows = np.zeros(0, np.int64)
         else:
             n = bs - int(getattr(forward_batch, "num_padding", 0) or 0)
-            rows, lens = self.state.host_batch_for(forward_batch, n)
-        self.forward_metadata = self._plan_decode(rows, lens, bs)
+            rows, _ = self.state.host_batch_for(forward_batch, n)
+            self.memory.run_copies()
+        self.forward_metadata = self._plan_decode(rows, bs)
 
     def init_forward_metadata_in_graph(self, forward_batch) -> None:
         """Nothing to record: the plan is already in the static buffers (out of graph)."""
@@ -252,8 +265,6 @@ class TangramAttnBackend(AttentionBackend):
         lid = layer.layer_id
         q3, k3, v3 = _split_heads(q, k, v, layer)
         out = extend_layer(self.kernels, self.state, meta, q3, k3, v3, lid, layer.scaling)
-        if lid == self.last_layer:
-            self.state.commit_extend(list(meta.host_rows))
         return out.reshape(out.shape[0], -1)
 
     def forward_decode(

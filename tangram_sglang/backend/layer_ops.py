@@ -194,12 +194,15 @@ def extend_layer(
         sm_scale: softmax scale.
 
     Returns:
-        ``[T, H_q, D]`` attention output. The pool holds the kept K/V of this layer afterwards
-        (``group_len`` is not advanced: ``state.commit_extend`` does it after the last layer).
+        ``[T, H_q, D]`` attention output. The pool holds the kept K/V of this layer afterwards.
+        History lengths come from ``meta.hist_len`` (the lengths before the segment: the
+        scheduler advanced the live ``group_len`` when it allocated the batch) or, without it,
+        from the live ``group_len``.
     """
     memory = state.memory
     table = memory.table
     goh, coh = state.group_of_head[layer_id], state.column_of_head[layer_id]
+    hist = table.group_len if meta.hist_len is None else meta.hist_len  # lengths before
     out, lse = kernels.extend(
         q3,
         k3,
@@ -208,7 +211,7 @@ def extend_layer(
         memory.kv_pool.k_pool,
         memory.kv_pool.v_pool,
         table.page_table,
-        table.group_len,
+        hist,
         meta.req_rows,
         goh,
         coh,
@@ -238,7 +241,7 @@ def extend_layer(
         memory.kv_pool.k_pool,
         memory.kv_pool.v_pool,
         table.page_table,
-        table.group_len,
+        hist,
         meta.req_rows,
         goh,
         coh,

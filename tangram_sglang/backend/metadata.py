@@ -9,6 +9,9 @@ Extend batch (one segment per request)::
     req_rows   int32 [bs]         page-table rows (SGLang req_pool_indices)
     qo_indptr  int32 [bs + 1]     request i owns new tokens qo_indptr[i]:qo_indptr[i+1]
     kept_count int32 [bs, G]      k_g of each request's segment (tokens)
+    hist_len   int32 [rows, G]    kept lengths BEFORE the segment at the batch's rows (the
+                                  history the kernels attend to, where kept K/V start): the
+                                  scheduler already advanced the live group_len by k_g
     bounds     host list          qo_indptr on the host (per-request loops, no device sync)
     kept_lens  host int64 [bs, G] same as kept_count
 
@@ -73,9 +76,12 @@ class TangramForwardMetadata:
     dest_slot: torch.Tensor | None  # int64 [bs, G] device (decode)
     max_extend_len: int  # longest segment of the batch (tokens; 0 for decode)
     out: torch.Tensor | None = None  # [bs, num_qo_heads, D] decode output buffer, or None
-    host_rows: tuple[int, ...] = ()  # req_rows on the host (extend: commit without a device sync)
+    host_rows: tuple[int, ...] = ()  # req_rows on the host (extend; no device read)
     kept_heads_host: np.ndarray | None = None  # int64 [L, bs, H_kv] k_g per layer and KV head
     kept_heads: torch.Tensor | None = None  # the same on the device (one copy per batch)
+    # extend: int32 [rows, G] lengths before the segment at the batch's rows (None: the live
+    # group_len is the history, as when the lengths advance after the forward)
+    hist_len: torch.Tensor | None = None
 
     @property
     def batch_size(self) -> int:
@@ -103,6 +109,8 @@ def extend_metadata(
     device: torch.device | str,
     group_of_head: np.ndarray | None = None,
     upload: Upload | None = None,
+    start_lens: np.ndarray | None = None,
+    hist_len: torch.Tensor | None = None,
 ) -> TangramForwardMetadata:
     """Plan an extend batch.
 
@@ -116,7 +124,22 @@ def extend_metadata(
             :meth:`TangramForwardMetadata.layer_kept`), so no layer copies to the device.
         upload: how the host arrays reach ``device`` (default :func:`plain_upload`); all of
             them go in one call.
+        start_lens: optional int ``[bs, num_head_groups]`` kept lengths before the segment
+            (``TangramState.allocate_extend`` advanced the live lengths at schedule time):
+            uploaded with the plan and scattered into ``hist_len`` at the batch's rows, which
+            the kernels then read as the history (:attr:`TangramForwardMetadata.hist_len`).
+        hist_len: int32 ``[max_rows, num_head_groups]`` device buffer for ``start_lens``,
+            shaped like ``PageTable.group_len`` (the backend's, built once); required with
+            ``start_lens``.
+
+    Raises:
+        KernelError: ``start_lens`` without a ``hist_len`` buffer.
     """
+    if start_lens is not None and hist_len is None:
+        raise KernelError(
+            "extend_metadata: start_lens needs a hist_len buffer shaped like the page table's "
+            "group_len (torch.zeros_like(table.group_len))"
+        )
     row_arr = np.asarray(rows, np.int64).reshape(-1)
     bounds_arr = np.concatenate([[0], np.cumsum(np.asarray(extend_lens, np.int64))])
     kept = np.asarray(kept_lens, np.int64).reshape(row_arr.size, -1)
@@ -127,9 +150,13 @@ def extend_metadata(
             kept[:, np.asarray(group_of_head, np.int64)].swapaxes(0, 1)
         )
         parts.append(heads_host)
+    if start_lens is not None:
+        parts.append(np.asarray(start_lens, np.int64).reshape(kept.shape))
     dev = (upload or plain_upload(device))(parts)
     if heads_host is not None:
         heads = dev[3]
+    if start_lens is not None:
+        hist_len.index_copy_(0, dev[0], dev[-1].to(torch.int32))
     bounds = bounds_arr.tolist()
     return TangramForwardMetadata(
         mode=EXTEND,
@@ -144,6 +171,7 @@ def extend_metadata(
         host_rows=tuple(row_arr.tolist()),
         kept_heads_host=heads_host,
         kept_heads=heads,
+        hist_len=hist_len,
     )
 
 

@@ -1,15 +1,20 @@
 """TangramState: one server's pool, side tables and per-request bookkeeping (no sglang import).
 
-Built once at start-up by the attention backend (from the pool the KV-cache hook allocated) and
-shared with the hooks that free a request row. It drives :class:`~tangram_sglang.mem.manager.
-TangramMemory` per batch, in the order the forward needs::
+The one scheduler-side KV manager (shaped like vLLM v1's ``KVCacheManager``: pages to allocate
+/ allocate / free). Built once at start-up by the attention backend (from the pool the KV-cache
+hook allocated) and shared with the scheduler hooks, which call it at the seams SGLang itself
+uses for memory. It drives :class:`~tangram_sglang.mem.manager.TangramMemory`; the attention
+backend only reads what it allocated::
 
-    extend batch:  begin_extend(rows)  -> admit / admit_chunk + alloc_extend (pages reserved,
-                   [forward: every layer reads history lens, writes kept K/V]
-                   commit_extend(rows) -> group_len += k_g          after the last layer)
-    decode batch:  begin_decode(rows)  -> alloc_decode (group_len includes the new token)
-    row finished:  finish_row(row)     -> the row's segments (the radix tree takes them)
-    row freed:     release(row)        -> every page of the row back to the free list
+    admission:     request_pages / can_admit      (PrefillAdder; the one footprint formula)
+    extend batch:  allocate_extend(rows)  -> admit / admit_chunk + alloc_extend + commit:
+                   group_len += k_g at schedule time (alloc_for_extend); the forward reads the
+                   lengths before the segment from the plan (extend_plan_for)
+    decode check:  can_decode(rows)               (check_decode_mem: False -> SGLang retracts)
+    decode batch:  allocate_decode(rows)  -> alloc_decode (alloc_for_decode; group_len
+                   includes the new token)
+    row finished:  finish_row(row)        -> the row's segments (the radix tree takes them)
+    row freed:     release(row)           -> every page of the row back to the free list
 
 Rows are SGLang's ``req_pool_idx``. With a radix tree attached (``state.radix``, set by
 ``radix.cache.TangramRadixCache``) a new row whose ``prefix_len > 0`` starts from the tree's
@@ -169,6 +174,22 @@ class PrefillAsk:
         return replace(self, decode_tokens=max(int(decode_tokens), 0))
 
 
+@dataclass(frozen=True, slots=True)
+class ExtendBatchPlan:
+    """What :meth:`TangramState.allocate_extend` allocated for an extend batch (host arrays).
+
+    Attributes:
+        rows: int64 ``[bs]`` request rows.
+        start_lens: int64 ``[bs, G]`` kept tokens per head group before the segment (the
+            history the extend attends to; where its kept K/V start).
+        kept_lens: int64 ``[bs, G]`` kept tokens per group of the segment (``k_g(n)``).
+    """
+
+    rows: np.ndarray
+    start_lens: np.ndarray
+    kept_lens: np.ndarray
+
+
 class TangramState:
     """Per-server Tangram runtime: memory facade, layer maps, scorer, row bookkeeping.
 
@@ -202,7 +223,9 @@ class TangramState:
         self.last_release: RowRecord | None = None
         self.radix: Any = None  # TangramRadixCache once the scheduler built it (prefix, evict)
         self.plans: dict[int, tuple[int, int]] = {}  # row -> (prompt tokens, decode-tail tokens)
-        self.trim_after_commit: dict[int, int] = {}  # row -> decode-tail tokens to keep
+        # row -> (segment tokens, start lens int64 [G], kept lens int64 [G]) of the row's last
+        # scheduled extend (allocate_extend), read by the attention backend (extend_plan_for).
+        self.extend_plans: dict[int, tuple[int, np.ndarray, np.ndarray]] = {}
         self.num_page_retractions = 0  # decode checks failed for pages (SGLang then retracts)
         self.refused: list[tuple[Any, str]] = []  # (request, HTTP 400 text) refused by admission
         self._fragmentation: tuple[float, float] | None = None  # (monotonic time, value)
@@ -210,21 +233,19 @@ class TangramState:
         # from the schedule batch's CPU copies (set_host_batch); read by the attention backend.
         self.host_rows: np.ndarray | None = None
         self.host_seq_lens: np.ndarray | None = None
-        # row -> the radix node its matched prefix ends at (extend batches; SGLang's
-        # req.last_node), so a new row finds its compressed prefix without a device read.
+        # row -> the radix node its matched prefix ends at (the extend batch being allocated;
+        # SGLang's req.last_node), so a new row finds its compressed prefix without a device read.
         self.host_prefix_nodes: dict[int, Any] = {}
 
     # ---- the batch about to run (host copies) ------------------------------------------------
-    def set_host_batch(self, rows: Any, seq_lens: Any, prefix_nodes: dict | None = None) -> None:
+    def set_host_batch(self, rows: Any, seq_lens: Any) -> None:
         """Record the next forward's rows and sequence lengths (host tensors or arrays).
 
         Called when SGLang builds the ``ForwardBatch`` (``integration`` hook on
         ``ForwardBatch.init_new``) from ``ScheduleBatch.req_pool_indices_cpu`` /
         ``seq_lens_cpu``, so planning never reads the device tensors (a GPU sync that would
-        stop overlap scheduling). None clears the record. ``prefix_nodes``: row -> the radix
-        node its matched prefix ends at (extend batches), read by ``radix.prefix_for``.
+        stop overlap scheduling). None clears the record.
         """
-        self.host_prefix_nodes = dict(prefix_nodes or {})
         self.host_rows = None if rows is None else np.asarray(rows, np.int64).reshape(-1)
         self.host_seq_lens = (
             None if seq_lens is None else (np.asarray(seq_lens, np.int64).reshape(-1))
@@ -266,30 +287,53 @@ class TangramState:
         """
         self.plans[int(row)] = (int(prompt_tokens), max(int(decode_tokens), 0))
 
-    # ---- per batch ---------------------------------------------------------------------------
-    def begin_extend(
-        self, rows: list[int], extend_lens: list[int], prefix_lens: list[int]
-    ) -> np.ndarray:
-        """Reserve and allocate each row's segment pages (before the forward).
+    # ---- per batch (scheduler side: SGLang's alloc_for_extend / alloc_for_decode) ---------
+    def allocate_extend(
+        self,
+        rows: list[int] | np.ndarray,
+        extend_lens: list[int],
+        prefix_lens: list[int],
+        prefix_nodes: dict | None = None,
+    ) -> ExtendBatchPlan:
+        """Reserve and allocate each row's segment pages and advance its group lengths.
 
-        A row without a table is a new request, starting from the radix tree's compressed
-        prefix when ``prefix_len > 0``. With a plan (:meth:`plan_row`) admission reserves
-        :meth:`request_pages` of the plan: this segment, the prompt's later chunks as an
-        uncompressed upper bound (SGLang sizes each chunk when it schedules it) and the planned
-        decode tokens; after the last chunk the grant is trimmed to the exact planned tail, so
-        later chunks never wait for pages. Without a plan only the segment is reserved.
-        A row with a table continues a chunked prefill. Page shortfalls evict
+        Called when SGLang schedules the extend batch (``alloc_for_extend``), before the
+        batch runs. A row without a table is a new request, starting from the radix tree's
+        compressed prefix when ``prefix_len > 0``. With a plan (:meth:`plan_row`) admission
+        reserves :meth:`request_pages` of the plan: this segment, the prompt's later chunks as
+        an uncompressed upper bound (SGLang sizes each chunk when it schedules it) and the
+        planned decode tokens; after the last chunk the grant is trimmed to the exact planned
+        tail, so later chunks never wait for pages. Without a plan only the segment is
+        reserved. A row with a table continues a chunked prefill. Page shortfalls evict
         unlocked radix nodes first.
 
+        Kept lengths are static (``k_g(n)`` from the profile), so each group's length grows by
+        ``k_g`` here, as SGLang advances ``seq_lens`` at schedule time; the batch's kernels
+        read the lengths before the segment from the returned plan (recorded for the attention
+        backend: :meth:`extend_plan_for`), never from the live table.
+
+        Args:
+            rows: ``bs`` request rows (``req_pool_idx``), distinct.
+            extend_lens: ``bs`` segment lengths (tokens).
+            prefix_lens: ``bs`` logical tokens already cached or prefilled (tokens).
+            prefix_nodes: row -> the radix node its matched prefix ends at (SGLang's
+                ``req.last_node``); None keeps the last recorded ones.
+
         Returns:
-            int64 ``[bs, num_head_groups]``: kept tokens per group of each segment.
+            The batch's :class:`ExtendBatchPlan` (host arrays).
 
         Raises:
             RequestTooLargeError: a segment needs more pages than the whole pool.
             PoolError: the pages are not free now (admission did not hold them back).
         """
-        kept = np.zeros((len(rows), self.memory.num_head_groups), np.int64)
+        if prefix_nodes is not None:
+            self.host_prefix_nodes = dict(prefix_nodes)
+        rows = [int(r) for r in np.asarray(rows, np.int64).reshape(-1)]
+        groups = self.memory.num_head_groups
+        start = np.zeros((len(rows), groups), np.int64)
+        kept = np.zeros((len(rows), groups), np.int64)
         for i, (row, n, prefix) in enumerate(zip(rows, extend_lens, prefix_lens, strict=True)):
+            n, prefix = int(n), int(prefix)
             active = self.memory.rids[row] is not None
             if active and prefix == 0:
                 logger.warning("Tangram: row %d was not released before reuse; freeing it", row)
@@ -303,20 +347,50 @@ class TangramState:
                 res = self.memory.admit_chunk(row, n, 0)
             else:
                 match = self._prefix(row, prefix)
-                later = None if plan is None else max(plan[0] - prefix - n, 0) + plan[1]
-                self._make_room(self.memory.footprint(n, 0, match, decode_tokens=later))
+                later = 0 if plan is None else max(plan[0] - prefix - n, 0) + plan[1]
+                ask = PrefillAsk(n + later, n, 0, None if match is None else match.lens)
+                self._make_room(self.request_pages(ask))  # the admission formula
                 res = self.memory.admit(row, f"row{row}", n, 0, prefix=match, decode_tokens=later)
-            if plan is not None and prefix + n >= plan[0]:
-                self.trim_after_commit[row] = plan[1]
             if res is None:
                 raise PoolError(
                     f"Tangram pool: segment of {n} tokens (row {row}) does not fit: "
                     f"{self.memory.ledger.unreserved_free()} unreserved pages free; lower "
                     "--max-running-requests / --max-total-tokens until page admission lands"
                 )
-            kept[i] = self.memory.alloc_extend(row, n).kept_len
+            segment = self.memory.alloc_extend(row, n)
+            self.memory.commit_extend(row)
+            if plan is not None and prefix + n >= plan[0]:
+                self.memory.trim_reservation(row, plan[1])
+            start[i], kept[i] = segment.start_len, segment.kept_len
             self.logical_tokens[row] = prefix + n
-        return kept
+            self.extend_plans[row] = (n, start[i], kept[i])
+        return ExtendBatchPlan(np.asarray(rows, np.int64), start, kept)
+
+    def extend_plan_for(
+        self, rows: np.ndarray, extend_lens: list[int] | np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """int64 ``(start_lens [bs, G], kept_lens [bs, G])`` the scheduler allocated for rows.
+
+        Read by the attention backend when it plans the extend batch (no allocation there).
+
+        Raises:
+            KernelError: a row has no allocation of that segment length (the plugin's
+                ``alloc_for_extend`` hook did not run for this batch).
+        """
+        groups = self.memory.num_head_groups
+        start = np.zeros((len(rows), groups), np.int64)
+        kept = np.zeros((len(rows), groups), np.int64)
+        for i, (row, n) in enumerate(zip(np.asarray(rows).tolist(), extend_lens, strict=True)):
+            entry = self.extend_plans.get(int(row))
+            if entry is None or entry[0] != int(n):
+                have = "none" if entry is None else f"{entry[0]} tokens"
+                raise KernelError(
+                    f"Tangram backend: row {row} extends {int(n)} tokens but the scheduler "
+                    f"allocated {have} for it; the Tangram plugin's alloc_for_extend hook must "
+                    "run (start the server with --tangram and the plugin loaded)"
+                )
+            start[i], kept[i] = entry[1], entry[2]
+        return start, kept
 
     def _kept(self, extend_len: int) -> np.ndarray:
         return np.asarray(self.profile.group_kept_lens(int(extend_len)), np.int64)
@@ -339,36 +413,46 @@ class TangramState:
         if short > 0 and self.radix is not None:
             self.radix.evict_pages(short)
 
-    def make_room_for_decode(self, rows: list[int]) -> None:
+    def _active_rows(self, rows: Any) -> np.ndarray:
+        """int64 ``[n]``: the rows that hold pages (vectorised; no loop over rows)."""
+        rows = np.asarray(rows, np.int64).reshape(-1)
+        return rows[self.memory.active[rows]]
+
+    def make_room_for_decode(self, rows: Any) -> None:
         """Evict radix nodes so one decode step of ``rows`` fits (SGLang's decode check)."""
-        active = [r for r in rows if self.memory.rids[r] is not None]
-        if active:
+        active = self._active_rows(rows)
+        if active.size:
             self._make_room(self.memory.decode_pages_needed(active))
 
     def evictable_pages(self, exclude: Any = None) -> int:
         """Pages unlocked radix nodes hold (0 without a tree); see ``TangramRadixCache``."""
         return 0 if self.radix is None else int(self.radix.evictable_pages(exclude))
 
-    def commit_extend(self, rows: list[int]) -> None:
-        """After the last layer wrote its kept K/V: each group's length grows by ``k_g``."""
-        for row in rows:
-            self.memory.commit_extend(row)
-            if row in self.trim_after_commit:
-                self.memory.trim_reservation(row, self.trim_after_commit.pop(row))
+    def allocate_decode(
+        self, rows: list[int] | np.ndarray, seq_lens: list[int] | np.ndarray
+    ) -> int:
+        """Append one decode token to every group of each row (schedule time, before the batch).
 
-    def begin_decode(self, rows: list[int] | np.ndarray, seq_lens: list[int] | np.ndarray) -> None:
-        """Append one decode token to every group of each row (before the forward).
+        Called from SGLang's ``alloc_for_decode``, right after its decode check
+        (``check_decode_mem``, which Tangram extends with :meth:`can_decode`: a shortfall
+        retracts requests there, as stock does). Group lengths include the new token afterwards.
 
         Args:
             rows: int ``[bs]`` request rows.
-            seq_lens: int ``[bs]`` SGLang's sequence lengths (tokens, for reports).
+            seq_lens: int ``[bs]`` SGLang's sequence lengths with the new token (tokens, for
+                reports).
+
+        Returns:
+            Pages allocated (0 for most steps: only full or shared last pages take one).
 
         Raises:
-            PoolError: out of pages (the message says what to lower).
+            PoolError: out of pages after evicting radix nodes (the decode check was skipped)
+                or a row without pages; raised before any change.
         """
         rows = np.asarray(rows, np.int64).reshape(-1)
-        self.memory.alloc_decode(rows, make_room=self._make_room)
+        taken = self.memory.alloc_decode(rows, make_room=self._make_room)
         self.logical_tokens[rows] = seq_lens
+        return taken
 
     # ---- admission (one footprint formula) ---------------------------------------------------
     def request_pages(self, ask: PrefillAsk) -> int:
@@ -381,7 +465,7 @@ class TangramState:
 
         (the prompt's later chunks counted uncompressed, the copy-on-write page of a partial
         shared prefix tail included; ``mem.reservation.group_pages_needed``). With
-        ``decode_tokens = 0`` this is exactly what :meth:`begin_extend` reserves.
+        ``decode_tokens = 0`` this is exactly what :meth:`allocate_extend` reserves.
         """
         first = min(max(int(ask.first_chunk), 0), int(ask.prompt_tokens))
         add = self._kept(first) + (int(ask.prompt_tokens) - first) + max(ask.decode_tokens, 0)
@@ -455,9 +539,12 @@ class TangramState:
         """No request row holds pages or a reservation (nothing running, no chunked prefill)."""
         return not self.memory.ledger.by_row
 
-    def can_decode(self, rows: list[int]) -> bool:
-        """No side effects: does one decode step of ``rows`` fit (see ``TangramMemory``)?"""
-        return self.memory.can_decode([r for r in rows if self.memory.rids[r] is not None])
+    def can_decode(self, rows: Any) -> bool:
+        """No side effects: does one decode step of ``rows`` fit (see ``TangramMemory``)?
+
+        Rows that hold no pages are skipped. ``rows``: int ``[n]`` (list or array).
+        """
+        return self.memory.can_decode(self._active_rows(rows))
 
     def never_fits_message(self, ask: PrefillAsk, max_new_tokens: int, asked: int | None) -> str:
         """The HTTP 400 text for a request that :meth:`fits_pool` refuses.
@@ -507,7 +594,7 @@ class TangramState:
 
     def _forget(self, row: int) -> None:
         self.plans.pop(row, None)
-        self.trim_after_commit.pop(row, None)
+        self.extend_plans.pop(row, None)
 
     def _record(self, row: int) -> RowRecord:
         usage = self.memory.row_usage(row)

@@ -1,11 +1,13 @@
-"""Host time of one decode step's planning (``begin_decode`` + the decode plan), no model.
+"""Host time of one decode step (``allocate_decode`` + the decode plan), no model.
 
-Measures what the attention backend does on the host before every decode step: one decode token
-allocated per head group of each row (``TangramState.begin_decode``) and the plan written into the
-static decode buffers (``DecodeGraphBuffers.fill``, the CUDA-graph path). It also counts the
-device-to-host reads (``Tensor.tolist`` / ``item`` / ``__int__``) the step makes (none is the
-goal: they would wait for the GPU and stop overlap scheduling; ``numpy`` counts the host
-allocator's own tensors) and the host-to-device uploads (one packed copy per step).
+Measures the host work of every decode step: the scheduler allocates one decode token per head
+group of each row (``TangramState.allocate_decode``, from SGLang's ``alloc_for_decode``; under
+overlap scheduling this runs while the previous batch is on the GPU) and the attention backend
+writes the plan into the static decode buffers (``DecodeGraphBuffers.fill``, the CUDA-graph
+path). Both are timed, apart and together. It also counts the device-to-host reads
+(``Tensor.tolist`` / ``item`` / ``__int__``) the step makes (none is the goal: they would wait
+for the GPU and stop overlap scheduling; ``numpy`` counts the host allocator's own tensors) and
+the host-to-device uploads (one packed copy per step).
 
 Setup: the given profile, ``--batch`` rows prefilled with ``--prompt`` tokens each (one segment),
 then ``--steps`` decode steps timed with ``time.perf_counter`` (median and p90, ms per step).
@@ -76,8 +78,7 @@ def build(profile: BudgetProfile, batch: int, prompt: int, page_size: int, steps
     rows = list(range(1, batch + 1))
     for row in rows:
         state.plan_row(row, prompt, steps + 1)
-        state.begin_extend([row], [prompt], [0])
-        state.commit_extend([row])
+        state.allocate_extend([row], [prompt], [0])
     m = profile.model
     buffers = DecodeGraphBuffers.create(
         batch + 1, groups, m.num_qo_heads, m.head_dim, torch.float32, "cpu"
@@ -94,16 +95,20 @@ def run(profile_path: str, batch: int, prompt: int, steps: int, page_size: int) 
     table.flush()
     rows = np.asarray(rows, np.int64)
     seq = np.full(batch, prompt, np.int64)
-    times = []
+    times, alloc_times = [], []
     uploads = table.uploader.num_uploads
     with count_host_reads() as reads:
         for _ in range(steps):
             seq += 1
             t0 = time.perf_counter()
-            state.begin_decode(rows, seq)
-            buffers.fill(rows, batch, table.pages, table.lens, page_size, table.flush)
+            state.allocate_decode(rows, seq)  # scheduler (alloc_for_decode)
+            t1 = time.perf_counter()
+            buffers.fill(rows, batch, table.pages, table.lens, page_size, table.flush)  # backend
             times.append((time.perf_counter() - t0) * 1e3)
-    ms = np.asarray(times[min(5, steps - 1) :])
+            alloc_times.append((t1 - t0) * 1e3)
+    skip = min(5, steps - 1)
+    ms = np.asarray(times[skip:])
+    alloc_ms = np.asarray(alloc_times[skip:])
     return {
         "batch": batch,
         "prompt_tokens": prompt,
@@ -111,6 +116,8 @@ def run(profile_path: str, batch: int, prompt: int, steps: int, page_size: int) 
         "steps": steps,
         "ms_per_step_median": round(float(np.median(ms)), 4),
         "ms_per_step_p90": round(float(np.percentile(ms, 90)), 4),
+        "ms_allocate_median": round(float(np.median(alloc_ms)), 4),
+        "ms_plan_median": round(float(np.median(ms - alloc_ms)), 4),
         "host_reads_per_step": {k: v / steps for k, v in reads.items()},
         "uploads_per_step": (table.uploader.num_uploads - uploads) / steps,
     }

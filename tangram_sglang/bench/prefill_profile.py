@@ -181,16 +181,30 @@ def profile_case(
     rows = list(range(1, case.batch + 1))
     sm_scale = profile.model.head_dim**-0.5
     if case.history:  # untimed first extend: the history every timed query attends to
-        kept = state.begin_extend(rows, [case.history] * case.batch, [0] * case.batch)
-        meta = md.extend_metadata(rows, [case.history] * case.batch, kept, device)
+        plan = state.allocate_extend(rows, [case.history] * case.batch, [0] * case.batch)
+        meta = md.extend_metadata(
+            rows,
+            [case.history] * case.batch,
+            plan.kept_lens,
+            device,
+            start_lens=plan.start_lens,
+            hist_len=torch.zeros_like(state.memory.table.group_len),
+        )
         qh, kh, vh = _qkv(profile, case.batch * case.history, device, 1)
         for lid in range(layers):
             extend_layer(kernels, state, meta, qh, kh, vh, lid, sm_scale)
-        state.commit_extend(rows)
         del qh, kh, vh
     lens, prefix = [case.new_tokens] * case.batch, [case.history] * case.batch
-    kept = state.begin_extend(rows, lens, prefix)
-    meta = md.extend_metadata(rows, lens, kept, device, profile.grouping.cluster_of)
+    plan = state.allocate_extend(rows, lens, prefix)
+    meta = md.extend_metadata(
+        rows,
+        lens,
+        plan.kept_lens,
+        device,
+        profile.grouping.cluster_of,
+        start_lens=plan.start_lens,
+        hist_len=torch.zeros_like(state.memory.table.group_len),
+    )
     q, k, v = _qkv(profile, case.batch * case.new_tokens, device, 2)
     mem, table = state.memory, state.memory.table
     pools = (mem.kv_pool.k_pool, mem.kv_pool.v_pool)
@@ -204,7 +218,7 @@ def profile_case(
             meta.qo_indptr,
             *pools,
             table.page_table,
-            table.group_len,
+            meta.hist_len,
             meta.req_rows,
             state.group_of_head[lid],
             state.column_of_head[lid],
@@ -259,7 +273,7 @@ def profile_case(
             meta.kept_count,
             *pools,
             table.page_table,
-            table.group_len,
+            meta.hist_len,
             meta.req_rows,
             state.group_of_head[lid],
             state.column_of_head[lid],

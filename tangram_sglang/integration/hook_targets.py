@@ -102,6 +102,18 @@ HOOKS: tuple[HookTarget, ...] = (
         purpose="Budget Reservation: a new row's prompt tokens (what admission reserves)",
     ),
     HookTarget(
+        target="sglang.srt.mem_cache.allocation.alloc_for_extend",
+        hook_type="after",
+        body="tangram_sglang.integration.hooks:allocate_tangram_extend",
+        purpose="the scheduler allocates an extend batch's pages and advances its group lengths",
+    ),
+    HookTarget(
+        target="sglang.srt.mem_cache.allocation.alloc_for_decode",
+        hook_type="after",
+        body="tangram_sglang.integration.hooks:allocate_tangram_decode",
+        purpose="the scheduler allocates a decode step's pages (after SGLang's decode check)",
+    ),
+    HookTarget(
         target="sglang.srt.model_executor.forward_batch_info.ForwardBatch.init_new",
         hook_type="after",
         body="tangram_sglang.integration.hooks:record_tangram_host_batch",

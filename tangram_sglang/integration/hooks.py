@@ -75,6 +75,23 @@ def plan_tangram_rows(
         sglang_adapters.plan_rows(req_to_token_pool, reqs)
 
 
+def allocate_tangram_extend(result: Any, batch: Any, *args: Any, **kwargs: Any) -> None:
+    """AFTER ``allocation.alloc_for_extend(batch)``: the batch's pages (returns None).
+
+    See ``sglang_adapters.allocate_extend``.
+    """
+    sglang_adapters.allocate_extend(result, batch)
+
+
+def allocate_tangram_decode(result: Any, batch: Any, *args: Any, **kwargs: Any) -> None:
+    """AFTER ``allocation.alloc_for_decode(batch, token_per_req)``: the step's pages.
+
+    See ``sglang_adapters.allocate_decode``.
+    """
+    token_per_req = kwargs.get("token_per_req", args[0] if args else 1)
+    sglang_adapters.allocate_decode(batch, int(token_per_req))
+
+
 def tangram_support_triton(original: Any, *args: Any, **kwargs: Any) -> bool:
     """AROUND ``sglang.srt.utils.common.support_triton``: see ``sglang_adapters``."""
     return sglang_adapters.support_triton(original, *args, **kwargs)

@@ -11,6 +11,11 @@ changes under ``--tangram``:
   buffers, raises on real ``set_kv_buffer``/``get_*_buffer``) instead of SGLang's full-size
   per-layer buffers; it carries the Tangram page pool (:class:`~tangram_sglang.mem.kv_pool.
   KVPool`) sized from the same bytes: ``max_total_num_tokens x Tangram cell``.
+* the scheduler owns the pages: when SGLang allocates a batch's token slots
+  (``allocation.alloc_for_extend`` / ``alloc_for_decode``, in ``ScheduleBatch.prepare_for_*``,
+  before the batch runs, under both event loops) :func:`allocate_extend` / :func:`allocate_decode`
+  allocate its pages and advance its group lengths through the one scheduler-side manager
+  (:class:`~tangram_sglang.backend.state.TangramState`); the attention backend only reads them.
 * freeing a request row (``ReqToTokenPool.free``: finish, abort, retraction all go through it)
   releases the row's pages.
 * admission counts pages (``docs/admission.md``; the formula is
@@ -35,6 +40,7 @@ import torch
 from sglang.srt.mem_cache.memory_pool import NoOpMHATokenToKVPool
 
 from tangram_sglang.backend.state import PrefillAsk
+from tangram_sglang.errors import ConfigError
 from tangram_sglang.integration import profile_loader
 from tangram_sglang.integration.server_args import rank_profile_from_server_args
 from tangram_sglang.mem.kv_pool import KVPool, bytes_per_page, num_pages_for_budget
@@ -156,6 +162,53 @@ def release_row(req_to_token_pool: Any, req: Any) -> None:
         state.release(int(req.req_pool_idx))
 
 
+def _tangram_state(batch: Any) -> Any:
+    return getattr(getattr(batch, "req_to_token_pool", None), "tangram_state", None)
+
+
+def allocate_extend(result: Any, batch: Any) -> None:
+    """AFTER ``alloc_for_extend(batch)``: allocate the extend batch's pages (schedule time).
+
+    ``result`` is ``(out_cache_loc, req_pool_indices_device, req_pool_indices_cpu)``; the rows
+    come from the host copy, the segment and prefix lengths from ``batch.extend_lens`` /
+    ``batch.prefix_lens`` (set by ``prepare_for_extend`` just before), each new row's matched
+    radix node from ``req.last_node``. Admission (:func:`add_one_req`) reserved the pages with
+    the same formula (:meth:`TangramState.request_pages`), so this never waits.
+    """
+    state = _tangram_state(batch)
+    if state is None:
+        return
+    rows = result[2]
+    nodes = {
+        int(row): req.last_node
+        for req, row in zip(batch.reqs, rows.tolist(), strict=True)
+        if getattr(req, "last_node", None) is not None
+    }
+    state.allocate_extend(rows.numpy(), batch.extend_lens, batch.prefix_lens, nodes)
+
+
+def allocate_decode(batch: Any, token_per_req: int) -> None:
+    """AFTER ``alloc_for_decode(batch, token_per_req)``: one decode token's pages per row.
+
+    Runs in ``prepare_for_decode`` right after ``update_running_batch``'s decode check
+    (:func:`check_decode_mem`: a page shortfall retracts requests there), before
+    ``seq_lens_cpu`` is advanced; rows and lengths are the batch's host copies.
+
+    Raises:
+        ConfigError: more than one token per request (speculative decoding: not supported).
+    """
+    state = _tangram_state(batch)
+    if state is None:
+        return
+    if token_per_req != 1:
+        raise ConfigError(
+            f"Tangram allocates one decode token per request per step, SGLang asked for "
+            f"{token_per_req}; speculative decoding is not supported with --tangram"
+        )
+    rows = batch.req_pool_indices_cpu.numpy()
+    state.allocate_decode(rows, batch.seq_lens_cpu.numpy() + token_per_req)
+
+
 def record_host_batch(forward_batch: Any, batch: Any, model_runner: Any) -> None:
     """AFTER ``ForwardBatch.init_new``: hand the backend the batch's rows on the host.
 
@@ -169,15 +222,8 @@ def record_host_batch(forward_batch: Any, batch: Any, model_runner: Any) -> None
     state = getattr(getattr(model_runner, "token_to_kv_pool", None), "tangram_state", None)
     if state is None:
         return
-    nodes = None
-    if batch.forward_mode.is_extend():
-        nodes = {
-            int(req.req_pool_idx): req.last_node
-            for req in batch.reqs
-            if req.req_pool_idx is not None and getattr(req, "last_node", None) is not None
-        }
     state.set_host_batch(
-        getattr(batch, "req_pool_indices_cpu", None), getattr(batch, "seq_lens_cpu", None), nodes
+        getattr(batch, "req_pool_indices_cpu", None), getattr(batch, "seq_lens_cpu", None)
     )
 
 
@@ -462,6 +508,17 @@ def _refuse(state: Any, req: Any, message: str) -> Any:
     return AddReqResult.OTHER
 
 
+def _decode_rows(batch: Any, selected: Any) -> Any:
+    """The request rows of a decode batch (``selected_indices`` into ``batch.reqs``, or all),
+    from the batch's host copy ``req_pool_indices_cpu`` when it matches ``batch.reqs``."""
+    host = getattr(batch, "req_pool_indices_cpu", None)
+    if host is not None and len(host) == len(batch.reqs):
+        rows = host.numpy()
+        return rows if selected is None else rows[list(selected)]
+    reqs = batch.reqs if selected is None else [batch.reqs[i] for i in selected]
+    return [int(r.req_pool_idx) for r in reqs if r.req_pool_idx is not None]
+
+
 def check_decode_mem(original, batch: Any, *args: Any, **kwargs: Any) -> bool:
     """AROUND ``ScheduleBatch.check_decode_mem``: the next decode step must fit in pages too.
 
@@ -475,8 +532,7 @@ def check_decode_mem(original, batch: Any, *args: Any, **kwargs: Any) -> bool:
     if not ok or state is None:
         return ok
     selected = kwargs.get("selected_indices", args[0] if args else None)
-    reqs = batch.reqs if selected is None else [batch.reqs[i] for i in selected]
-    rows = [int(r.req_pool_idx) for r in reqs if r.req_pool_idx is not None]
+    rows = _decode_rows(batch, selected)
     if state.can_decode(rows):
         return True
     state.make_room_for_decode(rows)  # evict unlocked radix nodes before retracting anyone

@@ -8,8 +8,11 @@ tree does, and hands pages back through :meth:`TangramMemory.free_pages`).
 
 Life of a request row (every call names SGLang's ``req_pool_idx`` as ``row``)::
 
-    can_admit ─(no side effects)─> admit(prefix) ──> alloc_extend ──> [forward] ──> commit_extend
-        ┌──────────────────────────────────────────────────────────────────────────────┘
+    can_admit ─(no side effects)─> admit(prefix) ──> alloc_extend ──> commit_extend ──> [forward]
+        ┌─────────────────────────────────────────────────────────────┘
+        │  (TangramState calls alloc_extend + commit_extend when SGLang schedules the batch:
+        │   lengths advance before the forward writes the kept K/V; COW copies wait for
+        │   run_copies when defer_copies is set)
         ├─> admit_chunk ─> alloc_extend ─> commit_extend     (next chunk of a chunked prefill)
         ├─> can_decode ─> alloc_decode (x T-1)               (group_len includes the new token)
         ├─> finish -> [SegmentPages]   caller (radix node) now holds the row's own pages
@@ -122,10 +125,17 @@ class TangramMemory:
         self.rids: list[str | None] = [None] * max_rows  # rid per active row, None = free row
         self.pending: list[ExtendPlan | None] = [None] * max_rows  # allocated, not committed
         self.ready = np.zeros(max_rows, bool)  # active with no pending extend (may decode)
+        self.active = np.zeros(max_rows, bool)  # rids[row] is not None, vectorised
         self.row_refs = np.zeros(num_pages, np.int64)  # holders per page that are row tables
         self.page_group = np.full(num_pages, -1, np.int64)  # head group a page was taken for
         self.page_fill = np.zeros(num_pages, np.int64)  # filled slots per page (tokens)
         self.peak_used_pages = 0  # pages
+        # Copy-on-write copies of shared tail pages. With ``defer_copies`` (the attention
+        # backend sets it: pages are allocated in the scheduler, before the batch runs) they
+        # wait in ``_copies`` for :meth:`run_copies`, which the backend calls on the forward
+        # stream when it plans the batch; otherwise they run at once.
+        self.defer_copies = False
+        self._copies: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
 
     @classmethod
     def create(
@@ -220,6 +230,7 @@ class TangramMemory:
             return None
         self.rids[row] = rid
         self.ready[row] = True
+        self.active[row] = True
         borrowed = np.concatenate(pages) if pages else np.zeros(0, np.int64)
         self.allocator.incref(torch.from_numpy(borrowed))
         np.add.at(self.row_refs, borrowed, 1)
@@ -324,7 +335,7 @@ class TangramMemory:
             PoolError: a row is not active.
         """
         rows = np.asarray(rows, np.int64).reshape(-1)
-        active = np.fromiter((self.rids[r] is not None for r in rows.tolist()), bool, rows.size)
+        active = self.active[rows]
         if not active.all():
             self._check_row(int(rows[~active][0]), None, active=True)
         per_row = self._decode_need(rows)[0].sum(axis=-1)
@@ -634,9 +645,7 @@ class TangramMemory:
         self.row_refs[pages] += 1
         if src.size:
             self.page_fill[dst] = t.lens[row, cow_g] % self.page_size
-            if self.kv_pool is not None:
-                fill = torch.from_numpy(self.page_fill[dst])
-                self.kv_pool.copy_pages(torch.from_numpy(src), torch.from_numpy(dst), fill)
+            self._copy(src, dst, self.page_fill[dst])
             self.row_refs[src] -= 1
             self.allocator.free(torch.from_numpy(src.copy()), f"COW of row {row}")
         return src, dst
@@ -662,12 +671,41 @@ class TangramMemory:
         if src.size:
             dst = pages[is_cow]
             self.page_fill[dst] = t.lens[r_idx[is_cow], g_idx[is_cow]] % self.page_size
-            if self.kv_pool is not None:
-                fill = torch.from_numpy(self.page_fill[dst])
-                self.kv_pool.copy_pages(torch.from_numpy(src), torch.from_numpy(dst), fill)
+            self._copy(src, dst, self.page_fill[dst])
             self.row_refs[src] -= 1
             self.allocator.free(torch.from_numpy(src.copy()), "decode COW")
         return r_idx, g_idx, idx
+
+    def _copy(self, src: np.ndarray, dst: np.ndarray, fill: np.ndarray) -> None:
+        """COW copy of ``fill[i]`` slots of page ``src[i]`` into ``dst[i]`` (now or deferred)."""
+        if self.kv_pool is None or not src.size:
+            return
+        if self.defer_copies:
+            self._copies.append((src.copy(), dst.copy(), np.asarray(fill, np.int64).copy()))
+            return
+        self.kv_pool.copy_pages(
+            torch.from_numpy(src), torch.from_numpy(dst), torch.from_numpy(fill)
+        )
+
+    def run_copies(self) -> int:
+        """Run the copy-on-write copies deferred since the last call (``defer_copies``).
+
+        The attention backend calls it when it plans a batch, on the stream the batch runs
+        on, before any layer: a copy never races a batch still in flight that writes the
+        fresh page's previous owner's last token (overlap scheduling), and every kernel of
+        the batch sees the copied slots. Host page ids only, no device read.
+
+        Returns:
+            Pages copied.
+        """
+        copies, self._copies = self._copies, []
+        if not copies or self.kv_pool is None:
+            return 0
+        src, dst, fill = (np.concatenate(c) for c in zip(*copies, strict=True))
+        self.kv_pool.copy_pages(
+            torch.from_numpy(src), torch.from_numpy(dst), torch.from_numpy(fill)
+        )
+        return int(src.size)
 
     def _fill(self, row: int, old_len: np.ndarray, new_len: np.ndarray) -> None:
         """Record the filled slots of the pages (row, g) grew through, all groups at once.
@@ -707,6 +745,7 @@ class TangramMemory:
         self.ledger.release(row)
         self.table.clear(row)
         self.rids[row] = None
+        self.active[row] = False
         self.pending[row] = None
         self.ready[row] = False
         self._after("release")

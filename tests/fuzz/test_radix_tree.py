@@ -2,7 +2,7 @@
 
 SGLang's own ``ReqToTokenPool`` and ``TokenToKVPoolAllocator`` hold the logical token slots; the
 test plays the scheduler's part (match, lock, slot allocation, finish/abort) and the backend's
-(``TangramState.begin_extend`` / ``begin_decode``) for requests whose tokens extend earlier
+(``TangramState.allocate_extend`` / ``allocate_decode``) for requests whose tokens extend earlier
 conversations (so matches, forks, duplicates and node splits happen). After every step:
   - pages: used pages == pages held by tree nodes + pages owned by running rows (every page
     has exactly one owner; ``TANGRAM_DEBUG``-style invariants run inside TangramMemory);
@@ -119,8 +119,7 @@ class RadixLifecycle(RuleBasedStateMachine):
     def prefill(self, req: SimpleNamespace, n: int, p: int) -> None:
         """Extend the row by its ``n`` new tokens after a ``p``-token match (one segment)."""
         row = req.req_pool_idx
-        self.state.begin_extend([row], [n], [p])
-        self.state.commit_extend([row])
+        self.state.allocate_extend([row], [n], [p])
 
     @precondition(lambda self: self.running)
     @rule(pick=st.integers(0, ROWS), token=st.integers(1, 3))
@@ -134,7 +133,7 @@ class RadixLifecycle(RuleBasedStateMachine):
         self.req_pool.req_to_token[row, seq] = int(slot[0])
         run.req.output_ids.append(token)
         try:
-            self.state.begin_decode([row], [seq + 1])
+            self.state.allocate_decode([row], [seq + 1])
         except PoolError:  # out of pages: retract (abort) the request
             run.req.output_ids.pop()
             self.slots.free(slot)
@@ -242,8 +241,7 @@ class GridRadixLifecycle(RadixLifecycle):
         row, done = req.req_pool_idx, p
         while done < p + n:
             step = min(GRID, p + n - done)
-            self.state.begin_extend([row], [step], [done])
-            self.state.commit_extend([row])
+            self.state.allocate_extend([row], [step], [done])
             done += step
             if done < p + n:  # SGLang stashes a chunked request before its next chunk
                 req.extend_range = SimpleNamespace(end=done)

@@ -46,8 +46,7 @@ def make_state() -> TangramState:
     )
     state = TangramState(mem, full_kv_bytes_per_token=2 * 2 * HKV * D * 2, device=DEV)
     for row, n in ((1, 300), (2, 45), (3, 700)):
-        state.begin_extend([row], [n], [0])
-        state.commit_extend([row])
+        state.allocate_extend([row], [n], [0])
     mem.kv_pool.k_pool.normal_()
     mem.kv_pool.v_pool.normal_()
     return state
@@ -92,7 +91,7 @@ def test_decode_step_captured_on_padding_replays_real_batches():
     with torch.cuda.graph(graph):
         out = step(meta)
     for rows, lens in (([1, 3], [301, 701]), ([2], [46]), ([3, 2, 1], [702, 47, 302])):
-        state.begin_decode(rows, lens)  # host: pages for the new token (outside the graph)
+        state.allocate_decode(rows, lens)  # host: pages for the new token (outside the graph)
         buf.fill(rows, BS, mem.table.pages, mem.table.lens, PAGE)
         for t in (q, k, v):
             t.copy_(torch.randn_like(t, dtype=torch.float32))

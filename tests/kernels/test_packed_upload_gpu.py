@@ -35,15 +35,14 @@ def test_steps_flush_once_each_through_reused_pinned_buffers():
     table.deferred = True
     rows = np.array([1, 2, 5, 7])
     for row, n in zip(rows.tolist(), (300, 45, 700, 17), strict=True):
-        state.begin_extend([row], [n], [0])
-        state.commit_extend([row])
+        state.allocate_extend([row], [n], [0])
     table.flush()
     buffers = md.DecodeGraphBuffers.create(8, memory.num_head_groups, 8, 64, torch.bfloat16, DEV)
     side = torch.cuda.Stream()
     with torch.cuda.stream(side):  # the forward stream of SGLang's overlap scheduler
         for step in range(40):
             before = table.uploader.num_uploads
-            state.begin_decode(rows, np.arange(4) + step)
+            state.allocate_decode(rows, np.arange(4) + step)
             plan = buffers.fill(rows, 6, table.pages, table.lens, PAGE, table.flush)
             assert table.uploader.num_uploads == before + 1
             page, slot = md.decode_destinations(rows, table.pages, table.lens, PAGE)

@@ -1,6 +1,6 @@
 """The admission formula and policy of ``docs/admission.md``, without a server.
 
-* one formula: ``request_pages`` is what ``begin_extend`` reserves (with and without a matched
+* one formula: ``request_pages`` is what ``allocate_extend`` reserves (with and without a matched
   prefix), and the same function decides "can never fit" (``fits_pool``) and "fits now"
   (``can_admit``): on an idle pool a request fits now exactly when it fits the pool;
 * ``max_decode_tokens`` is the largest tail that fits; the refusal names max_tokens and the pool;
@@ -26,12 +26,12 @@ from tangram_sglang.mem.prefix import PrefixMatch
 from tangram_sglang.mem.reservation import admission_decode_tokens
 
 
-def test_request_pages_is_what_begin_extend_reserves():
+def test_request_pages_is_what_allocate_extend_reserves():
     state = make_state()
     for prompt, first in [(9, 9), (14, 9), (3, 3), (30, 8)]:
         row = 1
         state.plan_row(row, prompt)
-        state.begin_extend([row], [first], [0])
+        state.allocate_extend([row], [first], [0])
         assert state.memory.ledger.by_row[row].reserved_pages == state.request_pages(
             PrefillAsk(prompt, first, 0)
         )
@@ -40,8 +40,7 @@ def test_request_pages_is_what_begin_extend_reserves():
 
 def test_request_pages_with_a_prefix_counts_the_copy_on_write_pages():
     state = make_state()
-    state.begin_extend([1], [9], [0])
-    state.commit_extend([1])
+    state.allocate_extend([1], [9], [0])
     lens = state.memory.table.lens[1].copy()  # partial last pages: 9 and 7 kept tokens
     pages = [state.memory.group_pages(1, g) for g in range(state.memory.num_head_groups)]
     match = PrefixMatch([p.copy() for p in pages], lens)
@@ -81,8 +80,7 @@ def test_max_decode_tokens_is_the_largest_tail_that_fits():
 def test_admission_counts_running_tails_times_the_ratio_exactly_per_group():
     state = make_state(num_pages=33)  # 32 usable pages
     state.plan_row(1, 6)
-    state.begin_extend([1], [6], [0])
-    state.commit_extend([1])
+    state.allocate_extend([1], [6], [0])
     lens = state.memory.table.lens[1]
     for tokens in (1, 5, 17):
         want = int((-(-(lens + tokens) // PAGE) - -(-lens // PAGE)).sum())
@@ -157,14 +155,13 @@ def test_pages_return_after_prompt_only_admission_and_growing_tails():
     rng = np.random.default_rng(0)
     for row in (1, 2, 3):
         state.plan_row(row, 5 + row)
-        state.begin_extend([row], [5 + row], [0])
-        state.commit_extend([row])
+        state.allocate_extend([row], [5 + row], [0])
     rows, step = [1, 2, 3], 0
     while rows:
         if not state.can_decode(rows):  # dry: SGLang retracts the last one
             state.release(rows.pop())
             continue
-        state.begin_decode(rows, [20 + step] * len(rows))
+        state.allocate_decode(rows, [20 + step] * len(rows))
         step += 1
         if rng.random() < 0.2:
             state.release(rows.pop(0))  # a request finishes

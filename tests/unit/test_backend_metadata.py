@@ -104,13 +104,13 @@ def test_batch_kept_indices_pads_per_request():
 def test_state_lifecycle_pages_match_the_footprint_and_return():
     state = make_state()
     start = state.memory.allocator.num_free()
-    kept = state.begin_extend([1], [9], [0])  # first chunk
-    assert kept.tolist() == [state.profile.group_kept_lens(9)]
-    state.commit_extend([1])
-    state.begin_extend([1], [5], [9])  # second chunk of a chunked prefill: admit_chunk
-    state.commit_extend([1])
+    plan = state.allocate_extend([1], [9], [0])  # first chunk
+    assert plan.kept_lens.tolist() == [state.profile.group_kept_lens(9)]
+    assert plan.start_lens.tolist() == [[0] * state.memory.num_head_groups]
+    assert state.memory.table.lens[1].tolist() == plan.kept_lens[0].tolist()  # advanced now
+    state.allocate_extend([1], [5], [9])  # second chunk of a chunked prefill: admit_chunk
     for step in range(3):
-        state.begin_decode([1], [15 + step])
+        state.allocate_decode([1], [15 + step])
     used = start - state.memory.allocator.num_free()
     assert used == chunked_footprint_pages(state.profile, PAGE, 14, 4, 9)
     assert state.pool_info()["live_logical_tokens"] == 17
@@ -126,10 +126,8 @@ def test_state_lifecycle_pages_match_the_footprint_and_return():
 def test_reused_row_without_release_is_freed_first():
     state = make_state()
     start = state.memory.allocator.num_free()
-    state.begin_extend([2], [6], [0])
-    state.commit_extend([2])
-    state.begin_extend([2], [3], [0])  # a new request on the same row (prefix 0)
-    state.commit_extend([2])
+    state.allocate_extend([2], [6], [0])
+    state.allocate_extend([2], [3], [0])  # a new request on the same row (prefix 0)
     state.release(2)
     assert state.memory.allocator.num_free() == start
 
@@ -141,19 +139,24 @@ def test_extend_then_decode_matches_attention_over_the_kept_tokens(ratio):
     state = make_state(profile)
     n, layer = 12, 1
     q, k, v = torch.randn(n, 4, 16), torch.randn(n, 2, 16), torch.randn(n, 2, 16)
-    meta = md.extend_metadata([1], [n], state.begin_extend([1], [n], [0]), "cpu")
+    plan = state.allocate_extend([1], [n], [0])
+    hist = torch.zeros_like(state.memory.table.group_len)
+    meta = md.extend_metadata(
+        [1], [n], plan.kept_lens, "cpu", start_lens=plan.start_lens, hist_len=hist
+    )
     mem, goh, coh = state.memory, state.group_of_head[layer], state.column_of_head[layer]
+    assert meta.hist_len[1].tolist() == [0, 0]  # the live lengths already include k_g
+    hist = (mem.kv_pool.k_pool, mem.kv_pool.v_pool, mem.table.page_table, meta.hist_len)
     pools = (mem.kv_pool.k_pool, mem.kv_pool.v_pool, mem.table.page_table, mem.table.group_len)
     out, lse = reference.extend_reference(
-        q, k, v, meta.qo_indptr, *pools, meta.req_rows, goh, coh, 0.35
+        q, k, v, meta.qo_indptr, *hist, meta.req_rows, goh, coh, 0.35
     )
     per_head, _ = meta.layer_kept(layer, profile.grouping.cluster_of[layer])
     kept = batch_kept_indices(state.scorer, q, k, lse, meta.bounds, per_head, 0.35, 1, 2)
     reference.kv_write_reference(
-        k, v, meta.qo_indptr, kept, meta.kept_count, *pools, meta.req_rows, goh, coh
+        k, v, meta.qo_indptr, kept, meta.kept_count, *hist, meta.req_rows, goh, coh
     )
-    state.commit_extend([1])
-    state.begin_decode([1], [n + 1])
+    state.allocate_decode([1], [n + 1])
     dmeta = md.decode_metadata([1], mem.table.pages, mem.table.lens, PAGE, "cpu")
     qd, kd, vd = torch.randn(1, 4, 16), torch.randn(1, 2, 16), torch.randn(1, 2, 16)
     md.write_decode_token(mem.kv_pool.k_pool, mem.kv_pool.v_pool, kd, vd, dmeta, goh, coh)
@@ -200,11 +203,10 @@ def test_padded_decode_entries_touch_only_the_padding_page():
     mem, layer = state.memory, 0
     goh, coh = state.group_of_head[layer], state.column_of_head[layer]
     for row, n in ((1, 9), (3, 6)):
-        state.begin_extend([row], [n], [0])
-        state.commit_extend([row])
+        state.allocate_extend([row], [n], [0])
     mem.kv_pool.k_pool.normal_()
     mem.kv_pool.v_pool.normal_()
-    state.begin_decode([1, 3], [10, 7])
+    state.allocate_decode([1, 3], [10, 7])
     buf = md.DecodeGraphBuffers.create(mem.table.max_rows, 2, 4, 16, torch.float32, "cpu")
     padded = buf.fill([1, 3], 4, mem.table.pages, mem.table.lens, PAGE)
     plain = md.decode_metadata([1, 3], mem.table.pages, mem.table.lens, PAGE, "cpu")

@@ -16,8 +16,7 @@ from tangram_sglang.mem.stats import collect_stats
 
 def start_row(state, row: int, tokens: int) -> None:
     state.plan_row(row, tokens, 0)
-    state.begin_extend([row], [tokens], [0])
-    state.commit_extend([row])
+    state.allocate_extend([row], [tokens], [0])
 
 
 def test_snapshot_counts_equal_the_full_stats():

@@ -47,9 +47,8 @@ class World:
         row, n = self.req_pool.free_slots.pop(0), len(ids) - p
         self.req_pool.req_to_token[row, :p] = match.device_indices.to(torch.int32)
         self.req_pool.req_to_token[row, p : p + n] = self.slots.alloc(n).to(torch.int32)
-        self.state.begin_extend([row], [n], [p])
+        self.state.allocate_extend([row], [n], [p])
         before = self.mem.table.lens[row].copy()
-        self.state.commit_extend([row])
         self.write(row, before, self.mem.table.lens[row])
         req = SimpleNamespace(
             req_pool_idx=row,
@@ -65,7 +64,7 @@ class World:
             self.req_pool.req_to_token[row, seq] = int(self.slots.alloc(1)[0])
             req.output_ids.append(5)
             before = self.mem.table.lens[row].copy()
-            self.state.begin_decode([row], [seq + 1])
+            self.state.allocate_decode([row], [seq + 1])
             self.write(row, before, self.mem.table.lens[row])
         content = self.read(row)
         req.output_ids.append(9)  # the last sampled token (no KV)

@@ -32,8 +32,7 @@ def prefill(tree, state, req_pool, slots, chunks: list[int]) -> SimpleNamespace:
     tree.inc_lock_ref(tree.root_node)
     done = 0
     for n in chunks:
-        state.begin_extend([row], [n], [done])
-        state.commit_extend([row])
+        state.allocate_extend([row], [n], [done])
         done += n
     return SimpleNamespace(
         req_pool_idx=row,
@@ -51,7 +50,7 @@ def decode(state, req_pool, slots, req, tokens: list[int]) -> None:
         seq = len(req.origin_input_ids) + len(req.output_ids)
         req_pool.req_to_token[req.req_pool_idx, seq] = int(slots.alloc(1)[0])
         req.output_ids.append(token)
-        state.begin_decode([req.req_pool_idx], [seq + 1])
+        state.allocate_decode([req.req_pool_idx], [seq + 1])
 
 
 def finish(tree, req_pool, req, kv_len: int) -> None:

@@ -120,8 +120,7 @@ def test_cells_of_a_running_chunked_prefill_are_matched_by_a_later_request(monke
         extend_range=None,
     )
     for done in (0, 4):  # two chunks, each inserted before the next is scheduled
-        state.begin_extend([row], [GRID], [done])
-        state.commit_extend([row])
+        state.allocate_extend([row], [GRID], [done])
         running.extend_range = SimpleNamespace(end=done + GRID)
         tree.cache_unfinished_req(running, chunked=True)
         assert running.cache_protected_len == done + GRID == len(running.prefix_indices)
@@ -132,11 +131,10 @@ def test_cells_of_a_running_chunked_prefill_are_matched_by_a_later_request(monke
     # both cells instead of prefilling them again.
     cached, chunks = run_request(tree, state, req_pool, slots, [*document, 7, 7], [3], GRID)
     assert cached == 8 and chunks == [(8, 12)]
-    state.begin_extend([row], [2], [8])  # the first client's last chunk, then its reply
-    state.commit_extend([row])
+    state.allocate_extend([row], [2], [8])  # the first client's last chunk, then its reply
     req_pool.req_to_token[row, len(document)] = int(slots.alloc(1)[0])
     running.output_ids.append(5)
-    state.begin_decode([row], [len(document) + 1])
+    state.allocate_decode([row], [len(document) + 1])
     running.output_ids.append(9)
     tree.cache_finished_req(running, True, kv_len_to_handle=len(document) + 1)
     req_pool.free_slots.append(row)

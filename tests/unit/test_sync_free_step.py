@@ -1,8 +1,8 @@
 """The per-batch plan never reads the device and reaches it in one packed copy.
 
 * With the page table, the layer maps and the decode buffers on the ``meta`` device (no data:
-  any device-to-host read raises), a decode step (``begin_decode`` + the graph buffers' fill)
-  and an extend batch (``begin_extend`` + ``extend_metadata`` + ``commit_extend``) run through:
+  any device-to-host read raises), a decode step (``allocate_decode`` + the graph buffers' fill)
+  and an extend batch (``allocate_extend`` + ``extend_metadata``) run through:
   planning reads host copies only.
 * Staged page-table writes: nothing reaches the device before ``flush``; one ``flush`` is one
   upload carrying the table deltas and the plan; the device then equals the host mirror.
@@ -41,16 +41,22 @@ def test_a_decode_step_and_an_extend_batch_plan_without_reading_the_device():
         for row, n in ((1, 9), (2, 6), (4, 13)):
             state.plan_row(row, n, 8)
         rows = [1, 2, 4]
-        kept = state.begin_extend(rows, [9, 6, 13], [0, 0, 0])
+        plan = state.allocate_extend(rows, [9, 6, 13], [0, 0, 0])
         meta = md.extend_metadata(
-            rows, [9, 6, 13], kept, "meta", state.profile.grouping.cluster_of, table.flush
+            rows,
+            [9, 6, 13],
+            plan.kept_lens,
+            "meta",
+            state.profile.grouping.cluster_of,
+            table.flush,
+            start_lens=plan.start_lens,
+            hist_len=torch.zeros_like(table.group_len),
         )
         assert meta.req_rows.device.type == "meta" and meta.kept_heads.shape[1] == 3
-        state.commit_extend(rows)
         buffers = md.DecodeGraphBuffers.create(6, 2, 4, 16, torch.float32, "meta")
         for step in range(6):
             arr = np.array(rows)
-            state.begin_decode(arr, np.array([10, 7, 14]) + step)
+            state.allocate_decode(arr, np.array([10, 7, 14]) + step)
             plan = buffers.fill(arr, 4, table.pages, table.lens, PAGE, table.flush)
             assert plan.dest_page.device.type == "meta" and plan.batch_size == 4
     assert reads["tolist"] == reads["item"] == reads["__int__"] == 0
@@ -64,16 +70,15 @@ def test_staged_writes_reach_the_device_in_one_upload_per_flush():
     table = state.memory.table
     table.deferred = True
     state.plan_row(3, 9, 4)
-    state.begin_extend([3], [9], [0])
-    state.commit_extend([3])
+    state.allocate_extend([3], [9], [0])
     assert table.has_staged() and int(table.group_len[3].abs().sum()) == 0  # not yet
     before = table.uploader.num_uploads
     (rows,) = table.flush([np.array([3])])
     assert table.uploader.num_uploads == before + 1 and rows.tolist() == [3]
     assert torch.equal(table.page_table, torch.from_numpy(table.pages))
     assert table.group_len[3].tolist() == table.lens[3].tolist()
-    state.begin_decode([3], [10])
-    state.begin_decode([3], [11])
+    state.allocate_decode([3], [10])
+    state.allocate_decode([3], [11])
     buffers = md.DecodeGraphBuffers.create(6, 2, 4, 16, torch.float32, "cpu")
     plan = buffers.fill([3], 2, table.pages, table.lens, PAGE, table.flush)
     assert table.uploader.num_uploads == before + 2 and not table.has_staged()
@@ -89,15 +94,14 @@ def test_release_is_host_only_and_the_next_owner_overwrites_the_device_row():
         TangramMemory(make_profile(), PAGE, 64, 6, 16, kv_pool=None), 1, device="cpu"
     )
     table = state.memory.table
-    state.begin_extend([2], [13], [0])
-    state.commit_extend([2])
-    state.begin_decode([2], [14])
+    state.allocate_extend([2], [13], [0])
+    state.allocate_decode([2], [14])
     old = table.page_table[2].clone()
     assert old.abs().sum() > 0
     state.release(2)
     assert torch.equal(table.page_table[2], old)  # a batch in flight may still read it
     assert table.lens[2].sum() == 0 and not table.in_tail[2]
-    state.begin_extend([2], [3], [0])  # the next owner: a shorter table
+    state.allocate_extend([2], [3], [0])  # the next owner: a shorter table
     assert torch.equal(table.page_table[2], torch.from_numpy(table.pages[2]))
     assert table.page_table[2].abs().sum() < old.abs().sum()
 
@@ -105,10 +109,9 @@ def test_release_is_host_only_and_the_next_owner_overwrites_the_device_row():
 def test_the_decode_tail_segment_counts_every_step():
     memory = TangramMemory(make_profile(), PAGE, 64, 6, 16, kv_pool=None, debug=True)
     state = TangramState(memory, 1, device="cpu")
-    state.begin_extend([1, 2], [9, 5], [0, 0])
-    state.commit_extend([1, 2])
+    state.allocate_extend([1, 2], [9, 5], [0, 0])
     for step in range(7):
-        state.begin_decode([1, 2], [10 + step, 6 + step])
+        state.allocate_decode([1, 2], [10 + step, 6 + step])
     segments = memory.finish(1)
     assert [s.kind for s in segments] == ["extend", "decode"]
     tail = segments[-1]
@@ -118,7 +121,7 @@ def test_the_decode_tail_segment_counts_every_step():
         end = -(-(tail.start_len[g] + 7) // PAGE)
         assert tail.first_page_index[g] + tail.pages[g].size == end
     memory.free_pages(np.concatenate([p for s in segments for p in s.pages]))
-    state.begin_decode([2], [13])  # the other row decodes on, its tail still open
+    state.allocate_decode([2], [13])  # the other row decodes on, its tail still open
     assert memory.table.tail_tokens[2] == 8
 
 
