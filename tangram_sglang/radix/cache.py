@@ -44,7 +44,7 @@ from sglang.srt.mem_cache.base_prefix_cache import InsertParams, MatchPrefixPara
 from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey, TreeNode
 
 from tangram_sglang.errors import PoolError
-from tangram_sglang.mem.page_table import DECODE, SegmentPages
+from tangram_sglang.mem.page_table import SegmentPages
 from tangram_sglang.mem.prefix import PrefixMatch
 from tangram_sglang.radix.segment import (
     SegmentValue,
@@ -299,8 +299,6 @@ class TangramRadixCache(RadixCache):
         chained = start is self.root_node or value_of(start) is not None
         parent, attached = (start if chained else None), []
         for (lo, hi), seg in zip(segment_depths(start_len, segments), segments, strict=True):
-            if seg.kind == DECODE and lo < len(key) < hi:
-                seg, hi = self._trim_tail(seg, len(key) - lo), len(key)
             off_grid = self.grid > 0 and not is_grid_cell(seg.kind, lo, hi, self.grid)
             if parent is None or seg.num_tokens <= 0 or hi > len(key) or off_grid:
                 self._free(seg.pages)
@@ -379,24 +377,6 @@ class TangramRadixCache(RadixCache):
         if child.lock_ref == 0:
             self._unlocked_pages -= len(swaps)
         self.num_adopted_pages += len(swaps)
-
-    def _trim_tail(self, seg: SegmentPages, tokens: int) -> SegmentPages:
-        """The decode tail cut to its first ``tokens`` tokens; the pages past them are freed.
-
-        Under overlap scheduling SGLang allocates the next decode step of a request before it
-        sees the request finish (``effective_kv_committed_len`` < ``kv_allocated_len``), so the
-        tail holds one token more than the tokens inserted; without the cut the whole reply
-        would be freed instead of cached (``hi > len(key)``). A tail keeps every token, so its
-        first ``tokens`` tokens are exactly the reply's KV.
-        """
-        ps = self.memory.page_size
-        start_len = np.asarray(seg.start_len, np.int64)
-        first = np.asarray(seg.first_page_index, np.int64)
-        keep = np.maximum(-(-(start_len + tokens) // ps) - first, 0)
-        pages = [ids[: int(n)] for ids, n in zip(seg.pages, keep, strict=True)]
-        self._free([ids[int(n) :] for ids, n in zip(seg.pages, keep, strict=True)])
-        kept = np.full(len(pages), tokens, np.int64)
-        return SegmentPages(seg.kind, tokens, start_len, kept, first, pages)
 
     def _node_at(self, key: RadixKey, depth: int) -> TreeNode:
         """The node ending exactly at ``depth`` on ``key``'s path (split if needed)."""
