@@ -60,6 +60,14 @@ def _divisors(n: int) -> list[int]:
 def kv_head_range(num_kv_heads: int, tp_size: int, rank: int) -> tuple[int, int]:
     """KV heads ``[lo, hi)`` that TP rank ``rank`` holds of every layer (SGLang's shard).
 
+    Args:
+        num_kv_heads: the model's KV heads per layer (all ranks together).
+        tp_size: tensor-parallel ranks N (``--tp-size``).
+        rank: this rank, in ``[0, N)``.
+
+    Returns:
+        ``(lo, hi)``: head indices, ``hi - lo = num_kv_heads / N``.
+
     Raises:
         ConfigError: ``tp_size`` not dividing ``num_kv_heads`` or ``rank`` outside
             ``[0, tp_size)``.

@@ -9,7 +9,7 @@ Scores are means in points (0-100) over every scored turn. The full-KV systems (
 * per-ratio breakdowns and the three targets with met / missed; the full-KV reference is stock
   SGLang (``full``), or ``full-hf`` when the stock server did not run (``full_reference``).
 
-Summary (issue 20, compressed history that answers later questions):
+Summary of the later questions (compressed history that answers questions asked later):
 
 * ``later_questions_minus_full_points``: per ratio, on the multi-turn task's questions 2+
   (turns > 0, ``later_turns_<metric>``), the best Tangram system (any scorer) minus full KV;
@@ -158,7 +158,7 @@ def summary(results: dict[str, Any]) -> dict[str, Any]:
 
 
 def later_questions(results: dict[str, Any], ref: str) -> dict[str, Any]:
-    """The issue-20 fields: questions 2+ of the multi-turn task, per ratio (see module doc).
+    """The later-question fields: questions 2+ of the multi-turn task, per ratio (module doc).
 
     Args:
         results: :func:`aggregate`'s ``results``.

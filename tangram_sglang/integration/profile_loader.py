@@ -27,7 +27,7 @@ from tangram_sglang.profile import BudgetProfile, ModelIdentity
 CALIBRATION_DIR = Path(__file__).resolve().parents[2] / "calibration"
 DEFAULT_PROFILE_NAME = "default.json"  # a shipped profile of this name wins
 # Among shipped profiles of a model, scorers in this order: kvzip-lite (query-agnostic: the kept
-# history also answers later turns' questions, benchmarks/RESULTS.md issue 20), then Ada-SnapKV.
+# history also answers later turns' questions, docs/scorers.md), then Ada-SnapKV.
 SCORER_PREFERENCE = ("kvzip-lite", "ada-snapkv")
 DEFAULT_TARGET_RATIO = 0.25  # among several matches, prefer the one calibrated closest to this
 CALIBRATE_HINT = (
