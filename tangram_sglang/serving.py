@@ -23,7 +23,7 @@ from pathlib import Path
 
 import requests
 
-from tangram_sglang.errors import TangramError
+from tangram_sglang.errors import ConfigError, TangramError
 
 STANDIN_DIR = Path(__file__).resolve().parent / "cpu_standin"
 CPU_DEFAULTS = {
@@ -104,11 +104,24 @@ def cpu_tp_env(tp_size: int, base: dict[str, str]) -> dict[str, str]:
 
 
 def _flag_int(args: list[str], flag: str, default: int) -> int:
-    """The integer value of ``flag`` in a launch_server argument list (``--flag V``)."""
-    for i, arg in enumerate(args[:-1]):
-        if arg == flag:
-            return int(args[i + 1])
-    return default
+    """The integer value of ``flag`` in a launch_server argument list (``--flag V`` or
+    ``--flag=V``; the last one given wins, as with argparse).
+
+    Raises:
+        ConfigError: the value is not an integer (names the flag).
+    """
+    value = None
+    for i, arg in enumerate(args):
+        if arg == flag and i + 1 < len(args):
+            value = args[i + 1]
+        elif arg.startswith(flag + "="):
+            value = arg[len(flag) + 1 :]
+    if value is None:
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise ConfigError(f"{flag} {value!r}: expected an integer, e.g. {flag} 2") from None
 
 
 class SGLangServer:
