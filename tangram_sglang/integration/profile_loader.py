@@ -15,6 +15,7 @@ in ``/server_info``. No ``sglang`` import: this module works on plain values.
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import replace
 from pathlib import Path
 
@@ -24,6 +25,7 @@ from tangram_sglang.config import TangramConfig
 from tangram_sglang.errors import ConfigError, ProfileError
 from tangram_sglang.profile import BudgetProfile, ModelIdentity
 
+logger = logging.getLogger(__name__)
 CALIBRATION_DIR = Path(__file__).resolve().parents[2] / "calibration"
 DEFAULT_PROFILE_NAME = "default.json"  # a shipped profile of this name wins
 # Among shipped profiles of a model, scorers in this order: kvzip-lite (query-agnostic: the kept
@@ -42,7 +44,8 @@ def find_shipped_profile(model: ModelIdentity, calibration_dir: Path | None = No
 
     Among several matches: ``default.json`` first, then by scorer (:data:`SCORER_PREFERENCE`:
     ``kvzip-lite``, then ``ada-snapkv``, then any other), then the target ratio closest to 0.25,
-    then the path name. Unreadable files are skipped.
+    then the path name. Unreadable files are skipped with a warning naming them (so a corrupt
+    preferred profile never silently hands the default to another scorer).
 
     Raises:
         ConfigError: no shipped profile matches; says where it looked and how to calibrate.
@@ -52,6 +55,10 @@ def find_shipped_profile(model: ModelIdentity, calibration_dir: Path | None = No
     for path in sorted(calibration_dir.glob("*/*.json")):
         try:
             profile = BudgetProfile.load(path)
+        except ProfileError as exc:
+            logger.warning("Tangram: skipping the unreadable shipped profile %s: %s", path, exc)
+            continue
+        try:
             profile.check_model(model)
         except ProfileError:
             others.append(path.relative_to(calibration_dir).as_posix())

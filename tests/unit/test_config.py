@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 import pytest
 from factories import random_profile
@@ -126,7 +128,7 @@ def test_resolve_rejects_corrupt_profile(tmp_path):
         profile_loader.resolve_profile(TangramConfig(enabled=True, profile_path=str(path)), MODEL)
 
 
-def test_shipped_default_prefers_kvzip_lite_then_ada_snapkv_closest_to_quarter(tmp_path):
+def test_shipped_default_prefers_kvzip_lite_then_ada_snapkv_closest_to_quarter(tmp_path, caplog):
     folder = tmp_path / "tiny"
     folder.mkdir()
     model_profile(target=0.5).save(folder / "ada-snapkv-r0.5.json")
@@ -134,7 +136,9 @@ def test_shipped_default_prefers_kvzip_lite_then_ada_snapkv_closest_to_quarter(t
     model_profile(scorer="snapkv", target=0.25).save(folder / "snapkv-r0.25.json")
     model_profile(model=OTHER).save(folder / "other-model.json")
     (folder / "broken.json").write_text("not json")
-    assert profile_loader.find_shipped_profile(MODEL, tmp_path).name == "ada-snapkv-r0.25.json"
+    with caplog.at_level(logging.WARNING, logger=profile_loader.__name__):
+        assert profile_loader.find_shipped_profile(MODEL, tmp_path).name == "ada-snapkv-r0.25.json"
+    assert "unreadable shipped profile" in caplog.text and "broken.json" in caplog.text
     assert profile_loader.find_shipped_profile(OTHER, tmp_path).name == "other-model.json"
     model_profile(scorer="kvzip-lite", target=0.5).save(folder / "kvzip-lite-r0.5.json")
     model_profile(scorer="kvzip-lite", target=0.25).save(folder / "kvzip-lite-r0.25.json")
