@@ -414,9 +414,18 @@ def rank_profile_from_server_args(server_args: Any, tp_rank: int | None = None) 
 
 
 def summary_from_server_args(server_args: Any) -> dict[str, object]:
-    """The start-up summary (``/server_info`` key ``tangram``) of a Tangram server."""
+    """The start-up summary (``/server_info`` key ``tangram``) of a Tangram server.
+
+    The one ``check_model`` stashed; rebuilt the same way (tensor-parallel numbers included)
+    when the stash is missing.
+    """
     summary = getattr(server_args, SUMMARY_STASH, None)
     if summary is not None:
         return dict(summary)
     config = config_from_server_args(server_args)
-    return profile_loader.profile_summary(profile_from_server_args(server_args), config)
+    profile = profile_from_server_args(server_args)
+    summary = profile_loader.profile_summary(profile, config)
+    tp_size = int(getattr(server_args, "tp_size", 1) or 1)
+    if tp_size > 1:
+        summary |= TensorParallelLayout.build(profile, tp_size).summary()
+    return summary

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import os
 import pickle
@@ -20,6 +21,7 @@ from tangram_sglang.integration import plugin
 from tangram_sglang.integration.hook_targets import HOOKS, REGISTRATIONS
 from tangram_sglang.integration.server_args import (
     INCOMPATIBLE_FLAGS,
+    SUMMARY_STASH,
     profile_from_server_args,
     rank_profile_from_server_args,
     summary_from_server_args,
@@ -353,6 +355,9 @@ def test_tp_size_dividing_the_kv_heads_is_accepted(patched_sglang, smollm2_path,
     args = make_args(patched_sglang, smollm2_path, smollm2_profile, tp_size=3)
     summary = summary_from_server_args(pickle.loads(pickle.dumps(args)))
     assert (summary["tp_size"], summary["kv_heads_per_rank"]) == (3, 1)
+    unstashed = copy.copy(args)  # the rebuilt summary (no stash) carries the TP numbers too
+    object.__delattr__(unstashed, SUMMARY_STASH)
+    assert summary_from_server_args(unstashed) == summary
     cells, groups = set(), set()
     for rank in range(3):
         profile = rank_profile_from_server_args(args, tp_rank=rank)
