@@ -40,7 +40,7 @@ import torch
 
 from tangram_sglang.errors import ConfigError
 from tangram_sglang.scoring.base import register_scorer
-from tangram_sglang.scoring.snapkv import GQA_REDUCTIONS, POOLINGS, SnapKVScorer, reduce_gqa
+from tangram_sglang.scoring.snapkv import SnapKVScorer, check_window_options, reduce_gqa
 
 ALL_QUERIES = 1 << 30  # obs_window meaning "every query of the segment" (queries)
 DEFAULT_MAX_QUERIES = 1024  # queries scored per segment at most (evenly spaced; 0 = all)
@@ -83,20 +83,11 @@ class KVzipLiteScorer:
                     f"{field}={value!r} must be an integer (a profile's provenance "
                     "scorer_options or a --obs-window / --kernel-size flag)"
                 )
-        if self.obs_window < 1:
-            raise ConfigError(f"obs_window={self.obs_window} must be >= 1 (queries)")
+        check_window_options(self.obs_window, self.kernel_size, self.pooling, self.gqa_reduce)
         if self.max_queries < 0 or self.local_band < 0 or self.query_block < 1:
             raise ConfigError(
                 f"max_queries={self.max_queries} and local_band={self.local_band} must be >= 0 "
                 f"and query_block={self.query_block} >= 1"
-            )
-        if self.kernel_size < 1 or self.kernel_size % 2 == 0:
-            raise ConfigError(f"kernel_size={self.kernel_size} must be odd and >= 1")
-        if self.pooling not in POOLINGS:
-            raise ConfigError(f"pooling={self.pooling!r} is unknown; use one of {POOLINGS}")
-        if self.gqa_reduce not in GQA_REDUCTIONS:
-            raise ConfigError(
-                f"gqa_reduce={self.gqa_reduce!r} is unknown; use one of {GQA_REDUCTIONS}"
             )
 
     def query_slots(self, w: int) -> list[int]:

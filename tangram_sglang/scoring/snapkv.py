@@ -24,6 +24,23 @@ POOLINGS = ("avg", "max")
 GQA_REDUCTIONS = ("mean", "max")
 
 
+def check_window_options(obs_window: int, kernel_size: int, pooling: str, gqa_reduce: str) -> None:
+    """Validate the options every window scorer shares (SnapKV family, kvzip-lite).
+
+    Raises:
+        ConfigError: ``obs_window < 1``, an even or non-positive ``kernel_size``, or an unknown
+            ``pooling`` / ``gqa_reduce`` (the message names the field and the allowed values).
+    """
+    if obs_window < 1:
+        raise ConfigError(f"obs_window={obs_window} must be >= 1 (queries)")
+    if kernel_size < 1 or kernel_size % 2 == 0:
+        raise ConfigError(f"kernel_size={kernel_size} must be odd and >= 1")
+    if pooling not in POOLINGS:
+        raise ConfigError(f"pooling={pooling!r} is unknown; use one of {POOLINGS}")
+    if gqa_reduce not in GQA_REDUCTIONS:
+        raise ConfigError(f"gqa_reduce={gqa_reduce!r} is unknown; use one of {GQA_REDUCTIONS}")
+
+
 @dataclass(frozen=True, slots=True)
 class SnapKVScorer:
     """SnapKV scorer (uniform budgets: every head keeps its own top-k).
@@ -42,16 +59,7 @@ class SnapKVScorer:
     name: str = "snapkv"
 
     def __post_init__(self) -> None:
-        if self.obs_window < 1:
-            raise ConfigError(f"obs_window={self.obs_window} must be >= 1 (queries)")
-        if self.kernel_size < 1 or self.kernel_size % 2 == 0:
-            raise ConfigError(f"kernel_size={self.kernel_size} must be odd and >= 1")
-        if self.pooling not in POOLINGS:
-            raise ConfigError(f"pooling={self.pooling!r} is unknown; use one of {POOLINGS}")
-        if self.gqa_reduce not in GQA_REDUCTIONS:
-            raise ConfigError(
-                f"gqa_reduce={self.gqa_reduce!r} is unknown; use one of {GQA_REDUCTIONS}"
-            )
+        check_window_options(self.obs_window, self.kernel_size, self.pooling, self.gqa_reduce)
 
     def score(
         self,
