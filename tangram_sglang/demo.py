@@ -20,7 +20,7 @@ from pathlib import Path
 import openai
 import requests
 
-from tangram_sglang.errors import ConfigError, TangramError
+from tangram_sglang.errors import ConfigError, ProfileError, TangramError
 from tangram_sglang.models import model_path
 from tangram_sglang.profile import BudgetProfile
 from tangram_sglang.serving import CUDA_STOCK_FLAGS, SGLangServer
@@ -222,9 +222,16 @@ def check_demo_args(args: argparse.Namespace) -> None:
 def run_demo(args: argparse.Namespace) -> int:
     """Start the server, chat, report; raises TangramError on a bad model, profile or start."""
     check_demo_args(args)
-    folder = model_path(args.model)
     if args.profile:  # never with --full-kv (check_demo_args)
-        BudgetProfile.load(args.profile)  # fail before a minute of server start-up
+        try:  # fail before a minute of server start-up
+            BudgetProfile.load(args.profile)
+        except ProfileError as exc:
+            raise ProfileError(
+                f"--profile {args.profile}: {exc}; pass a profile JSON (the shipped ones are "
+                "calibration/<model>/*.json), leave --profile out for the shipped default, or "
+                "calibrate one with python -m tangram_sglang.calibrate"
+            ) from None
+    folder = model_path(args.model)
     server_args = demo_server_args(args.full_kv, args.device, args.profile)
     print(f"model: {folder}")
     print(f"starting SGLang {' '.join(server_args)} (about a minute on CPU) ...", flush=True)

@@ -50,3 +50,12 @@ def test_cuda_without_a_gpu_fails_before_a_server_starts(capsys):
     assert main(["--device", "cuda", "--log", "/nonexistent/dir/log"]) == 2
     err = capsys.readouterr().err
     assert "--device cuda" in err and "--device cpu" in err and "server" not in err.lower()
+
+
+def test_a_missing_profile_names_the_flag_and_the_fix_before_any_server(capsys):
+    from tangram_sglang.demo import main
+
+    assert main(["--profile", "/nonexistent/p.json"]) == 2
+    err = capsys.readouterr().err
+    assert "--profile /nonexistent/p.json" in err and "profile file not found" in err
+    assert "python -m tangram_sglang.calibrate" in err
