@@ -14,6 +14,13 @@ Python stacks) and reads the Chrome trace it writes:
 Two systems' idle times, side by side, are the host-side cost of one over the other at equal
 batch (issue 7's ``prefill_time_ratio``). Needs CUDA: the trace's GPU side is CUPTI's.
 
+``--turn-tokens E`` records later turns instead: each round first sends its ``N`` prompts as
+histories (1 output token each, cached in the radix tree), then sends every history again with
+``E`` new tokens appended, one request every ``--stagger-ms`` (each arrives alone while the
+earlier ones decode, as a conversation's next turn does when output lengths differ). Only the
+later turns are timed and traced: what one turn with a long cached prefix costs, prefill and
+the decode steps it interrupts.
+
 Example (device machine, after ``source scripts/device_setup.sh``)::
 
     python3 -m tangram_sglang.bench.prefill_trace --model-path $MODEL --label tangram \\
@@ -58,6 +65,39 @@ def send_round(
     t0 = time.perf_counter()
     with ThreadPoolExecutor(num_prompts) as pool:
         list(pool.map(one, prompts))
+    return time.perf_counter() - t0
+
+
+def send_turns(
+    base_url: str,
+    num_prompts: int,
+    prompt_len: int,
+    seed: int,
+    output_len: int,
+    turn_tokens: int,
+    stagger_ms: float,
+) -> float:
+    """Send later turns on cached histories, staggered; wall seconds of the turns alone.
+
+    Sends the ``num_prompts`` histories of :func:`send_round` (``seed``, 1 output token: they end
+    up in the radix tree), then each history plus ``turn_tokens`` new random ids, one request
+    every ``stagger_ms`` milliseconds, ``output_len`` tokens each (``ignore_eos``), and returns
+    the wall time from the first turn sent to the last answered.
+    """
+    send_round(base_url, num_prompts, prompt_len, seed, 1)
+    rng = np.random.default_rng(seed)
+    histories = rng.integers(100, 20000, size=(num_prompts, prompt_len)).tolist()
+    extra = np.random.default_rng(seed + 1000).integers(100, 20000, (num_prompts, turn_tokens))
+
+    def one(i: int) -> None:
+        time.sleep(i * stagger_ms / 1e3)
+        params = {"max_new_tokens": output_len, "temperature": 0, "ignore_eos": True}
+        body = {"input_ids": histories[i] + extra[i].tolist(), "sampling_params": params}
+        requests.post(f"{base_url}/generate", json=body, timeout=600).raise_for_status()
+
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(num_prompts) as pool:
+        list(pool.map(one, range(num_prompts)))
     return time.perf_counter() - t0
 
 
@@ -179,6 +219,18 @@ def main(argv: list[str] | None = None) -> int:
         default=1,
         help="tokens generated per prompt (> 1: the trace covers decode steps too)",
     )
+    p.add_argument(
+        "--turn-tokens",
+        type=int,
+        default=0,
+        help="> 0: trace later turns (each cached prompt plus this many new tokens, staggered)",
+    )
+    p.add_argument(
+        "--stagger-ms",
+        type=float,
+        default=50.0,
+        help="later turns: milliseconds between two turns' arrivals",
+    )
     p.add_argument("--trace-dir", default="/tmp/prefill-trace", help="where SGLang writes")
     p.add_argument("--json", default=None, help="write the analysis here")
     p.add_argument("--no-trace", action="store_true", help="wall times only (no profiler round)")
@@ -190,9 +242,23 @@ def main(argv: list[str] | None = None) -> int:
 
     trace_dir = Path(args.trace_dir) / args.label
     trace_dir.mkdir(parents=True, exist_ok=True)
+
+    def one_round(seed: int) -> float:
+        if args.turn_tokens:
+            return send_turns(
+                server.base_url,
+                args.num_prompts,
+                args.prompt_len,
+                seed,
+                args.output_len,
+                args.turn_tokens,
+                args.stagger_ms,
+            )
+        return send_round(server.base_url, args.num_prompts, args.prompt_len, seed, args.output_len)
+
     with SGLangServer(args.model_path, flags, "cuda", trace_dir / "server.log", 600) as server:
-        warm_s = send_round(server.base_url, args.num_prompts, args.prompt_len, 1, args.output_len)
-        plain_s = send_round(server.base_url, args.num_prompts, args.prompt_len, 2, args.output_len)
+        warm_s = one_round(1)
+        plain_s = one_round(2)
         if args.no_trace:
             return finish(
                 args,
@@ -209,9 +275,7 @@ def main(argv: list[str] | None = None) -> int:
         since = time.time()
         body = {"output_dir": str(trace_dir), "activities": ["CPU", "GPU"], "with_stack": True}
         requests.post(f"{server.base_url}/start_profile", json=body, timeout=60).raise_for_status()
-        traced_s = send_round(
-            server.base_url, args.num_prompts, args.prompt_len, 3, args.output_len
-        )
+        traced_s = one_round(3)
         requests.post(f"{server.base_url}/stop_profile", timeout=600).raise_for_status()
         path = newest_trace(trace_dir, since)
     result = {
@@ -220,6 +284,8 @@ def main(argv: list[str] | None = None) -> int:
         "num_prompts": args.num_prompts,
         "prompt_len": args.prompt_len,
         "output_len": args.output_len,
+        "turn_tokens": args.turn_tokens,
+        "stagger_ms": args.stagger_ms,
         "warmup_wall_s": warm_s,
         "wall_s": plain_s,
         "traced_wall_s": traced_s,
@@ -233,6 +299,8 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> list[str
     """The ``--server-args`` flags; a bad flag exits 2 naming it (``p.error``), before a server."""
     if args.num_prompts < 1 or args.prompt_len < 1 or args.output_len < 1:
         p.error("--num-prompts, --prompt-len and --output-len must be >= 1")
+    if args.turn_tokens < 0 or args.stagger_ms < 0:
+        p.error("--turn-tokens and --stagger-ms must be >= 0")
     if not Path(args.model_path).is_dir():
         p.error(f"--model-path {args.model_path!r}: no such folder (give a local model folder)")
     if args.json and not Path(args.json).parent.is_dir():

@@ -52,11 +52,21 @@ def test_analyse_refuses_a_trace_without_gpu_events():
     [
         (["--num-prompts", "0"], "--num-prompts, --prompt-len and --output-len must be >= 1"),
         (["--output-len", "0"], "--output-len must be >= 1"),
+        (["--turn-tokens", "-1"], "--turn-tokens and --stagger-ms must be >= 0"),
+        (["--stagger-ms", "-5"], "--turn-tokens and --stagger-ms must be >= 0"),
         (["--server-args", "--foo 'bar"], '--server-args "--foo \'bar": No closing quotation'),
         (["--model-path", "/nonexistent/model"], "--model-path '/nonexistent/model': no such"),
         (["--json", "/nonexistent/dir/out.json"], "--json '/nonexistent/dir/out.json': no folder"),
     ],
-    ids=["no-prompts", "no-output", "unbalanced-quote", "missing-model", "json-folder-missing"],
+    ids=[
+        "no-prompts",
+        "no-output",
+        "negative-turn",
+        "negative-stagger",
+        "unbalanced-quote",
+        "missing-model",
+        "json-folder-missing",
+    ],
 )
 def test_bad_flags_exit_2_naming_the_flag_before_any_server(tmp_path, capsys, argv, match):
     base = {"--model-path": str(tmp_path), "--label": "x", "--trace-dir": str(tmp_path / "t")}
