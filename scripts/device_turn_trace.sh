@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # device_turn_trace.sh -- runs on an H200 machine after `source scripts/device_setup.sh`: what a
-# later turn on a long cached history costs, stock triton then Tangram 0.25 (bench.prefill_trace
+# later turn on a long cached history costs, Tangram 0.25 then stock triton (bench.prefill_trace
 # --turn-tokens: 32 cached 16k histories, each again plus 330 new tokens, one every 40 ms, 64
 # output tokens). Results in $R; progress lines in $R/progress. Start it in the background:
 #   setsid nohup bash scripts/device_turn_trace.sh > /tmp/tt.log 2>&1 &
@@ -22,9 +22,9 @@ run() {
   cp "$R/trace-$name/$name-turns/server.log" "$R/server-$name.log" 2>/dev/null
 }
 case "${WHICH:-both}" in
-  both | stock) run stock --attention-backend triton ;;
+  both | tangram) run tangram --tangram --tangram-profile "$PROFILE" --tangram-target-ratio 0.25 ;;
 esac
 case "${WHICH:-both}" in
-  both | tangram) run tangram --tangram --tangram-profile "$PROFILE" --tangram-target-ratio 0.25 ;;
+  both | stock) run stock --attention-backend triton ;;
 esac
 echo "$(date -u +%T) done" >> "$R/progress"
