@@ -6,10 +6,15 @@ requests start at most ``request_rate`` per second (Poisson arrivals; ``inf`` = 
 at most ``max_parallel`` are in flight. Each request is a streaming ``POST /generate`` with
 ``input_ids`` = the whole history + the round's new random ids, ``ignore_eos`` and greedy
 sampling, so every round generates exactly its output length. With ``no_max_tokens`` a request
-sets no ``max_new_tokens`` (what most chat clients send; the server fills in its own cap) and
-samples at temperature 1 with ``stop_token_ids`` = :func:`stop_token_ids` (a fixed random
-``vocab / L`` ids for a round of output length L): on a near-uniform next-token distribution
-(dummy weights) the length is ~geometric with mean L. Per request it records TTFT,
+sets no ``max_new_tokens`` (what most chat clients send; the server fills in its own cap):
+each request draws a length ``n`` (geometric, mean L for a round of output length L) from a
+generator seeded by (seed, client, round), samples at temperature 1 with ``min_new_tokens`` =
+``n - 1`` and ends on the first of a fixed quarter of the vocabulary
+(:func:`stop_token_ids`) after that: on a near-uniform next-token distribution (dummy weights)
+``n - 1 + 4`` tokens on average, with a spread of a few tokens. So every system generates the
+same output lengths (equal work, as ``ignore_eos`` gives with ``max_new_tokens`` set), while
+the lengths still differ between conversations and the conversations fall out of step as a
+chat client's do. Per request it records TTFT,
 TPOT, end-to-end latency and the server's usage (``prompt_tokens``, ``cached_tokens``:
 SGLang's ``--enable-cache-report``).
 
@@ -91,10 +96,38 @@ class _Pacer:
             await asyncio.sleep(delay)
 
 
-def sampling_params(out_len: int, vocab_size: int, no_max_tokens: bool) -> dict:
-    """The ``sampling_params`` of one round (see the module docstring)."""
+STOP_SHARE = 4  # no max_new_tokens: 1 / STOP_SHARE of the vocabulary ends a request
+
+
+def no_max_length(out_len: int, seed: int, client: int, round_index: int) -> int:
+    """Output length (tokens, >= 1) of one request without ``max_new_tokens``.
+
+    Geometric with mean ``out_len``, from a generator seeded by ``(seed, client, round_index)``:
+    the same for every system and run, whatever order the clients' requests go out in.
+    """
+    rng = np.random.default_rng((seed, client, round_index))
+    return int(rng.geometric(1.0 / max(int(out_len), 1)))
+
+
+def sampling_params(
+    out_len: int, vocab_size: int, no_max_tokens: bool, length: int | None = None
+) -> dict:
+    """The ``sampling_params`` of one request (see the module docstring).
+
+    Args:
+        out_len: the round's output length (tokens): exact with ``max_new_tokens`` set, the
+            mean otherwise.
+        vocab_size: the model's vocabulary size (stop ids are drawn below it).
+        no_max_tokens: send no ``max_new_tokens``.
+        length: without ``max_new_tokens``, this request's drawn length (:func:`no_max_length`);
+            None = ``out_len``.
+    """
     if no_max_tokens:
-        return {"temperature": 1.0, "stop_token_ids": stop_token_ids(vocab_size, out_len)}
+        return {
+            "temperature": 1.0,
+            "min_new_tokens": max((out_len if length is None else length) - 1, 0),
+            "stop_token_ids": stop_token_ids(vocab_size, STOP_SHARE),
+        }
     return {"max_new_tokens": out_len, "ignore_eos": True, "temperature": 0.0}
 
 
@@ -164,7 +197,8 @@ async def run_conversations(
             await pacer.wait()
             async with sem:
                 try:
-                    params = sampling_params(out_len, vocab_size, settings.no_max_tokens)
+                    length = no_max_length(out_len, settings.seed, i, r)
+                    params = sampling_params(out_len, vocab_size, settings.no_max_tokens, length)
                     timing, out_ids = await _generate(
                         session, f"{base_url}/generate", history + new, params
                     )

@@ -318,20 +318,38 @@ def test_cpu_runs_never_default_to_the_committed_results():
 
 
 def test_no_max_tokens_requests_end_on_a_fixed_stop_subset():
-    from tangram_sglang.bench.multiturn_client import sampling_params, stop_token_ids
+    from tangram_sglang.bench.multiturn_client import stop_token_ids
 
     ids = stop_token_ids(128256, 128)
     assert len(ids) == 1002 and ids == stop_token_ids(128256, 128)  # fixed per (vocab, mean)
     assert len(set(ids)) == len(ids) and min(ids) >= 0 and max(ids) < 128256
     assert stop_token_ids(100, 1000) and len(stop_token_ids(100, 1)) == 100
-    params = sampling_params(128, 128256, no_max_tokens=True)
+
+
+def test_no_max_tokens_lengths_are_the_same_for_every_system_and_geometric():
+    from tangram_sglang.bench.multiturn_client import (
+        STOP_SHARE,
+        no_max_length,
+        sampling_params,
+        stop_token_ids,
+    )
+
+    # fixed per (seed, client, round), whatever order the requests go out in
+    assert no_max_length(128, 0, 3, 1) == no_max_length(128, 0, 3, 1)
+    draws = [no_max_length(128, 0, c, r) for c in range(200) for r in range(4)]
+    assert min(draws) >= 1 and 115 < np.mean(draws) < 141  # geometric, mean 128
+    assert len(set(draws)) > 100  # the conversations fall out of step
+    assert [no_max_length(128, 1, c, 0) for c in range(20)] != draws[:80:4]  # seed matters
+    params = sampling_params(128, 128256, no_max_tokens=True, length=57)
     assert "max_new_tokens" not in params and "ignore_eos" not in params
-    assert params["temperature"] == 1.0 and params["stop_token_ids"] == ids
+    assert params["temperature"] == 1.0 and params["min_new_tokens"] == 56
+    assert params["stop_token_ids"] == stop_token_ids(128256, STOP_SHARE)
+    assert len(params["stop_token_ids"]) == 128256 // STOP_SHARE
     fixed = sampling_params(128, 128256, no_max_tokens=False)
     assert fixed == {"max_new_tokens": 128, "ignore_eos": True, "temperature": 0.0}
-    # uniform sampling hits the subset with probability 1/128: mean length ~128
+    # after min_new_tokens, uniform sampling ends on a stop id in ~STOP_SHARE tokens
     rng = np.random.default_rng(0)
     stop = np.zeros(128256, bool)
-    stop[ids] = True
-    lengths = [int(np.argmax(stop[rng.integers(0, 128256, 4000)])) + 1 for _ in range(400)]
-    assert 110 < np.mean(lengths) < 146
+    stop[params["stop_token_ids"]] = True
+    extra = [int(np.argmax(stop[rng.integers(0, 128256, 200)])) + 1 for _ in range(2000)]
+    assert 3.5 < np.mean(extra) < 4.5
