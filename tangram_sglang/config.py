@@ -54,6 +54,10 @@ class TangramConfig:
             profile's.
         min_compress_tokens: ``--tangram-min-compress-tokens``: segments shorter than this are
             kept whole and not scored (tokens, >= 0; 0 compresses every length).
+        scorer: ``--tangram-scorer``: the scorer the server compresses with (a registered
+            name, ``tangram_sglang.scoring.available_scorers()``). Budgets are calibrated per
+            scorer, so it picks the shipped profile calibrated with it, or must match
+            ``--tangram-profile``'s; None = the profile's (default: the shipped default's).
 
     Raises:
         ConfigError: any field out of range; the message names the flag and the fix.
@@ -68,6 +72,7 @@ class TangramConfig:
     target_ratio: float | None = None
     scope: str | None = None
     min_compress_tokens: int = DEFAULT_MIN_COMPRESS_TOKENS
+    scorer: str | None = None
 
     def __post_init__(self) -> None:
         if self.enabled:
@@ -80,6 +85,7 @@ class TangramConfig:
         _check_page_group_size(self.page_group_size)
         _check_target_ratio(self.target_ratio)
         _check_min_compress_tokens(self.min_compress_tokens)
+        _check_scorer(self.scorer)
         if self.scope is not None and self.scope not in SCOPES:
             raise ConfigError(
                 f"--tangram-scope {self.scope!r} is unknown; use one of {list(SCOPES)} "
@@ -96,6 +102,7 @@ class TangramConfig:
             "target_ratio": self.target_ratio,
             "scope": self.scope,
             "min_compress_tokens": self.min_compress_tokens,
+            "scorer": self.scorer,
         }
 
 
@@ -141,6 +148,19 @@ def _check_target_ratio(ratio: object) -> None:
         raise ConfigError(
             f"--tangram-target-ratio {ratio!r} must be a number in (0, 1]: the mean fraction "
             "of the KV cache to keep (or leave it out to keep the profile's ratios)"
+        )
+
+
+def _check_scorer(name: object) -> None:
+    if name is None:
+        return
+    from tangram_sglang.scoring import available_scorers
+
+    names = available_scorers()
+    if name not in names:
+        raise ConfigError(
+            f"--tangram-scorer {name!r} is unknown; use one of {list(names)} (or leave it out "
+            "to use the profile's scorer)"
         )
 
 

@@ -39,19 +39,23 @@ CALIBRATE_HINT = (
 )
 
 
-def find_shipped_profile(model: ModelIdentity, calibration_dir: Path | None = None) -> Path:
+def find_shipped_profile(
+    model: ModelIdentity, calibration_dir: Path | None = None, scorer: str | None = None
+) -> Path:
     """The shipped profile for ``model``: ``calibration/*/*.json`` whose model matches.
 
     Among several matches: ``default.json`` first, then by scorer (:data:`SCORER_PREFERENCE`:
     ``kvzip-lite``, then ``ada-snapkv``, then any other), then the target ratio closest to 0.25,
-    then the path name. Unreadable files are skipped with a warning naming them (so a corrupt
-    preferred profile never silently hands the default to another scorer).
+    then the path name. With ``scorer`` (``--tangram-scorer``) only profiles calibrated with it
+    match. Unreadable files are skipped with a warning naming them (so a corrupt preferred
+    profile never silently hands the default to another scorer).
 
     Raises:
-        ConfigError: no shipped profile matches; says where it looked and how to calibrate.
+        ConfigError: no shipped profile matches (for ``scorer``, when given); says where it
+            looked, which scorers the model has profiles for, and how to calibrate.
     """
     calibration_dir = CALIBRATION_DIR if calibration_dir is None else calibration_dir
-    matches, others = [], []
+    matches, others, scorers = [], [], set()
     for path in sorted(calibration_dir.glob("*/*.json")):
         try:
             profile = BudgetProfile.load(path)
@@ -63,6 +67,9 @@ def find_shipped_profile(model: ModelIdentity, calibration_dir: Path | None = No
         except ProfileError:
             others.append(path.relative_to(calibration_dir).as_posix())
             continue
+        scorers.add(profile.scorer)
+        if scorer is not None and profile.scorer != scorer:
+            continue
         rank = (
             path.name != DEFAULT_PROFILE_NAME,
             _scorer_rank(profile.scorer),
@@ -70,6 +77,14 @@ def find_shipped_profile(model: ModelIdentity, calibration_dir: Path | None = No
             str(path),
         )
         matches.append((rank, path))
+    if not matches and scorer is not None and scorers:
+        raise ConfigError(
+            f"--tangram-scorer {scorer}: no shipped profile for the served model was calibrated "
+            f"with it (shipped scorers for this model: {sorted(scorers)}); pick one of those, or "
+            f"calibrate a profile with `python -m tangram_sglang.calibrate --model-path <model> "
+            f"--scorer {scorer} --target-ratio 0.25 --output calibration/<model>/{scorer}-r0.25"
+            ".json` and pass it with --tangram-profile"
+        )
     if not matches:
         raise ConfigError(
             f"--tangram-profile was not given and no shipped profile under {calibration_dir}/"
@@ -103,17 +118,24 @@ def resolve_profile(
         with ``profile_path`` filled in.
 
     Raises:
-        ConfigError: no profile found, or a flag that the profile cannot honour (H_p, scope).
+        ConfigError: no profile found (for ``config.scorer``), or a flag that the profile
+            cannot honour (H_p, scope, a scorer other than the profile's).
         ProfileError: the file is missing, corrupt, or made for another model.
     """
     if not config.profile_path:
-        path = find_shipped_profile(model, calibration_dir)
+        path = find_shipped_profile(model, calibration_dir, config.scorer)
         config = replace(config, profile_path=str(path))
     profile = BudgetProfile.load(config.profile_path)
     try:
         profile.check_model(model)
     except ProfileError as exc:
         raise ProfileError(f"--tangram-profile {config.profile_path}: {exc}") from None
+    if config.scorer is not None and profile.scorer != config.scorer:
+        raise ConfigError(
+            f"--tangram-scorer {config.scorer} but --tangram-profile {config.profile_path} was "
+            f"calibrated with {profile.scorer}: per-head budgets are calibrated for one scorer. "
+            f"Drop one of the two flags, or calibrate a profile with --scorer {config.scorer}"
+        )
     if config.target_ratio is not None:
         profile = profile.rescaled(config.target_ratio)
     if config.page_group_size is not None or config.scope is not None:

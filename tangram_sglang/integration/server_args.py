@@ -43,6 +43,7 @@ FIELD_MAP = {
     "tangram_target_ratio": "target_ratio",
     "tangram_scope": "scope",
     "tangram_min_compress_tokens": "min_compress_tokens",
+    "tangram_scorer": "scorer",
 }
 TANGRAM_BACKEND = "tangram"  # name of Tangram's attention backend and radix cache backend
 PROFILE_STASH = "_tangram_profile_json"  # underscore: allowed after ServerArgs is sealed

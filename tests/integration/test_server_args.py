@@ -39,6 +39,7 @@ FLAGS = (
     "--tangram-target-ratio",
     "--tangram-scope",
     "--tangram-min-compress-tokens",
+    "--tangram-scorer",
 )
 # A value that turns each incompatible flag on (default: True).
 BAD_VALUES = {
@@ -133,6 +134,25 @@ def test_min_compress_tokens_reaches_the_scheduler_profile(
     assert summary_from_server_args(args)["min_compress_tokens"] == 64
     with pytest.raises(ConfigError, match="--tangram-min-compress-tokens -1 must be an integer"):
         make_args(patched_sglang, smollm2_path, smollm2_profile, tangram_min_compress_tokens=-1)
+
+
+def test_scorer_flag_picks_the_shipped_profile_of_that_scorer(patched_sglang, smollm2_path):
+    """``--tangram-scorer`` chooses among the shipped profiles (default: kvzip-lite's)."""
+    from sglang.srt.server_args import prepare_server_args
+
+    base = ["--model-path", str(smollm2_path), "--device", "cpu", "--tangram"]
+    for flags, scorer in (([], "kvzip-lite"), (["--tangram-scorer", "ada-snapkv"], "ada-snapkv")):
+        args = prepare_server_args(base + flags)
+        clone = pickle.loads(pickle.dumps(args))  # the scheduler process resolves it again
+        for a in (args, clone):
+            assert profile_from_server_args(a).scorer == scorer
+            assert summary_from_server_args(a)["scorer"] == scorer
+        assert Path(summary_from_server_args(args)["profile_path"]).name == f"{scorer}-r0.25.json"
+    with pytest.raises(ConfigError, match="--tangram-scorer 'h2o' is unknown"):
+        prepare_server_args(base + ["--tangram-scorer", "h2o"])
+    kvzip = str(REPO / "calibration" / "smollm2" / "kvzip-lite-r0.5.json")
+    with pytest.raises(ConfigError, match="calibrated with kvzip-lite"):
+        prepare_server_args(base + ["--tangram-profile", kvzip, "--tangram-scorer", "snapkv"])
 
 
 def test_stock_args_unchanged(patched_sglang, smollm2_path):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -51,6 +52,7 @@ def test_defaults(profile_file):
         "target_ratio": None,
         "scope": None,
         "min_compress_tokens": DEFAULT_MIN_COMPRESS_TOKENS,
+        "scorer": None,
     }
 
 
@@ -78,6 +80,7 @@ def test_missing_profile_path_means_shipped_default():
         ({"target_ratio": 1.5}, "--tangram-target-ratio"),
         ({"target_ratio": float("nan")}, "--tangram-target-ratio"),
         ({"scope": "per_head"}, "--tangram-scope"),
+        ({"scorer": "h2o"}, "--tangram-scorer 'h2o' is unknown; use one of"),
     ],
     ids=lambda v: str(v),
 )
@@ -145,6 +148,35 @@ def test_shipped_default_prefers_kvzip_lite_then_ada_snapkv_closest_to_quarter(t
     assert profile_loader.find_shipped_profile(MODEL, tmp_path).name == "kvzip-lite-r0.25.json"
     model_profile(scorer="snapkv", target=0.9).save(folder / "default.json")
     assert profile_loader.find_shipped_profile(MODEL, tmp_path).name == "default.json"
+
+
+def test_scorer_flag_picks_the_shipped_profile_calibrated_with_it(tmp_path):
+    folder = tmp_path / "tiny"
+    folder.mkdir()
+    model_profile(target=0.25).save(folder / "ada-snapkv-r0.25.json")
+    model_profile(scorer="kvzip-lite", target=0.25).save(folder / "kvzip-lite-r0.25.json")
+    model_profile(scorer="snapkv", target=0.9).save(folder / "default.json")
+    for scorer in ("ada-snapkv", "kvzip-lite", "snapkv"):
+        config = TangramConfig(enabled=True, scorer=scorer)
+        profile, resolved = profile_loader.resolve_profile(config, MODEL, tmp_path)
+        assert profile.scorer == scorer and resolved.scorer == scorer
+        assert Path(resolved.profile_path).parent == folder
+    with pytest.raises(ConfigError, match="--tangram-scorer pyramidkv: no shipped profile") as info:
+        profile_loader.resolve_profile(
+            TangramConfig(enabled=True, scorer="pyramidkv"), MODEL, tmp_path
+        )
+    assert "['ada-snapkv', 'kvzip-lite', 'snapkv']" in str(info.value)
+    assert "--scorer pyramidkv" in str(info.value)
+
+
+def test_scorer_flag_must_match_the_given_profile(profile_file):
+    scorer = profile_loader.BudgetProfile.load(profile_file).scorer
+    config = TangramConfig(enabled=True, profile_path=profile_file, scorer=scorer)
+    assert profile_loader.resolve_profile(config, MODEL)[0].scorer == scorer
+    other = "kvzip-lite" if scorer != "kvzip-lite" else "ada-snapkv"
+    config = TangramConfig(enabled=True, profile_path=profile_file, scorer=other)
+    with pytest.raises(ConfigError, match=f"--tangram-scorer {other} but --tangram-profile"):
+        profile_loader.resolve_profile(config, MODEL)
 
 
 def test_no_shipped_default_says_how_to_calibrate(tmp_path):
