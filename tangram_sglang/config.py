@@ -58,6 +58,8 @@ class TangramConfig:
             name, ``tangram_sglang.scoring.available_scorers()``). Budgets are calibrated per
             scorer, so it picks the shipped profile calibrated with it, or must match
             ``--tangram-profile``'s; None = the profile's (default: the shipped default's).
+            The name is checked against the registry at start-up
+            (``integration.profile_loader.check_scorer_name``).
 
     Raises:
         ConfigError: any field out of range; the message names the flag and the fix.
@@ -85,7 +87,6 @@ class TangramConfig:
         _check_page_group_size(self.page_group_size)
         _check_target_ratio(self.target_ratio)
         _check_min_compress_tokens(self.min_compress_tokens)
-        _check_scorer(self.scorer)
         if self.scope is not None and self.scope not in SCOPES:
             raise ConfigError(
                 f"--tangram-scope {self.scope!r} is unknown; use one of {list(SCOPES)} "
@@ -148,19 +149,6 @@ def _check_target_ratio(ratio: object) -> None:
         raise ConfigError(
             f"--tangram-target-ratio {ratio!r} must be a number in (0, 1]: the mean fraction "
             "of the KV cache to keep (or leave it out to keep the profile's ratios)"
-        )
-
-
-def _check_scorer(name: object) -> None:
-    if name is None:
-        return
-    from tangram_sglang.scoring import available_scorers
-
-    names = available_scorers()
-    if name not in names:
-        raise ConfigError(
-            f"--tangram-scorer {name!r} is unknown; use one of {list(names)} (or leave it out "
-            "to use the profile's scorer)"
         )
 
 

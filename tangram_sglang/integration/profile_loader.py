@@ -39,6 +39,24 @@ CALIBRATE_HINT = (
 )
 
 
+def check_scorer_name(name: str | None) -> None:
+    """``--tangram-scorer``: None or a registered scorer name.
+
+    Raises:
+        ConfigError: an unknown name; lists the registered ones.
+    """
+    if name is None:
+        return
+    from tangram_sglang.scoring import available_scorers
+
+    names = available_scorers()
+    if name not in names:
+        raise ConfigError(
+            f"--tangram-scorer {name!r} is unknown; use one of {list(names)} (or leave it out "
+            "to use the profile's scorer)"
+        )
+
+
 def find_shipped_profile(
     model: ModelIdentity, calibration_dir: Path | None = None, scorer: str | None = None
 ) -> Path:
@@ -118,10 +136,11 @@ def resolve_profile(
         with ``profile_path`` filled in.
 
     Raises:
-        ConfigError: no profile found (for ``config.scorer``), or a flag that the profile
-            cannot honour (H_p, scope, a scorer other than the profile's).
+        ConfigError: an unknown scorer name, no profile found (for ``config.scorer``), or a
+            flag that the profile cannot honour (H_p, scope, a scorer other than the profile's).
         ProfileError: the file is missing, corrupt, or made for another model.
     """
+    check_scorer_name(config.scorer)
     if not config.profile_path:
         path = find_shipped_profile(model, calibration_dir, config.scorer)
         config = replace(config, profile_path=str(path))

@@ -184,7 +184,7 @@ def check_flags(server_args: Any) -> None:
                 f"{rule.flag} {value!r} cannot be combined with --tangram: {rule.reason}. "
                 f"Drop {rule.flag} or drop --tangram."
             )
-    config_from_server_args(server_args)
+    profile_loader.check_scorer_name(config_from_server_args(server_args).scorer)
     has_attention, has_radix = registered_backends()
     if has_attention:
         # Before we pick our backend: SGLang's per-model backend asserts would otherwise

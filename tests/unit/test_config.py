@@ -80,7 +80,6 @@ def test_missing_profile_path_means_shipped_default():
         ({"target_ratio": 1.5}, "--tangram-target-ratio"),
         ({"target_ratio": float("nan")}, "--tangram-target-ratio"),
         ({"scope": "per_head"}, "--tangram-scope"),
-        ({"scorer": "h2o"}, "--tangram-scorer 'h2o' is unknown; use one of"),
     ],
     ids=lambda v: str(v),
 )
@@ -161,6 +160,8 @@ def test_scorer_flag_picks_the_shipped_profile_calibrated_with_it(tmp_path):
         profile, resolved = profile_loader.resolve_profile(config, MODEL, tmp_path)
         assert profile.scorer == scorer and resolved.scorer == scorer
         assert Path(resolved.profile_path).parent == folder
+    with pytest.raises(ConfigError, match="--tangram-scorer 'h2o' is unknown; use one of"):
+        profile_loader.resolve_profile(TangramConfig(enabled=True, scorer="h2o"), MODEL, tmp_path)
     with pytest.raises(ConfigError, match="--tangram-scorer pyramidkv: no shipped profile") as info:
         profile_loader.resolve_profile(
             TangramConfig(enabled=True, scorer="pyramidkv"), MODEL, tmp_path
