@@ -6,7 +6,10 @@ requests start at most ``request_rate`` per second (Poisson arrivals; ``inf`` = 
 at most ``max_parallel`` are in flight. Each request is a streaming ``POST /generate`` with
 ``input_ids`` = the whole history + the round's new random ids, ``ignore_eos`` and greedy
 sampling, so every round generates exactly its output length. With ``no_max_tokens`` a request
-sets no ``max_new_tokens`` (what most chat clients send; the server fills in its own cap):
+leaves ``max_new_tokens`` unset (what most chat clients send; the server fills in its own cap).
+On ``/generate`` that takes an explicit ``"max_new_tokens": null``: a key left out gets
+SGLang's ``SamplingParams`` default of 128 tokens, which caps every output at 128 and rejects a
+``min_new_tokens`` above it (HTTP 400). Then
 each request draws a length ``n`` (geometric, mean L for a round of output length L) from a
 generator seeded by (seed, client, round), samples at temperature 1 with ``min_new_tokens`` =
 ``n - 1`` and ends on the first of a fixed quarter of the vocabulary
@@ -118,12 +121,13 @@ def sampling_params(
         out_len: the round's output length (tokens): exact with ``max_new_tokens`` set, the
             mean otherwise.
         vocab_size: the model's vocabulary size (stop ids are drawn below it).
-        no_max_tokens: send no ``max_new_tokens``.
+        no_max_tokens: leave ``max_new_tokens`` unset (``None``, sent as JSON ``null``).
         length: without ``max_new_tokens``, this request's drawn length (:func:`no_max_length`);
             None = ``out_len``.
     """
     if no_max_tokens:
         return {
+            "max_new_tokens": None,  # unset; an absent key would be SGLang's default, 128
             "temperature": 1.0,
             "min_new_tokens": max((out_len if length is None else length) - 1, 0),
             "stop_token_ids": stop_token_ids(vocab_size, STOP_SHARE),

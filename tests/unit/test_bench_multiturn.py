@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 
 import numpy as np
 import pytest
@@ -326,6 +327,20 @@ def test_no_max_tokens_requests_end_on_a_fixed_stop_subset():
     assert stop_token_ids(100, 1000) and len(stop_token_ids(100, 1)) == 100
 
 
+def test_no_max_tokens_reaches_sglang_unset():
+    """SGLang's own SamplingParams, built from the JSON body as /generate does: no 128 cap."""
+    from sglang.srt.sampling.sampling_params import SamplingParams
+
+    from tangram_sglang.bench.multiturn_client import sampling_params
+
+    body = json.loads(json.dumps(sampling_params(64, 49152, no_max_tokens=True, length=300)))
+    params = SamplingParams(**body)
+    params.verify(49152)  # min_new_tokens 299: above the default cap, a 400 if it were set
+    assert params.max_new_tokens is None and params.min_new_tokens == 299
+    fixed = SamplingParams(**sampling_params(64, 49152, no_max_tokens=False))
+    assert fixed.max_new_tokens == 64 and fixed.ignore_eos
+
+
 def test_no_max_tokens_lengths_are_the_same_for_every_system_and_geometric():
     from tangram_sglang.bench.multiturn_client import (
         STOP_SHARE,
@@ -341,7 +356,7 @@ def test_no_max_tokens_lengths_are_the_same_for_every_system_and_geometric():
     assert len(set(draws)) > 100  # the conversations fall out of step
     assert [no_max_length(128, 1, c, 0) for c in range(20)] != draws[:80:4]  # seed matters
     params = sampling_params(128, 128256, no_max_tokens=True, length=57)
-    assert "max_new_tokens" not in params and "ignore_eos" not in params
+    assert params["max_new_tokens"] is None and "ignore_eos" not in params
     assert params["temperature"] == 1.0 and params["min_new_tokens"] == 56
     assert params["stop_token_ids"] == stop_token_ids(128256, STOP_SHARE)
     assert len(params["stop_token_ids"]) == 128256 // STOP_SHARE
