@@ -18,7 +18,7 @@ run() {
     --output-len 64 --top 30 --trace-dir "$R/trace-$name" --json "$R/trace-$name-turns.json" \
     > "$R/trace-$name.out" 2>&1
   echo "$(date -u +%T) rc=$? $name" >> "$R/progress"
-  grep -E '"(wall_s|traced_wall_s|warmup_wall_s|gpu_busy_ms|gpu_idle_ms)"' "$R/trace-$name.out" >> "$R/progress"
+  grep -E '"(wall_s|history_wall_s|traced_wall_s|warmup_wall_s|gpu_busy_ms|gpu_idle_ms)"' "$R/trace-$name.out" >> "$R/progress"
   cp "$R/trace-$name/$name-turns/server.log" "$R/server-$name.log" 2>/dev/null
 }
 case "${WHICH:-both}" in

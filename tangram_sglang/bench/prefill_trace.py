@@ -18,8 +18,9 @@ batch (issue 7's ``prefill_time_ratio``). Needs CUDA: the trace's GPU side is CU
 histories (1 output token each, cached in the radix tree), then sends every history again with
 ``E`` new tokens appended, one request every ``--stagger-ms`` (each arrives alone while the
 earlier ones decode, as a conversation's next turn does when output lengths differ). Only the
-later turns are timed and traced: what one turn with a long cached prefix costs, prefill and
-the decode steps it interrupts.
+later turns are timed and traced (the profiler starts after the histories are cached; the
+JSON's ``trace_covers`` says so and ``history_wall_s`` times the histories' prefill): what one
+turn with a long cached prefix costs, prefill and the decode steps it interrupts.
 
 Example (device machine, after ``source scripts/device_setup.sh``)::
 
@@ -37,6 +38,7 @@ import shlex
 import sys
 import time
 from collections import Counter
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -79,12 +81,12 @@ def send_turns(
 ) -> float:
     """Send later turns on cached histories, staggered; wall seconds of the turns alone.
 
-    Sends the ``num_prompts`` histories of :func:`send_round` (``seed``, 1 output token: they end
-    up in the radix tree), then each history plus ``turn_tokens`` new random ids, one request
-    every ``stagger_ms`` milliseconds, ``output_len`` tokens each (``ignore_eos``), and returns
-    the wall time from the first turn sent to the last answered.
+    The histories are :func:`send_round`'s prompts of the same ``seed``, sent before (with 1
+    output token, so that they are in the radix tree: :func:`run_round`). Sends each history
+    plus ``turn_tokens`` new random ids, one request every ``stagger_ms`` milliseconds,
+    ``output_len`` tokens each (``ignore_eos``), and returns the wall time from the first turn
+    sent to the last answered.
     """
-    send_round(base_url, num_prompts, prompt_len, seed, 1)
     rng = np.random.default_rng(seed)
     histories = rng.integers(100, 20000, size=(num_prompts, prompt_len)).tolist()
     extra = np.random.default_rng(seed + 1000).integers(100, 20000, (num_prompts, turn_tokens))
@@ -99,6 +101,40 @@ def send_turns(
     with ThreadPoolExecutor(num_prompts) as pool:
         list(pool.map(one, range(num_prompts)))
     return time.perf_counter() - t0
+
+
+def run_round(
+    base_url: str, args: argparse.Namespace, seed: int, before_timed: Callable[[], None] | None
+) -> dict:
+    """One round of the CLI: prompts at once, or (``--turn-tokens``) histories then later turns.
+
+    ``before_timed`` (e.g. start the profiler) runs right before the timed part: with
+    ``--turn-tokens`` after the histories are cached, so a trace covers the later turns alone.
+
+    Returns:
+        ``{"wall_s": timed part (s)}``, plus ``"history_wall_s"`` (the histories' prefill, s)
+        with ``--turn-tokens``.
+    """
+    times = {}
+    if args.turn_tokens:
+        times["history_wall_s"] = send_round(base_url, args.num_prompts, args.prompt_len, seed, 1)
+    if before_timed is not None:
+        before_timed()
+    if args.turn_tokens:
+        times["wall_s"] = send_turns(
+            base_url,
+            args.num_prompts,
+            args.prompt_len,
+            seed,
+            args.output_len,
+            args.turn_tokens,
+            args.stagger_ms,
+        )
+    else:
+        times["wall_s"] = send_round(
+            base_url, args.num_prompts, args.prompt_len, seed, args.output_len
+        )
+    return times
 
 
 def union(intervals: np.ndarray) -> np.ndarray:
@@ -243,55 +279,43 @@ def main(argv: list[str] | None = None) -> int:
     trace_dir = Path(args.trace_dir) / args.label
     trace_dir.mkdir(parents=True, exist_ok=True)
 
-    def one_round(seed: int) -> float:
-        if args.turn_tokens:
-            return send_turns(
-                server.base_url,
-                args.num_prompts,
-                args.prompt_len,
-                seed,
-                args.output_len,
-                args.turn_tokens,
-                args.stagger_ms,
-            )
-        return send_round(server.base_url, args.num_prompts, args.prompt_len, seed, args.output_len)
-
+    turns = {"turn_tokens": args.turn_tokens, "stagger_ms": args.stagger_ms}
     with SGLangServer(args.model_path, flags, "cuda", trace_dir / "server.log", 600) as server:
-        warm_s = one_round(1)
-        plain_s = one_round(2)
+        warm = run_round(server.base_url, args, 1, None)
+        plain = run_round(server.base_url, args, 2, None)
+        result = {
+            "label": args.label,
+            "server_args": flags,
+            "num_prompts": args.num_prompts,
+            "prompt_len": args.prompt_len,
+            "output_len": args.output_len,
+            **(turns if args.turn_tokens else {}),
+            "warmup_wall_s": warm["wall_s"],
+            "wall_s": plain["wall_s"],
+            **({"history_wall_s": plain["history_wall_s"]} if args.turn_tokens else {}),
+        }
         if args.no_trace:
-            return finish(
-                args,
-                {
-                    "label": args.label,
-                    "server_args": flags,
-                    "num_prompts": args.num_prompts,
-                    "prompt_len": args.prompt_len,
-                    "output_len": args.output_len,
-                    "warmup_wall_s": warm_s,
-                    "wall_s": plain_s,
-                },
-            )
+            return finish(args, result)
         since = time.time()
         body = {"output_dir": str(trace_dir), "activities": ["CPU", "GPU"], "with_stack": True}
-        requests.post(f"{server.base_url}/start_profile", json=body, timeout=60).raise_for_status()
-        traced_s = one_round(3)
+
+        def start_profile() -> None:
+            url = f"{server.base_url}/start_profile"
+            requests.post(url, json=body, timeout=60).raise_for_status()
+
+        traced = run_round(server.base_url, args, 3, start_profile)
         requests.post(f"{server.base_url}/stop_profile", timeout=600).raise_for_status()
         path = newest_trace(trace_dir, since)
-    result = {
-        "label": args.label,
-        "server_args": flags,
-        "num_prompts": args.num_prompts,
-        "prompt_len": args.prompt_len,
-        "output_len": args.output_len,
-        "turn_tokens": args.turn_tokens,
-        "stagger_ms": args.stagger_ms,
-        "warmup_wall_s": warm_s,
-        "wall_s": plain_s,
-        "traced_wall_s": traced_s,
-        "trace": str(path),
+    result.update(
+        traced_wall_s=traced["wall_s"],
+        trace_covers=(
+            "later turns only (histories cached before the profiler started)"
+            if args.turn_tokens
+            else "the whole round"
+        ),
+        trace=str(path),
         **analyse(load_trace(path), args.top),
-    }
+    )
     return finish(args, result)
 
 

@@ -76,3 +76,50 @@ def test_bad_flags_exit_2_naming_the_flag_before_any_server(tmp_path, capsys, ar
     assert exc.value.code == 2
     assert match in capsys.readouterr().err
     assert not (tmp_path / "t").exists()  # nothing written, no server started
+
+
+def test_turn_rounds_start_the_profiler_after_the_histories_are_cached():
+    """``--turn-tokens``: histories (1 output token), then the profiler, then the later turns
+    (history + E new ids, max_new_tokens = --output-len), as an HTTP server receives them."""
+    import argparse
+    import json
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from tangram_sglang.bench.prefill_trace import run_round
+
+    seen: list[tuple[int, int | None]] = []  # (prompt tokens, max_new_tokens); (-1, None): mark
+    prompts: list[list[int]] = []
+    lock = threading.Lock()
+
+    class Generate(BaseHTTPRequestHandler):
+        def do_POST(self):  # noqa: N802 (http.server's name)
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            with lock:
+                seen.append((len(body["input_ids"]), body["sampling_params"]["max_new_tokens"]))
+                prompts.append(body["input_ids"])
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(b"{}")
+
+        def log_message(self, *args):
+            pass
+
+    http = ThreadingHTTPServer(("127.0.0.1", 0), Generate)
+    threading.Thread(target=http.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{http.server_address[1]}"
+    args = argparse.Namespace(
+        num_prompts=3, prompt_len=40, output_len=5, turn_tokens=7, stagger_ms=1.0
+    )
+    try:
+        times = run_round(url, args, 3, lambda: seen.append((-1, None)))
+        assert seen == [(40, 1)] * 3 + [(-1, None)] + [(47, 5)] * 3
+        assert set(times) == {"history_wall_s", "wall_s"}
+        histories = sorted(p for p in prompts if len(p) == 40)
+        assert sorted(p[:40] for p in prompts if len(p) == 47) == histories  # cached prefixes
+        seen.clear()
+        args.turn_tokens = 0  # plain rounds: the profiler first, then the prompts at once
+        assert set(run_round(url, args, 3, lambda: seen.append((-1, None)))) == {"wall_s"}
+        assert seen == [(-1, None)] + [(40, 5)] * 3
+    finally:
+        http.shutdown()
