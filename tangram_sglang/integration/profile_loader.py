@@ -32,11 +32,16 @@ DEFAULT_PROFILE_NAME = "default.json"  # a shipped profile of this name wins
 # history also answers later turns' questions, docs/scorers.md), then Ada-SnapKV.
 SCORER_PREFERENCE = ("kvzip-lite", "ada-snapkv")
 DEFAULT_TARGET_RATIO = 0.25  # among several matches, prefer the one calibrated closest to this
-CALIBRATE_HINT = (
-    "calibrate one with `python -m tangram_sglang.calibrate --model-path <model> --scorer "
-    "ada-snapkv --target-ratio 0.25 --output calibration/<model>/ada-snapkv-r0.25.json` (see "
-    "calibration/README.md) and pass it with --tangram-profile"
-)
+
+
+def calibrate_hint(scorer: str | None = None) -> str:
+    """How to calibrate a profile for ``scorer`` (``--tangram-scorer``; None: ada-snapkv)."""
+    scorer = scorer or "ada-snapkv"
+    return (
+        f"calibrate one with `python -m tangram_sglang.calibrate --model-path <model> --scorer "
+        f"{scorer} --target-ratio 0.25 --output calibration/<model>/{scorer}-r0.25.json` (see "
+        "calibration/README.md) and pass it with --tangram-profile"
+    )
 
 
 def check_scorer_name(name: str | None) -> None:
@@ -99,16 +104,14 @@ def find_shipped_profile(
         raise ConfigError(
             f"--tangram-scorer {scorer}: no shipped profile for the served model was calibrated "
             f"with it (shipped scorers for this model: {sorted(scorers)}); pick one of those, or "
-            f"calibrate a profile with `python -m tangram_sglang.calibrate --model-path <model> "
-            f"--scorer {scorer} --target-ratio 0.25 --output calibration/<model>/{scorer}-r0.25"
-            ".json` and pass it with --tangram-profile"
+            + calibrate_hint(scorer)
         )
     if not matches:
         raise ConfigError(
             f"--tangram-profile was not given and no shipped profile under {calibration_dir}/"
             f"<model>/ matches the served model ({model.architecture}, {model.num_layers} "
             f"layers x {model.num_kv_heads} KV heads, head_dim {model.head_dim}; shipped "
-            f"profiles for other models: {others or 'none'}); " + CALIBRATE_HINT
+            f"profiles for other models: {others or 'none'}); " + calibrate_hint(scorer)
         )
     return min(matches)[1]
 

@@ -186,6 +186,11 @@ def test_no_shipped_default_says_how_to_calibrate(tmp_path):
     with pytest.raises(ConfigError, match="python -m tangram_sglang.calibrate") as info:
         profile_loader.resolve_profile(TangramConfig(enabled=True), MODEL, tmp_path)
     assert "other models: ['other/r.json']" in str(info.value)
+    assert "--scorer ada-snapkv" in str(info.value)
+    with pytest.raises(ConfigError, match="--scorer snapkv --target-ratio 0.25") as info:
+        config = TangramConfig(enabled=True, scorer="snapkv")  # the hint calibrates that scorer
+        profile_loader.resolve_profile(config, MODEL, tmp_path)
+    assert "calibration/<model>/snapkv-r0.25.json" in str(info.value)
 
 
 def test_summary_numbers(profile_file):
