@@ -31,7 +31,8 @@ DEFAULT_PROFILE_NAME = "default.json"  # a shipped profile of this name wins
 # Among shipped profiles of a model, scorers in this order: kvzip-lite (query-agnostic: the kept
 # history also answers later turns' questions, docs/scorers.md), then Ada-SnapKV.
 SCORER_PREFERENCE = ("kvzip-lite", "ada-snapkv")
-DEFAULT_TARGET_RATIO = 0.25  # among several matches, prefer the one calibrated closest to this
+# among several matches, prefer the one calibrated closest to this (or --tangram-target-ratio)
+DEFAULT_TARGET_RATIO = 0.25
 
 
 def calibrate_hint(scorer: str | None = None) -> str:
@@ -63,15 +64,19 @@ def check_scorer_name(name: str | None) -> None:
 
 
 def find_shipped_profile(
-    model: ModelIdentity, calibration_dir: Path | None = None, scorer: str | None = None
+    model: ModelIdentity,
+    calibration_dir: Path | None = None,
+    scorer: str | None = None,
+    target_ratio: float | None = None,
 ) -> Path:
     """The shipped profile for ``model``: ``calibration/*/*.json`` whose model matches.
 
     Among several matches: ``default.json`` first, then by scorer (:data:`SCORER_PREFERENCE`:
-    ``kvzip-lite``, then ``ada-snapkv``, then any other), then the target ratio closest to 0.25,
-    then the path name. With ``scorer`` (``--tangram-scorer``) only profiles calibrated with it
-    match. Unreadable files are skipped with a warning naming them (so a corrupt preferred
-    profile never silently hands the default to another scorer).
+    ``kvzip-lite``, then ``ada-snapkv``, then any other), then the target ratio closest to
+    ``target_ratio`` (``--tangram-target-ratio``; None: 0.25), then the path name. With
+    ``scorer`` (``--tangram-scorer``) only profiles calibrated with it match. Unreadable
+    files are skipped with a warning naming them (so a corrupt preferred profile never
+    silently hands the default to another scorer).
 
     Raises:
         ConfigError: no shipped profile matches (for ``scorer``, when given); says where it
@@ -96,7 +101,7 @@ def find_shipped_profile(
         rank = (
             path.name != DEFAULT_PROFILE_NAME,
             _scorer_rank(profile.scorer),
-            abs(profile.target_ratio - DEFAULT_TARGET_RATIO),
+            abs(profile.target_ratio - (target_ratio or DEFAULT_TARGET_RATIO)),
             str(path),
         )
         matches.append((rank, path))
@@ -145,7 +150,7 @@ def resolve_profile(
     """
     check_scorer_name(config.scorer)
     if not config.profile_path:
-        path = find_shipped_profile(model, calibration_dir, config.scorer)
+        path = find_shipped_profile(model, calibration_dir, config.scorer, config.target_ratio)
         config = replace(config, profile_path=str(path))
     profile = BudgetProfile.load(config.profile_path)
     try:

@@ -160,6 +160,14 @@ def test_scorer_flag_picks_the_shipped_profile_calibrated_with_it(tmp_path):
         profile, resolved = profile_loader.resolve_profile(config, MODEL, tmp_path)
         assert profile.scorer == scorer and resolved.scorer == scorer
         assert Path(resolved.profile_path).parent == folder
+    # --tangram-target-ratio: the profile calibrated closest to it (then rescaled to it)
+    model_profile(target=0.5).save(folder / "ada-snapkv-r0.5.json")
+    for ratio, name in ((0.5, "ada-snapkv-r0.5.json"), (0.3, "ada-snapkv-r0.25.json")):
+        config = TangramConfig(enabled=True, scorer="ada-snapkv", target_ratio=ratio)
+        assert (
+            Path(profile_loader.resolve_profile(config, MODEL, tmp_path)[1].profile_path).name
+            == name
+        )
     with pytest.raises(ConfigError, match="--tangram-scorer 'h2o' is unknown; use one of"):
         profile_loader.resolve_profile(TangramConfig(enabled=True, scorer="h2o"), MODEL, tmp_path)
     with pytest.raises(ConfigError, match="--tangram-scorer pyramidkv: no shipped profile") as info:
