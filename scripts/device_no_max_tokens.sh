@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # device_no_max_tokens.sh -- runs THERE (nvidia-h200, one GPU) after `source scripts/device_setup.sh`:
 # stock SGLang (triton) then Tangram 0.25, one after the other on GPU 0, with requests that set NO
-# max_tokens (bench.multiturn --no-max-tokens: temperature 1, outputs end on a fixed stop-id subset,
-# lengths ~geometric with the round's output length, 128, as mean). Two workloads per system:
+# max_tokens (bench.multiturn --no-max-tokens: max_new_tokens null, temperature 1, each output
+# exactly its drawn length, geometric with the round's output length, 128, as mean, the same on
+# both systems: min_new_tokens, then one biased stop id). Two workloads per system:
 #   long-context:256x1  256 clients x one 2048+64-token prompt (concurrency: how many the pool
 #                       admits at once; --max-running-requests 256 so memory is the limit)
 #   cliff:64            the issue-7 cliff (16k context + 3 rounds), throughput

@@ -582,9 +582,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--no-max-tokens",
         action="store_true",
-        help="requests set no max_new_tokens; each ends on stop_token_ids after "
-        "min_new_tokens drawn per (seed, client, round), ~geometric with the round's "
-        "output length as mean: the same lengths on every system (temperature 1)",
+        help="requests leave max_new_tokens unset (null); each ends at a length drawn per "
+        "(seed, client, round), geometric with the round's output length as mean "
+        "(min_new_tokens, then one stop id with a logit bias): the same lengths on every "
+        "system (temperature 1)",
     )
     p.add_argument("--log-dir", default="/tmp/tangram-multiturn")
     p.add_argument(

@@ -11,12 +11,13 @@ On ``/generate`` that takes an explicit ``"max_new_tokens": null``: a key left o
 SGLang's ``SamplingParams`` default of 128 tokens, which caps every output at 128 and rejects a
 ``min_new_tokens`` above it (HTTP 400). Then
 each request draws a length ``n`` (geometric, mean L for a round of output length L) from a
-generator seeded by (seed, client, round), samples at temperature 1 with ``min_new_tokens`` =
-``n - 1`` and ends on the first of a fixed quarter of the vocabulary
-(:func:`stop_token_ids`) after that: on a near-uniform next-token distribution (dummy weights)
-``n - 1 + 4`` tokens on average, with a spread of a few tokens. So every system generates the
-same output lengths (equal work, as ``ignore_eos`` gives with ``max_new_tokens`` set), while
-the lengths still differ between conversations and the conversations fall out of step as a
+generator seeded by (seed, client, round) and samples at temperature 1 with ``min_new_tokens``
+= ``n - 1``, one fixed stop id (:func:`stop_token_ids` of size 1) and a ``logit_bias`` of
+``STOP_BIAS`` on that id: SGLang's min-new-tokens penalizer holds the id at ``-inf`` for the
+first ``n - 1`` tokens, after which the bias makes it the next token, so the request ends at
+exactly ``n`` tokens whatever the weights. So every system generates the same output lengths
+(equal work, as ``ignore_eos`` gives with ``max_new_tokens`` set), while the lengths still
+differ between conversations and the conversations fall out of step as a
 chat client's do. Per request it records TTFT,
 TPOT, end-to-end latency and the server's usage (``prompt_tokens``, ``cached_tokens``:
 SGLang's ``--enable-cache-report``).
@@ -46,7 +47,7 @@ class LoadSettings:
     round_barrier: bool = False  # every client finishes round r before any starts r + 1
     timeout_s: float = 600.0  # wall-clock cap of the whole workload (s)
     seed: int = 0
-    no_max_tokens: bool = False  # no max_new_tokens: outputs end on stop_token_ids (mean L)
+    no_max_tokens: bool = False  # no max_new_tokens: geometric lengths (mean L), a stop id
 
 
 STOP_SEED = 1234  # the stop-id subsets are the same for every system and run
@@ -99,7 +100,9 @@ class _Pacer:
             await asyncio.sleep(delay)
 
 
-STOP_SHARE = 4  # no max_new_tokens: 1 / STOP_SHARE of the vocabulary ends a request
+# no max_new_tokens: the logit bias of the one stop id, which ends a request right after its
+# min_new_tokens (exp(-100) against any other token's logit: never another token after that)
+STOP_BIAS = 100.0
 
 
 def no_max_length(out_len: int, seed: int, client: int, round_index: int) -> int:
@@ -126,11 +129,13 @@ def sampling_params(
             None = ``out_len``.
     """
     if no_max_tokens:
+        (stop,) = stop_token_ids(vocab_size, vocab_size)
         return {
             "max_new_tokens": None,  # unset; an absent key would be SGLang's default, 128
             "temperature": 1.0,
             "min_new_tokens": max((out_len if length is None else length) - 1, 0),
-            "stop_token_ids": stop_token_ids(vocab_size, STOP_SHARE),
+            "stop_token_ids": [stop],
+            "logit_bias": {str(stop): STOP_BIAS},
         }
     return {"max_new_tokens": out_len, "ignore_eos": True, "temperature": 0.0}
 

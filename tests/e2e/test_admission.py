@@ -4,7 +4,8 @@ One server (the embedded SmolLM2, the shipped 0.25 profile, ``--max-total-tokens
 481-page pool, about 330 decode tokens for one request) takes every bad request of
 ``docs/admission.md``; after each one a normal chat must still be answered in its usual time:
 
-* a chat without ``max_tokens`` is served (T lowered to what the pool holds);
+* a chat without ``max_tokens`` is served (T lowered to what the pool holds), also
+  ``bench.multiturn --no-max-tokens``'s ``/generate`` requests (``min_new_tokens`` lowered with T);
 * ``max_tokens`` the pool can never hold: HTTP 400 at once (OpenAI error object naming
   ``max_tokens`` and the pool size), also for ``/generate`` with ``max_new_tokens`` 6000 and a
   4-token request sent right behind it (served);
@@ -131,6 +132,35 @@ def test_a_chat_without_max_tokens_runs_to_its_cap_and_is_answered(server):
     capped = re.search(r"capped to (\d+) so that it fits", server.log_path.read_text()[log_start:])
     assert capped is not None
     assert body["usage"]["completion_tokens"] == int(capped.group(1))
+    assert_serves_a_normal_chat(server)
+
+
+def test_bench_no_max_tokens_requests_end_at_their_length_or_the_cap(server):
+    """``bench.multiturn --no-max-tokens``: ``max_new_tokens`` null reaches the server unset; a
+    request ends at exactly its drawn length (min_new_tokens, then the biased stop id) below
+    the cap Tangram gives it (what the pool holds), and one drawn longer ends at the cap: its
+    min_new_tokens is lowered with it (not a 400, and not an output held past the cap)."""
+    from tangram_sglang.bench.multiturn_client import sampling_params
+
+    requests.post(f"{server.base_url}/flush_cache", timeout=60).raise_for_status()
+    ids = list(range(1000, 1040))
+    for length in (1, 150, 5000):
+        log_start = len(server.log_path.read_text())
+        params = sampling_params(64, 49152, no_max_tokens=True, length=length)
+        body = {"input_ids": ids, "sampling_params": params}
+        resp = requests.post(f"{server.base_url}/generate", json=body, timeout=600)
+        assert resp.status_code == 200, resp.text
+        meta = resp.json()["meta_info"]
+        # unset: T = SGLang's pool bound, lowered to what fits on arrival, and again at
+        # admission when the cached prefix's pages are counted (the last cap holds)
+        caps = re.findall(r"capped to (\d+) so that", server.log_path.read_text()[log_start:])
+        cap = int(caps[-1])
+        if length < cap:
+            assert meta["finish_reason"]["type"] == "stop", meta
+            assert meta["completion_tokens"] == length, meta
+        else:
+            assert meta["finish_reason"]["type"] == "length", meta
+            assert meta["completion_tokens"] == cap, meta
     assert_serves_a_normal_chat(server)
 
 

@@ -343,7 +343,7 @@ def test_no_max_tokens_reaches_sglang_unset():
 
 def test_no_max_tokens_lengths_are_the_same_for_every_system_and_geometric():
     from tangram_sglang.bench.multiturn_client import (
-        STOP_SHARE,
+        STOP_BIAS,
         no_max_length,
         sampling_params,
         stop_token_ids,
@@ -358,13 +358,11 @@ def test_no_max_tokens_lengths_are_the_same_for_every_system_and_geometric():
     params = sampling_params(128, 128256, no_max_tokens=True, length=57)
     assert params["max_new_tokens"] is None and "ignore_eos" not in params
     assert params["temperature"] == 1.0 and params["min_new_tokens"] == 56
-    assert params["stop_token_ids"] == stop_token_ids(128256, STOP_SHARE)
-    assert len(params["stop_token_ids"]) == 128256 // STOP_SHARE
+    # one fixed stop id, biased so that it is the token right after min_new_tokens (the
+    # exact length on a real server: tests/e2e/test_admission.py)
+    assert params["stop_token_ids"] == stop_token_ids(128256, 128256)
+    assert params["logit_bias"] == {str(params["stop_token_ids"][0]): STOP_BIAS}
+    again = sampling_params(64, 128256, no_max_tokens=True, length=9)
+    assert again["stop_token_ids"] == params["stop_token_ids"]
     fixed = sampling_params(128, 128256, no_max_tokens=False)
     assert fixed == {"max_new_tokens": 128, "ignore_eos": True, "temperature": 0.0}
-    # after min_new_tokens, uniform sampling ends on a stop id in ~STOP_SHARE tokens
-    rng = np.random.default_rng(0)
-    stop = np.zeros(128256, bool)
-    stop[params["stop_token_ids"]] = True
-    extra = [int(np.argmax(stop[rng.integers(0, 128256, 200)])) + 1 for _ in range(2000)]
-    assert 3.5 < np.mean(extra) < 4.5
