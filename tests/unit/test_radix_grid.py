@@ -147,7 +147,7 @@ def test_cells_of_a_running_chunked_prefill_are_matched_by_a_later_request(monke
 
 
 def test_a_continuing_chunk_cut_by_a_full_token_pool_ends_on_the_grid(monkeypatch):
-    """SGLang's ``add_chunked_req`` cuts by free tokens alone; the hook moves the cut to the grid."""
+    """SGLang's ``add_chunked_req`` cuts by free tokens alone; the hook moves it to the grid."""
     from sglang.srt.managers.schedule_batch import Range
     from sglang.srt.managers.schedule_policy import PrefillAdder
     from sglang.srt.runtime_context import get_context
