@@ -177,6 +177,6 @@ def test_a_continuing_chunk_cut_by_a_full_token_pool_ends_on_the_grid(monkeypatc
             adder = PrefillAdder(1, tree, slots, None, 1.0, 10**6, 3 * GRID)
             adder.rem_total_token_offset = slots.available_size() - 6  # room for 6 more tokens
             truncated = adder.add_chunked_req(req)
-        assert truncated is req and req.extend_range.length == 6  # SGLang cut at 10
-        align_chunked_req(truncated, adder, req)
+        assert truncated is req  # SGLang cut it at 10 (or at 8 where the hook is installed)
+        align_chunked_req(truncated, adder, req)  # idempotent
         assert (req.extend_range.start, req.extend_range.end) == expected
