@@ -21,6 +21,7 @@ import openai
 import requests
 
 from tangram_sglang.errors import ConfigError, ProfileError, TangramError
+from tangram_sglang.integration.profile_loader import CALIBRATION_DIR
 from tangram_sglang.models import model_path
 from tangram_sglang.profile import BudgetProfile
 from tangram_sglang.serving import CUDA_STOCK_FLAGS, SGLangServer
@@ -204,14 +205,25 @@ def check_demo_args(args: argparse.Namespace) -> None:
     """Refuse flag combinations that would waste a server start-up.
 
     Raises:
-        ConfigError: ``--profile`` with ``--full-kv`` (stock SGLang takes no profile), or
-            ``--device cuda`` where torch sees no GPU (the server would die in start-up).
+        ConfigError: ``--profile`` with ``--full-kv`` (stock SGLang takes no profile),
+            ``--device cuda`` where torch sees no GPU (the server would die in start-up), or a
+            Tangram run of a ``--model`` with no shipped profile and no ``--profile`` (checked
+            before the model is converted).
     """
     if args.full_kv and args.profile:
         raise ConfigError(
             f"--profile {args.profile}: --full-kv runs stock SGLang, which takes "
             "no profile; drop one of the two flags"
         )
+    if not args.full_kv and not args.profile:
+        shipped = CALIBRATION_DIR / args.model
+        if not any(shipped.glob("*.json")):
+            raise ConfigError(
+                f"--model {args.model}: no Tangram profile ships for it ({shipped}/ holds "
+                "none); pass --profile PATH, run stock SGLang with --full-kv, or calibrate one "
+                f"with `python -m tangram_sglang.calibrate --model-path {args.model} --scorer "
+                f"kvzip-lite --target-ratio 0.25 --output {shipped}/kvzip-lite-r0.25.json`"
+            )
     if args.device == "cuda":
         import torch
 

@@ -23,7 +23,7 @@ GPU each) and recomputes the ``summary``:
 * ``cliff_throughput_ratio_64_clients``: output tok/s on ``cliff-64``, Tangram (0.25) / baseline;
 * ``kv_capacity_ratio``: ``max_total_num_tokens`` (logical token slots), Tangram / baseline;
 * ``concurrency``: peak running requests per system and workload (``--no-max-tokens``: requests
-  that set no ``max_tokens``, ending on stop ids with the round's output length as mean length).
+  that set no ``max_tokens``, each exactly its drawn length, the round's output length as mean).
 * ``shared_context_ratio_vs_stock`` / ``system_prompt_ratio_vs_stock``: output tok/s of
   ``tangram:0.25`` over the best stock system on ``long-context-shared-*`` (``--shared-context``)
   / ``system-prompt-*`` (``--system-prompt-tokens``), with each run's hit rate under
@@ -130,10 +130,15 @@ def stock_backend_args(name: str, baseline_args: list[str]) -> list[str]:
 def parse_workload(item: str, args: argparse.Namespace) -> WorkloadSpec:
     """``cliff:64``, ``sharegpt:32x4``, ``long-context:16x3``, ``prefill:16x8192``.
 
+    A trailing ``:no-max`` (``cliff:64:no-max``) sends that workload's requests without
+    ``max_new_tokens`` (as ``--no-max-tokens`` does for every workload); its label ends in
+    ``-no-max``, so one server run can measure a workload both ways.
+
     Raises:
         ConfigError: unknown name or a malformed size.
     """
-    name, _, size = item.partition(":")
+    no_max = item.endswith(":no-max")
+    name, _, size = item.removesuffix(":no-max").partition(":")
     if name not in WORKLOADS:
         raise ConfigError(f"--workloads item {item!r}: choose from {', '.join(WORKLOADS)}")
     try:
@@ -152,9 +157,17 @@ def parse_workload(item: str, args: argparse.Namespace) -> WorkloadSpec:
         "system_prompt_tokens": args.system_prompt_tokens,
     }
     if name == "prefill":
+        if no_max:
+            raise ConfigError(f"--workloads item {item!r}: prefill generates 1 token; drop :no-max")
         return WorkloadSpec(name, request_length=second or args.request_length or 8192, **common)
     rounds = second or args.num_rounds
-    return WorkloadSpec(name, num_rounds=rounds, request_length=args.request_length, **common)
+    return WorkloadSpec(
+        name,
+        num_rounds=rounds,
+        request_length=args.request_length,
+        no_max_tokens=no_max,
+        **common,
+    )
 
 
 # ---- measuring --------------------------------------------------------------------------------
@@ -207,7 +220,11 @@ async def measure(base_url: str, spec: WorkloadSpec, vocab: int, settings: LoadS
         session.post(f"{base_url}/flush_cache") as resp,
     ):
         await resp.read()
-    settings = dataclasses.replace(settings, seed=settings.seed + zlib.crc32(spec.label.encode()))
+    settings = dataclasses.replace(
+        settings,
+        seed=settings.seed + zlib.crc32(spec.label.encode()),
+        no_max_tokens=settings.no_max_tokens or spec.no_max_tokens,
+    )
     peaks: dict[str, float] = {}
     stop = asyncio.Event()
     poller = asyncio.create_task(_poll_metrics(base_url, peaks, stop))

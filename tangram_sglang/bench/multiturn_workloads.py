@@ -65,10 +65,14 @@ class WorkloadSpec:
     shared_context: bool = False  # long-context: one context for every client
     system_prompt_tokens: int = DEFAULT_SYSTEM_PROMPT_TOKENS  # system-prompt: shared prefix
     seed: int = 0
+    no_max_tokens: bool = False  # requests set no max_new_tokens (label suffix ``-no-max``)
 
     @property
     def label(self) -> str:
-        """Result key, e.g. ``cliff-64`` or ``sharegpt-32x4``."""
+        """Result key, e.g. ``cliff-64``, ``sharegpt-32x4`` or ``cliff-64-no-max``."""
+        return self._base_label() + ("-no-max" if self.no_max_tokens else "")
+
+    def _base_label(self) -> str:
         if self.name == "cliff":
             return f"cliff-{self.num_clients}"
         if self.name == "prefill":

@@ -156,6 +156,12 @@ HOOKS: tuple[HookTarget, ...] = (
         purpose="admit a prefill only when its pages fit (one formula: docs/admission.md)",
     ),
     HookTarget(
+        target="sglang.srt.managers.schedule_policy.PrefillAdder.add_chunked_req",
+        hook_type="after",
+        body="tangram_sglang.integration.hooks:tangram_align_chunked_req",
+        purpose="a continuing chunk cut short by a full token pool still ends on the grid",
+    ),
+    HookTarget(
         target="sglang.srt.managers.schedule_batch.ScheduleBatch.check_decode_mem",
         hook_type="around",
         body="tangram_sglang.integration.hooks:tangram_check_decode_mem",
@@ -354,6 +360,7 @@ SEAMS: dict[str, tuple[str, ...]] = {
         "has_chunked_req",
         "truncation_align_size",
     ),
+    "sglang.srt.managers.schedule_policy.PrefillAdder.add_chunked_req": ("self", "req"),
     "sglang.srt.managers.schedule_policy.PrefillAdder._get_running_request_total_token_offset": (
         "self",
         "req",

@@ -107,6 +107,11 @@ def tangram_add_one_req(original: Any, *args: Any, **kwargs: Any) -> Any:
     return sglang_adapters.add_one_req(original, *args, **kwargs)
 
 
+def tangram_align_chunked_req(result: Any, *args: Any, **kwargs: Any) -> None:
+    """AFTER ``PrefillAdder.add_chunked_req``: see ``sglang_adapters.align_chunked_req``."""
+    sglang_adapters.align_chunked_req(result, *args, **kwargs)
+
+
 def tangram_check_decode_mem(original: Any, *args: Any, **kwargs: Any) -> bool:
     """AROUND ``ScheduleBatch.check_decode_mem``: see ``sglang_adapters.check_decode_mem``."""
     return sglang_adapters.check_decode_mem(original, *args, **kwargs)

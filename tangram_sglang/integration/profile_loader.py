@@ -74,9 +74,10 @@ def find_shipped_profile(
     Among several matches: ``default.json`` first, then by scorer (:data:`SCORER_PREFERENCE`:
     ``kvzip-lite``, then ``ada-snapkv``, then any other), then the target ratio closest to
     ``target_ratio`` (``--tangram-target-ratio``; None: 0.25), then the path name. With
-    ``scorer`` (``--tangram-scorer``) only profiles calibrated with it match. Unreadable
-    files are skipped with a warning naming them (so a corrupt preferred profile never
-    silently hands the default to another scorer).
+    ``scorer`` (``--tangram-scorer``) only profiles calibrated with it match. Synthetic
+    profiles (:func:`is_synthetic`) never match. Unreadable files are skipped with a warning
+    naming them (so a corrupt preferred profile never silently hands the default to another
+    scorer).
 
     Raises:
         ConfigError: no shipped profile matches (for ``scorer``, when given); says where it
@@ -89,6 +90,8 @@ def find_shipped_profile(
             profile = BudgetProfile.load(path)
         except ProfileError as exc:
             logger.warning("Tangram: skipping the unreadable shipped profile %s: %s", path, exc)
+            continue
+        if is_synthetic(profile):  # dummy-weight benchmarks pass it with --tangram-profile
             continue
         try:
             profile.check_model(model)
@@ -119,6 +122,15 @@ def find_shipped_profile(
             f"profiles for other models: {others or 'none'}); " + calibrate_hint(scorer)
         )
     return min(matches)[1]
+
+
+def is_synthetic(profile: BudgetProfile) -> bool:
+    """A generated profile (``bench.synthetic``: random ratios for dummy-weight benchmarks).
+
+    Never a shipped default: a real model of the same shape must not get random budgets.
+    """
+    source = str((profile.provenance or {}).get("source", ""))
+    return source.startswith("synthetic")
 
 
 def _scorer_rank(scorer: str) -> int:

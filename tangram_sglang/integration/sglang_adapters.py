@@ -488,6 +488,38 @@ def add_one_req(original, adder: Any, req: Any, *args: Any, **kwargs: Any) -> An
     return AddReqResult.NO_TOKEN
 
 
+def grid_chunk_end(start: int, end: int, full: int, grid: int) -> int:
+    """End (tokens) of a continuing chunk ``[start, end)`` of a ``full``-token prompt, on the grid.
+
+    SGLang cuts a continuing chunk short when its token pool is nearly full
+    (``PrefillAdder.add_chunked_req`` ignores ``truncation_align_size``). Under grid segmentation
+    (``grid`` > 0) the cut moves down to the last multiple of ``grid`` past ``start``, so the
+    chunk stays a whole grid cell and the row keeps caching its cells. Unchanged when the chunk
+    reaches the prompt's end, the grid is off, or less than one cell fits (the chunk must still
+    make progress: that row then stops caching cells, as a cold server would not cut there).
+    """
+    if grid <= 0 or end >= full:
+        return end
+    aligned = end // grid * grid
+    return aligned if aligned > start else end
+
+
+def align_chunked_req(result: Any, adder: Any, req: Any, *args: Any, **kwargs: Any) -> None:
+    """AFTER ``PrefillAdder.add_chunked_req``: a truncated continuing chunk ends on the grid.
+
+    The adder's budgets stay charged for the longer cut (conservative for this round).
+    See :func:`grid_chunk_end`.
+    """
+    state = getattr(getattr(adder.tree_cache, "req_to_token_pool", None), "tangram_state", None)
+    grid = int(getattr(state, "segment_grid", 0)) if state is not None else 0
+    if not grid:
+        return
+    span = req.extend_range
+    end = grid_chunk_end(span.start, span.end, len(req.full_untruncated_fill_ids), grid)
+    if end != span.end:
+        req.set_extend_range(span.start, end)
+
+
 def _align_to_grid(grid: int, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     """``add_one_req``'s ``(has_chunked_req, truncation_align_size)`` with the grid as the
     truncation alignment (tokens; the least common multiple with SGLang's own, if it set one)."""

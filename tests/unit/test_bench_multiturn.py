@@ -105,6 +105,8 @@ ITEMS = [
     ("prefill:4x512", "prefill-4x512"),
     ("sharegpt:8x2", "sharegpt-8x2"),
     ("system-prompt:64x4", "system-prompt-64x4"),
+    ("cliff:64:no-max", "cliff-64-no-max"),
+    ("sharegpt:8x2:no-max", "sharegpt-8x2-no-max"),
 ]
 
 
@@ -113,7 +115,14 @@ def test_workload_items_parse_to_labels(item, label):
     assert mt.parse_workload(item, args()).label == label
 
 
-@pytest.mark.parametrize("bad", ["nope:3", "cliff:x", "sharegpt:2xq"])
+def test_no_max_item_marks_only_its_workload():
+    assert mt.parse_workload("cliff:64:no-max", args()).no_max_tokens
+    assert not mt.parse_workload("cliff:64", args()).no_max_tokens
+
+
+@pytest.mark.parametrize(
+    "bad", ["nope:3", "cliff:x", "sharegpt:2xq", "prefill:4x512:no-max", "cliff:64:nomax"]
+)
 def test_bad_workload_items_are_config_errors(bad):
     with pytest.raises(ConfigError, match="--workloads"):
         mt.parse_workload(bad, args())

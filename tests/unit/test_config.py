@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from pathlib import Path
 
@@ -186,6 +187,21 @@ def test_scorer_flag_must_match_the_given_profile(profile_file):
     config = TangramConfig(enabled=True, profile_path=profile_file, scorer=other)
     with pytest.raises(ConfigError, match=f"--tangram-scorer {other} but --tangram-profile"):
         profile_loader.resolve_profile(config, MODEL)
+
+
+def test_synthetic_profiles_are_never_a_shipped_default(tmp_path):
+    folder = tmp_path / "synthetic"
+    folder.mkdir()
+    synthetic = model_profile(scorer="kvzip-lite", target=0.25)
+    synthetic = dataclasses.replace(synthetic, provenance={"source": "synthetic skewed"})
+    synthetic.save(folder / "kvzip-lite-r0.25.json")
+    with pytest.raises(ConfigError, match="no shipped profile"):
+        profile_loader.find_shipped_profile(MODEL, tmp_path)
+    model_profile(target=0.5).save(folder / "ada-snapkv-r0.5.json")  # a calibrated one
+    assert profile_loader.find_shipped_profile(MODEL, tmp_path).name == "ada-snapkv-r0.5.json"
+    # the repository's synthetic Llama-3.1-8B profiles: for benchmarks, passed explicitly
+    for path in (profile_loader.CALIBRATION_DIR / "synthetic").glob("*.json"):
+        assert profile_loader.is_synthetic(profile_loader.BudgetProfile.load(path)), path
 
 
 def test_no_shipped_default_says_how_to_calibrate(tmp_path):

@@ -59,3 +59,13 @@ def test_a_missing_profile_names_the_flag_and_the_fix_before_any_server(capsys):
     err = capsys.readouterr().err
     assert "--profile /nonexistent/p.json" in err and "profile file not found" in err
     assert "python -m tangram_sglang.calibrate" in err
+
+
+def test_a_model_without_a_shipped_profile_is_refused_before_conversion(capsys):
+    from tangram_sglang.demo import main
+
+    assert main(["--model", "qwen2.5-1.5b", "--log", "/nonexistent/dir/log"]) == 2
+    err = capsys.readouterr().err
+    assert "--model qwen2.5-1.5b: no Tangram profile ships for it" in err
+    assert "--profile PATH" in err and "--full-kv" in err
+    assert "python -m tangram_sglang.calibrate --model-path qwen2.5-1.5b" in err

@@ -144,3 +144,39 @@ def test_cells_of_a_running_chunked_prefill_are_matched_by_a_later_request(monke
     tree.reset()
     assert state.memory.allocator.num_free() == start_free
     state.memory.check_invariants()
+
+
+def test_a_continuing_chunk_cut_by_a_full_token_pool_ends_on_the_grid(monkeypatch):
+    """SGLang's ``add_chunked_req`` cuts by free tokens alone; the hook moves it to the grid."""
+    from sglang.srt.managers.schedule_batch import Range
+    from sglang.srt.managers.schedule_policy import PrefillAdder
+    from sglang.srt.runtime_context import get_context
+
+    from tangram_sglang.integration.sglang_adapters import align_chunked_req, grid_chunk_end
+
+    assert grid_chunk_end(4, 10, 20, 4) == 8  # cut inside cell [8, 12): back to 8
+    assert grid_chunk_end(4, 7, 20, 4) == 7  # less than one cell fits: unchanged
+    assert grid_chunk_end(4, 20, 20, 4) == 20  # the prompt's end
+    assert grid_chunk_end(4, 10, 20, 0) == 10  # grid off
+    prompt = list(range(100, 120))
+    for grid_on, expected in ((True, (4, 8)), (False, (4, 10))):
+        monkeypatch.setenv(GRID_ENV, "1" if grid_on else "0")
+        tree, state, req_pool, slots = build_tree(chunk_tokens=GRID)
+        # the Req fields add_chunked_req reads (a real Req needs a running server's context)
+        req = SimpleNamespace(
+            full_untruncated_fill_ids=array("q", prompt),
+            prefix_indices=torch.arange(4),  # the first cell was prefilled
+            sampling_params=SimpleNamespace(max_new_tokens=4),
+            retracted_stain=False,
+            extend_range=Range(4, 20),
+        )
+        req.set_extend_range = lambda start, end, r=req: setattr(
+            r, "extend_range", Range(start, end)
+        )
+        with get_context().override_server_args():  # the scheduler's published settings
+            adder = PrefillAdder(1, tree, slots, None, 1.0, 10**6, 3 * GRID)
+            adder.rem_total_token_offset = slots.available_size() - 6  # room for 6 more tokens
+            truncated = adder.add_chunked_req(req)
+        assert truncated is req  # SGLang cut it at 10 (or at 8 where the hook is installed)
+        align_chunked_req(truncated, adder, req)  # idempotent
+        assert (req.extend_range.start, req.extend_range.end) == expected
