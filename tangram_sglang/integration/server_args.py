@@ -21,6 +21,7 @@ profile file) naming the flag and the fix; nothing is silently ignored.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -170,13 +171,18 @@ def config_from_server_args(server_args: Any) -> TangramConfig:
 def check_flags(server_args: Any) -> None:
     """Reject flags ``--tangram`` cannot honour; validate the Tangram options (early).
 
-    Called by the patched ``ServerArgs.__post_init__`` when ``server_args.tangram`` is set, before
-    SGLang resolves backends, so the flags checked are the ones the user gave.
+    Called by the patched ``ServerArgs.__post_init__`` for every server, before SGLang resolves
+    backends, so the flags checked are the ones the user gave. Without ``--tangram`` it only
+    refuses ``--tangram-*`` options set away from their defaults (they would be ignored: a
+    stock server would start while the user asked for a Tangram setting).
 
     Raises:
-        ConfigError: the first incompatible flag (its value, why, and to drop it), or a bad
-            ``--tangram-*`` option.
+        ConfigError: a ``--tangram-*`` option without ``--tangram``, the first incompatible
+            flag (its value, why, and to drop it), or a bad ``--tangram-*`` option.
     """
+    if not server_args.tangram:
+        _refuse_options_without_tangram(server_args)
+        return
     for rule in INCOMPATIBLE_FLAGS:
         value = getattr(server_args, rule.field)
         if rule.bad(value):
@@ -194,6 +200,21 @@ def check_flags(server_args: Any) -> None:
         _check_model_kind(ModelConfig.from_server_args(server_args))  # not cached on purpose
         force_milestone_settings(server_args, has_radix)
     select_tangram_backends(server_args)
+
+
+def _refuse_options_without_tangram(server_args: Any) -> None:
+    """ConfigError naming the ``--tangram-*`` options given without ``--tangram``."""
+    defaults = {f.name: f.default for f in dataclasses.fields(type(server_args))}
+    given = [
+        "--" + name.replace("_", "-")
+        for name in FIELD_MAP
+        if name != "tangram" and getattr(server_args, name) != defaults.get(name)
+    ]
+    if given:
+        raise ConfigError(
+            f"{', '.join(given)} given without --tangram: Tangram options do nothing on a stock "
+            "server. Add --tangram, or drop them"
+        )
 
 
 def force_milestone_settings(server_args: Any, has_radix: bool) -> None:

@@ -155,6 +155,23 @@ def test_scorer_flag_picks_the_shipped_profile_of_that_scorer(patched_sglang, sm
         prepare_server_args(base + ["--tangram-profile", kvzip, "--tangram-scorer", "snapkv"])
 
 
+def test_tangram_options_without_tangram_are_refused(patched_sglang, smollm2_path):
+    """A stock server would silently ignore them: one line names them and the fix."""
+    from sglang.srt.server_args import prepare_server_args
+
+    base = ["--model-path", str(smollm2_path), "--device", "cpu"]
+    with pytest.raises(ConfigError, match=r"^--tangram-scorer given without --tangram"):
+        prepare_server_args(base + ["--tangram-scorer", "ada-snapkv"])
+    flags = ["--tangram-target-ratio", "0.5", "--tangram-page-size", "32"]
+    with pytest.raises(ConfigError) as info:
+        prepare_server_args(base + flags)
+    assert "--tangram-page-size, --tangram-target-ratio given without --tangram" in str(
+        info.value
+    ) or "--tangram-target-ratio, --tangram-page-size given without --tangram" in str(info.value)
+    assert "Add --tangram, or drop them" in str(info.value)
+    assert prepare_server_args(base).tangram is False  # defaults pass
+
+
 def test_stock_args_unchanged(patched_sglang, smollm2_path):
     args = patched_sglang(model_path=str(smollm2_path), device="cpu")
     assert args.tangram is False and args.tangram_profile is None
