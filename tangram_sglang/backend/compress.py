@@ -10,8 +10,10 @@ Cost (per layer): segments are scored in length buckets (next power of two of n,
 :data:`MIN_BUCKET` tokens), each bucket as ONE padded batch whatever its segments' lengths, so an
 extend batch costs O(#buckets) launches (about 40 per bucket, a batch has 1-4 buckets) instead
 of one pass per run of equal lengths (4,098 top-level aten ops per layer for 64 distinct
-ShareGPT-like lengths before, benchmarks/RESULTS.md). Every head of a bucket is selected with
-one stable sort whatever its ``k_g``, with no host synchronisation. Segments every head keeps
+ShareGPT-like lengths before, benchmarks/RESULTS.md). A batch with no more runs of equal
+lengths than buckets (one prefill chunk, or many segments of one length) skips the padding:
+one scorer call per run. Every head is selected with one stable sort whatever its ``k_g``, with
+no host synchronisation. Segments every head keeps
 whole (``k_g = n``, e.g. under ``--tangram-min-compress-tokens``) are not scored.
 
 Padded layout of a bucket of ``b`` segments, ``N`` = the bucket length, ``W`` = the widest
@@ -161,15 +163,22 @@ def batch_kept_indices(
     scored = nonempty & ~whole
     windows = (scorer.obs_window, sink_tokens, recent_window)
     # The length buckets serve the SnapKV family only; another scorer (kvzip-lite: every query,
-    # obs_window = ALL_QUERIES) would get a [b, 1, n, N] mask per bucket it never reads.
-    snapkv = isinstance(scorer, SnapKVScorer)
-    bucketed = scored if snapkv else np.zeros_like(scored)
-    plan = _batch_plan(bounds, whole, bucketed, windows, out.shape[-1], device)
+    # obs_window = ALL_QUERIES) would get a [b, 1, n, N] mask per bucket it never reads. They pay
+    # off only when the batch has more runs of equal lengths than buckets: one long segment
+    # (a prefill chunk) is cheaper as one scorer call (H200, 1 x 8,192 tokens, per layer: 1.59
+    # vs 2.06 ms, benchmarks/RESULTS.md issue 20), and so are many segments of one length.
+    rows = np.nonzero(scored)[0]
+    bucketed = isinstance(scorer, SnapKVScorer) and len(_runs(rows, lengths)) > _num_buckets(
+        lengths[rows]
+    )
+    plan = _batch_plan(
+        bounds, whole, scored if bucketed else np.zeros_like(scored), windows, out.shape[-1], device
+    )
     if plan.whole_rows is not None:
         out[plan.whole_rows] = plan.whole_fill
     if not scored.any():
         return out
-    if not snapkv:  # a scorer of its own: one pass per run
+    if not bucketed:  # one scorer call per run of equal lengths
         _score_runs(
             out,
             scorer,
@@ -255,9 +264,7 @@ def _batch_plan(
         whole_rows = torch.from_numpy(rows).to(device)
         whole_fill = torch.from_numpy(fill[:, None, :]).to(device)
     rows = np.nonzero(scored)[0]
-    size = np.maximum(
-        MIN_BUCKET, 1 << np.ceil(np.log2(np.maximum(lengths[rows], 1))).astype(np.int64)
-    )
+    size = _bucket_sizes(lengths[rows])
     buckets = [
         _make_bucket(rows[size == n], int(n), starts, lengths, windows, device)
         for n in np.unique(size)
@@ -267,6 +274,33 @@ def _batch_plan(
         _PLANS.pop(next(iter(_PLANS)))
     _PLANS[cache_key] = plan
     return plan
+
+
+def _bucket_sizes(lengths: np.ndarray) -> np.ndarray:
+    """Bucket length (tokens) of each segment length: the next power of two, >= MIN_BUCKET."""
+    return np.maximum(MIN_BUCKET, 1 << np.ceil(np.log2(np.maximum(lengths, 1))).astype(np.int64))
+
+
+def _num_buckets(lengths: np.ndarray) -> int:
+    """How many length buckets the segment ``lengths`` (tokens) fall into."""
+    return int(np.unique(_bucket_sizes(lengths)).size)
+
+
+def _runs(rows: np.ndarray, lengths: np.ndarray) -> list[tuple[int, int]]:
+    """``[lo, hi)`` request ranges: consecutive ``rows`` of equal length (one scorer call each)."""
+    runs = []
+    first = 0
+    while first < len(rows):
+        end = first + 1
+        while (
+            end < len(rows)
+            and rows[end] == rows[end - 1] + 1
+            and lengths[rows[end]] == lengths[rows[first]]
+        ):
+            end += 1
+        runs.append((int(rows[first]), int(rows[end - 1]) + 1))
+        first = end
+    return runs
 
 
 def _make_bucket(
@@ -366,21 +400,12 @@ def _score_runs(
 ) -> None:
     """Runs of consecutive scored requests of equal length, one scorer call each (any scorer)."""
     lengths = np.diff(np.asarray(bounds, np.int64))
-    first = 0
-    while first < len(rows):
-        end = first + 1
-        while (
-            end < len(rows)
-            and rows[end] == rows[end - 1] + 1
-            and lengths[rows[end]] == lengths[rows[first]]
-        ):
-            end += 1
-        lo, hi, n = int(rows[first]), int(rows[end - 1]) + 1, int(lengths[rows[first]])
+    for lo, hi in _runs(rows, lengths):
+        n = int(lengths[lo])
         run_max = int(kept_host[lo:hi].max())
         scores = _score_run(scorer, q, k, lse, bounds[lo], hi - lo, n, sm_scale)
         key = priority_key(scores, sink_tokens, recent_window)
         out[lo:hi, :, :run_max] = kept_from_ranks(key, kept_dev[lo:hi], run_max)
-        first = end
 
 
 def reference_kept_indices(
