@@ -162,23 +162,11 @@ def batch_kept_indices(
     whole = nonempty & (low == lengths)  # every head keeps the whole segment: no scoring
     scored = nonempty & ~whole
     windows = (scorer.obs_window, sink_tokens, recent_window)
-    # The length buckets serve the SnapKV family only; another scorer (kvzip-lite: every query,
-    # obs_window = ALL_QUERIES) would get a [b, 1, n, N] mask per bucket it never reads. They pay
-    # off only when the batch has more runs of equal lengths than buckets: one long segment
-    # (a prefill chunk) is cheaper as one scorer call (H200, 1 x 8,192 tokens, per layer: 1.59
-    # vs 2.06 ms, benchmarks/RESULTS.md issue 20), and so are many segments of one length.
-    rows = np.nonzero(scored)[0]
-    bucketed = isinstance(scorer, SnapKVScorer) and len(_runs(rows, lengths)) > _num_buckets(
-        lengths[rows]
-    )
-    plan = _batch_plan(
-        bounds, whole, scored if bucketed else np.zeros_like(scored), windows, out.shape[-1], device
-    )
+    snapkv = isinstance(scorer, SnapKVScorer)
+    plan = _batch_plan(bounds, whole, scored, snapkv, windows, out.shape[-1], device)
     if plan.whole_rows is not None:
         out[plan.whole_rows] = plan.whole_fill
-    if not scored.any():
-        return out
-    if not bucketed:  # one scorer call per run of equal lengths
+    if plan.runs:  # one scorer call per run of equal lengths
         _score_runs(
             out,
             scorer,
@@ -188,12 +176,11 @@ def batch_kept_indices(
             bounds,
             kept_host,
             kept_per_head_dev,
-            np.nonzero(scored)[0],
+            plan.runs,
             sm_scale,
             sink_tokens,
             recent_window,
         )
-        return out
     for bucket in plan.buckets:
         kept_dev = kept_per_head_dev.index_select(0, bucket.rows)
         key = _bucket_key(scorer, q, k_new, lse, bucket, sm_scale)
@@ -230,7 +217,8 @@ class _Plan:
 
     whole_rows: torch.Tensor | None  # int64 [r]: requests every head keeps whole (None: none)
     whole_fill: torch.Tensor | None  # int64 [r, 1, max_k]: 0 .. n - 1, then 0
-    buckets: list[_Bucket]  # the scored requests, by length bucket
+    buckets: list[_Bucket]  # the scored requests, by length bucket (or none: see runs)
+    runs: list[tuple[int, int]]  # or [lo, hi) runs of equal lengths, one scorer call each
 
 
 _PLANS: dict[tuple, _Plan] = {}
@@ -240,17 +228,34 @@ def _batch_plan(
     bounds: list[int],
     whole: np.ndarray,
     scored: np.ndarray,
+    snapkv: bool,
     windows: tuple[int, int, int],
     max_k: int,
     device: torch.device,
 ) -> _Plan:
-    """The device index tensors of a batch; cached per (bounds, masks, windows, width, device).
+    """The device index tensors of a batch; cached per (bounds, masks, scorer kind, windows,
+    width, device).
 
     ``windows`` = (scorer's observation window, sink tokens, recent window), in tokens. Every
     layer of a batch asks for the same plan (layers differ only when their head groups make a
     different set of requests whole), so its tensors are uploaded once per batch, not per layer.
+
+    The scored requests go in length buckets only for a SnapKV-family scorer (``snapkv``;
+    another scorer, e.g. kvzip-lite with every query, would get a ``[b, 1, n, N]`` mask per
+    bucket it never reads) and only when the batch has more runs of equal lengths than buckets.
+    Otherwise the plan lists the runs: one long segment (a prefill chunk) is cheaper as one
+    scorer call (H200, 1 x 8,192 tokens, per layer: 1.59 vs 2.06 ms, benchmarks/RESULTS.md issue
+    20), and so are many segments of one length.
     """
-    cache_key = (tuple(bounds), whole.tobytes(), scored.tobytes(), windows, max_k, str(device))
+    cache_key = (
+        tuple(bounds),
+        whole.tobytes(),
+        scored.tobytes(),
+        snapkv,
+        windows,
+        max_k,
+        str(device),
+    )
     plan = _PLANS.get(cache_key)
     if plan is not None:
         return plan
@@ -265,11 +270,15 @@ def _batch_plan(
         whole_fill = torch.from_numpy(fill[:, None, :]).to(device)
     rows = np.nonzero(scored)[0]
     size = _bucket_sizes(lengths[rows])
-    buckets = [
-        _make_bucket(rows[size == n], int(n), starts, lengths, windows, device)
-        for n in np.unique(size)
-    ]
-    plan = _Plan(whole_rows, whole_fill, buckets)
+    runs = _runs(rows, lengths)
+    buckets = []
+    if snapkv and len(runs) > np.unique(size).size:
+        runs = []
+        buckets = [
+            _make_bucket(rows[size == n], int(n), starts, lengths, windows, device)
+            for n in np.unique(size)
+        ]
+    plan = _Plan(whole_rows, whole_fill, buckets, runs)
     if len(_PLANS) >= _PLAN_CACHE_SIZE:
         _PLANS.pop(next(iter(_PLANS)))
     _PLANS[cache_key] = plan
@@ -279,11 +288,6 @@ def _batch_plan(
 def _bucket_sizes(lengths: np.ndarray) -> np.ndarray:
     """Bucket length (tokens) of each segment length: the next power of two, >= MIN_BUCKET."""
     return np.maximum(MIN_BUCKET, 1 << np.ceil(np.log2(np.maximum(lengths, 1))).astype(np.int64))
-
-
-def _num_buckets(lengths: np.ndarray) -> int:
-    """How many length buckets the segment ``lengths`` (tokens) fall into."""
-    return int(np.unique(_bucket_sizes(lengths)).size)
 
 
 def _runs(rows: np.ndarray, lengths: np.ndarray) -> list[tuple[int, int]]:
@@ -393,14 +397,14 @@ def _score_runs(
     bounds: list[int],
     kept_host: np.ndarray,
     kept_dev: torch.Tensor,
-    rows: np.ndarray,
+    runs: list[tuple[int, int]],
     sm_scale: float,
     sink_tokens: int,
     recent_window: int,
 ) -> None:
-    """Runs of consecutive scored requests of equal length, one scorer call each (any scorer)."""
+    """``runs`` (``[lo, hi)`` requests of equal length, :func:`_runs`): one scorer call each."""
     lengths = np.diff(np.asarray(bounds, np.int64))
-    for lo, hi in _runs(rows, lengths):
+    for lo, hi in runs:
         n = int(lengths[lo])
         run_max = int(kept_host[lo:hi].max())
         scores = _score_run(scorer, q, k, lse, bounds[lo], hi - lo, n, sm_scale)
