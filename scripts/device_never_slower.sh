@@ -15,7 +15,7 @@
 set -u
 R=${R:-/tmp/ns}
 mkdir -p "$R"
-COMMON="--load-format dummy --skip-tokenizer-init --sampling-backend pytorch --mem-fraction-static 0.8 --context-length 20480 --max-running-requests 128 --disable-prefill-cuda-graph --cuda-graph-max-bs 128"
+COMMON="--load-format dummy --sampling-backend pytorch --mem-fraction-static 0.8 --context-length 20480 --max-running-requests 128 --disable-prefill-cuda-graph --cuda-graph-max-bs 128"
 WL=${WL:-sharegpt:64x4,cliff:64}
 WL1=${WL1:-sharegpt:64x4}
 SYSTEMS=${SYSTEMS:-tangram:0.25 baseline baseline-flashinfer tangram:1.0}

@@ -13,7 +13,7 @@
 # Env: WL (workloads), T (per-workload timeout, s), CAP_S (whole bench, s), SYSTEMS.
 set -u -o pipefail
 R=/tmp/nmt; mkdir -p "$R" "${OUT:=/tmp/out}"
-COMMON="--load-format dummy --skip-tokenizer-init --sampling-backend pytorch --mem-fraction-static 0.8 --context-length 20480 --max-running-requests 256 --disable-prefill-cuda-graph --cuda-graph-max-bs 128"
+COMMON="--load-format dummy --sampling-backend pytorch --mem-fraction-static 0.8 --context-length 20480 --max-running-requests 256 --disable-prefill-cuda-graph --cuda-graph-max-bs 128"
 WL=${WL:-long-context:256x1,cliff:64}
 case ",$WL," in *,cliff:64,*) MAIN=cliff-64 ;; *) MAIN=$(echo "${WL%%,*}" | tr : -) ;; esac
 CUDA_VISIBLE_DEVICES=${GPU:-0} timeout -s INT "${CAP_S:-450}" python3 -m tangram_sglang.bench.multiturn \

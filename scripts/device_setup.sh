@@ -5,7 +5,8 @@
 # patches/ to that copy and checks that the `tangram` plugin entry point (tangram_sglang.egg-info
 # copied beside the checkout, found through PYTHONPATH=$PWD) is visible. Expects next to the
 # checkout: .carry/sglang/p1 and tangram_sglang.egg-info (docs/gpu-benchmarks.md).
-# Writes the Llama-3.1-8B-shaped dummy model folder path to $MODEL.
+# Writes the Llama-3.1-8B-shaped dummy model folder path to $MODEL and gives that folder a
+# tokenizer (bench.dummy_tokenizer).
 set -u
 export SITE=${SITE:-/tmp/site}
 bash .carry/sglang/p1/install.sh .carry/sglang/p* || return 1
@@ -13,4 +14,7 @@ export PYTHONPATH=$SITE:$PWD PYTHONUNBUFFERED=1
 python3 scripts/patches.py apply --site-packages "$SITE" || return 1
 python3 -c "from importlib.metadata import entry_points as e; eps=[x.value for x in e(group='sglang.srt.plugins')]; print('plugins:', eps); assert any('tangram' in v for v in eps)" || return 1
 export MODEL=$PWD/calibration/synthetic/llama3.1-8b-dummy
+# its tokenizer (one word per id), so servers run without --skip-tokenizer-init: SGLang refuses
+# min_new_tokens without one, and the requests without max_new_tokens need it
+python3 -m tangram_sglang.bench.dummy_tokenizer "$MODEL" || return 1
 export PROFILE=$PWD/calibration/synthetic/llama3.1-8b-ada-snapkv-r0.25.json

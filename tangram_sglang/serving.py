@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -36,6 +37,7 @@ CPU_DEFAULTS = {
 CUDA_STOCK_FLAGS = {"--attention-backend": "triton"}
 
 
+_BIND_RETRIES = 2  # new ports tried when the HTTP port was taken during start-up
 _LIVE: set[int] = set()  # id() of servers that turned SIGTERM into KeyboardInterrupt
 _SAVED_SIGTERM: list = []  # the caller's SIGTERM action while _LIVE is not empty
 
@@ -59,8 +61,38 @@ def _sigterm_as_interrupt(server: object, on: bool) -> None:
             signal.signal(signal.SIGTERM, _SAVED_SIGTERM.pop())
 
 
+# Where free_port looks: below the kernel's ephemeral range (Linux default 32768-60999), from
+# which SGLang draws its own internal ports (``get_open_port`` binds port 0). A port taken from
+# that range can be handed out again to the server's own dist-init or NCCL port between our
+# check and uvicorn's bind at the end of start-up ("address already in use"; seen on an H200).
+_PORT_FLOOR = 20000
+_EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+
+
+def _ephemeral_low() -> int:
+    """The first port of the kernel's ephemeral range (32768 when it cannot be read)."""
+    try:
+        return int(_EPHEMERAL_RANGE.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    """A TCP port on 127.0.0.1 that was free a moment ago, below the ephemeral range.
+
+    Tries random ports in ``[20000, first ephemeral port)``; falls back to one the kernel picks
+    (bind to port 0) when that range is empty or every try is taken.
+    """
+    low, high = _PORT_FLOOR, _ephemeral_low()
+    rng = random.Random()
+    for _ in range(64 if high - low > 64 else 0):
+        port = rng.randrange(low, high)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
@@ -200,20 +232,43 @@ class SGLangServer:
         pytest fixture teardowns stop it.
         """
         _sigterm_as_interrupt(self, True)
-        log = self.log_path.open("w")
-        self.process = subprocess.Popen(
-            self.command,
-            env=self._env,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            start_new_session=True,
-        )
+        for attempt in range(_BIND_RETRIES + 1):
+            log = self.log_path.open("w")
+            self.process = subprocess.Popen(
+                self.command,
+                env=self._env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
+            try:
+                self._wait_healthy()
+                return
+            except TangramError:
+                self.stop()
+                if attempt == _BIND_RETRIES or not self._lost_port():
+                    raise
+                self._set_port(free_port())  # another process took the port: start again
+                _sigterm_as_interrupt(self, True)
+            except BaseException:
+                self.stop()
+                raise
+
+    def _lost_port(self) -> bool:
+        """The server exited because its HTTP port was taken (uvicorn's bind error)."""
         try:
-            self._wait_healthy()
-        except BaseException:
-            self.stop()
-            raise
+            text = self.log_path.read_text(errors="replace")
+        except FileNotFoundError:
+            return False
+        return f"address ('127.0.0.1', {self.port}): address already in use" in text
+
+    def _set_port(self, port: int) -> None:
+        """Use ``port`` for the next start (command line and base URL)."""
+        i = self.command.index("--port")
+        self.command[i + 1] = str(port)
+        self.port = port
+        self.base_url = f"http://127.0.0.1:{port}"
 
     def _wait_healthy(self) -> None:
         deadline = time.monotonic() + self._timeout
@@ -228,6 +283,11 @@ class SGLangServer:
                     return
             except requests.RequestException:
                 pass
+            if self._lost_port():  # uvicorn logs the bind error, but the server stays up
+                raise TangramError(
+                    f"SGLang server could not bind port {self.port}; log {self.log_path}:\n"
+                    f"{self.log_tail()}"
+                )
             time.sleep(1.0)
         raise TangramError(
             f"SGLang server not healthy after {self._timeout:.0f} s; log {self.log_path}:\n"

@@ -728,6 +728,16 @@ def check_args(args: argparse.Namespace, systems: list, specs: list[WorkloadSpec
             shlex.split(text)
         except ValueError as exc:
             raise ConfigError(f"{flag} {text!r}: {exc}; quote it as one shell word") from None
+    no_max = [s.label for s in specs if args.no_max_tokens or s.no_max_tokens]
+    server_flags = shlex.split(args.server_args) + shlex.split(args.baseline_args)
+    if no_max and "--skip-tokenizer-init" in server_flags:
+        raise ConfigError(
+            f"--workloads {','.join(no_max)}: requests without max_new_tokens hold their lengths "
+            "with min_new_tokens, which SGLang refuses under --skip-tokenizer-init (HTTP 400 on "
+            "every request); drop --skip-tokenizer-init from --server-args/--baseline-args (a "
+            "model folder without a tokenizer gets one from python -m "
+            "tangram_sglang.bench.dummy_tokenizer MODEL_DIR)"
+        )
     if args.output is None:
         args.output = (
             "benchmarks/results/multiturn-h200.json"

@@ -244,7 +244,9 @@ def profile_case(
             kept_dev,
         )
 
-    idx = select(0)
+    # kv_write of layer l reads the kept indices of layer l (its heads map to other groups, so
+    # another layer's indices can be narrower than its counts): one per layer, computed once.
+    idx = [select(i) for i in range(layers)]
 
     def select_ref(i: int):
         lid = i % layers
@@ -269,7 +271,7 @@ def profile_case(
             k,
             v,
             meta.qo_indptr,
-            idx,
+            idx[lid],
             meta.kept_count,
             *pools,
             table.page_table,

@@ -375,3 +375,18 @@ def test_no_max_tokens_lengths_are_the_same_for_every_system_and_geometric():
     assert again["stop_token_ids"] == params["stop_token_ids"]
     fixed = sampling_params(128, 128256, no_max_tokens=False)
     assert fixed == {"max_new_tokens": 128, "ignore_eos": True, "temperature": 0.0}
+
+
+@pytest.mark.parametrize("where", ["--server-args", "--baseline-args"])
+def test_no_max_workloads_refuse_skip_tokenizer_init_before_any_server(tmp_path, capsys, where):
+    """SGLang answers min_new_tokens with HTTP 400 without a tokenizer (seen on an H200: 252
+    failed requests); the bench says so before a server starts."""
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "config.json").write_text('{"vocab_size": 5000}')
+    argv = ["--model-path", str(model), "--device", "cpu", "--systems", "baseline"]
+    argv += ["--workloads", "cliff:2,cliff:2:no-max", f"{where}=--skip-tokenizer-init"]
+    assert mt.main([*argv, "--output", str(tmp_path / "r.json")]) == 2
+    err = capsys.readouterr().err
+    assert "--workloads cliff-2-no-max" in err and "drop --skip-tokenizer-init" in err
+    assert "dummy_tokenizer" in err

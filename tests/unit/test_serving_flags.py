@@ -25,3 +25,24 @@ def test_flag_int_reads_both_flag_forms(args, expected):
 def test_flag_int_names_the_flag_on_a_non_integer():
     with pytest.raises(ConfigError, match=r"--tp-size 'two': expected an integer"):
         serving._flag_int(["--tp-size", "two"], "--tp-size", 1)
+
+
+def test_free_port_stays_below_the_ephemeral_range():
+    """SGLang's own ports come from the ephemeral range (bind to 0): ours never collide."""
+    low = serving._ephemeral_low()
+    ports = {serving.free_port() for _ in range(20)}
+    assert all(serving._PORT_FLOOR <= p < low for p in ports), (sorted(ports), low)
+    assert len(ports) > 1  # random, not one fixed port
+
+
+def test_free_port_skips_a_taken_port(monkeypatch):
+    import socket
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        taken = held.getsockname()[1]
+        monkeypatch.setattr(serving, "_PORT_FLOOR", taken)
+        monkeypatch.setattr(serving, "_ephemeral_low", lambda: taken + 1)
+        # the range holds only the taken port: the kernel's pick, never the taken one
+        assert serving.free_port() != taken

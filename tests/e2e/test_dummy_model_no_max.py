@@ -1,0 +1,55 @@
+"""The GPU benchmarks' setup on CPU: a dummy-weight model folder (config only) given a tokenizer
+by ``bench.dummy_tokenizer``, served by stock SGLang without ``--skip-tokenizer-init``, so
+requests without ``max_new_tokens`` hold their drawn lengths with ``min_new_tokens``."""
+
+from __future__ import annotations
+
+import json
+import zlib
+
+import pytest
+
+from tangram_sglang.bench import multiturn as mt
+from tangram_sglang.bench.dummy_tokenizer import write_dummy_tokenizer
+from tangram_sglang.bench.multiturn_client import no_max_length
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+TINY_LLAMA = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "vocab_size": 2048,
+    "max_position_embeddings": 4096,
+    "rms_norm_eps": 1e-05,
+    "hidden_act": "silu",
+    "tie_word_embeddings": False,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "torch_dtype": "float32",
+}
+
+
+def test_no_max_workload_on_a_dummy_model_with_its_generated_tokenizer(tmp_path):
+    model = tmp_path / "tiny-dummy"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(TINY_LLAMA))
+    assert len(write_dummy_tokenizer(model)) == 2
+    out = tmp_path / "r.json"
+    argv = ["--model-path", str(model), "--device", "cpu", "--systems", "baseline"]
+    argv += ["--workloads", "long-context:2x2:no-max", "--context-tokens", "64"]
+    argv += ["--request-length", "8", "--output-length", "6", "--workload-timeout-s", "300"]
+    argv += ["--server-args=--load-format dummy", "--log-dir", str(tmp_path)]
+    assert mt.main([*argv, "--output", str(out)]) == 0
+    entry = json.loads(out.read_text())["systems"]["baseline"]
+    assert entry["error"] is None
+    run = entry["workloads"]["long-context-2x2-no-max"]
+    assert run["requests_ok"] == 4 and run["requests_failed"] == 0
+    seed = zlib.crc32(b"long-context-2x2-no-max")  # the bench's per-workload seed (--seed 0)
+    drawn = [no_max_length(6, seed, c, r) for c in range(2) for r in range(2)]
+    assert run["mean_output_tokens"] == sum(drawn) / 4  # every request held its drawn length
