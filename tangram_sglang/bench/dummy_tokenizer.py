@@ -28,13 +28,25 @@ from tangram_sglang.errors import ConfigError
 FILES = ("tokenizer.json", "tokenizer_config.json")
 
 
+# Far above any released model's vocabulary (256k); the tokenizer holds one word per id, so a
+# mistyped vocab_size (1e9) would otherwise fill the memory before anything is written.
+MAX_VOCAB = 1 << 21
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def _config_ids(config: dict, key: str, path: Path) -> int:
     """The first id of ``config[key]`` (an int or a list of ints)."""
     value = config.get(key)
     if isinstance(value, list) and value:
         value = value[0]
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise ConfigError(f"{path}: {key} must be a token id (int), got {value!r}")
+    if not _is_int(value):
+        raise ConfigError(
+            f"{path}: {key} must be a token id (int, or a list whose first item is one), got "
+            f"{value!r}; set it in config.json"
+        )
     return value
 
 
@@ -50,7 +62,9 @@ def write_dummy_tokenizer(model_dir: str | Path, overwrite: bool = False) -> lis
         The files written (empty when both were there and ``overwrite`` is False).
 
     Raises:
-        ConfigError: no ``config.json``, or a missing or ill-typed ``vocab_size``/token id.
+        ConfigError: no readable ``config.json`` or not a JSON object; a missing or ill-typed
+            ``vocab_size`` (2..``MAX_VOCAB``), token id or ``max_position_embeddings``; the
+            tokenizer files cannot be written.
     """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
@@ -60,11 +74,25 @@ def write_dummy_tokenizer(model_dir: str | Path, overwrite: bool = False) -> lis
         config = json.loads(config_path.read_text())
     except FileNotFoundError:
         raise ConfigError(f"{config_path}: no such file (give the model folder)") from None
+    except OSError as exc:
+        raise ConfigError(f"{config_path}: cannot read it ({exc.strerror})") from None
     except ValueError as exc:
         raise ConfigError(f"{config_path}: not JSON ({exc})") from None
+    if not isinstance(config, dict):
+        raise ConfigError(
+            f"{config_path}: must be a JSON object (a model config), got {type(config).__name__}"
+        )
     vocab_size = config.get("vocab_size")
-    if not isinstance(vocab_size, int) or vocab_size < 2:
-        raise ConfigError(f"{config_path}: vocab_size must be an int >= 2, got {vocab_size!r}")
+    if not _is_int(vocab_size) or not 2 <= vocab_size <= MAX_VOCAB:
+        raise ConfigError(
+            f"{config_path}: vocab_size must be an int in 2..{MAX_VOCAB}, got {vocab_size!r}"
+        )
+    max_len = config.get("max_position_embeddings", 131072)
+    if not _is_int(max_len) or max_len < 1:
+        raise ConfigError(
+            f"{config_path}: max_position_embeddings must be a positive int (tokens) or absent, "
+            f"got {max_len!r}"
+        )
     bos = _config_ids(config, "bos_token_id", config_path)
     eos = _config_ids(config, "eos_token_id", config_path)
     for key, tid in (("bos_token_id", bos), ("eos_token_id", eos)):
@@ -79,20 +107,20 @@ def write_dummy_tokenizer(model_dir: str | Path, overwrite: bool = False) -> lis
     tok = Tokenizer(models.WordLevel(vocab, unk_token=f"<t{eos}>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
-    tok.save(str(targets[0]))
-    targets[1].write_text(
-        json.dumps(
-            {
-                "tokenizer_class": "PreTrainedTokenizerFast",
-                "bos_token": f"<t{bos}>",
-                "eos_token": f"<t{eos}>",
-                "unk_token": f"<t{eos}>",
-                "model_max_length": int(config.get("max_position_embeddings", 131072)),
-            },
-            indent=1,
-        )
-        + "\n"
-    )
+    settings = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": f"<t{bos}>",
+        "eos_token": f"<t{eos}>",
+        "unk_token": f"<t{eos}>",
+        "model_max_length": max_len,
+    }
+    try:
+        tok.save(str(targets[0]))
+        targets[1].write_text(json.dumps(settings, indent=1) + "\n")
+    except Exception as exc:  # tokenizers raises a bare Exception on an I/O error
+        raise ConfigError(
+            f"{folder}: cannot write the tokenizer files ({exc}); give a writable model folder"
+        ) from None
     return targets
 
 
