@@ -728,16 +728,21 @@ def check_args(args: argparse.Namespace, systems: list, specs: list[WorkloadSpec
             shlex.split(text)
         except ValueError as exc:
             raise ConfigError(f"{flag} {text!r}: {exc}; quote it as one shell word") from None
-    no_max = [s.label for s in specs if args.no_max_tokens or s.no_max_tokens]
-    server_flags = shlex.split(args.server_args) + shlex.split(args.baseline_args)
-    if no_max and "--skip-tokenizer-init" in server_flags:
-        raise ConfigError(
-            f"--workloads {','.join(no_max)}: requests without max_new_tokens hold their lengths "
-            "with min_new_tokens, which SGLang refuses under --skip-tokenizer-init (HTTP 400 on "
-            "every request); drop --skip-tokenizer-init from --server-args/--baseline-args (a "
-            "model folder without a tokenizer gets one from python -m "
-            "tangram_sglang.bench.dummy_tokenizer MODEL_DIR)"
-        )
+    no_max = [s.label for s in specs if s.no_max_tokens]
+    source = "--no-max-tokens" if args.no_max_tokens else f"--workloads {','.join(no_max)}"
+    flags = [("--server-args", args.server_args)]
+    if any(ratio is None for _, ratio in systems):  # only stock systems get --baseline-args
+        flags.append(("--baseline-args", args.baseline_args))
+    for flag, text in flags:
+        skips = any(_skips_tokenizer(word) for word in shlex.split(text))
+        if skips and (args.no_max_tokens or no_max):
+            raise ConfigError(
+                f"{source}: requests without max_new_tokens hold their lengths with "
+                "min_new_tokens, which SGLang refuses under --skip-tokenizer-init (HTTP 400 on "
+                f"every request); drop --skip-tokenizer-init from {flag} (a model folder without "
+                "a tokenizer gets one from python -m tangram_sglang.bench.dummy_tokenizer "
+                "MODEL_DIR)"
+            )
     if args.output is None:
         args.output = (
             "benchmarks/results/multiturn-h200.json"
@@ -745,6 +750,12 @@ def check_args(args: argparse.Namespace, systems: list, specs: list[WorkloadSpec
             else "/tmp/tangram-multiturn/multiturn-cpu.json"
         )
     Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+
+
+def _skips_tokenizer(word: str) -> bool:
+    """``word`` turns on ``--skip-tokenizer-init``: the flag or an abbreviation that SGLang's
+    argparse takes for it (``--skip-t`` is the shortest one no other flag starts with)."""
+    return len(word) >= len("--skip-t") and "--skip-tokenizer-init".startswith(word)
 
 
 def _interrupt(signum, frame) -> None:

@@ -390,3 +390,44 @@ def test_no_max_workloads_refuse_skip_tokenizer_init_before_any_server(tmp_path,
     err = capsys.readouterr().err
     assert "--workloads cliff-2-no-max" in err and "drop --skip-tokenizer-init" in err
     assert "dummy_tokenizer" in err
+
+
+@pytest.mark.parametrize(
+    ("extra", "named"),
+    [
+        (["--workloads", "cliff:2", "--no-max-tokens"], "--no-max-tokens:"),
+        (["--workloads", "cliff:2:no-max", "--server-args=--skip-tokenizer"], "--server-args"),
+        (["--workloads", "cliff:2:no-max", "--server-args=--x 1 --skip-tok"], "--server-args"),
+    ],
+)
+def test_no_max_refusal_names_its_source_and_reads_abbreviated_flags(
+    tmp_path, capsys, extra, named
+):
+    """SGLang's argparse takes ``--skip-tokenizer`` for ``--skip-tokenizer-init``; the global
+    ``--no-max-tokens`` is named as the reason, not the workload list."""
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "config.json").write_text('{"vocab_size": 5000}')
+    argv = ["--model-path", str(model), "--device", "cpu", "--systems", "baseline"]
+    argv += ["--baseline-args=--skip-tokenizer-init"] if "--no-max-tokens" in extra else []
+    assert mt.main([*argv, *extra, "--output", str(tmp_path / "r.json")]) == 2
+    err = capsys.readouterr().err
+    assert named in err and "drop --skip-tokenizer-init" in err
+
+
+def test_baseline_args_of_a_tangram_only_run_are_not_refused(tmp_path):
+    """``--baseline-args`` reach stock systems only: a tangram-only run ignores them."""
+    profile = tmp_path / "p.json"
+    profile.write_text("{}")
+    args = mt.build_parser().parse_args(
+        ["--model-path", "m", "--profile", str(profile), "--systems", "tangram:0.5"]
+        + ["--workloads", "cliff:2:no-max", "--baseline-args=--skip-tokenizer-init"]
+        + ["--output", str(tmp_path / "r.json")]
+    )
+    args.vocab_size = 5000
+    systems = mt.parse_systems(args.systems)
+    specs = [mt.parse_workload(args.workloads, args)]
+    mt.check_args(args, systems, specs)  # no error: no stock system reads --baseline-args
+    args.server_args = "--skip-tokenizer-init"
+    with pytest.raises(ConfigError, match="drop --skip-tokenizer-init from --server-args"):
+        mt.check_args(args, systems, specs)
