@@ -233,16 +233,16 @@ class SGLangServer:
         """
         _sigterm_as_interrupt(self, True)
         for attempt in range(_BIND_RETRIES + 1):
-            log = self.log_path.open("w")
-            self.process = subprocess.Popen(
-                self.command,
-                env=self._env,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                start_new_session=True,
-            )
             try:
+                with self.log_path.open("w") as log:  # the server holds its own copy
+                    self.process = subprocess.Popen(
+                        self.command,
+                        env=self._env,
+                        stdout=log,
+                        stderr=subprocess.STDOUT,
+                        stdin=subprocess.DEVNULL,
+                        start_new_session=True,
+                    )
                 self._wait_healthy()
                 return
             except TangramError:
@@ -297,7 +297,8 @@ class SGLangServer:
     def stop(self, grace_s: float = 30.0) -> None:
         """SIGTERM the launcher, wait, then SIGKILL its whole process group. Idempotent."""
         proc = self.process
-        if proc is None:
+        if proc is None:  # never started, or its launch failed: only the SIGTERM action
+            _sigterm_as_interrupt(self, False)
             return
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)

@@ -46,3 +46,22 @@ def test_free_port_skips_a_taken_port(monkeypatch):
         monkeypatch.setattr(serving, "_ephemeral_low", lambda: taken + 1)
         # the range holds only the taken port: the kernel's pick, never the taken one
         assert serving.free_port() != taken
+
+
+@pytest.mark.parametrize("failure", ["log path is a folder", "environment has a NUL byte"])
+def test_a_launch_that_fails_before_the_process_gives_sigterm_back(tmp_path, failure):
+    """The log cannot be opened, or the process cannot be spawned: the caller's SIGTERM action
+    comes back (it would stay KeyboardInterrupt for the rest of the caller's life otherwise)."""
+    import signal
+
+    saved = signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    try:
+        env = {"TANGRAM_X": "a\0b"} if failure.startswith("environment") else None
+        log = tmp_path if failure.startswith("log") else tmp_path / "server.log"
+        server = serving.SGLangServer(tmp_path, [], "cpu", log, 5, env=env)
+        with pytest.raises((OSError, ValueError)):
+            server.start()
+        assert server.process is None and not serving._LIVE
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    finally:
+        signal.signal(signal.SIGTERM, saved)
