@@ -32,6 +32,7 @@ TINY_LLAMA = {
     "bos_token_id": 1,
     "eos_token_id": 2,
     "torch_dtype": "float32",
+    "transformers_version": "4.43.0",  # without it transformers warns about a Mistral regex
 }
 
 
