@@ -9,7 +9,7 @@ set -u
 R=${R:-/tmp/ct}
 mkdir -p "$R"
 export OUT=$R
-COMMON="--load-format dummy --skip-tokenizer-init --sampling-backend pytorch --mem-fraction-static 0.8 --context-length 20480 --max-running-requests 128 --disable-prefill-cuda-graph --cuda-graph-max-bs 128"
+COMMON="--load-format dummy --sampling-backend pytorch --mem-fraction-static 0.8 --context-length 20480 --max-running-requests 128 --disable-prefill-cuda-graph --cuda-graph-max-bs 128"
 echo "$(date -u +%T) cliff no-max-tokens" >> "$R/progress"
 WL=cliff:64 T=${T:-420} CAP_S=${CAP_S:-900} bash scripts/device_no_max_tokens.sh >> "$R/progress" 2>&1
 for s in "stock:--attention-backend triton" \

@@ -8,7 +8,7 @@
 # TANG_T (per-workload timeout, s), CAP_S (whole bench, s), BASE_BACKEND (triton).
 set -u
 R=/tmp/mt; mkdir -p "$R" "${OUT:=/tmp/out}"  # at most 8 files may come back: copy a few
-COMMON="--load-format dummy --skip-tokenizer-init --sampling-backend pytorch --mem-fraction-static 0.8 --context-length 20480 --max-running-requests 128 --disable-prefill-cuda-graph --cuda-graph-max-bs 128"
+COMMON="--load-format dummy --sampling-backend pytorch --mem-fraction-static 0.8 --context-length 20480 --max-running-requests 128 --disable-prefill-cuda-graph --cuda-graph-max-bs 128"
 WL=${WL:-cliff:64,prefill:16x8192,cliff:32}
 bench() {  # GPU SYSTEMS OUTPUT TIMEOUT [extra server flags]; all cut at ${CAP_S:-520} s
   CUDA_VISIBLE_DEVICES=$1 timeout -s INT "${CAP_S:-520}" python3 -m tangram_sglang.bench.multiturn --model-path "$MODEL" \

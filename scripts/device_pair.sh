@@ -10,7 +10,7 @@
 #      machine set G1=0 and run SYS0 and SYS1 one after another).
 set -u -o pipefail
 R=/tmp/mt; mkdir -p "$R" "${OUT:=/tmp/out}"
-COMMON="--load-format dummy --skip-tokenizer-init --sampling-backend pytorch --mem-fraction-static 0.8 --context-length 20480 --max-running-requests 128 --disable-prefill-cuda-graph --cuda-graph-max-bs 128"
+COMMON="--load-format dummy --sampling-backend pytorch --mem-fraction-static 0.8 --context-length 20480 --max-running-requests 128 --disable-prefill-cuda-graph --cuda-graph-max-bs 128"
 WL=${WL:-cliff:64,prefill:16x8192,cliff:32}
 bench() {  # GPU SYSTEMS OUTPUT TIMEOUT
   CUDA_VISIBLE_DEVICES=$1 timeout -s INT "${CAP_S:-540}" python3 -m tangram_sglang.bench.multiturn \

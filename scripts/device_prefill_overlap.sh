@@ -13,7 +13,7 @@ set -u -o pipefail
 R=/tmp/pf; mkdir -p "$R" "${OUT:=/tmp/out}"
 python3 -m pip install -q --no-index --no-deps --target /tmp/pyspy .pyspy/*.whl || exit 1
 SPY=/tmp/pyspy/bin/py-spy
-COMMON="--load-format dummy --skip-tokenizer-init --sampling-backend pytorch --mem-fraction-static 0.8 --context-length 20480 --max-running-requests 128 --disable-cuda-graph"
+COMMON="--load-format dummy --sampling-backend pytorch --mem-fraction-static 0.8 --context-length 20480 --max-running-requests 128 --disable-cuda-graph"
 spy() {  # LABEL: sample the scheduler from its start to its exit
   local pid=
   for _ in $(seq 1 600); do pid=$(pgrep -f 'sglang::scheduler' | head -1); [ -n "$pid" ] && break; sleep 0.5; done

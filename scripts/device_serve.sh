@@ -10,7 +10,7 @@ NAME=$1; shift
 PORT=${PORT:-30000}; R=${OUT:-/tmp/out}; mkdir -p "$R"
 ts=$(date +%s)
 setsid python3 -m sglang.launch_server --model-path "$MODEL" --load-format dummy \
-  --skip-tokenizer-init --sampling-backend pytorch --host 127.0.0.1 --port "$PORT" \
+  --sampling-backend pytorch --host 127.0.0.1 --port "$PORT" \
   --mem-fraction-static 0.8 "$@" > "$R/$NAME.server.log" 2>&1 &
 pid=$!
 up=0

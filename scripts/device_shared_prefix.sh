@@ -13,7 +13,7 @@
 set -u -o pipefail
 R=/tmp/sp; mkdir -p "$R" "${OUT:=/tmp/out}"
 CHUNK=${CHUNK:-2048}
-COMMON="--load-format dummy --skip-tokenizer-init --sampling-backend pytorch --mem-fraction-static 0.8 --context-length 20480 --max-running-requests 128 --disable-prefill-cuda-graph --cuda-graph-max-bs 128 --chunked-prefill-size $CHUNK"
+COMMON="--load-format dummy --sampling-backend pytorch --mem-fraction-static 0.8 --context-length 20480 --max-running-requests 128 --disable-prefill-cuda-graph --cuda-graph-max-bs 128 --chunked-prefill-size $CHUNK"
 bench() {  # GPU SYSTEMS OUTPUT GRID
   CUDA_VISIBLE_DEVICES=$1 TANGRAM_GRID_SEGMENTS=$4 timeout -s INT "${CAP_S:-450}" \
     python3 -m tangram_sglang.bench.multiturn --model-path "$MODEL" --device cuda \

@@ -87,7 +87,7 @@ fi
 if [[ ,$STEPS, == *,cliff,* ]]; then
   R=/tmp/tp/mt
   mkdir -p "$R"
-  COMMON="--tp-size 2 --load-format dummy --skip-tokenizer-init --sampling-backend pytorch --mem-fraction-static 0.8 --context-length 20480 --max-running-requests 128 --disable-prefill-cuda-graph --cuda-graph-max-bs 128"
+  COMMON="--tp-size 2 --load-format dummy --sampling-backend pytorch --mem-fraction-static 0.8 --context-length 20480 --max-running-requests 128 --disable-prefill-cuda-graph --cuda-graph-max-bs 128"
   timeout -s INT "${CAP_S:-580}" python3 -m tangram_sglang.bench.multiturn --model-path "$MODEL" \
     --device cuda --profile "$PROFILE" --systems baseline,tangram:0.25 \
     --server-args "$COMMON" --baseline-args "--attention-backend triton" \

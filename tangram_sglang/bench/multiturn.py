@@ -1,7 +1,7 @@
 """Multi-turn serving benchmark: stock SGLang (full KV) vs ``--tangram``, back to back.
 
     python -m tangram_sglang.bench.multiturn --model-path calibration/synthetic/llama3.1-8b-dummy \
-        --device cuda --server-args "--load-format dummy --skip-tokenizer-init ..." \
+        --device cuda --server-args "--load-format dummy ..." \
         --profile calibration/synthetic/llama3.1-8b-ada-snapkv-r0.25.json \
         --systems baseline,tangram:0.25,tangram:0.5 --workloads cliff:32,cliff:64,prefill:16x8192 \
         --output benchmarks/results/multiturn-h200.json
