@@ -279,8 +279,9 @@ class TangramMemory:
 
         Kept tokens per group: :func:`~tangram_sglang.mem.reservation.segment_kept_lens` of
         ``[start_token, start_token + extend_len)`` on :attr:`segment_grid` (``start_token``,
-        the segment's absolute first token, is read under the grid only). ``group_len`` stays at the history length until :meth:`commit_extend` (the extend
-        kernel reads it as the history); ``page_table`` already lists the new pages.
+        the segment's absolute first token, is read under the grid only). ``group_len`` stays
+        at the history length until :meth:`commit_extend` (the extend kernel reads it as the
+        history); ``page_table`` already lists the new pages.
 
         Raises:
             PoolError: row not active or has an uncommitted extend; ``extend_len`` negative or

@@ -613,7 +613,7 @@ class TangramRadixCache(RadixCache):
 
     # ---- reports -----------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
-        """Pages and nodes the tree holds (plain builtins, for ``/server_info``)."""
+        """Pages and nodes the tree holds (plain builtins, for ``/server_info``; O(segments))."""
         return {
             "segments": len(self._boundaries),
             "pages_held": self.held_pages,
@@ -625,6 +625,13 @@ class TangramRadixCache(RadixCache):
             "pages_copy_adopted": self.num_adopted_pages,
             "segment_grid": self.grid,
             "pages_off_grid_freed": self.num_off_grid_pages,
+            # segments that are whole grid cells (the others are whole pieces inside one cell)
+            "grid_cells": sum(
+                is_grid_cell(v.segment.kind, v.start_depth, v.end_depth, self.grid)
+                for v in map(value_of, self._boundaries.values())
+            )
+            if self.grid
+            else 0,
             "in_flight_inserts": self.num_in_flight_inserts,
             "whole_segments_split": self.num_split_segments,
         }

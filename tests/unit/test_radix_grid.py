@@ -18,9 +18,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from radix_world import build_tree, run_request
-
 from factories import make_profile
+from radix_world import build_tree, run_request
 
 from tangram_sglang.config import GRID_ENV, segment_grid
 from tangram_sglang.errors import ConfigError, PoolError
