@@ -62,7 +62,7 @@ def run_request(tree, state, req_pool, slots, prompt, outputs, chunk: int) -> tu
     ``chunk``-token chunks, decode ``outputs``, finish and insert. Returns the matched tokens
     and the chunks as ``(start, end)`` depths.
     """
-    key = RadixKey(array("q", prompt[:-1]), None)
+    key = RadixKey(array("q", prompt), None, limit=len(prompt) - 1)  # as SGLang's key
     match = tree.match_prefix(MatchPrefixParams(key=key))
     node, done = match.last_device_node, len(match.device_indices)
     row = req_pool.free_slots.pop(0)

@@ -64,7 +64,11 @@ from tangram_sglang.errors import KernelError, PoolError
 from tangram_sglang.mem.manager import TangramMemory
 from tangram_sglang.mem.page_table import SegmentPages
 from tangram_sglang.mem.prefix import PrefixMatch
-from tangram_sglang.mem.reservation import decode_tail_tokens, group_pages_needed
+from tangram_sglang.mem.reservation import (
+    decode_tail_tokens,
+    group_pages_needed,
+    segment_kept_lens,
+)
 from tangram_sglang.profile import BudgetProfile
 from tangram_sglang.scoring.base import Scorer, get_scorer
 
@@ -121,11 +125,13 @@ def chunked_footprint_pages(
     prompt_len: int,
     max_new_tokens: int,
     chunk_tokens: int,
+    grid: int = 0,
 ) -> int:
     """Pages a request needs from an empty table: prefill chunks + ``T - 1`` decode tokens.
 
-    Each chunk of a chunked prefill is a segment (its own ``k_g``); a group's chunks and decode
-    tail are dense in one page list, so its pages are ``ceil(sum of its tokens / page_size)``.
+    Each chunk of a chunked prefill is a segment (its own kept lengths,
+    ``mem.reservation.segment_kept_lens``); a group's chunks and decode tail are dense in one
+    page list, so its pages are ``ceil(sum of its tokens / page_size)``.
 
     Args:
         profile: the budget profile.
@@ -133,6 +139,8 @@ def chunked_footprint_pages(
         prompt_len: prompt tokens (all prefilled: no radix reuse in this version).
         max_new_tokens: T (tokens).
         chunk_tokens: SGLang's chunked-prefill size (tokens); <= 0 = the prompt is one segment.
+        grid: segment-grid cell (tokens, = ``chunk_tokens`` under ``TANGRAM_GRID_SEGMENTS=1``):
+            the last, partial chunk is then kept whole; 0 = grid off.
 
     Returns:
         Pages (exact, the same rounding as ``mem.reservation.group_pages_needed``).
@@ -140,7 +148,7 @@ def chunked_footprint_pages(
     chunk = prompt_len if chunk_tokens <= 0 else int(chunk_tokens)
     total = np.zeros(profile.grouping.num_head_groups, np.int64)
     for start in range(0, prompt_len, max(chunk, 1)):
-        total += profile.group_kept_lens(min(chunk, prompt_len - start))
+        total += segment_kept_lens(profile, start, min(chunk, prompt_len - start), grid)
     total += decode_tail_tokens(max_new_tokens)
     zeros = np.zeros_like(total)
     return int(group_pages_needed(zeros, zeros.astype(bool), total, page_size).sum())
@@ -159,7 +167,8 @@ class PrefillAsk:
         prefix_lens: int64 ``[G]`` kept tokens per head group of the matched prefix; None = none.
         prefix_pages: pages the matched prefix's radix path pins (neither free nor evictable
             while the request uses it).
-        cached_tokens: logical tokens of the matched prefix (for messages).
+        cached_tokens: logical tokens of the matched prefix: where the first chunk starts (the
+            segment grid's kept-length rule reads it) and for messages.
     """
 
     prompt_tokens: int
@@ -217,6 +226,7 @@ class TangramState:
         # Grid segmentation (TANGRAM_GRID_SEGMENTS=1): segments cut at absolute multiples of the
         # chunk size, so hot and cold servers keep the same tokens (config.segment_grid); 0 = off.
         self.segment_grid = segment_grid(self.chunk_tokens)
+        memory.segment_grid = self.segment_grid  # off-grid segments kept whole (one rule)
         self.logical_tokens = np.zeros(len(memory.rids), np.int64)  # per row (tokens)
         self.start_free_pages = memory.allocator.num_free()  # pages
         self.num_released = 0  # requests released since start-up
@@ -343,21 +353,24 @@ class TangramState:
             if active and plan is not None:
                 res = True  # reserved at admission with the first chunk
             elif active:
-                self._make_room(self.memory.table.append_need(row, self._kept(n)).sum())
-                res = self.memory.admit_chunk(row, n, 0)
+                self._make_room(self.memory.table.append_need(row, self._kept(prefix, n)).sum())
+                res = self.memory.admit_chunk(row, n, 0, start_token=prefix)
             else:
                 match = self._prefix(row, prefix)
                 later = 0 if plan is None else max(plan[0] - prefix - n, 0) + plan[1]
-                ask = PrefillAsk(n + later, n, 0, None if match is None else match.lens)
+                lens = None if match is None else match.lens
+                ask = PrefillAsk(n + later, n, 0, lens, cached_tokens=prefix)
                 self._make_room(self.request_pages(ask))  # the admission formula
-                res = self.memory.admit(row, f"row{row}", n, 0, prefix=match, decode_tokens=later)
+                res = self.memory.admit(
+                    row, f"row{row}", n, 0, prefix=match, decode_tokens=later, start_token=prefix
+                )
             if res is None:
                 raise PoolError(
                     f"Tangram pool: segment of {n} tokens (row {row}) does not fit: "
                     f"{self.memory.ledger.unreserved_free()} unreserved pages free; lower "
                     "--max-running-requests / --max-total-tokens until page admission lands"
                 )
-            segment = self.memory.alloc_extend(row, n)
+            segment = self.memory.alloc_extend(row, n, start_token=prefix)
             self.memory.commit_extend(row)
             if plan is not None and prefix + n >= plan[0]:
                 self.memory.trim_reservation(row, plan[1])
@@ -392,8 +405,10 @@ class TangramState:
             start[i], kept[i] = entry[1], entry[2]
         return start, kept
 
-    def _kept(self, extend_len: int) -> np.ndarray:
-        return np.asarray(self.profile.group_kept_lens(int(extend_len)), np.int64)
+    def _kept(self, start_token: int, extend_len: int) -> np.ndarray:
+        """int64 ``[G]``: kept tokens per group of ``[start_token, start_token + extend_len)``
+        (``mem.reservation.segment_kept_lens`` on this server's segment grid)."""
+        return segment_kept_lens(self.profile, start_token, extend_len, self.segment_grid)
 
     def _prefix(self, row: int, prefix_len: int) -> PrefixMatch | None:
         """The compressed prefix of a new row (None when it starts from scratch)."""
@@ -460,15 +475,18 @@ class TangramState:
 
         Per head group g with matched-prefix kept length ``L_g`` (0 without a prefix)::
 
-            a_g = k_g(first_chunk) + (prompt_tokens - first_chunk) + decode_tokens
+            a_g = k_g(cached_tokens, first_chunk) + (prompt_tokens - first_chunk) + decode_tokens
             pages = sum_g ceil((L_g + a_g) / P) - ceil(L_g / P) + [L_g % P != 0 and a_g > 0]
 
-        (the prompt's later chunks counted uncompressed, the copy-on-write page of a partial
+        (``k_g(start, n)``: ``mem.reservation.segment_kept_lens``, the first chunk starting at
+        the matched prefix's end, kept whole under the segment grid unless it is a whole cell;
+        the prompt's later chunks counted uncompressed, the copy-on-write page of a partial
         shared prefix tail included; ``mem.reservation.group_pages_needed``). With
         ``decode_tokens = 0`` this is exactly what :meth:`allocate_extend` reserves.
         """
         first = min(max(int(ask.first_chunk), 0), int(ask.prompt_tokens))
-        add = self._kept(first) + (int(ask.prompt_tokens) - first) + max(ask.decode_tokens, 0)
+        kept = self._kept(int(ask.cached_tokens), first)
+        add = kept + (int(ask.prompt_tokens) - first) + max(ask.decode_tokens, 0)
         lens = np.zeros_like(add) if ask.prefix_lens is None else np.asarray(ask.prefix_lens)
         return int(group_pages_needed(lens, lens > 0, add, self.memory.page_size).sum())
 

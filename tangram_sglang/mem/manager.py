@@ -39,7 +39,12 @@ from tangram_sglang.mem.kv_pool import KVPool, bytes_per_page, num_pages_for_bud
 from tangram_sglang.mem.page_allocator import PageAllocator
 from tangram_sglang.mem.page_table import EXTEND, PageTable, SegmentPages
 from tangram_sglang.mem.prefix import PrefixMatch, validate_prefix
-from tangram_sglang.mem.reservation import Reservation, ReservationLedger, group_pages_needed
+from tangram_sglang.mem.reservation import (
+    Reservation,
+    ReservationLedger,
+    group_pages_needed,
+    segment_kept_lens,
+)
 from tangram_sglang.mem.stats import MemoryStats, collect_stats
 from tangram_sglang.profile import BudgetProfile
 
@@ -101,6 +106,9 @@ class TangramMemory:
         grouping = profile.grouping
         self.profile = profile
         self.page_size = int(page_size)  # tokens per page
+        # Segment-grid cell in tokens (TANGRAM_GRID_SEGMENTS=1; set by TangramState): segments
+        # off the grid are kept whole (reservation.segment_kept_lens); 0 = grid off.
+        self.segment_grid = 0
         self.num_head_groups = grouping.num_head_groups
         self.heads_per_group = grouping.heads_per_group
         self.allocator = PageAllocator(num_pages, "cpu", debug)
@@ -200,6 +208,7 @@ class TangramMemory:
         max_new_tokens: int,
         prefix: PrefixMatch | None = None,
         decode_tokens: int | None = None,
+        start_token: int = 0,
     ) -> Reservation | None:
         """Reserve a new request's footprint and lay its matched prefix into ``row``.
 
@@ -212,6 +221,9 @@ class TangramMemory:
             prefix: matched radix prefix; every page is borrowed (one more holder).
             decode_tokens: reserve this many decode tokens instead of T - 1 (overcommit like
                 SGLang's ``new_token_ratio``; growth past it needs :meth:`can_decode`).
+            start_token: absolute position of the segment's first token (the matched prefix's
+                logical tokens); only the segment grid reads it
+                (:func:`~tangram_sglang.mem.reservation.segment_kept_lens`).
 
         Returns:
             The reservation, or None if it does not fit now (nothing changed).
@@ -222,7 +234,7 @@ class TangramMemory:
         """
         self._check_row(row, rid, active=False)
         lens, pages = self._prefix_arrays(prefix, rid, row)
-        add = self._append_tokens(extend_len, max_new_tokens, decode_tokens)
+        add = self._append_tokens(extend_len, max_new_tokens, decode_tokens, start_token)
         need = int(group_pages_needed(lens, lens > 0, add, self.page_size).sum())
         self._check_width(row, rid, lens + add)
         res = self.ledger.reserve(row, rid, need)
@@ -239,16 +251,22 @@ class TangramMemory:
         return res
 
     def admit_chunk(
-        self, row: int, extend_len: int, max_new_tokens: int, decode_tokens: int | None = None
+        self,
+        row: int,
+        extend_len: int,
+        max_new_tokens: int,
+        decode_tokens: int | None = None,
+        start_token: int = 0,
     ) -> Reservation | None:
         """Reserve the next chunk of a running row (after ``commit_extend`` of the previous).
 
-        Pass ``max_new_tokens=0`` for every chunk but the last. Same returns/raises as
+        Pass ``max_new_tokens=0`` for every chunk but the last; ``start_token`` is the chunk's
+        absolute first token (read under the segment grid only). Same returns/raises as
         :meth:`admit`; None leaves the row as it was.
         """
         rid = self._check_committed(row, "admit_chunk")
         lens = self.table.lens[row]
-        add = self._append_tokens(extend_len, max_new_tokens, decode_tokens)
+        add = self._append_tokens(extend_len, max_new_tokens, decode_tokens, start_token)
         need = int(self.table.append_need(row, add).sum())
         self._check_width(row, rid, lens + add)
         res = self.ledger.reserve(row, rid, need)
@@ -256,11 +274,14 @@ class TangramMemory:
         return res
 
     # ---- extend ----------------------------------------------------------------------------
-    def alloc_extend(self, row: int, extend_len: int) -> ExtendPlan:
+    def alloc_extend(self, row: int, extend_len: int, start_token: int = 0) -> ExtendPlan:
         """Allocate the pages of one extend segment (kept tokens per group), COW tails first.
 
-        ``group_len`` stays at the history length until :meth:`commit_extend` (the extend
-        kernel reads it as the history); ``page_table`` already lists the new pages.
+        Kept tokens per group: :func:`~tangram_sglang.mem.reservation.segment_kept_lens` of
+        ``[start_token, start_token + extend_len)`` on :attr:`segment_grid` (``start_token``,
+        the segment's absolute first token, is read under the grid only). ``group_len`` stays
+        at the history length until :meth:`commit_extend` (the extend kernel reads it as the
+        history); ``page_table`` already lists the new pages.
 
         Raises:
             PoolError: row not active or has an uncommitted extend; ``extend_len`` negative or
@@ -273,7 +294,7 @@ class TangramMemory:
                 f"alloc_extend: request {rid!r} (row {row}): extend_len={extend_len!r} must be "
                 "an integer >= 0 (tokens of the segment)"
             )
-        kept = np.asarray(self.profile.group_kept_lens(int(extend_len)), np.int64)
+        kept = segment_kept_lens(self.profile, start_token, int(extend_len), self.segment_grid)
         need = self.table.append_need(row, kept)
         cow = self.table.cow_needed(row, kept)
         self._check_width(row, rid, self.table.lens[row] + kept)
@@ -561,7 +582,7 @@ class TangramMemory:
 
     # ---- helpers ---------------------------------------------------------------------------
     def _append_tokens(
-        self, extend_len: int, max_new_tokens: int, decode_tokens: int | None
+        self, extend_len: int, max_new_tokens: int, decode_tokens: int | None, start_token: int = 0
     ) -> np.ndarray:
         if extend_len < 0 or max_new_tokens < 0 or (decode_tokens or 0) < 0:
             raise PoolError(
@@ -569,7 +590,8 @@ class TangramMemory:
                 f"decode_tokens={decode_tokens} must be >= 0"
             )
         tail = max(max_new_tokens - 1, 0) if decode_tokens is None else int(decode_tokens)
-        return np.asarray(self.profile.group_kept_lens(int(extend_len)), np.int64) + tail
+        kept = segment_kept_lens(self.profile, start_token, int(extend_len), self.segment_grid)
+        return kept + tail
 
     def _append_need(self, lens, shared, extend_len, max_new_tokens, decode_tokens) -> np.ndarray:
         add = self._append_tokens(extend_len, max_new_tokens, decode_tokens)

@@ -58,9 +58,57 @@ def admission_decode_tokens(tokens_left: int, clip: int, ratio: float = 1.0) -> 
     return int(np.ceil(left * float(ratio) - 1e-9)) if left else 0
 
 
-def group_append_tokens(profile: BudgetProfile, extend_len: int, decode_tokens: int) -> np.ndarray:
-    """int64 ``[num_head_groups]``: tokens each group appends, ``k_g(extend_len) + decode``."""
-    kept = np.asarray(profile.group_kept_lens(int(extend_len)), dtype=np.int64)
+def segment_kept_lens(
+    profile: BudgetProfile, start_token: int, num_tokens: int, grid: int = 0
+) -> np.ndarray:
+    """int64 ``[num_head_groups]``: tokens each head group keeps of one prefill segment.
+
+    THE kept-length rule: admission (``TangramState.request_pages``, the whole-pool check),
+    reservation (``TangramMemory.admit`` / ``admit_chunk``) and allocation
+    (``TangramMemory.alloc_extend``) all call it, so they always agree.
+
+    * Without the segment grid (``grid <= 0``): the profile's ``k_g(n)``
+      (``BudgetProfile.group_kept_array``; ``--tangram-min-compress-tokens`` included).
+    * Under the grid (``grid`` = the chunk size C, ``TANGRAM_GRID_SEGMENTS=1``): a whole cell
+      ``[kC, (k+1)C)`` keeps ``k_g(C)``; any other segment (a prompt's last, partial chunk, a
+      continuation that starts inside a cell) keeps every token in every group (``k_g = n``,
+      not scored), so its kept K/V is the same whatever the radix tree held when the request
+      came and it can be cached and reused to the token (docs/design.md §5.1).
+
+    Args:
+        profile: the budget profile.
+        start_token: absolute position of the segment's first token in the sequence (tokens
+            from token 0, the matched prefix included; >= 0).
+        num_tokens: tokens of the segment (n, >= 0).
+        grid: cell size in tokens (``TangramState.segment_grid``); <= 0 = grid off.
+
+    Raises:
+        PoolError: ``start_token`` or ``num_tokens`` negative.
+    """
+    start, n, grid = int(start_token), int(num_tokens), int(grid)
+    if start < 0 or n < 0:
+        raise PoolError(
+            f"segment kept lengths: start_token={start} and num_tokens={n} must be >= 0 "
+            "(tokens from the start of the sequence, tokens of the segment)"
+        )
+    if grid > 0 and not (start % grid == 0 and n == grid):
+        return np.full(profile.grouping.num_head_groups, n, dtype=np.int64)
+    return np.asarray(profile.group_kept_array(n), dtype=np.int64)
+
+
+def group_append_tokens(
+    profile: BudgetProfile,
+    extend_len: int,
+    decode_tokens: int,
+    start_token: int = 0,
+    grid: int = 0,
+) -> np.ndarray:
+    """int64 ``[num_head_groups]``: tokens each group appends, kept segment + ``decode``.
+
+    The segment's kept lengths are :func:`segment_kept_lens` of ``[start_token, start_token +
+    extend_len)`` on ``grid`` (``k_g(extend_len)`` without a grid).
+    """
+    kept = segment_kept_lens(profile, start_token, extend_len, grid)
     return kept + int(decode_tokens)
 
 

@@ -49,6 +49,7 @@ from tangram_sglang.mem.prefix import PrefixMatch
 from tangram_sglang.radix.segment import (
     SegmentValue,
     chain_prefix,
+    is_cell_piece,
     is_grid_cell,
     segment_depths,
 )
@@ -141,15 +142,27 @@ class TangramRadixCache(RadixCache):
         there: the segment is split at that token (:meth:`_split_whole_segment`), as SGLang's
         tree splits a node, so a conversation that shares only part of it reuses that part.
         Otherwise the match is cut back to the deepest boundary node (a compressed segment is
-        reused whole or not at all). Without the segment grid only: under it every match ends
-        on the grid.
+        reused whole or not at all).
+
+        Under the segment grid (C tokens a cell) the tree holds whole cells and, after the last
+        one, pieces kept whole inside a cell (``segment.is_cell_piece``). A match ending in such
+        pieces is kept while the request's prompt ends inside the cell they start
+        (its new tokens are then one partial chunk, kept whole, as a cold server keeps them);
+        when the prompt fills that cell, the match is cut back to the cell's start, so the cell
+        is prefilled and compressed whole, as a cold server compresses it
+        (:meth:`_grid_match_node`).
         """
         result = super().match_prefix(params)
         node = result.last_device_node
-        if node is not self.root_node and value_of(node) is None and not self.grid:
-            self._split_whole_segment(node)
+        prompt_len = self._prompt_len(params)
+        if node is not self.root_node and value_of(node) is None:
+            depth = node_depth(node)
+            if not self.grid or prompt_len < (depth // self.grid + 1) * self.grid:
+                self._split_whole_segment(node)
         while node is not self.root_node and value_of(node) is None:
             node = node.parent
+        if self.grid:
+            node = self._grid_match_node(node, prompt_len)
         if node is result.last_device_node:
             return result
         depth = node_depth(node)
@@ -159,6 +172,37 @@ class TangramRadixCache(RadixCache):
             last_host_node=node,
             best_match_node=node,
         )
+
+    @staticmethod
+    def _prompt_len(params: MatchPrefixParams) -> int:
+        """Tokens of the matching request's prompt (input + output so far; SGLang's fill ids).
+
+        SGLang's key is the whole fill with a ``limit`` one token short (the last token is
+        always prefilled); without the request the key's token array is taken as the prompt.
+        """
+        req = params.req
+        if req is not None:
+            return len(req.origin_input_ids) + len(req.output_ids)
+        return len(params.key.token_ids)
+
+    def _grid_match_node(self, node: TreeNode, prompt_len: int) -> TreeNode:
+        """Under the grid: the boundary ``node`` itself, or the cell start to cut back to.
+
+        From ``node`` the chain is walked up through its cell pieces to the deepest node that
+        ends a whole cell (or the root) at depth ``g``. The pieces ``[g, depth)`` hold their
+        tokens whole, as a cold server holds a partial last chunk starting at ``g``; that holds
+        only while the prompt ends before ``g + C``. A prompt reaching ``g + C`` makes a cold
+        server compress the cell ``[g, g + C)``, so the match is cut back to ``g``.
+        """
+        cell_end = node
+        while cell_end is not self.root_node:
+            value = value_of(cell_end)
+            if is_grid_cell(value.segment.kind, value.start_depth, value.end_depth, self.grid):
+                break
+            cell_end = value.start_node
+        if cell_end is node or prompt_len < node_depth(cell_end) + self.grid:
+            return node
+        return cell_end
 
     def _split_whole_segment(self, node: TreeNode, max_candidates: int = 8) -> bool:
         """Make the plain ``node`` a boundary holding the first tokens of a whole segment.
@@ -299,7 +343,13 @@ class TangramRadixCache(RadixCache):
         chained = start is self.root_node or value_of(start) is not None
         parent, attached = (start if chained else None), []
         for (lo, hi), seg in zip(segment_depths(start_len, segments), segments, strict=True):
-            off_grid = self.grid > 0 and not is_grid_cell(seg.kind, lo, hi, self.grid)
+            # Under the grid: whole cells and pieces kept whole inside one cell are cached; a
+            # segment reaching into the next cell (or compressed off the grid) is freed.
+            off_grid = (
+                self.grid > 0
+                and not is_grid_cell(seg.kind, lo, hi, self.grid)
+                and not (seg.num_tokens > 0 and is_cell_piece(seg, lo, hi, self.grid))
+            )
             if parent is None or seg.num_tokens <= 0 or hi > len(key) or off_grid:
                 self._free(seg.pages)
                 self.num_off_grid_pages += seg.num_pages if off_grid else 0
@@ -563,7 +613,7 @@ class TangramRadixCache(RadixCache):
 
     # ---- reports -----------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
-        """Pages and nodes the tree holds (plain builtins, for ``/server_info``)."""
+        """Pages and nodes the tree holds (plain builtins, for ``/server_info``; O(segments))."""
         return {
             "segments": len(self._boundaries),
             "pages_held": self.held_pages,
@@ -575,6 +625,13 @@ class TangramRadixCache(RadixCache):
             "pages_copy_adopted": self.num_adopted_pages,
             "segment_grid": self.grid,
             "pages_off_grid_freed": self.num_off_grid_pages,
+            # segments that are whole grid cells (the others are whole pieces inside one cell)
+            "grid_cells": sum(
+                is_grid_cell(v.segment.kind, v.start_depth, v.end_depth, self.grid)
+                for v in map(value_of, self._boundaries.values())
+            )
+            if self.grid
+            else 0,
             "in_flight_inserts": self.num_in_flight_inserts,
             "whole_segments_split": self.num_split_segments,
         }

@@ -69,10 +69,11 @@ def is_grid_cell(kind: str, start_depth: int, end_depth: int, grid: int) -> bool
     """Is ``[start_depth, end_depth)`` one whole cell of the segment grid (a prefill chunk)?
 
     Under grid segmentation (``config.segment_grid``, ``grid`` = the chunk size in tokens) only
-    whole cells ``[k * grid, (k + 1) * grid)`` of compressed prompt are cached: a cold server cuts
-    the same prompt at the same absolute positions, so it computes the very same segment. A
-    prompt's last, partial chunk and a decode tail depend on where the request ended (the next
-    turn, cold, compresses those tokens inside a whole cell), so they are not reusable.
+    whole cells ``[k * grid, (k + 1) * grid)`` of compressed prompt: a cold server cuts the same
+    prompt at the same absolute positions, so it computes the very same segment. The rest of a
+    conversation (a prompt's last, partial chunk, a decode tail) is kept whole and cached in
+    pieces inside one cell (:func:`is_cell_piece`), reused only while a prompt ends inside that
+    cell (``cache.TangramRadixCache.match_prefix``).
 
     Args:
         kind: ``SegmentPages.kind`` ("extend" or "decode").
@@ -81,6 +82,26 @@ def is_grid_cell(kind: str, start_depth: int, end_depth: int, grid: int) -> bool
         grid: cell size in tokens (> 0).
     """
     return kind == "extend" and end_depth - start_depth == grid and start_depth % grid == 0
+
+
+def is_cell_piece(seg: SegmentPages, start_depth: int, end_depth: int, grid: int) -> bool:
+    """Is ``[start_depth, end_depth)`` a segment kept whole that lies inside one grid cell?
+
+    Under the grid a segment that is not a whole cell is kept whole (every group keeps every
+    token: ``mem.reservation.segment_kept_lens``; a decode tail always is). Inside one cell its
+    K/V is what a cold server computes for the same tokens in the cell's partial chunk (the
+    tokens before the cell compressed, the cell's own tokens uncompressed), so it can be cached
+    and reused to the token while a prompt ends inside that cell. A piece reaching into the
+    next cell is not: a cold server compresses the cell it fills.
+
+    Args:
+        seg: the segment's pages (``kept_len`` per group, ``num_tokens``).
+        start_depth: tokens from the root where it starts.
+        end_depth: tokens from the root where it ends (> ``start_depth``).
+        grid: cell size in tokens (> 0).
+    """
+    whole = bool(np.all(np.asarray(seg.kept_len) == seg.num_tokens))
+    return whole and end_depth > start_depth and start_depth // grid == (end_depth - 1) // grid
 
 
 def segment_depths(prefix_len: int, segments: list[SegmentPages]) -> list[tuple[int, int]]:

@@ -36,7 +36,7 @@ from sglang.srt.mem_cache.radix_cache import RadixKey
 from tangram_sglang.config import GRID_ENV
 from tangram_sglang.errors import PoolError
 from tangram_sglang.radix.cache import node_depth, value_of
-from tangram_sglang.radix.segment import chain_prefix
+from tangram_sglang.radix.segment import chain_prefix, is_cell_piece, is_grid_cell
 
 
 @dataclass
@@ -236,11 +236,30 @@ class GridRadixLifecycle(RadixLifecycle):
         self.start_free = self.memory.allocator.num_free()
         assert self.tree.grid == GRID
 
+    @invariant()
+    def chains_are_cells_then_whole_pieces(self):
+        """Every chain is whole cells from the root, then pieces kept whole inside one cell:
+        what a cold server keeps for the same tokens."""
+        for node in self.tree._boundaries.values():
+            value = value_of(node)
+            lo, hi, seg = value.start_depth, value.end_depth, value.segment
+            if is_grid_cell(seg.kind, lo, hi, GRID):
+                parent = value.start_node
+                assert parent is self.tree.root_node or is_grid_cell(
+                    value_of(parent).segment.kind,
+                    value_of(parent).start_depth,
+                    value_of(parent).end_depth,
+                    GRID,
+                ), (lo, hi)
+            else:
+                assert is_cell_piece(seg, lo, hi, GRID), (lo, hi, seg.kept_len)
+
     def prefill(self, req: SimpleNamespace, n: int, p: int) -> None:
-        assert p % GRID == 0, "matches end on the grid"
+        # A match ends on the grid, or inside a cell the prompt ends in (its tail kept whole).
+        assert p % GRID == 0 or p + n < (p // GRID + 1) * GRID, (p, n)
         row, done = req.req_pool_idx, p
         while done < p + n:
-            step = min(GRID, p + n - done)
+            step = min(GRID - done % GRID, p + n - done)
             self.state.allocate_extend([row], [step], [done])
             done += step
             if done < p + n:  # SGLang stashes a chunked request before its next chunk

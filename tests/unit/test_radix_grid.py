@@ -1,10 +1,13 @@
 """Grid segmentation (``TANGRAM_GRID_SEGMENTS=1``): segments cut at absolute multiples of the
-chunk size, the tree caches whole cells only, so a match never depends on what the tree held.
+chunk size; whole cells are compressed, everything else is kept whole, so a match never changes
+what a request keeps.
 
 On the real tree + state + SGLang slot pools of ``radix_world`` (no server): a finished request
-leaves exactly its whole cells in the tree (its last partial chunk and decode tail are freed and
-counted), a later request matches at the deepest cell it shares, continues chunking on the grid
-and leaves the same cells as a cold request over the same prompt. The same tokens and logprobs,
+leaves its whole cells and its tail pieces kept whole inside one cell in the tree (a piece that
+reaches into the next cell is freed and counted); a later request whose prompt ends inside that
+cell continues from the tail, one whose prompt fills the cell is cut back to the cell's start,
+continues chunking on the grid and leaves the same cells as a cold request over the same
+prompt. The same tokens and logprobs,
 hot and cold, on the real server: ``tests/e2e/test_segment_grid.py``.
 """
 
@@ -15,11 +18,13 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from factories import make_profile
 from radix_world import build_tree, run_request
 
 from tangram_sglang.config import GRID_ENV, segment_grid
-from tangram_sglang.errors import ConfigError
+from tangram_sglang.errors import ConfigError, PoolError
 from tangram_sglang.integration.sglang_adapters import _align_to_grid
+from tangram_sglang.mem.reservation import segment_kept_lens
 from tangram_sglang.radix.cache import value_of
 from tangram_sglang.radix.segment import is_grid_cell
 
@@ -34,6 +39,23 @@ def test_the_grid_is_the_chunk_size_when_switched_on():
         segment_grid(-1, {GRID_ENV: "1"})
     with pytest.raises(ConfigError, match=GRID_ENV):
         segment_grid(128, {GRID_ENV: "maybe"})
+
+
+def test_kept_lengths_compress_whole_cells_and_keep_the_rest_whole():
+    prof = make_profile(
+        [[1.0, 0.5, 0.25, 0.25]], heads_per_group=2, scope="global", sink_tokens=1, recent_window=2
+    )
+    compressed = prof.group_kept_array(64)
+    assert compressed.tolist() == [64, 19]  # group 1 keeps 1 + 2 + ceil(0.25 * 61)
+    for start, n in ((0, 64), (64, 10), (7, 64), (0, 10), (100, 3)):  # grid off: k_g(n) only
+        assert segment_kept_lens(prof, start, n).tolist() == prof.group_kept_array(n).tolist()
+    assert segment_kept_lens(prof, 128, 64, 64).tolist() == compressed.tolist()  # a whole cell
+    assert segment_kept_lens(prof, 128, 10, 64).tolist() == [10, 10]  # a prompt's last chunk
+    assert segment_kept_lens(prof, 70, 58, 64).tolist() == [58, 58]  # continues inside a cell
+    assert segment_kept_lens(prof, 70, 64, 64).tolist() == [64, 64]  # a cell's length, off grid
+    assert segment_kept_lens(prof, 64, 0, 64).tolist() == [0, 0]
+    with pytest.raises(PoolError, match="start_token=-1"):
+        segment_kept_lens(prof, -1, 4, 64)
 
 
 def test_only_whole_prefill_cells_are_grid_cells():
@@ -67,19 +89,57 @@ def test_hot_and_cold_requests_cut_the_same_cells(monkeypatch):
     turn1 = [5, 6, 7, 8, 1, 2, 3, 4, 9, 9]  # 10 tokens: cells [0, 4), [4, 8); [8, 10) partial
     cached, chunks = run_request(tree, state, req_pool, slots, turn1, [11, 12, 13], GRID)
     assert cached == 0 and chunks == [(0, 4), (4, 8), (8, 10)]
-    assert [c[:2] for c in _cells(tree)] == [(0, 4), (4, 8)]
-    assert tree.stats()["pages_off_grid_freed"] > 0  # the partial chunk and the decode tail
+    # The partial chunk is kept whole and cached; the decode tail [10, 13) reaches into the
+    # next cell and is freed.
+    assert _cells(tree)[2] == (8, 10, (10, 10))  # (4-token cells keep 1 + 2 + 1)
+    assert [c[:2] for c in _cells(tree)] == [(0, 4), (4, 8), (8, 10)]
+    assert tree.stats()["pages_off_grid_freed"] > 0
     turn2 = [*turn1, 11, 12, 13, 21, 22, 23, 24]  # 17 tokens: the reply, then a new question
     cached, chunks = run_request(tree, state, req_pool, slots, turn2, [31], GRID)
-    assert cached == 8  # the deepest whole cell, not turn 1's prompt + tail (13)
+    assert cached == 8  # cut back to the cell start: the prompt fills the cell [8, 12)
     assert chunks == [(8, 12), (12, 16), (16, 17)]
-    hot = _cells(tree)
-    assert [c[:2] for c in hot] == [(0, 4), (4, 8), (8, 12), (12, 16)]
+    hot = [c for c in _cells(tree) if c[:2] != (8, 10)]  # turn 1's tail, a branch of its own
+    assert [c[:2] for c in hot] == [(0, 4), (4, 8), (8, 12), (12, 16), (16, 17), (17, 18)]
     tree.reset()
     assert state.memory.allocator.num_free() == start_free
     cached, chunks = run_request(tree, state, req_pool, slots, turn2, [31], GRID)
     assert cached == 0 and [c[1] for c in chunks] == [4, 8, 12, 16, 17]
     assert _cells(tree) == hot  # the same cells, kept lengths included
+    tree.reset()
+    assert state.memory.allocator.num_free() == start_free
+    state.memory.check_invariants()
+
+
+def test_a_chat_inside_one_cell_reuses_its_whole_history(monkeypatch):
+    """Turns shorter than a cell continue from the previous turn's prompt and reply (kept
+    whole); a turn whose prompt fills the cell is cut back to the cell start and keeps what a
+    cold server keeps."""
+    monkeypatch.setenv(GRID_ENV, "1")
+    cell = 16
+    tree, state, req_pool, slots = build_tree(chunk_tokens=cell)
+    start_free = state.memory.allocator.num_free()
+    turn1 = [5, 6, 7, 8, 1]
+    assert run_request(tree, state, req_pool, slots, turn1, [11, 12], cell) == (0, [(0, 5)])
+    turn2 = [*turn1, 11, 12, 21, 22, 23]  # 10 tokens, inside the cell [0, 16)
+    cached, chunks = run_request(tree, state, req_pool, slots, turn2, [31, 32], cell)
+    assert cached == 7 and chunks == [(7, 10)]  # turn 1's prompt and reply, then the question
+    turn3 = [*turn2, 31, 32, 41]  # 13 tokens
+    cached, chunks = run_request(tree, state, req_pool, slots, turn3, [51], cell)
+    assert cached == 12 and chunks == [(12, 13)]
+    whole = [v for v in map(value_of, tree._boundaries.values())]
+    assert all((v.segment.kept_len == v.segment.num_tokens).all() for v in whole)
+    # Another chat sharing turn 1's first 3 tokens: the whole segment [0, 5) is split there.
+    cached, _ = run_request(tree, state, req_pool, slots, [5, 6, 7, 9, 9], [3], cell)
+    assert cached == 3 and tree.stats()["whole_segments_split"] == 1
+    turn4 = [*turn3, 51, *range(60, 66)]  # 20 tokens: fills the cell [0, 16)
+    cached, chunks = run_request(tree, state, req_pool, slots, turn4, [71], cell)
+    assert cached == 0 and chunks == [(0, 16), (16, 20)]  # cut back to the cell start (root)
+    hot = [v for v in map(value_of, tree._boundaries.values()) if v.end_depth >= cell]
+    hot = sorted((v.start_depth, v.end_depth, tuple(v.group_lens.tolist())) for v in hot)
+    assert hot[0] == (0, 16, (16, 7))  # the cell compressed: group 1 keeps 1 + 2 + ceil(13/4)
+    tree.reset()
+    assert run_request(tree, state, req_pool, slots, turn4, [71], cell)[1] == chunks
+    assert _cells(tree) == hot  # cold: the same cells, kept lengths included
     tree.reset()
     assert state.memory.allocator.num_free() == start_free
     state.memory.check_invariants()
@@ -94,9 +154,12 @@ def test_a_shared_prefix_is_held_once(monkeypatch):
     cached, _ = run_request(tree, state, req_pool, slots, [*document, 7, 7, 7], [3], GRID)
     assert cached == 8
     stats = tree.stats()
-    assert stats["segments"] == 3  # [0, 4), [4, 8) once, and the second chat's [8, 12)
-    new = next(v for v in map(value_of, tree._boundaries.values()) if v.start_depth == 8)
-    assert stats["pages_held"] == held + new.num_pages
+    # [0, 4), [4, 8) once; the first chat's tail pieces [8, 11), [11, 12); the second chat's
+    # cell [8, 12) (its prompt fills the cell: no split of [8, 11)) and tail piece [12, 13)
+    assert stats["segments"] == 6
+    new = [v for v in map(value_of, tree._boundaries.values()) if v.end_depth in (12, 13)]
+    new = [v for v in new if (v.start_depth, v.end_depth) in ((8, 12), (12, 13))]
+    assert len(new) == 2 and stats["pages_held"] == held + sum(v.num_pages for v in new)
     assert state.memory.allocator.num_used() == stats["pages_held"]  # one copy in the pool
 
 
@@ -138,7 +201,9 @@ def test_cells_of_a_running_chunked_prefill_are_matched_by_a_later_request(monke
     running.output_ids.append(9)
     tree.cache_finished_req(running, True, kv_len_to_handle=len(document) + 1)
     req_pool.free_slots.append(row)
-    assert tree.stats()["segments"] == 3  # [0, 4), [4, 8) once; the second client's [8, 12)
+    # [0, 4), [4, 8) once; the second client's [8, 12) and its reply [12, 13); the first
+    # client's last chunk [8, 10) and its reply [10, 11), kept whole inside the cell
+    assert tree.stats()["segments"] == 6
     assert state.memory.allocator.num_used() == tree.stats()["pages_held"]
     assert tree.evictable_pages() == tree.evictable_pages_scan() == tree.stats()["pages_held"]
     tree.reset()
