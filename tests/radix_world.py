@@ -55,12 +55,15 @@ def build_tree(
     return TangramRadixCache(params), state, req_pool, slots
 
 
-def run_request(tree, state, req_pool, slots, prompt, outputs, chunk: int) -> tuple[int, list]:
+def run_request(
+    tree, state, req_pool, slots, prompt, outputs, chunk: int, ends: list[int] | None = None
+) -> tuple[int, list]:
     """Play one request the way SGLang's scheduler and the backend do, on the real tree.
 
     Match ``prompt`` (all but its last token, as SGLang does), prefill the rest in
-    ``chunk``-token chunks, decode ``outputs``, finish and insert. Returns the matched tokens
-    and the chunks as ``(start, end)`` depths.
+    ``chunk``-token chunks (or up to each of ``ends``, absolute token positions, then in
+    ``chunk``-token chunks: a scheduler that cut some chunks short), decode ``outputs``, finish
+    and insert. Returns the matched tokens and the chunks as ``(start, end)`` depths.
     """
     key = RadixKey(array("q", prompt), None, limit=len(prompt) - 1)  # as SGLang's key
     match = tree.match_prefix(MatchPrefixParams(key=key))
@@ -73,6 +76,8 @@ def run_request(tree, state, req_pool, slots, prompt, outputs, chunk: int) -> tu
     chunks = []
     while done < len(prompt):
         n = min(chunk, len(prompt) - done)  # SGLang's chunks
+        later = [e for e in ends or () if e > done]
+        n = min(later[0], len(prompt)) - done if later else n
         state.allocate_extend([row], [n], [done])
         chunks.append((done, done + n))
         done += n

@@ -343,13 +343,7 @@ class TangramRadixCache(RadixCache):
         chained = start is self.root_node or value_of(start) is not None
         parent, attached = (start if chained else None), []
         for (lo, hi), seg in zip(segment_depths(start_len, segments), segments, strict=True):
-            # Under the grid: whole cells and pieces kept whole inside one cell are cached; a
-            # segment reaching into the next cell (or compressed off the grid) is freed.
-            off_grid = (
-                self.grid > 0
-                and not is_grid_cell(seg.kind, lo, hi, self.grid)
-                and not (seg.num_tokens > 0 and is_cell_piece(seg, lo, hi, self.grid))
-            )
+            off_grid = self.grid > 0 and not self._on_grid(parent, seg, lo, hi)
             if parent is None or seg.num_tokens <= 0 or hi > len(key) or off_grid:
                 self._free(seg.pages)
                 self.num_off_grid_pages += seg.num_pages if off_grid else 0
@@ -381,6 +375,28 @@ class TangramRadixCache(RadixCache):
             for node, slot in zip(attached, slots, strict=True):
                 setattr(node, SLOT_ATTR, int(slot))
                 self._boundaries[int(slot)] = node
+
+    def _on_grid(self, parent: TreeNode | None, seg: SegmentPages, lo: int, hi: int) -> bool:
+        """Under the grid: may the row's segment ``[lo, hi)`` hang after ``parent``?
+
+        A cold server computes whole cells on whole cells, then pieces kept whole inside the
+        one cell that follows. So a whole cell is cached only after the root or a cell; a piece
+        kept whole inside one cell (``segment.is_cell_piece``) only after the root, a cell or
+        a piece of the same cell. Anything else (a segment reaching into the next cell, a cell
+        computed on pieces after a row left the grid, a piece of a later cell) is not what a
+        cold server computes and is freed (``pages_off_grid_freed``). A ``parent`` of None
+        (the chain is already cut) accepts any segment here; the caller frees it anyway.
+        """
+        grid = self.grid
+        after = None if parent is None or parent is self.root_node else value_of(parent)
+        after_cell = after is None or is_grid_cell(
+            after.segment.kind, after.start_depth, after.end_depth, grid
+        )
+        if is_grid_cell(seg.kind, lo, hi, grid):
+            return after_cell
+        if seg.num_tokens <= 0 or not is_cell_piece(seg, lo, hi, grid):
+            return False
+        return after_cell or after.start_depth // grid == lo // grid
 
     def _adopt_copies(self, parent: TreeNode, child: TreeNode) -> None:
         """The parent chain adopts the child's copies of its partial tail pages.

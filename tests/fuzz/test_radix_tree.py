@@ -243,16 +243,15 @@ class GridRadixLifecycle(RadixLifecycle):
         for node in self.tree._boundaries.values():
             value = value_of(node)
             lo, hi, seg = value.start_depth, value.end_depth, value.segment
+            parent = value_of(value.start_node)  # None: the root
+            after_cell = parent is None or is_grid_cell(
+                parent.segment.kind, parent.start_depth, parent.end_depth, GRID
+            )
             if is_grid_cell(seg.kind, lo, hi, GRID):
-                parent = value.start_node
-                assert parent is self.tree.root_node or is_grid_cell(
-                    value_of(parent).segment.kind,
-                    value_of(parent).start_depth,
-                    value_of(parent).end_depth,
-                    GRID,
-                ), (lo, hi)
+                assert after_cell, (lo, hi)
             else:
                 assert is_cell_piece(seg, lo, hi, GRID), (lo, hi, seg.kept_len)
+                assert after_cell or parent.start_depth // GRID == lo // GRID, (lo, hi)
 
     def prefill(self, req: SimpleNamespace, n: int, p: int) -> None:
         # A match ends on the grid, or inside a cell the prompt ends in (its tail kept whole).

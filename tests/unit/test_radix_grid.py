@@ -245,3 +245,24 @@ def test_a_continuing_chunk_cut_by_a_full_token_pool_ends_on_the_grid(monkeypatc
         assert truncated is req  # SGLang cut it at 10 (or at 8 where the hook is installed)
         align_chunked_req(truncated, adder, req)  # idempotent
         assert (req.extend_range.start, req.extend_range.end) == expected
+
+
+def test_cells_after_a_row_that_left_the_grid_are_not_cached(monkeypatch):
+    """A continuing chunk cut short of a cell (a nearly full token pool, less than one cell
+    left) leaves the row's history off the grid: its pieces ``[4, 6)``, ``[6, 8)`` are kept whole
+    where a cold server compresses the cell ``[4, 8)``. The pieces are a valid tail (a prompt
+    ending inside ``[4, 8)`` keeps them whole cold too), but the cells the row computes after
+    them are not what a cold server computes, so they are not cached and never matched."""
+    monkeypatch.setenv(GRID_ENV, "1")
+    tree, state, req_pool, slots = build_tree(chunk_tokens=GRID)
+    start_free = state.memory.allocator.num_free()
+    prompt = list(range(40, 53))  # 13 tokens
+    _, chunks = run_request(tree, state, req_pool, slots, prompt, [3], GRID, ends=[4, 6, 8])
+    assert chunks == [(0, 4), (4, 6), (6, 8), (8, 12), (12, 13)]
+    assert [c[:2] for c in _cells(tree)] == [(0, 4), (4, 6), (6, 8)]
+    assert tree.stats()["grid_cells"] == 1
+    cached, chunks = run_request(tree, state, req_pool, slots, [*prompt, 1], [3], GRID)
+    assert cached == 4 and chunks == [(4, 8), (8, 12), (12, 14)]  # as a cold server cuts it
+    tree.reset()
+    assert state.memory.allocator.num_free() == start_free
+    state.memory.check_invariants()
