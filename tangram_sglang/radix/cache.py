@@ -13,7 +13,8 @@ idle self-check stay exact. On top, each node where a finished request's segment
   row (the ``ReqToTokenPool.free`` hook then finds an empty row), inserts the tokens, and puts
   each segment on the node ending at its last token (a duplicate's pages are freed at once);
 * ``cache_unfinished_req`` (chunked prefill) does not insert the chunk (as SGLang's
-  ``ChunkCache``): a row's chunks go to the tree together at finish;
+  ``ChunkCache``): a row's chunks go to the tree together at finish; under the segment grid
+  the row's whole cells are inserted while it runs (``_insert_in_flight``);
 * evicting a node (SGLang's token eviction, :meth:`evict_pages`, ``reset`` on ``/flush_cache``)
   frees its pages exactly once through ``TangramMemory.free_pages``.
 
@@ -128,8 +129,8 @@ class TangramRadixCache(RadixCache):
             )
         self.state = state
         self.memory = state.memory
-        # Tokens per grid cell (TANGRAM_GRID_SEGMENTS=1): only whole cells are cached, so every
-        # match ends on the grid; 0 = segments cut at the match point (config.segment_grid).
+        # Tokens per grid cell (TANGRAM_GRID_SEGMENTS=1): whole cells, then a tail kept whole
+        # inside one cell, are cached (_on_grid, _grid_match_node); 0 = off (config.segment_grid).
         self.grid = int(getattr(state, "segment_grid", 0))
         state.radix = self
 

@@ -57,7 +57,8 @@ def test_a_short_chat_reuses_its_tail_and_a_full_cell_is_cut_back(server):  # no
 
 def test_a_chat_past_its_first_cell_reuses_whole_cells_and_its_tail(server):  # noqa: F811
     """A longer chat: the match keeps the tail inside the current cell, then is cut back to
-    the cell's start (a multiple of 64, not 0) when a prompt fills it."""
+    the cell's start (a multiple of 64, not 0) when a prompt fills it; every turn gives the
+    same tokens and logprobs hot and flushed."""
     flush(server)
     messages = [SYSTEM]
     turns = []
@@ -73,9 +74,13 @@ def test_a_chat_past_its_first_cell_reuses_whole_cells_and_its_tail(server):  # 
     for turn in (1, 2):
         assert prompts[turn - 1] <= cached[turn] < prompts[turn], (turn, prompts, cached)
     assert cached[3] == cell, (prompts, cached)
-    history, hot = turns[3]
-    flush(server)
-    cold = chat(server, history, max_tokens=REPLY)
-    assert cold["text"] == hot["text"] and cold["logprobs"] == pytest.approx(
-        hot["logprobs"], abs=1e-5
-    )
+    # Turns 2 and 3 reuse a tail kept whole on top of compressed cells, turn 4 compresses the
+    # cell it fills: each gives what a flushed server gives.
+    for turn, (history, hot) in enumerate(turns[1:], start=2):
+        flush(server)
+        cold = chat(server, history, max_tokens=REPLY)
+        assert cold["cached"] == 0
+        assert cold["text"] == hot["text"], (
+            f"turn {turn}: hot {hot['text']!r}, cold {cold['text']!r}"
+        )
+        assert cold["logprobs"] == pytest.approx(hot["logprobs"], abs=1e-5), f"turn {turn}"
