@@ -177,12 +177,13 @@ class TangramMemory:
         max_new_tokens: int,
         prefix: PrefixMatch | None = None,
         decode_tokens: int | None = None,
+        start_token: int = 0,
     ) -> int:
-        """Pages a new request needs (no side effects); see ``reservation.pages_needed``."""
+        """Pages a new request needs (no side effects): what :meth:`admit` with the same
+        arguments reserves (``start_token`` as there); see ``reservation.pages_needed``."""
         lens, _ = self._prefix_arrays(prefix, "footprint", -1)
-        return int(
-            self._append_need(lens, lens > 0, extend_len, max_new_tokens, decode_tokens).sum()
-        )
+        add = self._append_tokens(extend_len, max_new_tokens, decode_tokens, start_token)
+        return int(group_pages_needed(lens, lens > 0, add, self.page_size).sum())
 
     def can_admit(
         self,
@@ -191,9 +192,10 @@ class TangramMemory:
         prefix: PrefixMatch | None = None,
         evictable_pages: int = 0,
         decode_tokens: int | None = None,
+        start_token: int = 0,
     ) -> bool:
         """Would the request fit now, after evicting ``evictable_pages``? No side effects."""
-        need = self.footprint(extend_len, max_new_tokens, prefix, decode_tokens)
+        need = self.footprint(extend_len, max_new_tokens, prefix, decode_tokens, start_token)
         return self.ledger.can_reserve(need, evictable_pages)
 
     def pages_to_evict(self, num_pages: int) -> int:
@@ -592,10 +594,6 @@ class TangramMemory:
         tail = max(max_new_tokens - 1, 0) if decode_tokens is None else int(decode_tokens)
         kept = segment_kept_lens(self.profile, start_token, int(extend_len), self.segment_grid)
         return kept + tail
-
-    def _append_need(self, lens, shared, extend_len, max_new_tokens, decode_tokens) -> np.ndarray:
-        add = self._append_tokens(extend_len, max_new_tokens, decode_tokens)
-        return group_pages_needed(lens, shared, add, self.page_size)
 
     def _prefix_arrays(self, prefix, rid, row) -> tuple[np.ndarray, list[np.ndarray]]:
         counts = self.allocator.ref_count.numpy()

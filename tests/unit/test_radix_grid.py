@@ -266,3 +266,21 @@ def test_cells_after_a_row_that_left_the_grid_are_not_cached(monkeypatch):
     tree.reset()
     assert state.memory.allocator.num_free() == start_free
     state.memory.check_invariants()
+
+
+def test_footprint_prices_a_segment_as_admit_reserves_it(monkeypatch):
+    """``TangramMemory.footprint`` / ``can_admit`` follow the grid's kept-length rule with the
+    segment's start token, as ``admit`` does: a 16-token segment at token 6 is off the grid and
+    kept whole, at token 16 it is a whole cell and compressed."""
+    monkeypatch.setenv(GRID_ENV, "1")
+    cell = 16
+    _, state, _, _ = build_tree(chunk_tokens=cell)
+    memory = state.memory
+    for start in (6, cell):
+        need = memory.footprint(cell, 1, start_token=start)
+        assert memory.admit(0, "r", cell, 1, start_token=start).reserved_pages == need, start
+        memory.abort(0)
+    # whole: 4 + 4 pages of 4 tokens; a cell: 16 + 7 tokens (group 1 keeps 1 + 2 + ceil(13/4))
+    assert memory.footprint(cell, 1, start_token=6) == 8
+    assert memory.footprint(cell, 1, start_token=cell) == 6
+    assert memory.can_admit(cell, 1, start_token=6)
