@@ -50,7 +50,12 @@ from pathlib import Path
 
 import numpy as np
 
-from tangram_sglang.bench.multiturn_client import LoadSettings, RequestRecord, run_conversations
+from tangram_sglang.bench.multiturn_client import (
+    LoadSettings,
+    RequestRecord,
+    model_eos_ids,
+    run_conversations,
+)
 from tangram_sglang.bench.multiturn_workloads import (
     DEFAULT_SYSTEM_PROMPT_TOKENS,
     WORKLOADS,
@@ -479,6 +484,7 @@ def run_system(name: str, flags: list[str], specs: list[WorkloadSpec], args, res
             args.workload_timeout_s,
             args.seed,
             args.no_max_tokens,
+            model_eos_ids(args.model_path),
         )
         for spec in specs:
             print(f"[multiturn] {name}: {spec.label} ...", flush=True)

@@ -14,8 +14,9 @@ each request draws a length ``n`` (geometric, mean L for a round of output lengt
 generator seeded by (seed, client, round) and samples at temperature 1 with ``min_new_tokens``
 = ``n - 1``, one fixed stop id (:func:`stop_token_ids` of size 1) and a ``logit_bias`` of
 ``STOP_BIAS`` on that id: SGLang's min-new-tokens penalizer holds the id at ``-inf`` for the
-first ``n - 1`` tokens, after which the bias makes it the next token, so the request ends at
-exactly ``n`` tokens whatever the weights. So every system generates the same output lengths
+first ``n - 1`` tokens, after which the bias makes it the next token, and the model config's
+EOS ids (which the server stops on, but the penalizer does not hold off) get ``-STOP_BIAS``, so
+the request ends at exactly ``n`` tokens whatever the weights. So every system generates the same output lengths
 (equal work, as ``ignore_eos`` gives with ``max_new_tokens`` set), while the lengths still
 differ between conversations and the conversations fall out of step as a
 chat client's do. Per request it records TTFT,
@@ -31,6 +32,7 @@ import asyncio
 import json
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import aiohttp
 import numpy as np
@@ -48,6 +50,7 @@ class LoadSettings:
     timeout_s: float = 600.0  # wall-clock cap of the whole workload (s)
     seed: int = 0
     no_max_tokens: bool = False  # no max_new_tokens: geometric lengths (mean L), a stop id
+    eos_ids: tuple[int, ...] = ()  # the model's EOS ids, held off in no-max requests
 
 
 STOP_SEED = 1234  # the stop-id subsets are the same for every system and run
@@ -115,8 +118,26 @@ def no_max_length(out_len: int, seed: int, client: int, round_index: int) -> int
     return int(rng.geometric(1.0 / max(int(out_len), 1)))
 
 
+def model_eos_ids(model_dir: str | Path) -> tuple[int, ...]:
+    """The EOS ids a server stops on for this model: ``eos_token_id`` (an int or a list) of its
+    ``config.json`` and ``generation_config.json``, sorted; files or keys missing are skipped."""
+    ids: set[int] = set()
+    for name in ("config.json", "generation_config.json"):
+        try:
+            value = json.loads((Path(model_dir) / name).read_text()).get("eos_token_id")
+        except (OSError, ValueError, AttributeError):
+            continue
+        values = value if isinstance(value, list) else [value]
+        ids.update(v for v in values if isinstance(v, int) and not isinstance(v, bool))
+    return tuple(sorted(ids))
+
+
 def sampling_params(
-    out_len: int, vocab_size: int, no_max_tokens: bool, length: int | None = None
+    out_len: int,
+    vocab_size: int,
+    no_max_tokens: bool,
+    length: int | None = None,
+    eos_ids: tuple[int, ...] | list[int] = (),
 ) -> dict:
     """The ``sampling_params`` of one request (see the module docstring).
 
@@ -127,15 +148,22 @@ def sampling_params(
         no_max_tokens: leave ``max_new_tokens`` unset (``None``, sent as JSON ``null``).
         length: without ``max_new_tokens``, this request's drawn length (:func:`no_max_length`);
             None = ``out_len``.
+        eos_ids: the model's EOS ids (:func:`model_eos_ids`). Without ``max_new_tokens`` each
+            gets a logit bias of ``-STOP_BIAS``: SGLang's min-new-tokens penalizer holds off the
+            tokenizer's EOS and the stop ids only, while the server also stops on the model
+            config's EOS ids (SmolLM2: tokenizer EOS 1, config EOS 2), which would end a request
+            before its drawn length.
     """
     if no_max_tokens:
         (stop,) = stop_token_ids(vocab_size, vocab_size)
+        bias = {str(int(e)): -STOP_BIAS for e in eos_ids if int(e) != stop}
+        bias[str(stop)] = STOP_BIAS
         return {
             "max_new_tokens": None,  # unset; an absent key would be SGLang's default, 128
             "temperature": 1.0,
             "min_new_tokens": max((out_len if length is None else length) - 1, 0),
             "stop_token_ids": [stop],
-            "logit_bias": {str(stop): STOP_BIAS},
+            "logit_bias": bias,
         }
     return {"max_new_tokens": out_len, "ignore_eos": True, "temperature": 0.0}
 
@@ -207,7 +235,9 @@ async def run_conversations(
             async with sem:
                 try:
                     length = no_max_length(out_len, settings.seed, i, r)
-                    params = sampling_params(out_len, vocab_size, settings.no_max_tokens, length)
+                    params = sampling_params(
+                        out_len, vocab_size, settings.no_max_tokens, length, settings.eos_ids
+                    )
                     timing, out_ids = await _generate(
                         session, f"{base_url}/generate", history + new, params
                     )

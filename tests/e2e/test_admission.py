@@ -135,18 +135,18 @@ def test_a_chat_without_max_tokens_runs_to_its_cap_and_is_answered(server):
     assert_serves_a_normal_chat(server)
 
 
-def test_bench_no_max_tokens_requests_end_at_their_length_or_the_cap(server):
+def test_bench_no_max_tokens_requests_end_at_their_length_or_the_cap(server, smollm2_path):
     """``bench.multiturn --no-max-tokens``: ``max_new_tokens`` null reaches the server unset; a
     request ends at exactly its drawn length (min_new_tokens, then the biased stop id) below
     the cap Tangram gives it (what the pool holds), and one drawn longer ends at the cap: its
     min_new_tokens is lowered with it (not a 400, and not an output held past the cap)."""
-    from tangram_sglang.bench.multiturn_client import sampling_params
+    from tangram_sglang.bench.multiturn_client import model_eos_ids, sampling_params
 
     requests.post(f"{server.base_url}/flush_cache", timeout=60).raise_for_status()
     ids = list(range(1000, 1040))
     for length in (1, 150, 5000):
         log_start = len(server.log_path.read_text())
-        params = sampling_params(64, 49152, no_max_tokens=True, length=length)
+        params = sampling_params(64, 49152, True, length, model_eos_ids(smollm2_path))
         body = {"input_ids": ids, "sampling_params": params}
         resp = requests.post(f"{server.base_url}/generate", json=body, timeout=600)
         assert resp.status_code == 200, resp.text

@@ -431,3 +431,18 @@ def test_baseline_args_of_a_tangram_only_run_are_not_refused(tmp_path):
     args.server_args = "--skip-tokenizer-init"
     with pytest.raises(ConfigError, match="drop --skip-tokenizer-init from --server-args"):
         mt.check_args(args, systems, specs)
+
+
+def test_no_max_requests_hold_off_the_model_eos_ids(tmp_path):
+    """The min-new-tokens penalizer blocks the tokenizer's EOS only; the server also stops on
+    the config's EOS ids (SmolLM2: 1 and 2), so the bench biases those away."""
+    from tangram_sglang.bench.multiturn_client import model_eos_ids, sampling_params
+
+    (tmp_path / "config.json").write_text('{"eos_token_id": 2}')
+    (tmp_path / "generation_config.json").write_text('{"eos_token_id": [2, 7, true]}')
+    assert model_eos_ids(tmp_path) == (2, 7)
+    assert model_eos_ids(tmp_path / "missing") == ()
+    params = sampling_params(64, 5000, True, 10, model_eos_ids(tmp_path))
+    (stop,) = params["stop_token_ids"]
+    assert params["logit_bias"] == {"2": -100.0, "7": -100.0, str(stop): 100.0}
+    assert "logit_bias" not in sampling_params(64, 5000, False, None, (2, 7))
