@@ -9,18 +9,17 @@ sampling, so every round generates exactly its output length. With ``no_max_toke
 leaves ``max_new_tokens`` unset (what most chat clients send; the server fills in its own cap).
 On ``/generate`` that takes an explicit ``"max_new_tokens": null``: a key left out gets
 SGLang's ``SamplingParams`` default of 128 tokens, which caps every output at 128 and rejects a
-``min_new_tokens`` above it (HTTP 400). Then
-each request draws a length ``n`` (geometric, mean L for a round of output length L) from a
-generator seeded by (seed, client, round) and samples at temperature 1 with ``min_new_tokens``
-= ``n - 1``, one fixed stop id (:func:`stop_token_ids` of size 1) and a ``logit_bias`` of
-``STOP_BIAS`` on that id: SGLang's min-new-tokens penalizer holds the id at ``-inf`` for the
-first ``n - 1`` tokens, after which the bias makes it the next token, and the model config's
-EOS ids (which the server stops on, but the penalizer does not hold off) get ``-STOP_BIAS``, so
-the request ends at exactly ``n`` tokens whatever the weights. So every system generates the same output lengths
-(equal work, as ``ignore_eos`` gives with ``max_new_tokens`` set), while the lengths still
-differ between conversations and the conversations fall out of step as a
-chat client's do. Per request it records TTFT,
-TPOT, end-to-end latency and the server's usage (``prompt_tokens``, ``cached_tokens``:
+``min_new_tokens`` above it (HTTP 400). Then each request draws a length ``n`` (geometric, mean L
+for a round of output length L) from a generator seeded by (seed, client, round) and samples at
+temperature 1 with ``min_new_tokens`` = ``n - 1``, one fixed stop id (:func:`stop_token_ids` of
+size 1) and a ``logit_bias`` of ``STOP_BIAS`` on that id: SGLang's min-new-tokens penalizer holds
+the id at ``-inf`` for the first ``n - 1`` tokens, after which the bias makes it the next token,
+and the model config's EOS ids (which the server stops on, but the penalizer does not hold off)
+get ``-STOP_BIAS``, so the request ends at exactly ``n`` tokens whatever the weights. So every
+system generates the same output lengths (equal work, as ``ignore_eos`` gives with
+``max_new_tokens`` set), while the lengths still differ between conversations and the
+conversations fall out of step as a chat client's do. Per request it records TTFT, TPOT,
+end-to-end latency and the server's usage (``prompt_tokens``, ``cached_tokens``:
 SGLang's ``--enable-cache-report``).
 
 Source: SGLang ``benchmark/hicache/bench_multiturn.py`` (same knobs, token ids instead of text).
