@@ -1,25 +1,39 @@
-"""Triton split-KV decode attention over ragged per-group page lists, with the AOT split table.
+"""Triton split-KV decode attention over ragged per-group page lists.
 
-Algorithm (FlashDecoding split-KV, Tangram's ahead-of-time partition):
+Algorithm (FlashDecoding split-KV; the CTA budget is fixed ahead of time, the split is fitted to
+the real lengths):
 
-* Stage 1, grid ``(bs, num_ctas)``. Program ``(b, c)`` reads ``head = cta_head[c]`` and
-  ``split = cta_split[c]`` from the layer's static split table, finds the head's group and column
-  (``group_of_head``, ``column_of_head``) and the group's kept length ``L = group_len[row, g]``,
-  and processes tokens ``[split * chunk, min(L, (split + 1) * chunk))`` with
-  ``chunk = roundup(ceil(L / splits[head]), BLOCK_N)``. All GQA query heads of the KV head are
-  one ``[GQA_PAD, D]`` tile, so each K/V block is read once for the whole GQA group. Online
-  softmax in fp32 gives a normalised partial output and its LSE per (b, query head, split).
-* Stage 2, grid ``(bs, num_qo_heads)``: merge the ``splits[head]`` partial results by
-  log-sum-exp into ``out``.
+* Stage 1, grid ``(bs, num_ctas)``. Program ``(b, c)`` maps CTA ``c`` of its request row to a
+  (KV head, split) and processes the split's tokens of that head's group. Two plans, chosen by
+  the launcher's ``plan`` (a constexpr of the kernels):
 
-Only ``group_len`` (device) and the static table drive the launch: no per-step planning, no host
-sync, no allocation (``out`` and the two scratch tensors come from the caller), so a decode step
-can be captured in a CUDA graph. Empty groups (``L = 0``) give zeros; empty splits (``L`` short
-for the head's split count) exit after writing ``lse = -inf``.
+  - ``"lengths"`` (default): :func:`_fitted_plan` reads the row's kept lengths
+    ``L_h = group_len[row, group_of_head[h]]`` of every KV head and gives every CTA one chunk of
+    about ``sum_h L_h / N`` tokens (``N``: the bucket's CTA budget per row); CTA ``c`` finds its
+    head by a prefix sum of the heads' split counts. ``num_ctas = min(N + H_kv, H_kv * cap)``
+    always suffices; CTAs past the row's split count exit at once. Rule, bound and source:
+    ``split_table.py``'s docstring.
+  - ``"table"``: the static AOT table (``cta_head[c]``, ``cta_split[c]``, ``splits[head]``;
+    splits proportional to the group ratios), ``chunk = roundup(ceil(L / splits[head]),
+    BLOCK_N)``; exact when the lengths follow the ratios. Kept for A/B measurement and the
+    uniform baseline.
+
+  All GQA query heads of the KV head are one ``[GQA_PAD, D]`` tile, so each K/V block is read
+  once for the whole GQA group. Online softmax in fp32 gives a normalised partial output and its
+  LSE per (b, query head, split).
+* Stage 2, grid ``(bs, num_qo_heads)``: merge the head's split partials by log-sum-exp into
+  ``out``; under ``"lengths"`` it recomputes the split count with the same :func:`_fitted_plan`,
+  so the stages never disagree.
+
+Only ``group_len`` (device) and static per-bucket numbers drive the launch: no host planning, no
+host sync, no allocation (``out`` and the two scratch tensors come from the caller), so a decode
+step can be captured in a CUDA graph and replayed with new lengths. Empty groups (``L = 0``) give
+zeros; an empty split writes ``lse = -inf``.
 
 Sources: Dao et al., "Flash-Decoding for long-context inference" (2023); SGLang 0.5.17
-``kernels/ops/attention/decode_attention.py`` (grouped stage 1 + stage 2); Tangram arXiv
-2606.06302 (AOT load balancing); docs/contracts.md (decode calling convention).
+``kernels/ops/attention/decode_attention.py`` (grouped stage 1 + stage 2); FlashInfer's decode
+planner (fixed chunk per CTA sized from the batch's lengths); Tangram arXiv 2606.06302 (AOT load
+balancing); docs/contracts.md (decode calling convention).
 """
 
 from __future__ import annotations
@@ -47,6 +61,36 @@ BLOCK_N = 32
 MIN_GQA_PAD = 16
 NUM_WARPS = 4
 NUM_STAGES = 2
+PLANS = ("lengths", "table")
+
+
+@triton.jit
+def _fitted_plan(
+    group_len_ptr,
+    row,
+    stride_gl_row,
+    group_of_head_ptr,
+    cta_budget,
+    split_cap,
+    NUM_KV_HEADS: tl.constexpr,
+    KV_PAD: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """Length-fitted plan of one request row (``split_table.fitted_splits`` is its numpy twin).
+
+    Returns ``(lens, splits, chunk)``: int32 ``[KV_PAD]`` kept tokens and splits per KV head
+    (0 past ``NUM_KV_HEADS``) and the row's tokens per CTA (a multiple of ``BLOCK_N``).
+    """
+    offs_h = tl.arange(0, KV_PAD)
+    mask_h = offs_h < NUM_KV_HEADS
+    groups = tl.load(group_of_head_ptr + offs_h, mask=mask_h, other=0)
+    lens = tl.load(group_len_ptr + row * stride_gl_row + groups, mask=mask_h, other=0)
+    total = tl.sum(lens, axis=0)
+    longest = tl.max(lens, axis=0)
+    chunk = tl.maximum(tl.cdiv(total, cta_budget), tl.cdiv(longest, split_cap))
+    chunk = tl.maximum(tl.cdiv(chunk, BLOCK_N), 1) * BLOCK_N
+    splits = tl.where(mask_h, tl.maximum(tl.cdiv(lens, chunk), 1), 0)
+    return lens, splits, chunk
 
 
 @triton.jit
@@ -65,6 +109,8 @@ def _decode_stage1(
     mid_o_ptr,
     mid_lse_ptr,
     sm_scale_log2,
+    cta_budget,
+    split_cap,
     stride_q_b,
     stride_q_h,
     stride_pool_page,
@@ -85,18 +131,43 @@ def _decode_stage1(
     BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr,
+    KV_PAD: tl.constexpr,
+    FIT_LENGTHS: tl.constexpr,
 ):
-    """One (batch entry, CTA): split ``cta_split[c]`` of KV head ``cta_head[c]``."""
+    """One (batch entry, CTA): one split of one KV head (the module docstring's two plans)."""
     b = tl.program_id(0)
     c = tl.program_id(1)
-    head = tl.load(cta_head_ptr + c)
-    split = tl.load(cta_split_ptr + c)
-    num_splits = tl.load(splits_ptr + head)
-    group = tl.load(group_of_head_ptr + head)
-    column = tl.load(column_of_head_ptr + head)
     row = tl.load(req_rows_ptr + b).to(tl.int64)
-    seq_len = tl.load(group_len_ptr + row * stride_gl_row + group)
-    chunk = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+    if FIT_LENGTHS:
+        lens, splits, chunk = _fitted_plan(
+            group_len_ptr,
+            row,
+            stride_gl_row,
+            group_of_head_ptr,
+            cta_budget,
+            split_cap,
+            NUM_KV_HEADS,
+            KV_PAD,
+            BLOCK_N,
+        )
+        ends = tl.cumsum(splits, axis=0)  # inclusive prefix sum over the KV heads
+        if c >= tl.max(ends, axis=0):
+            return  # past the row's splits: idle CTA
+        # head = the number of heads whose splits all come before CTA c
+        head = tl.sum((ends <= c).to(tl.int32), axis=0)
+        this = tl.arange(0, KV_PAD) == head
+        split = c - tl.sum(tl.where(this, ends - splits, 0), axis=0)
+        seq_len = tl.sum(tl.where(this, lens, 0), axis=0)
+        group = tl.load(group_of_head_ptr + head)
+    else:
+        head = tl.load(cta_head_ptr + c)
+        split = tl.load(cta_split_ptr + c)
+        num_splits = tl.load(splits_ptr + head)
+        group = tl.load(group_of_head_ptr + head)
+        seq_len = tl.load(group_len_ptr + row * stride_gl_row + group)
+        chunk = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+    column = tl.load(column_of_head_ptr + head)
     start = split * chunk
     end = tl.minimum(seq_len, start + chunk)
 
@@ -153,7 +224,13 @@ def _decode_stage2(
     mid_o_ptr,
     mid_lse_ptr,
     splits_ptr,
+    group_len_ptr,
+    req_rows_ptr,
+    group_of_head_ptr,
     out_ptr,
+    cta_budget,
+    split_cap,
+    stride_gl_row,
     stride_mo_b,
     stride_mo_h,
     stride_mo_s,
@@ -163,11 +240,31 @@ def _decode_stage2(
     stride_out_h,
     GQA_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr,
+    KV_PAD: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    FIT_LENGTHS: tl.constexpr,
 ):
     """One (batch entry, query head): LSE-merge the head's split partials into ``out``."""
     b = tl.program_id(0)
     qh = tl.program_id(1)
-    num_splits = tl.load(splits_ptr + qh // GQA_SIZE)
+    if FIT_LENGTHS:
+        row = tl.load(req_rows_ptr + b).to(tl.int64)
+        _, splits, _ = _fitted_plan(
+            group_len_ptr,
+            row,
+            stride_gl_row,
+            group_of_head_ptr,
+            cta_budget,
+            split_cap,
+            NUM_KV_HEADS,
+            KV_PAD,
+            BLOCK_N,
+        )
+        this = tl.arange(0, KV_PAD) == qh // GQA_SIZE
+        num_splits = tl.sum(tl.where(this, splits, 0), axis=0)
+    else:
+        num_splits = tl.load(splits_ptr + qh // GQA_SIZE)
     offs_d = tl.arange(0, HEAD_DIM)
     mo_base = mid_o_ptr + b.to(tl.int64) * stride_mo_b + qh * stride_mo_h
     ml_base = mid_lse_ptr + b.to(tl.int64) * stride_ml_b + qh * stride_ml_h
@@ -221,8 +318,11 @@ def _check_decode_args(
     out,
     mid_o,
     mid_lse,
+    plan,
 ) -> tuple[int, int, int]:
     """Launcher checks (host metadata only); returns (bs, num_qo_heads, gqa_size)."""
+    if plan not in PLANS:
+        raise KernelError(f"plan={plan!r} must be one of {', '.join(map(repr, PLANS))}")
     bs, num_qo_heads = _checks.check_query(q, k_pool)
     device = q.device
     _checks.check_pools(k_pool, v_pool, device)
@@ -242,11 +342,12 @@ def _check_decode_args(
     _checks.check_tensor(
         "mid_o", mid_o, (None, num_qo_heads, None, head_dim), (torch.float32,), device
     )
-    if mid_o.shape[0] < bs or mid_o.shape[2] < table.max_splits:
+    need_splits = table.split_cap if plan == "lengths" else table.max_splits
+    if mid_o.shape[0] < bs or mid_o.shape[2] < need_splits:
         raise KernelError(
             f"mid_o has shape {list(mid_o.shape)} but this launch needs batch >= {bs} and "
-            f"splits >= {table.max_splits}; size it with decode_scratch(max_batch_size, ..., "
-            "SplitTables.max_splits, ...)"
+            f"splits >= {need_splits} (plan={plan!r}); size it with "
+            "decode_scratch(max_batch_size, ..., SplitTables.scratch_splits, ...)"
         )
     _checks.check_tensor("mid_lse", mid_lse, tuple(mid_o.shape[:3]), (torch.float32,), device)
     return bs, num_qo_heads, gqa
@@ -266,6 +367,7 @@ def ragged_decode_attention(
     out: torch.Tensor,
     mid_o: torch.Tensor,
     mid_lse: torch.Tensor,
+    plan: str = "lengths",
 ) -> torch.Tensor:
     """Decode attention of one layer over ragged per-group page lists (per layer, per step).
 
@@ -279,17 +381,24 @@ def ragged_decode_attention(
         req_rows: int32 ``[bs]``: page-table row of each batch entry (req_pool_idx).
         group_of_head, column_of_head: int32 ``[H_kv]``: this layer's head -> (group, column).
         table: this layer's split table for the batch bucket (``SplitTables.for_batch(bs)
-            .layer(l)``), tensors on q's device. The uniform baseline passes a uniform table.
+            .layer(l)``), tensors on q's device: its CTA budget and split cap under
+            ``plan="lengths"``, its static map under ``plan="table"`` (the uniform baseline
+            passes a uniform table with ``plan="table"``).
         sm_scale: softmax scale (usually ``D ** -0.5``).
         out: ``[bs, num_qo_heads, D]`` in q's dtype, written in place (every element).
-        mid_o: float32 ``[>= bs, num_qo_heads, >= table.max_splits, D]`` scratch.
+        mid_o: float32 ``[>= bs, num_qo_heads, >= S, D]`` scratch; ``S = table.split_cap``
+            (``"lengths"``) or ``table.max_splits`` (``"table"``);
+            ``SplitTables.scratch_splits`` fits both.
         mid_lse: float32 ``[mid_o.shape[0], num_qo_heads, mid_o.shape[2]]`` scratch.
+        plan: ``"lengths"`` (split fitted to the row's kept lengths in the kernel, default) or
+            ``"table"`` (the static AOT split table); see the module docstring.
 
     Returns:
         ``out``. A KV head whose group has 0 kept tokens gives zeros (never NaN).
 
     Raises:
-        KernelError: a shape, dtype, device or stride does not match the above.
+        KernelError: a shape, dtype, device or stride does not match the above, or an unknown
+            ``plan``.
 
     Source: this module's docstring.
     """
@@ -306,12 +415,20 @@ def ragged_decode_attention(
         out,
         mid_o,
         mid_lse,
+        plan,
     )
     _checks.check_sm_scale(sm_scale)
     if bs == 0:
         return out
     head_dim, page_size = k_pool.shape[3], k_pool.shape[2]
-    _decode_stage1[(bs, table.num_ctas)](
+    num_kv_heads = group_of_head.shape[0]
+    fit = plan == "lengths"
+    plan_consts = {
+        "NUM_KV_HEADS": num_kv_heads,
+        "KV_PAD": triton.next_power_of_2(num_kv_heads),
+        "FIT_LENGTHS": fit,
+    }
+    _decode_stage1[(bs, table.fitted_ctas if fit else table.num_ctas)](
         q,
         k_pool,
         v_pool,
@@ -326,6 +443,8 @@ def ragged_decode_attention(
         mid_o,
         mid_lse,
         sm_scale * LOG2E,
+        table.cta_budget,
+        table.split_cap,
         q.stride(0),
         q.stride(1),
         k_pool.stride(0),
@@ -346,6 +465,7 @@ def ragged_decode_attention(
         BLOCK_N=BLOCK_N,
         DOT_PRECISION=dot_precision(q.dtype),
         UPCAST_DOT=interpreted(),
+        **plan_consts,
         num_warps=NUM_WARPS,
         num_stages=NUM_STAGES,
     )
@@ -353,7 +473,13 @@ def ragged_decode_attention(
         mid_o,
         mid_lse,
         table.splits,
+        group_len,
+        req_rows,
+        group_of_head,
         out,
+        table.cta_budget,
+        table.split_cap,
+        group_len.stride(0),
         mid_o.stride(0),
         mid_o.stride(1),
         mid_o.stride(2),
@@ -363,9 +489,11 @@ def ragged_decode_attention(
         out.stride(1),
         GQA_SIZE=gqa,
         HEAD_DIM=head_dim,
+        BLOCK_N=BLOCK_N,
+        **plan_consts,
         num_warps=NUM_WARPS,
     )
     return out
 
 
-__all__ = ["decode_scratch", "ragged_decode_attention"]
+__all__ = ["PLANS", "decode_scratch", "ragged_decode_attention"]

@@ -75,6 +75,9 @@ def attend(
     Returns:
         ``(out [..., M, D], lse [..., M])`` with lse the natural-log softmax normaliser.
     """
+    if k.shape[-2] == 0:  # no keys at all (every group of the batch empty)
+        out = torch.zeros(*q.shape[:-1], v.shape[-1], dtype=q.dtype, device=q.device)
+        return out, torch.full(q.shape[:-1], float("-inf"), dtype=q.dtype, device=q.device)
     # In-place passes over the [..., M, N] score tensor: it dominates CPU time and memory.
     scores = torch.matmul(q * sm_scale, k.transpose(-1, -2))
     scores.masked_fill_(~mask, float("-inf"))

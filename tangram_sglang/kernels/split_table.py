@@ -37,6 +37,32 @@ Tables are built for a set of batch-size buckets (powers of two up to ``max_batc
 launch for batch ``bs`` uses the smallest bucket ``>= bs`` (a host-side lookup on a python int,
 so CUDA-graph capture per batch size sees a fixed table).
 
+Length-fitted plan (the serving default; ``decode_attention.py``, ``plan="lengths"``)
+------------------------------------------------------------------------------------
+
+The table is exact only when every group's kept length is its ratio times the context. Segments
+kept whole (short turns, the decode tail) give every group of a row about the same length, and
+then a low-ratio head with few splits is the straggler. So by default the decode kernel fits the
+split of each head to the row's real lengths every step, inside the kernel; only the CTA budget
+is ahead of time. Per request row, ``L_h = group_len[row, group_of_head[h]]``::
+
+    N        = target (above)                   CTA budget per row (per bucket, AOT)
+    cap      = min(max_splits_per_head, N)      splits of one head (and the scratch's split dim)
+    total    = sum_h L_h
+    chunk    = BLOCK_N * max(1, ceil(max(ceil(total / N), ceil(max_h L_h / cap)) / BLOCK_N))
+    splits_h = max(1, ceil(L_h / chunk))
+    CTA c of the row -> head h with E_{h-1} <= c < E_h (E_h = splits_0 + ... + splits_h),
+                        split c - E_{h-1}: tokens [split * chunk, min(L_h, (split + 1) * chunk))
+
+(FlashDecoding's fixed chunk per CTA, as FlashInfer's decode planner sizes its chunks from the
+batch's lengths, moved from the host into the kernel.) Every CTA covers at most ``chunk`` tokens,
+about ``total / N``, whatever the mix of lengths. Bound that sizes the static grid: since
+``ceil(L / chunk) <= floor(L / chunk) + 1`` and ``chunk >= total / N``,
+``sum_h splits_h <= floor(total / chunk) + H_kv <= N + H_kv``; since ``chunk >= max_h L_h / cap``,
+``splits_h <= cap``. So the stage-1 grid is ``(bs, min(N + H_kv, H_kv * cap))`` per bucket and
+CTAs past a row's ``sum_h splits_h`` exit at once. :func:`fitted_splits` and
+:func:`fitted_cta_spans` are the numpy twins of the kernel's helper (tests, balance report).
+
 This module is CPU-only numpy at build time; :meth:`SplitTable.to` moves the tensors to the device
 once. It owns only the partition; the kernel that reads it is ``decode_attention.py``.
 """
@@ -71,6 +97,11 @@ class LayerSplits:
         cta_split: int32 ``[num_ctas]``: split index of each CTA.
         num_ctas: CTAs per request row (python int, the stage-1 grid's second dimension).
         max_splits: the largest entry of ``splits`` (python int; sizes the scratch).
+        cta_budget: ``N``, the length-fitted plan's CTA budget per request row.
+        split_cap: the length-fitted plan's cap on one head's splits (``min(max_splits_per_head,
+            N)``; the scratch's split dimension must hold it).
+        fitted_ctas: the length-fitted plan's CTAs per request row (its stage-1 grid's second
+            dimension): ``min(N + num_kv_heads, num_kv_heads * split_cap)``.
     """
 
     splits: torch.Tensor
@@ -78,6 +109,9 @@ class LayerSplits:
     cta_split: torch.Tensor
     num_ctas: int
     max_splits: int
+    cta_budget: int
+    split_cap: int
+    fitted_ctas: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,6 +126,8 @@ class SplitTable:
         num_ctas: CTAs per request row of each layer.
         layer_max_splits: largest split count of each layer (host ints: no device read).
         uniform: True for the uniform-split baseline table.
+        cta_budget: ``N`` of the length-fitted plan (CTAs per request row, the target rule).
+        split_cap: the length-fitted plan's cap on one head's splits.
     """
 
     batch_size: int
@@ -101,11 +137,24 @@ class SplitTable:
     num_ctas: tuple[int, ...]
     layer_max_splits: tuple[int, ...]
     uniform: bool
+    cta_budget: int
+    split_cap: int
 
     @property
     def max_splits(self) -> int:
-        """Largest split count of any head of any layer (sizes the stage-1 scratch)."""
+        """Largest split count of any head of any layer under the static table."""
         return max(self.layer_max_splits)
+
+    @property
+    def scratch_splits(self) -> int:
+        """Split dimension the stage-1 scratch needs for both plans (table and lengths)."""
+        return max(self.max_splits, self.split_cap)
+
+    @property
+    def fitted_ctas(self) -> int:
+        """The length-fitted plan's CTAs per request row (see the module docstring's bound)."""
+        num_kv_heads = self.splits.shape[1]
+        return min(self.cta_budget + num_kv_heads, num_kv_heads * self.split_cap)
 
     def layer(self, layer: int) -> LayerSplits:
         """The per-layer view the decode launcher takes (views, no copy, no device read).
@@ -120,6 +169,9 @@ class SplitTable:
             cta_split=self.cta_split[layer, :num_ctas],
             num_ctas=num_ctas,
             max_splits=self.layer_max_splits[layer],
+            cta_budget=self.cta_budget,
+            split_cap=self.split_cap,
+            fitted_ctas=self.fitted_ctas,
         )
 
     def to(self, device: torch.device | str) -> SplitTable:
@@ -132,6 +184,8 @@ class SplitTable:
             num_ctas=self.num_ctas,
             layer_max_splits=self.layer_max_splits,
             uniform=self.uniform,
+            cta_budget=self.cta_budget,
+            split_cap=self.split_cap,
         )
 
 
@@ -145,6 +199,11 @@ class SplitTables:
     def max_splits(self) -> int:
         """Largest split count over every bucket (sizes a scratch shared by all buckets)."""
         return max(t.max_splits for t in self.tables)
+
+    @property
+    def scratch_splits(self) -> int:
+        """Split dimension of a stage-1 scratch shared by every bucket, for both plans."""
+        return max(t.scratch_splits for t in self.tables)
 
     def for_batch(self, batch_size: int) -> SplitTable:
         """The table of the smallest bucket ``>= batch_size`` (the largest one beyond it)."""
@@ -211,6 +270,55 @@ def cta_map(splits: np.ndarray, ratios: np.ndarray) -> tuple[np.ndarray, np.ndar
     return heads[order], split_idx[order]
 
 
+def fitted_splits(
+    lens: np.ndarray, cta_budget: int, split_cap: int, block_n: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """Numpy twin of the decode kernel's length-fitted plan (the module docstring's rule).
+
+    Args:
+        lens: int ``[..., num_kv_heads]``: kept tokens of each KV head's group, per row.
+        cta_budget: ``N`` (CTAs per row, >= 1). split_cap: cap on one head's splits (>= 1).
+        block_n: the kernel's tokens per inner block (``decode_attention.BLOCK_N``).
+
+    Returns:
+        ``(splits int64 [..., num_kv_heads] in [1, split_cap], chunk int64 [...])``: each
+        head's splits and the row's tokens per CTA (a multiple of ``block_n``).
+    """
+    lens = np.asarray(lens, dtype=np.int64)
+    total, longest = lens.sum(axis=-1), lens.max(axis=-1)
+    chunk = np.maximum(-(-total // cta_budget), -(-longest // split_cap))
+    chunk = np.maximum(-(-chunk // block_n), 1) * block_n
+    splits = np.maximum(-(-lens // chunk[..., None]), 1)
+    return splits, chunk
+
+
+def fitted_cta_spans(
+    lens: np.ndarray, cta_budget: int, split_cap: int, block_n: int, num_ctas: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """What each CTA of one row does under the length-fitted plan (the kernel's lookup, in numpy).
+
+    Args:
+        lens: int ``[num_kv_heads]``: one row's kept tokens per KV head.
+        cta_budget, split_cap, block_n: as :func:`fitted_splits`.
+        num_ctas: the launch's CTAs per row (``LayerSplits.fitted_ctas``).
+
+    Returns:
+        ``(head, start, end)``, int64 ``[num_ctas]`` each: CTA ``c`` attends tokens
+        ``[start, end)`` of KV head ``head`` (``head = -1``: idle, the CTA exits at once).
+    """
+    lens = np.asarray(lens, dtype=np.int64)
+    splits, chunk = fitted_splits(lens, cta_budget, split_cap, block_n)
+    ends = np.cumsum(splits)
+    c = np.arange(num_ctas)
+    head = (ends[None, :] <= c[:, None]).sum(axis=1)
+    busy = c < ends[-1]
+    head_c = np.minimum(head, lens.size - 1)
+    split = c - (ends[head_c] - splits[head_c])
+    start = np.where(busy, split * chunk, 0)
+    end = np.where(busy, np.minimum(lens[head_c], start + chunk), 0)
+    return np.where(busy, head, -1), start, end
+
+
 def build_split_table(
     grouping: HeadGrouping,
     group_ratios: np.ndarray,
@@ -267,6 +375,8 @@ def build_split_table(
         num_ctas=num_ctas,
         layer_max_splits=tuple(int(s.max()) for s in splits),
         uniform=uniform,
+        cta_budget=target,
+        split_cap=min(int(max_splits), target),
     )
 
 

@@ -76,37 +76,44 @@ def main(dtypes: list[str]) -> int:
         precision = "ieee" if dtype == "fp32" else "tf32"
         for head_dim in (64, 128):
             common = {"HEAD_DIM": head_dim, "DOT_PRECISION": precision, "UPCAST_DOT": False}
-            lines.append(
-                compile_kernel(
-                    f"decode stage1 {dtype} D{head_dim}",
-                    decode_attention._decode_stage1,
-                    {
-                        "q_ptr": t,
-                        "k_pool_ptr": t,
-                        "v_pool_ptr": t,
-                        "mid_o_ptr": "*fp32",
-                        "mid_lse_ptr": "*fp32",
-                    },
-                    {
-                        **common,
-                        "GQA_SIZE": 4,
-                        "GQA_PAD": decode_attention.MIN_GQA_PAD,
-                        "PAGE_SIZE": 16,
-                        "BLOCK_N": decode_attention.BLOCK_N,
-                    },
-                    decode_attention.NUM_WARPS,
-                    decode_attention.NUM_STAGES,
+            for plan in decode_attention.PLANS:
+                plan_consts = {
+                    "NUM_KV_HEADS": 8,
+                    "KV_PAD": 8,
+                    "FIT_LENGTHS": plan == "lengths",
+                    "BLOCK_N": decode_attention.BLOCK_N,
+                }
+                lines.append(
+                    compile_kernel(
+                        f"decode stage1 {plan} {dtype} D{head_dim}",
+                        decode_attention._decode_stage1,
+                        {
+                            "q_ptr": t,
+                            "k_pool_ptr": t,
+                            "v_pool_ptr": t,
+                            "mid_o_ptr": "*fp32",
+                            "mid_lse_ptr": "*fp32",
+                        },
+                        {
+                            **common,
+                            **plan_consts,
+                            "GQA_SIZE": 4,
+                            "GQA_PAD": decode_attention.MIN_GQA_PAD,
+                            "PAGE_SIZE": 16,
+                        },
+                        decode_attention.NUM_WARPS,
+                        decode_attention.NUM_STAGES,
+                    )
                 )
-            )
-            lines.append(
-                compile_kernel(
-                    f"decode stage2 {dtype} D{head_dim}",
-                    decode_attention._decode_stage2,
-                    {"mid_o_ptr": "*fp32", "mid_lse_ptr": "*fp32", "out_ptr": t},
-                    {"GQA_SIZE": 4, "HEAD_DIM": head_dim},
-                    decode_attention.NUM_WARPS,
+                lines.append(
+                    compile_kernel(
+                        f"decode stage2 {plan} {dtype} D{head_dim}",
+                        decode_attention._decode_stage2,
+                        {"mid_o_ptr": "*fp32", "mid_lse_ptr": "*fp32", "out_ptr": t},
+                        {**plan_consts, "GQA_SIZE": 4, "HEAD_DIM": head_dim},
+                        decode_attention.NUM_WARPS,
+                    )
                 )
-            )
             block_m, block_n, warps = extend_attention.TILES_BY_HEAD_DIM[head_dim]
             lines.append(
                 compile_kernel(
@@ -147,7 +154,7 @@ def main(dtypes: list[str]) -> int:
                     kv_write.NUM_WARPS,
                 )
             )
-            print(*lines[-4:], sep="\n", flush=True)
+            print(*lines[-2 - 2 * len(decode_attention.PLANS) :], sep="\n", flush=True)
     return 0
 
 

@@ -1,4 +1,4 @@
-"""Triton ragged decode (AOT and uniform split tables) against the torch reference.
+"""Triton ragged decode (length-fitted plan; AOT and uniform split tables) against the reference.
 
 On CPU the kernels run under TRITON_INTERPRET=1 (see conftest.py), so shapes stay tiny.
 """
@@ -8,23 +8,41 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from kernel_cases import DEVICE, TOL, make_paged_layer, random_lens, rel_err
 
 from tangram_sglang.errors import KernelError
 from tangram_sglang.grouping import HeadGrouping
-from tangram_sglang.kernels.decode_attention import decode_scratch, ragged_decode_attention
+from tangram_sglang.kernels.decode_attention import (
+    BLOCK_N,
+    decode_scratch,
+    ragged_decode_attention,
+)
 from tangram_sglang.kernels.reference import decode_reference
-from tangram_sglang.kernels.split_table import LayerSplits, build_split_table
+from tangram_sglang.kernels.split_table import LayerSplits, build_split_table, fitted_splits
 
 DTYPE_IDS = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
-def layer_table(group_of_head: torch.Tensor, ratios: list[float], batch_size: int, uniform: bool):
+def layer_table(
+    group_of_head: torch.Tensor,
+    ratios: list[float],
+    batch_size: int,
+    uniform: bool,
+    max_splits: int = 64,
+    num_sms: int = 2,
+):
     """A split table for one layer whose heads have the given group ratios (2 SMs: few CTAs)."""
     num_kv_heads = group_of_head.numel()
     grouping = HeadGrouping.build(np.array([ratios]), 1, "per_layer")
     table = build_split_table(
-        grouping, grouping.group_ratios(np.array([ratios])), 2, batch_size, uniform=uniform
+        grouping,
+        grouping.group_ratios(np.array([ratios])),
+        num_sms,
+        batch_size,
+        uniform=uniform,
+        max_splits=max_splits,
     )
     assert table.splits.shape == (1, num_kv_heads)
     return table.to(DEVICE).layer(0)
@@ -41,19 +59,21 @@ def run_case(
     max_len=40,
     seed=0,
     strided_out=False,
+    plan="table",
 ):
     lens = random_lens(4, 3, max_len, page_size, seed)
     layer = make_paged_layer(lens, num_kv_heads, heads_per_group, page_size, head_dim, dtype, seed)
     req_rows = torch.tensor([3, 0, 1], dtype=torch.int32, device=DEVICE)
     bs, num_qo_heads = 3, num_kv_heads * gqa
     table = layer_table(layer.group_of_head, [0.9, 0.2, 0.5, 0.3][:num_kv_heads], bs, uniform)
+    scratch_splits = max(table.max_splits, table.split_cap)
     q = torch.randn(bs, num_qo_heads, head_dim, device=DEVICE).to(dtype)
     if strided_out:
         out = torch.empty(bs, num_qo_heads + 3, head_dim, dtype=dtype, device=DEVICE)[:, 1:-2]
     else:
         out = torch.empty(bs, num_qo_heads, head_dim, dtype=dtype, device=DEVICE)
     out.fill_(float("nan"))
-    mid_o, mid_lse = decode_scratch(bs + 1, num_qo_heads, table.max_splits + 1, head_dim, DEVICE)
+    mid_o, mid_lse = decode_scratch(bs + 1, num_qo_heads, scratch_splits + 1, head_dim, DEVICE)
     mid_o.fill_(float("nan"))
     mid_lse.fill_(float("nan"))
     args = (
@@ -65,7 +85,7 @@ def run_case(
         layer.group_of_head,
         layer.column_of_head,
     )
-    ragged_decode_attention(q, *args, table, head_dim**-0.5, out, mid_o, mid_lse)
+    ragged_decode_attention(q, *args, table, head_dim**-0.5, out, mid_o, mid_lse, plan=plan)
     want = decode_reference(
         q.float(), *(a.float() if a.is_floating_point() else a for a in args), head_dim**-0.5
     )
@@ -75,9 +95,13 @@ def run_case(
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=DTYPE_IDS.get)
-@pytest.mark.parametrize("uniform", [False, True], ids=["aot", "uniform"])
-def test_decode_dtypes_and_tables(dtype, uniform) -> None:
-    run_case(dtype, page_size=16, head_dim=64, uniform=uniform, seed=1)
+@pytest.mark.parametrize(
+    ("uniform", "plan"),
+    [(False, "table"), (True, "table"), (False, "lengths")],
+    ids=["aot", "uniform", "lengths"],
+)
+def test_decode_dtypes_and_plans(dtype, uniform, plan) -> None:
+    run_case(dtype, page_size=16, head_dim=64, uniform=uniform, seed=1, plan=plan)
 
 
 @pytest.mark.parametrize("page_size", [1, 4, 64], ids=lambda p: f"page{p}")
@@ -93,13 +117,14 @@ def test_decode_head_dim_128_gqa_4_strided_out() -> None:
     )
 
 
-def test_decode_zero_length_group_gives_zeros() -> None:
+@pytest.mark.parametrize("plan", ["table", "lengths"])
+def test_decode_zero_length_group_gives_zeros(plan) -> None:
     lens = np.array([[0, 5]])
     layer = make_paged_layer(lens, 2, 1, 4, 64, torch.float32, seed=2)
     table = layer_table(layer.group_of_head, [0.5, 0.5], 1, uniform=False)
     q = torch.randn(1, 2, 64, device=DEVICE)
     out = torch.full_like(q, float("nan"))
-    mid_o, mid_lse = decode_scratch(1, 2, table.max_splits, 64, DEVICE)
+    mid_o, mid_lse = decode_scratch(1, 2, max(table.max_splits, table.split_cap), 64, DEVICE)
     rows = torch.zeros(1, dtype=torch.int32, device=DEVICE)
     ragged_decode_attention(
         q,
@@ -115,6 +140,7 @@ def test_decode_zero_length_group_gives_zeros() -> None:
         out,
         mid_o,
         mid_lse,
+        plan=plan,
     )
     empty_head = int((layer.group_of_head == 0).nonzero()[0])
     assert torch.equal(out[0, empty_head], torch.zeros(64, device=DEVICE))
@@ -139,13 +165,29 @@ def test_decode_launcher_rejects_small_scratch_and_bad_table() -> None:
     )
     mid_o, mid_lse = decode_scratch(1, 2, table.max_splits - 1, 64, DEVICE)
     with pytest.raises(KernelError, match="mid_o"):
+        ragged_decode_attention(
+            *args, table, 0.125, torch.empty_like(q), mid_o, mid_lse, plan="table"
+        )
+    mid_o, mid_lse = decode_scratch(1, 2, table.split_cap - 1, 64, DEVICE)
+    with pytest.raises(KernelError, match=r"mid_o .* splits >= \d+ \(plan='lengths'\)"):
         ragged_decode_attention(*args, table, 0.125, torch.empty_like(q), mid_o, mid_lse)
     bad = LayerSplits(
-        table.splits.long(), table.cta_head, table.cta_split, table.num_ctas, table.max_splits
+        table.splits.long(),
+        table.cta_head,
+        table.cta_split,
+        table.num_ctas,
+        table.max_splits,
+        table.cta_budget,
+        table.split_cap,
+        table.fitted_ctas,
     )
-    mid_o, mid_lse = decode_scratch(1, 2, table.max_splits, 64, DEVICE)
+    mid_o, mid_lse = decode_scratch(1, 2, max(table.max_splits, table.split_cap), 64, DEVICE)
     with pytest.raises(KernelError, match="table.splits"):
         ragged_decode_attention(*args, bad, 0.125, torch.empty_like(q), mid_o, mid_lse)
+    with pytest.raises(KernelError, match="plan='ratios' must be one of 'lengths', 'table'"):
+        ragged_decode_attention(
+            *args, table, 0.125, torch.empty_like(q), mid_o, mid_lse, plan="ratios"
+        )
     with pytest.raises(KernelError, match="out"):
         ragged_decode_attention(
             *args,
@@ -194,5 +236,112 @@ def test_decode_bad_scale_heads_and_pool_are_kernel_errors(change, match, launch
         if launcher == "reference":
             decode_reference(**kwargs)
         else:
-            mid_o, mid_lse = decode_scratch(1, 2, table.max_splits, 64, DEVICE)
+            splits = max(table.max_splits, table.split_cap)
+            mid_o, mid_lse = decode_scratch(1, 2, splits, 64, DEVICE)
             ragged_decode_attention(**kwargs, table=table, mid_o=mid_o, mid_lse=mid_lse)
+
+
+# ---- length-fitted plan -------------------------------------------------------------------------
+
+
+def run_fitted(
+    lens,
+    dtype=torch.float32,
+    page_size=16,
+    gqa=2,
+    heads_per_group=1,
+    max_splits=64,
+    num_sms=2,
+    head_dim=64,
+    seed=0,
+):
+    """Length-fitted decode of every row of ``lens [rows, groups]`` against the reference.
+
+    Also checks the kernel's plan against the numpy twin: stage 1 writes exactly the first
+    ``fitted_splits(...)`` split slots of each head (poisoned scratch), nothing past them.
+    Returns the twin's ``(splits [rows, H_kv], chunk [rows])`` per head of the layer.
+    """
+    lens = np.asarray(lens)
+    rows, num_groups = lens.shape
+    num_kv_heads = num_groups * heads_per_group
+    layer = make_paged_layer(lens, num_kv_heads, heads_per_group, page_size, head_dim, dtype, seed)
+    req_rows = torch.arange(rows, dtype=torch.int32, device=DEVICE).flip(0)
+    ratios = np.linspace(0.9, 0.1, num_kv_heads).tolist()
+    table = layer_table(layer.group_of_head, ratios, rows, False, max_splits, num_sms)
+    num_qo_heads = num_kv_heads * gqa
+    q = torch.randn(rows, num_qo_heads, head_dim, device=DEVICE).to(dtype)
+    out = torch.full_like(q, float("nan"))
+    mid_o, mid_lse = decode_scratch(rows, num_qo_heads, table.split_cap + 1, head_dim, DEVICE)
+    mid_lse.fill_(float("nan"))
+    args = (
+        layer.k_pool,
+        layer.v_pool,
+        layer.page_table,
+        layer.group_len,
+        req_rows,
+        layer.group_of_head,
+        layer.column_of_head,
+    )
+    ragged_decode_attention(q, *args, table, head_dim**-0.5, out, mid_o, mid_lse)
+    want = decode_reference(
+        q.float(), *(a.float() if a.is_floating_point() else a for a in args), head_dim**-0.5
+    )
+    assert not out.isnan().any(), "unwritten or NaN output"
+    assert rel_err(out, want) < TOL[dtype]
+    head_lens = lens[req_rows.cpu().numpy()][:, layer.group_of_head.cpu().numpy()]
+    splits, chunk = fitted_splits(head_lens, table.cta_budget, table.split_cap, BLOCK_N)
+    assert (splits <= table.split_cap).all() and splits.sum(axis=1).max() <= table.fitted_ctas
+    written = (~mid_lse.isnan()).sum(dim=2).cpu().numpy()  # [rows, num_qo_heads]
+    assert (written == np.repeat(splits, gqa, axis=1)).all(), "kernel plan != numpy twin"
+    return splits, chunk
+
+
+DTYPES_FIT = [torch.float32, torch.bfloat16]
+
+
+@pytest.mark.parametrize("dtype", DTYPES_FIT, ids=DTYPE_IDS.get)
+@pytest.mark.parametrize("gqa", [1, 4], ids=lambda g: f"gqa{g}")
+@pytest.mark.parametrize("page_size", [1, 16], ids=lambda p: f"page{p}")
+def test_fitted_equal_lengths_on_all_groups(dtype, gqa, page_size) -> None:
+    """The uncompressed-tail case: every group of a row holds the same tokens."""
+    splits, _ = run_fitted(
+        [[70, 70, 70, 70], [33, 33, 33, 33]], dtype, page_size, gqa, seed=gqa + page_size
+    )
+    assert (splits == splits[:, :1]).all()  # equal lengths -> equal splits (balanced)
+    assert splits[0, 0] > 1
+
+
+def test_fitted_lengths_proportional_to_ratios() -> None:
+    splits, _ = run_fitted([[96, 48, 24, 12]], page_size=4, num_sms=4)
+    head_lens = np.sort(splits[0])[::-1]
+    assert head_lens[0] > head_lens[-1]  # the long group gets more splits
+
+
+def test_fitted_one_group_empty() -> None:
+    run_fitted([[0, 50, 50], [50, 0, 1]], page_size=4)
+
+
+def test_fitted_one_group_much_longer_hits_the_split_cap() -> None:
+    splits, chunk = run_fitted([[300, 2, 5, 1]], page_size=16, max_splits=3, num_sms=16)
+    # N = 128 CTAs would allow 3-token chunks; the cap of 3 splits sets ceil(300 / 3) -> 128.
+    assert splits.max() == 3 and chunk[0] == 4 * BLOCK_N
+
+
+def test_fitted_rows_of_very_different_lengths() -> None:
+    run_fitted([[1, 1, 2], [200, 180, 150], [40, 0, 90]], dtype=torch.bfloat16, page_size=16)
+
+
+def test_fitted_several_heads_per_group() -> None:
+    run_fitted([[64, 17], [5, 120]], heads_per_group=2, page_size=4, gqa=2)
+
+
+@settings(
+    max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    lens=st.lists(st.lists(st.integers(0, 130), min_size=3, max_size=3), min_size=1, max_size=3),
+    max_splits=st.integers(1, 6),
+    num_sms=st.integers(1, 8),
+)
+def test_fitted_random_lengths(lens, max_splits, num_sms) -> None:
+    run_fitted(lens, page_size=8, max_splits=max_splits, num_sms=num_sms)
