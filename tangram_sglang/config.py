@@ -202,3 +202,36 @@ def segment_grid(chunk_tokens: int, environ: dict[str, str] | None = None) -> in
             f"grid, tokens) or unset {GRID_ENV}"
         )
     return int(chunk_tokens)
+
+
+# Environment switch of the decode kernel's split plan (read once per server, at start-up).
+DECODE_PLAN_ENV = "TANGRAM_DECODE_PLAN"
+DECODE_PLANS = ("lengths", "table")
+
+
+def decode_plan(environ: dict[str, str] | None = None) -> str:
+    """The decode kernel's split plan: ``"lengths"`` (default) or ``"table"``.
+
+    ``lengths`` fits each KV head's split-KV partition to the row's real kept lengths inside the
+    kernel every step; ``table`` uses the static AOT split table (splits proportional to the
+    group ratios), kept for A/B measurement (``kernels/split_table.py``, docs/design.md §3.3).
+
+    Args:
+        environ: the environment to read (default ``os.environ``); ``TANGRAM_DECODE_PLAN`` unset
+            or empty means ``lengths``.
+
+    Returns:
+        One of :data:`DECODE_PLANS`.
+
+    Raises:
+        ConfigError: any other value.
+    """
+    raw = (os.environ if environ is None else environ).get(DECODE_PLAN_ENV, "").strip().lower()
+    if raw == "":
+        return "lengths"
+    if raw not in DECODE_PLANS:
+        raise ConfigError(
+            f"{DECODE_PLAN_ENV}={raw!r}: use 'lengths' (split fitted to each row's kept lengths, "
+            "default) or 'table' (the static AOT split table)"
+        )
+    return raw

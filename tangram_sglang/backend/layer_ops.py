@@ -4,8 +4,9 @@ No sglang import: the attention backend (``attention_backend.py``) and ``bench.p
 call the same code, so what the profiler times is what the server runs.
 
 * :class:`ReferenceKernels` (CPU, :mod:`tangram_sglang.kernels.reference`) and
-  :class:`TritonKernels` (CUDA: Triton extend, kept-KV write, AOT-split ragged decode), picked by
-  :func:`kernels_for`;
+  :class:`TritonKernels` (CUDA: Triton extend, kept-KV write, split-KV ragged decode with the
+  split fitted to the real lengths, or the static AOT table under ``TANGRAM_DECODE_PLAN=table``),
+  picked by :func:`kernels_for`;
 * :func:`extend_layer`: one layer of an extend batch (extend attention over compressed history +
   causal new tokens, scorer + per-head top-``k_g``, kept-KV write).
 
@@ -20,6 +21,7 @@ import torch
 from tangram_sglang.backend import metadata as md
 from tangram_sglang.backend.compress import batch_kept_indices
 from tangram_sglang.backend.state import TangramState
+from tangram_sglang.config import decode_plan
 from tangram_sglang.kernels import reference
 
 
@@ -65,18 +67,27 @@ class ReferenceKernels:
 
 
 class TritonKernels(ReferenceKernels):
-    """CUDA path: the Triton extend, kv-write and AOT-split ragged decode kernels.
+    """CUDA path: the Triton extend, kv-write and split-KV ragged decode kernels.
 
-    Split tables and the decode scratch are built once here (start-up); decode writes into the
-    caller's static ``out`` (no allocation per step, CUDA-graph safe).
+    Split tables (per bucket: the CTA budget, and the static AOT map) and the decode scratch are
+    built once here (start-up); decode writes into the caller's static ``out`` (no allocation
+    per step, CUDA-graph safe).
 
     Args:
         state: the server's TangramState (profile: grouping, group ratios, model shape).
         max_batch_size: largest decode batch (requests; SGLang's request rows).
         device: a CUDA device.
+        plan: the decode split plan, ``"lengths"`` (fitted to each row's kept lengths in the
+            kernel) or ``"table"`` (the static AOT table); :func:`config.decode_plan`.
     """
 
-    def __init__(self, state: TangramState, max_batch_size: int, device: torch.device) -> None:
+    def __init__(
+        self,
+        state: TangramState,
+        max_batch_size: int,
+        device: torch.device,
+        plan: str = "lengths",
+    ) -> None:
         from tangram_sglang.kernels.decode_attention import decode_scratch
         from tangram_sglang.kernels.split_table import build_split_tables
 
@@ -86,8 +97,9 @@ class TritonKernels(ReferenceKernels):
             profile.grouping, profile.group_ratios, num_sms, max_batch_size
         ).to(device)
         m = profile.model
+        self.plan = plan
         self.mid_o, self.mid_lse = decode_scratch(
-            max_batch_size, m.num_qo_heads, self.tables.max_splits, m.head_dim, device
+            max_batch_size, m.num_qo_heads, self.tables.scratch_splits, m.head_dim, device
         )
 
     def extend(
@@ -144,7 +156,7 @@ class TritonKernels(ReferenceKernels):
     def decode(
         self, q, k_pool, v_pool, page_table, group_len, rows, goh, coh, sm_scale, lid, out=None
     ):
-        """AOT-split ragged decode with layer ``lid``'s split table."""
+        """Split-KV ragged decode of layer ``lid`` (this server's plan, the bucket's table)."""
         from tangram_sglang.kernels.decode_attention import ragged_decode_attention
 
         table = self.tables.for_batch(q.shape[0]).layer(lid)
@@ -163,13 +175,21 @@ class TritonKernels(ReferenceKernels):
             out,
             self.mid_o,
             self.mid_lse,
+            plan=self.plan,
         )
 
 
 def kernels_for(device: torch.device, state: TangramState, max_batch_size: int) -> ReferenceKernels:
-    """Triton kernels on CUDA, the torch reference elsewhere (start-up)."""
+    """Triton kernels on CUDA, the torch reference elsewhere (start-up).
+
+    Reads ``TANGRAM_DECODE_PLAN`` once (:func:`config.decode_plan`; checked on every device).
+
+    Raises:
+        ConfigError: a bad ``TANGRAM_DECODE_PLAN``.
+    """
+    plan = decode_plan()
     if device.type == "cuda":
-        return TritonKernels(state, max_batch_size, device)
+        return TritonKernels(state, max_batch_size, device, plan)
     return ReferenceKernels()
 
 

@@ -7,7 +7,7 @@ the real lengths):
   (KV head, split) and processes the split's tokens of that head's group. Two plans, chosen by
   the launcher's ``plan`` (a constexpr of the kernels):
 
-  - ``"lengths"`` (default): :func:`_fitted_plan` reads the row's kept lengths
+  - ``"lengths"`` (default): :func:`_fitted_chunk` reads the row's kept lengths
     ``L_h = group_len[row, group_of_head[h]]`` of every KV head and gives every CTA one chunk of
     about ``sum_h L_h / N`` tokens (``N``: the bucket's CTA budget per row); CTA ``c`` finds its
     head by a prefix sum of the heads' split counts. ``num_ctas = min(N + H_kv, H_kv * cap)``
@@ -22,8 +22,8 @@ the real lengths):
   once for the whole GQA group. Online softmax in fp32 gives a normalised partial output and its
   LSE per (b, query head, split).
 * Stage 2, grid ``(bs, num_qo_heads)``: merge the head's split partials by log-sum-exp into
-  ``out``; under ``"lengths"`` it recomputes the split count with the same :func:`_fitted_plan`,
-  so the stages never disagree.
+  ``out``; under ``"lengths"`` it recomputes the split count with the same helpers
+  (:func:`_fitted_chunk`, :func:`_fitted_num_splits`), so the stages never disagree.
 
 Only ``group_len`` (device) and static per-bucket numbers drive the launch: no host planning, no
 host sync, no allocation (``out`` and the two scratch tensors come from the caller), so a decode
@@ -42,6 +42,7 @@ import torch
 import triton
 import triton.language as tl
 
+from tangram_sglang.config import DECODE_PLANS as PLANS
 from tangram_sglang.errors import KernelError
 from tangram_sglang.kernels import _checks
 from tangram_sglang.kernels._triton_common import (
@@ -61,36 +62,38 @@ BLOCK_N = 32
 MIN_GQA_PAD = 16
 NUM_WARPS = 4
 NUM_STAGES = 2
-PLANS = ("lengths", "table")
 
 
 @triton.jit
-def _fitted_plan(
-    group_len_ptr,
-    row,
-    stride_gl_row,
+def _fitted_chunk(
+    gl_row_ptr,
     group_of_head_ptr,
     cta_budget,
     split_cap,
     NUM_KV_HEADS: tl.constexpr,
-    KV_PAD: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
-    """Length-fitted plan of one request row (``split_table.fitted_splits`` is its numpy twin).
+    """Tokens per CTA of one request row under the length-fitted plan (a multiple of BLOCK_N).
 
-    Returns ``(lens, splits, chunk)``: int32 ``[KV_PAD]`` kept tokens and splits per KV head
-    (0 past ``NUM_KV_HEADS``) and the row's tokens per CTA (a multiple of ``BLOCK_N``).
+    ``gl_row_ptr``: the row's ``group_len`` entries. ``chunk = BLOCK_N * max(1, ceil(max(
+    ceil(total / cta_budget), ceil(longest / split_cap)) / BLOCK_N))`` over the KV heads' kept
+    lengths; ``split_table.fitted_splits`` is the numpy twin. Scalar loads in an unrolled loop:
+    no block-wide reduction, so the attention loop keeps its registers (ptxas, sm_90a).
     """
-    offs_h = tl.arange(0, KV_PAD)
-    mask_h = offs_h < NUM_KV_HEADS
-    groups = tl.load(group_of_head_ptr + offs_h, mask=mask_h, other=0)
-    lens = tl.load(group_len_ptr + row * stride_gl_row + groups, mask=mask_h, other=0)
-    total = tl.sum(lens, axis=0)
-    longest = tl.max(lens, axis=0)
+    total = 0
+    longest = 0
+    for h in tl.static_range(NUM_KV_HEADS):
+        length = tl.load(gl_row_ptr + tl.load(group_of_head_ptr + h))
+        total += length
+        longest = tl.maximum(longest, length)
     chunk = tl.maximum(tl.cdiv(total, cta_budget), tl.cdiv(longest, split_cap))
-    chunk = tl.maximum(tl.cdiv(chunk, BLOCK_N), 1) * BLOCK_N
-    splits = tl.where(mask_h, tl.maximum(tl.cdiv(lens, chunk), 1), 0)
-    return lens, splits, chunk
+    return tl.maximum(tl.cdiv(chunk, BLOCK_N), 1) * BLOCK_N
+
+
+@triton.jit
+def _fitted_num_splits(length, chunk):
+    """Splits of a KV head with ``length`` kept tokens under the row's ``chunk`` (>= 1)."""
+    return tl.maximum(tl.cdiv(length, chunk), 1)
 
 
 @triton.jit
@@ -132,7 +135,6 @@ def _decode_stage1(
     DOT_PRECISION: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
     NUM_KV_HEADS: tl.constexpr,
-    KV_PAD: tl.constexpr,
     FIT_LENGTHS: tl.constexpr,
 ):
     """One (batch entry, CTA): one split of one KV head (the module docstring's two plans)."""
@@ -140,25 +142,25 @@ def _decode_stage1(
     c = tl.program_id(1)
     row = tl.load(req_rows_ptr + b).to(tl.int64)
     if FIT_LENGTHS:
-        lens, splits, chunk = _fitted_plan(
-            group_len_ptr,
-            row,
-            stride_gl_row,
-            group_of_head_ptr,
-            cta_budget,
-            split_cap,
-            NUM_KV_HEADS,
-            KV_PAD,
-            BLOCK_N,
+        gl_row_ptr = group_len_ptr + row * stride_gl_row
+        chunk = _fitted_chunk(
+            gl_row_ptr, group_of_head_ptr, cta_budget, split_cap, NUM_KV_HEADS, BLOCK_N
         )
-        ends = tl.cumsum(splits, axis=0)  # inclusive prefix sum over the KV heads
-        if c >= tl.max(ends, axis=0):
-            return  # past the row's splits: idle CTA
-        # head = the number of heads whose splits all come before CTA c
-        head = tl.sum((ends <= c).to(tl.int32), axis=0)
-        this = tl.arange(0, KV_PAD) == head
-        split = c - tl.sum(tl.where(this, ends - splits, 0), axis=0)
-        seq_len = tl.sum(tl.where(this, lens, 0), axis=0)
+        # CTA c -> the head h with E_{h-1} <= c < E_h (E: inclusive prefix sum of the splits).
+        head = 0
+        split = 0
+        seq_len = 0
+        prefix = 0
+        for h in tl.static_range(NUM_KV_HEADS):
+            length = tl.load(gl_row_ptr + tl.load(group_of_head_ptr + h))
+            num = _fitted_num_splits(length, chunk)
+            inside = (c >= prefix) & (c < prefix + num)
+            head = tl.where(inside, h, head)
+            split = tl.where(inside, c - prefix, split)
+            seq_len = tl.where(inside, length, seq_len)
+            prefix += num
+        if c >= prefix:
+            return  # past the row's splits: an idle CTA
         group = tl.load(group_of_head_ptr + head)
     else:
         head = tl.load(cta_head_ptr + c)
@@ -241,7 +243,6 @@ def _decode_stage2(
     GQA_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     NUM_KV_HEADS: tl.constexpr,
-    KV_PAD: tl.constexpr,
     BLOCK_N: tl.constexpr,
     FIT_LENGTHS: tl.constexpr,
 ):
@@ -250,19 +251,12 @@ def _decode_stage2(
     qh = tl.program_id(1)
     if FIT_LENGTHS:
         row = tl.load(req_rows_ptr + b).to(tl.int64)
-        _, splits, _ = _fitted_plan(
-            group_len_ptr,
-            row,
-            stride_gl_row,
-            group_of_head_ptr,
-            cta_budget,
-            split_cap,
-            NUM_KV_HEADS,
-            KV_PAD,
-            BLOCK_N,
+        gl_row_ptr = group_len_ptr + row * stride_gl_row
+        chunk = _fitted_chunk(
+            gl_row_ptr, group_of_head_ptr, cta_budget, split_cap, NUM_KV_HEADS, BLOCK_N
         )
-        this = tl.arange(0, KV_PAD) == qh // GQA_SIZE
-        num_splits = tl.sum(tl.where(this, splits, 0), axis=0)
+        length = tl.load(gl_row_ptr + tl.load(group_of_head_ptr + qh // GQA_SIZE))
+        num_splits = _fitted_num_splits(length, chunk)
     else:
         num_splits = tl.load(splits_ptr + qh // GQA_SIZE)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -425,7 +419,6 @@ def ragged_decode_attention(
     fit = plan == "lengths"
     plan_consts = {
         "NUM_KV_HEADS": num_kv_heads,
-        "KV_PAD": triton.next_power_of_2(num_kv_heads),
         "FIT_LENGTHS": fit,
     }
     _decode_stage1[(bs, table.fitted_ctas if fit else table.num_ctas)](

@@ -79,7 +79,6 @@ def main(dtypes: list[str]) -> int:
             for plan in decode_attention.PLANS:
                 plan_consts = {
                     "NUM_KV_HEADS": 8,
-                    "KV_PAD": 8,
                     "FIT_LENGTHS": plan == "lengths",
                     "BLOCK_N": decode_attention.BLOCK_N,
                 }

@@ -8,13 +8,16 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from factories import random_profile
 
 from tangram_sglang.config import (
+    DECODE_PLAN_ENV,
     DEFAULT_MIN_COMPRESS_TOKENS,
     DEFAULT_PAGE_SIZE,
     SCOPES,
     TangramConfig,
+    decode_plan,
 )
 from tangram_sglang.errors import ConfigError, ProfileError
 from tangram_sglang.grouping import SCOPES as GROUPING_SCOPES
@@ -230,3 +233,22 @@ def test_summary_numbers(profile_file):
     assert "predicted capacity" in profile_loader.summary_line(summary)
     restored = profile_loader.profile_from_json(profile_loader.profile_to_json(profile))
     np.testing.assert_array_equal(restored.ratio, profile.ratio)
+
+
+def test_decode_plan_env_defaults_to_lengths_and_rejects_other_values(monkeypatch):
+    assert decode_plan({}) == "lengths"
+    assert decode_plan({DECODE_PLAN_ENV: ""}) == "lengths"
+    assert decode_plan({DECODE_PLAN_ENV: "table"}) == "table"
+    assert decode_plan({DECODE_PLAN_ENV: " Lengths "}) == "lengths"
+    with pytest.raises(
+        ConfigError, match=r"^TANGRAM_DECODE_PLAN='ratio': use 'lengths' .* 'table'"
+    ):
+        decode_plan({DECODE_PLAN_ENV: "ratio"})
+    # the server reads it at start-up through kernels_for, on every device
+    from tangram_sglang.backend.layer_ops import ReferenceKernels, kernels_for
+
+    monkeypatch.setenv(DECODE_PLAN_ENV, "table")
+    assert isinstance(kernels_for(torch.device("cpu"), None, 1), ReferenceKernels)
+    monkeypatch.setenv(DECODE_PLAN_ENV, "static")
+    with pytest.raises(ConfigError, match="TANGRAM_DECODE_PLAN='static'"):
+        kernels_for(torch.device("cpu"), None, 1)
