@@ -1,4 +1,5 @@
-"""AOT split table: proportionality, exact coverage of (head, split), the CTA-count rule."""
+"""Split plans: the AOT table (proportionality, exact coverage of (head, split), the CTA-count rule)
+and the length-fitted rule's numpy twin (exact token coverage, the grid bound, the split cap)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,8 @@ import math
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tangram_sglang.bench.synthetic import skewed_profile
 from tangram_sglang.errors import ConfigError
@@ -16,8 +19,12 @@ from tangram_sglang.kernels.split_table import (
     build_split_table,
     build_split_tables,
     cta_map,
+    fitted_cta_spans,
+    fitted_splits,
     layer_splits,
 )
+
+BLOCK_N = 32  # decode_attention.BLOCK_N (this unit test stays free of triton)
 
 
 def table_for(
@@ -97,6 +104,7 @@ def test_buckets_pick_smallest_bucket_at_least_batch() -> None:
     assert tables.for_batch(24).batch_size == 24
     assert tables.for_batch(100).batch_size == 24
     assert tables.max_splits == max(t.max_splits for t in tables.tables)
+    assert tables.scratch_splits == max(max(t.max_splits, t.split_cap) for t in tables.tables)
     assert tables.for_batch(1).num_ctas[0] >= tables.for_batch(24).num_ctas[0]
 
 
@@ -111,3 +119,64 @@ def test_bad_arguments_raise_config_error() -> None:
         build_split_table(grouping, np.array([0.5]), 132, 1)
     with pytest.raises(ConfigError, match="max_batch_size"):
         build_split_tables(grouping, grouping.group_ratios(ratio), 132, 0)
+
+
+def check_fitted_plan(lens, cta_budget, split_cap, block_n=BLOCK_N) -> None:
+    """The length-fitted rule on one row: exact coverage, the grid bound, the cap, the balance."""
+    lens = np.asarray(lens, dtype=np.int64)
+    num_kv_heads = lens.size
+    grid = min(cta_budget + num_kv_heads, num_kv_heads * split_cap)  # LayerSplits.fitted_ctas
+    splits, chunk = fitted_splits(lens, cta_budget, split_cap, block_n)
+    assert splits.sum() <= grid, "the static grid must hold every split"
+    assert (splits >= 1).all() and (splits <= split_cap).all()
+    head, start, end = fitted_cta_spans(lens, cta_budget, split_cap, block_n, grid)
+    for h in range(num_kv_heads):
+        mine = head == h
+        assert mine.sum() == splits[h]
+        covered = np.zeros(lens[h], dtype=np.int64)
+        for a, b in zip(start[mine], end[mine], strict=True):
+            assert 0 <= a <= b <= lens[h]
+            covered[a:b] += 1
+        assert (covered == 1).all(), f"head {h}: tokens covered {covered.tolist()}"
+    assert (start[head < 0] == end[head < 0]).all()  # idle CTAs do nothing
+    assert (head[: splits.sum()] >= 0).all() and (head[splits.sum() :] < 0).all()
+    assert ((end - start) <= chunk).all() and chunk % block_n == 0
+    # balance: one chunk ~ total / N (up to one block), unless the split cap binds
+    need = max(-(-int(lens.sum()) // cta_budget), -(-int(lens.max()) // split_cap), 1)
+    assert need <= chunk < need + block_n
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    lens=st.lists(st.integers(0, 5000), min_size=1, max_size=12),
+    cta_budget=st.integers(1, 1100),
+    split_cap=st.integers(1, 64),
+    block_n=st.sampled_from([1, 16, 32]),
+)
+def test_fitted_rule_covers_every_token_once_within_the_grid(
+    lens, cta_budget, split_cap, block_n
+) -> None:
+    check_fitted_plan(lens, cta_budget, split_cap, block_n)
+
+
+@pytest.mark.parametrize(
+    "lens",
+    [[800] * 8, [0] * 8, [0, 1, 0, 31, 32, 33, 64, 65], [100000, 1, 1, 1], [7]],
+    ids=["equal", "all-empty", "block-edges", "one-long", "one-head"],
+)
+def test_fitted_rule_edge_rows(lens) -> None:
+    for cta_budget in (1, 8, 17, 1056):
+        check_fitted_plan(lens, cta_budget, 64)
+
+
+def test_fitted_equal_lengths_split_evenly_and_table_carries_the_budget() -> None:
+    ratio = np.array([[0.9, 0.5, 0.2, 0.1, 0.05, 0.05, 0.3, 0.7]])
+    table = table_for(ratio, batch_size=64)
+    target = max(8, math.ceil(CTAS_PER_SM * 132 / 64))
+    assert table.cta_budget == target and table.split_cap == min(MAX_SPLITS_PER_HEAD, target)
+    view = table.layer(0)
+    assert view.fitted_ctas == min(target + 8, 8 * view.split_cap)
+    splits, chunk = fitted_splits(np.full(8, 800), view.cta_budget, view.split_cap, BLOCK_N)
+    assert (splits == splits[0]).all()  # the static table gives the 0.05 heads 1 split here
+    assert splits.sum() <= view.fitted_ctas and chunk <= -(-800 * 8 // target) + BLOCK_N
+    assert table.splits[0].min() == 1 and table.scratch_splits >= table.split_cap
