@@ -8,15 +8,17 @@ the real lengths):
   the launcher's ``plan`` (a constexpr of the kernels):
 
   - ``"lengths"`` (default): :func:`_fitted_chunk` reads the row's kept lengths
-    ``L_h = group_len[row, group_of_head[h]]`` of every KV head and gives every CTA one chunk of
-    about ``sum_h L_h / N`` tokens (``N``: the bucket's CTA budget per row); CTA ``c`` finds its
-    head by a prefix sum of the heads' split counts. ``num_ctas = min(N + H_kv, H_kv * cap)``
-    always suffices; CTAs past the row's split count exit at once. Rule, bound and source:
-    ``split_table.py``'s docstring.
+    ``L_h = group_len[row, group_of_head[h]]`` of every KV head and gives every CTA at most one
+    chunk of about ``sum_h L_h / N`` tokens (``N``: the bucket's CTA budget per row); CTA ``c``
+    finds its head by a prefix sum of the heads' split counts. A grid of
+    ``num_ctas = min(N + H_kv, H_kv * cap)`` always suffices; CTAs past the row's split count
+    exit at once. Rule, bound and sources: ``split_table.py``'s docstring.
   - ``"table"``: the static AOT table (``cta_head[c]``, ``cta_split[c]``, ``splits[head]``;
-    splits proportional to the group ratios), ``chunk = roundup(ceil(L / splits[head]),
-    BLOCK_N)``; exact when the lengths follow the ratios. Kept for A/B measurement and the
-    uniform baseline.
+    splits proportional to the group ratios); balanced when the lengths follow the ratios. Kept
+    for A/B measurement and the uniform baseline.
+
+  Either way split ``s`` of a head with ``L`` kept tokens and ``n`` splits covers tokens
+  ``[s * chunk, min(L, (s + 1) * chunk))``, ``chunk = roundup(ceil(L / n), BLOCK_N)``.
 
   All GQA query heads of the KV head are one ``[GQA_PAD, D]`` tile, so each K/V block is read
   once for the whole GQA group. Online softmax in fp32 gives a normalised partial output and its
@@ -143,20 +145,22 @@ def _decode_stage1(
     row = tl.load(req_rows_ptr + b).to(tl.int64)
     if FIT_LENGTHS:
         gl_row_ptr = group_len_ptr + row * stride_gl_row
-        chunk = _fitted_chunk(
+        row_chunk = _fitted_chunk(
             gl_row_ptr, group_of_head_ptr, cta_budget, split_cap, NUM_KV_HEADS, BLOCK_N
         )
         # CTA c -> the head h with E_{h-1} <= c < E_h (E: inclusive prefix sum of the splits).
         head = 0
         split = 0
+        num_splits = 1
         seq_len = 0
         prefix = 0
         for h in tl.static_range(NUM_KV_HEADS):
             length = tl.load(gl_row_ptr + tl.load(group_of_head_ptr + h))
-            num = _fitted_num_splits(length, chunk)
+            num = _fitted_num_splits(length, row_chunk)
             inside = (c >= prefix) & (c < prefix + num)
             head = tl.where(inside, h, head)
             split = tl.where(inside, c - prefix, split)
+            num_splits = tl.where(inside, num, num_splits)
             seq_len = tl.where(inside, length, seq_len)
             prefix += num
         if c >= prefix:
@@ -168,7 +172,8 @@ def _decode_stage1(
         num_splits = tl.load(splits_ptr + head)
         group = tl.load(group_of_head_ptr + head)
         seq_len = tl.load(group_len_ptr + row * stride_gl_row + group)
-        chunk = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+    # The head's tokens spread evenly over its splits (<= row_chunk under "lengths").
+    chunk = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
     column = tl.load(column_of_head_ptr + head)
     start = split * chunk
     end = tl.minimum(seq_len, start + chunk)

@@ -3,7 +3,9 @@
 Decode work of KV head ``h`` is proportional to its kept length, i.e. to its head group's ratio
 ``r_g`` times the context. The ratios are static (the budget profile), so the split-KV partition
 is computed once at start-up and the decode kernel only reads it: no per-step planning, no host
-sync (Tangram arXiv 2606.06302, "Ahead-of-time load balancing"; docs/design.md §3.3).
+sync (Tangram arXiv 2606.06302, "Ahead-of-time load balancing"; docs/design.md §3.3). Serving
+keeps the table's CTA budget but, by default, fits the split to the real lengths in the kernel
+(the length-fitted plan below); the table itself stays selectable (``TANGRAM_DECODE_PLAN=table``).
 
 Per layer ``l`` and batch bucket the table holds::
 
@@ -40,7 +42,7 @@ so CUDA-graph capture per batch size sees a fixed table).
 Length-fitted plan (the serving default; ``decode_attention.py``, ``plan="lengths"``)
 ------------------------------------------------------------------------------------
 
-The table is exact only when every group's kept length is its ratio times the context. Segments
+The table is balanced only when every group's kept length is its ratio times the context. Segments
 kept whole (short turns, the decode tail) give every group of a row about the same length, and
 then a low-ratio head with few splits is the straggler. So by default the decode kernel fits the
 split of each head to the row's real lengths every step, inside the kernel; only the CTA budget
@@ -51,13 +53,15 @@ is ahead of time. Per request row, ``L_h = group_len[row, group_of_head[h]]``::
     total    = sum_h L_h
     chunk    = BLOCK_N * max(1, ceil(max(ceil(total / N), ceil(max_h L_h / cap)) / BLOCK_N))
     splits_h = max(1, ceil(L_h / chunk))
+    chunk_h  = BLOCK_N * ceil(ceil(L_h / splits_h) / BLOCK_N)      (<= chunk: even within a head)
     CTA c of the row -> head h with E_{h-1} <= c < E_h (E_h = splits_0 + ... + splits_h),
-                        split c - E_{h-1}: tokens [split * chunk, min(L_h, (split + 1) * chunk))
+                        split c - E_{h-1}: tokens [split * chunk_h, min(L_h, (split + 1) * chunk_h))
 
 (FlashDecoding's fixed chunk per CTA, as FlashInfer's decode planner sizes its chunks from the
 batch's lengths, moved from the host into the kernel.) Every CTA covers at most ``chunk`` tokens,
-about ``total / N``, whatever the mix of lengths. Bound that sizes the static grid: since
-``ceil(L / chunk) <= floor(L / chunk) + 1`` and ``chunk >= total / N``,
+about ``total / N``, whatever the mix of lengths, and no split is empty:
+``(splits_h - 1) * chunk_h <= (splits_h - 1) * chunk < L_h``. The bound that sizes the static
+grid: since ``ceil(L / chunk) <= floor(L / chunk) + 1`` and ``chunk >= total / N``,
 ``sum_h splits_h <= floor(total / chunk) + H_kv <= N + H_kv``; since ``chunk >= max_h L_h / cap``,
 ``splits_h <= cap``. So the stage-1 grid is ``(bs, min(N + H_kv, H_kv * cap))`` per bucket and
 CTAs past a row's ``sum_h splits_h`` exit at once. :func:`fitted_splits` and
@@ -281,15 +285,18 @@ def fitted_splits(
         block_n: the kernel's tokens per inner block (``decode_attention.BLOCK_N``).
 
     Returns:
-        ``(splits int64 [..., num_kv_heads] in [1, split_cap], chunk int64 [...])``: each
-        head's splits and the row's tokens per CTA (a multiple of ``block_n``).
+        ``(splits, head_chunk)``, int64 ``[..., num_kv_heads]`` each: each head's splits, in
+        ``[1, split_cap]``, and tokens per split (``chunk_h``, a multiple of ``block_n``, at most
+        the row's ``chunk``).
     """
     lens = np.asarray(lens, dtype=np.int64)
     total, longest = lens.sum(axis=-1), lens.max(axis=-1)
     chunk = np.maximum(-(-total // cta_budget), -(-longest // split_cap))
     chunk = np.maximum(-(-chunk // block_n), 1) * block_n
     splits = np.maximum(-(-lens // chunk[..., None]), 1)
-    return splits, chunk
+    per_split = -(-lens // splits)
+    head_chunk = -(-per_split // block_n) * block_n
+    return splits, head_chunk
 
 
 def fitted_cta_spans(
@@ -307,15 +314,15 @@ def fitted_cta_spans(
         ``[start, end)`` of KV head ``head`` (``head = -1``: idle, the CTA exits at once).
     """
     lens = np.asarray(lens, dtype=np.int64)
-    splits, chunk = fitted_splits(lens, cta_budget, split_cap, block_n)
+    splits, head_chunk = fitted_splits(lens, cta_budget, split_cap, block_n)
     ends = np.cumsum(splits)
     c = np.arange(num_ctas)
     head = (ends[None, :] <= c[:, None]).sum(axis=1)
     busy = c < ends[-1]
     head_c = np.minimum(head, lens.size - 1)
     split = c - (ends[head_c] - splits[head_c])
-    start = np.where(busy, split * chunk, 0)
-    end = np.where(busy, np.minimum(lens[head_c], start + chunk), 0)
+    start = np.where(busy, split * head_chunk[head_c], 0)
+    end = np.where(busy, np.minimum(lens[head_c], start + head_chunk[head_c]), 0)
     return np.where(busy, head, -1), start, end
 
 

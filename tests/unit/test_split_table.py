@@ -126,7 +126,7 @@ def check_fitted_plan(lens, cta_budget, split_cap, block_n=BLOCK_N) -> None:
     lens = np.asarray(lens, dtype=np.int64)
     num_kv_heads = lens.size
     grid = min(cta_budget + num_kv_heads, num_kv_heads * split_cap)  # LayerSplits.fitted_ctas
-    splits, chunk = fitted_splits(lens, cta_budget, split_cap, block_n)
+    splits, head_chunk = fitted_splits(lens, cta_budget, split_cap, block_n)
     assert splits.sum() <= grid, "the static grid must hold every split"
     assert (splits >= 1).all() and (splits <= split_cap).all()
     head, start, end = fitted_cta_spans(lens, cta_budget, split_cap, block_n, grid)
@@ -140,10 +140,14 @@ def check_fitted_plan(lens, cta_budget, split_cap, block_n=BLOCK_N) -> None:
         assert (covered == 1).all(), f"head {h}: tokens covered {covered.tolist()}"
     assert (start[head < 0] == end[head < 0]).all()  # idle CTAs do nothing
     assert (head[: splits.sum()] >= 0).all() and (head[splits.sum() :] < 0).all()
-    assert ((end - start) <= chunk).all() and chunk % block_n == 0
-    # balance: one chunk ~ total / N (up to one block), unless the split cap binds
+    busy = head >= 0
+    assert ((end - start)[busy] <= head_chunk[head[busy]]).all() and (
+        head_chunk % block_n == 0
+    ).all()
+    assert (end[busy] > start[busy]).sum() == (splits * (lens > 0)).sum()  # no empty split
+    # balance: every CTA within one block of total / N, unless the split cap binds
     need = max(-(-int(lens.sum()) // cta_budget), -(-int(lens.max()) // split_cap), 1)
-    assert need <= chunk < need + block_n
+    assert head_chunk.max() < need + block_n
 
 
 @settings(max_examples=300, deadline=None)
@@ -178,5 +182,5 @@ def test_fitted_equal_lengths_split_evenly_and_table_carries_the_budget() -> Non
     assert view.fitted_ctas == min(target + 8, 8 * view.split_cap)
     splits, chunk = fitted_splits(np.full(8, 800), view.cta_budget, view.split_cap, BLOCK_N)
     assert (splits == splits[0]).all()  # the static table gives the 0.05 heads 1 split here
-    assert splits.sum() <= view.fitted_ctas and chunk <= -(-800 * 8 // target) + BLOCK_N
+    assert splits.sum() <= view.fitted_ctas and chunk.max() <= -(-800 * 8 // target) + BLOCK_N
     assert table.splits[0].min() == 1 and table.scratch_splits >= table.split_cap
