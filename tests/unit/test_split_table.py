@@ -184,3 +184,19 @@ def test_fitted_equal_lengths_split_evenly_and_table_carries_the_budget() -> Non
     assert (splits == splits[0]).all()  # the static table gives the 0.05 heads 1 split here
     assert splits.sum() <= view.fitted_ctas and chunk.max() <= -(-800 * 8 // target) + BLOCK_N
     assert table.splits[0].min() == 1 and table.scratch_splits >= table.split_cap
+
+
+def test_split_balance_report_on_the_llama_profile() -> None:
+    """bench.split_balance: equal lengths unbalance the table, not the length-fitted plan."""
+    from tangram_sglang.bench import split_balance
+    from tangram_sglang.integration.profile_loader import CALIBRATION_DIR
+    from tangram_sglang.profile import BudgetProfile
+
+    profile = BudgetProfile.load(CALIBRATION_DIR / split_balance.DEFAULT_PROFILE)
+    rows = {r["shape"]: r for r in split_balance.balance_rows(profile, 132, buckets=(64,))}
+    assert rows["whole"]["table_mean"] > 1.4 and rows["whole"]["lengths_mean"] < 1.1
+    for row in rows.values():
+        assert row["lengths_mean"] <= row["table_mean"] + 1e-9
+        assert row["lengths_ctas"] <= 17 + 8  # N + H_kv at bucket 64 on 132 SMs
+    assert "| whole | 64 |" in split_balance.format_rows(list(rows.values()))
+    assert split_balance.BLOCK_N == BLOCK_N

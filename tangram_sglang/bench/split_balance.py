@@ -1,0 +1,146 @@
+"""Balance of the decode split plans (CPU): a request row's longest CTA vs its balanced share.
+
+    python -m tangram_sglang.bench.split_balance                      # Llama-3.1-8B, 132 SMs
+    python -m tangram_sglang.bench.split_balance --profile P.json --num-sms 108
+
+For every batch bucket (1, 2, 4, ... 64) and layer of the profile, one request row's per-KV-head
+kept lengths ``L_h = k_g(n)`` (the profile's group of head ``h``) under a length shape, split by
+
+* ``table``: the static AOT split table (``split_table.build_split_table``; splits proportional
+  to the group ratios), split ``s`` of head ``h`` covering ``roundup(ceil(L_h / splits_h),
+  BLOCK_N)`` tokens, as the kernel's ``plan="table"``;
+* ``lengths``: the length-fitted plan (``split_table.fitted_splits``, the kernel's numpy twin).
+
+Metric: the longest CTA's tokens / ``(sum_h L_h) / C``, with ``C`` the table's CTAs per row at
+that layer and bucket (the same CTA budget for both plans); 1.0 is a perfect split, and a plan
+with more CTAs than ``C`` can go below 1. Reported as the mean and the max over layers, with each
+plan's mean CTAs per row and the mean balanced share and longest CTA in tokens (a CTA walks its
+tokens in blocks of ``BLOCK_N`` = 32, so below a few blocks per CTA the ratio mostly measures that
+granularity). A measurement of the partition (tokens per CTA), not of speed.
+
+Length shapes (``n`` in tokens): ``compressed`` = ``k_g(4096)`` (lengths proportional to the
+ratios); ``chat`` = ``k_g(1024) + 300`` (a compressed history and an uncompressed 300-token tail);
+``whole`` = 800 tokens in every group (a conversation kept whole).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import numpy as np
+
+from tangram_sglang.kernels.split_table import (
+    MAX_SPLITS_PER_HEAD,
+    build_split_table,
+    fitted_splits,
+)
+from tangram_sglang.profile import BudgetProfile
+
+BLOCK_N = 32  # kernels.decode_attention.BLOCK_N (kept free of the triton import)
+BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+DEFAULT_PROFILE = "synthetic/llama3.1-8b-ada-snapkv-r0.25.json"  # under calibration/
+H200_SMS = 132
+
+
+def shape_lengths(profile: BudgetProfile, shape: str) -> np.ndarray:
+    """int64 ``[num_layers, num_kv_heads]``: one row's kept tokens per KV head for ``shape``.
+
+    Raises:
+        ValueError: an unknown shape (``compressed``, ``chat`` or ``whole``).
+    """
+    cluster_of = profile.grouping.cluster_of
+    if shape == "compressed":
+        return profile.group_kept_array(4096)[cluster_of]
+    if shape == "chat":
+        return profile.group_kept_array(1024)[cluster_of] + 300
+    if shape == "whole":
+        return np.full(cluster_of.shape, 800, dtype=np.int64)
+    raise ValueError(f"shape {shape!r}: use compressed, chat or whole")
+
+
+def longest_ctas(
+    lens: np.ndarray, profile: BudgetProfile, num_sms: int, bucket: int
+) -> dict[str, np.ndarray]:
+    """Per layer: the longest CTA's tokens under each plan, the table's CTAs, the plans' CTAs.
+
+    Args:
+        lens: int ``[num_layers, num_kv_heads]`` kept tokens of one request row.
+        profile: the budget profile (grouping, group ratios).
+        num_sms: the device's SM count. bucket: the batch bucket (requests per launch).
+
+    Returns:
+        float64 ``[num_layers]`` arrays ``table``, ``lengths`` (longest CTA, tokens),
+        ``table_ctas`` and ``lengths_ctas`` (CTAs per row that do work).
+    """
+    table = build_split_table(profile.grouping, profile.group_ratios, num_sms, bucket)
+    splits = table.splits.numpy().astype(np.int64)
+    per_split = -(-lens // splits)
+    table_chunk = -(-per_split // BLOCK_N) * BLOCK_N
+    fit, fit_chunk = fitted_splits(lens, table.cta_budget, table.split_cap, BLOCK_N)
+    return {
+        "table": np.minimum(lens, table_chunk).max(axis=1).astype(np.float64),
+        "lengths": np.minimum(lens, fit_chunk).max(axis=1).astype(np.float64),
+        "table_ctas": np.asarray(table.num_ctas, dtype=np.float64),
+        "lengths_ctas": fit.sum(axis=1).astype(np.float64),
+    }
+
+
+def balance_rows(profile: BudgetProfile, num_sms: int = H200_SMS, buckets=BUCKETS) -> list[dict]:
+    """One dict per (shape, bucket): mean/max over layers of longest CTA / balanced share."""
+    rows = []
+    for shape in ("compressed", "chat", "whole"):
+        lens = shape_lengths(profile, shape)
+        for bucket in buckets:
+            r = longest_ctas(lens, profile, num_sms, bucket)
+            share = lens.sum(axis=1) / r["table_ctas"]
+            row = {"shape": shape, "bucket": bucket, "share": float(share.mean())}
+            for plan in ("table", "lengths"):
+                ratio = r[plan] / share
+                row |= {
+                    f"{plan}_tokens": float(r[plan].mean()),
+                    f"{plan}_mean": float(ratio.mean()),
+                    f"{plan}_max": float(ratio.max()),
+                    f"{plan}_ctas": float(r[f"{plan}_ctas"].mean()),
+                }
+            rows.append(row)
+    return rows
+
+
+def format_rows(rows: list[dict]) -> str:
+    """A markdown table of :func:`balance_rows`."""
+    lines = [
+        "| shape | bucket | balanced share (tokens) | table: longest/balanced, mean (max) "
+        "| longest (tokens) | CTAs/row | lengths: longest/balanced, mean (max) "
+        "| longest (tokens) | CTAs/row |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['shape']} | {r['bucket']} | {r['share']:.0f} "
+            f"| {r['table_mean']:.2f} ({r['table_max']:.2f}) | {r['table_tokens']:.0f} "
+            f"| {r['table_ctas']:.1f} | {r['lengths_mean']:.2f} ({r['lengths_max']:.2f}) "
+            f"| {r['lengths_tokens']:.0f} | {r['lengths_ctas']:.1f} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from tangram_sglang.integration.profile_loader import CALIBRATION_DIR
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--profile", default=str(CALIBRATION_DIR / DEFAULT_PROFILE))
+    parser.add_argument("--num-sms", type=int, default=H200_SMS)
+    args = parser.parse_args(argv)
+    profile = BudgetProfile.load(args.profile)
+    print(
+        f"profile {args.profile}: {profile.model.num_layers} layers, "
+        f"{profile.model.num_kv_heads} KV heads, {profile.grouping.num_head_groups} head groups; "
+        f"{args.num_sms} SMs, BLOCK_N {BLOCK_N}, split cap {MAX_SPLITS_PER_HEAD}"
+    )
+    print(format_rows(balance_rows(profile, args.num_sms)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
