@@ -1,6 +1,7 @@
 """GPU side of ``bench/kernels.py``: build each case's buffers, run and time every method.
 
-Timing: Tangram AOT, uniform split and SGLang's Triton decode are captured in one CUDA graph per
+Timing: Tangram (length-fitted plan, AOT table, uniform table) and SGLang's Triton decode are
+captured in one CUDA graph per
 method (the replicas in sequence, repeated to at least ``MIN_CALLS`` launches) and replayed;
 the median replay time over the launches is the per-call time (CUDA events). FlashInfer's
 ``plan()`` + ``run()`` cannot be captured (plan is host work), so it is timed eagerly with
@@ -115,14 +116,18 @@ class RaggedState:
         self.q = torch.randn(case.batch, NUM_QO_HEADS, HEAD_DIM, device=dev).to(torch.bfloat16)
         self.case = case
 
-    def decode_calls(self, uniform: bool) -> tuple[list, torch.Tensor]:
-        """One decode launch per replica (AOT or uniform table) and the output they write."""
+    def decode_calls(self, uniform: bool, plan: str = "table") -> tuple[list, torch.Tensor]:
+        """One decode launch per replica and the output they write.
+
+        ``plan="table"`` with the AOT (or ``uniform``) table, or ``plan="lengths"`` (the split
+        fitted to the real lengths in the kernel; the AOT table gives its CTA budget).
+        """
         table = build_split_table(
             self.grouping, self.group_ratios, self.num_sms, self.case.batch, uniform=uniform
         ).to("cuda")
         view = table.layer(0)
         mid_o, mid_lse = decode_scratch(
-            self.case.batch, NUM_QO_HEADS, view.max_splits, HEAD_DIM, "cuda"
+            self.case.batch, NUM_QO_HEADS, table.scratch_splits, HEAD_DIM, "cuda"
         )
         out = torch.empty_like(self.q)
         calls = [
@@ -141,6 +146,7 @@ class RaggedState:
                 out,
                 mid_o,
                 mid_lse,
+                plan,
             )
             for rows in self.req_rows
         ]
@@ -288,9 +294,14 @@ def run_case(case: Case, num_sms: int, copy_gbs: float, full_cache: dict) -> Non
     r["uniform_ms"] = time_graph(uni_calls)
     uni_calls[0]()
     r["uniform_vs_aot_rel_err"] = rel_err(uni_out, aot_out)
+    fit_calls, fit_out = state.decode_calls(uniform=False, plan="lengths")
+    r["lengths_ms"] = time_graph(fit_calls)
+    fit_calls[0]()
+    r["lengths_vs_aot_rel_err"] = rel_err(fit_out, aot_out)
     r["aot_has_nan"] = bool(aot_out.isnan().any())
+    r["lengths_has_nan"] = bool(fit_out.isnan().any())
     r |= run_flashinfer(state, aot_out)
-    del state, aot_calls, uni_calls
+    del state, aot_calls, uni_calls, fit_calls
     torch.cuda.empty_cache()
     key = (case.batch, case.context)
     if key not in full_cache:
@@ -298,7 +309,7 @@ def run_case(case: Case, num_sms: int, copy_gbs: float, full_cache: dict) -> Non
         torch.cuda.empty_cache()
     r |= full_cache[key]
     r["roofline_ms"] = case.kept_kv_bytes / (copy_gbs * 1e9) * 1e3
-    for name in ("aot", "uniform"):
+    for name in ("lengths", "aot", "uniform"):
         r[f"{name}_gbs"] = case.kept_kv_bytes / (r[f"{name}_ms"] * 1e-3) / 1e9
     r["aot_bw_fraction"] = r["aot_gbs"] / copy_gbs
     if r.get("sglang_full_kv_ms"):
@@ -324,7 +335,7 @@ def run_all(cases: list[Case], on_case=None) -> dict[str, Any]:
             case.skipped = f"CUDA out of memory: {str(exc).splitlines()[0]}"
             torch.cuda.empty_cache()
         print(
-            f"batch {case.batch} context {case.context} budget {case.budget}: "
+            f"{case.shape} batch {case.batch} context {case.context} budget {case.budget}: "
             f"{case.results or case.skipped}",
             flush=True,
         )

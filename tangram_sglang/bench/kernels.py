@@ -1,4 +1,4 @@
-"""Decode-attention benchmark: Tangram AOT vs uniform split vs FlashInfer vs SGLang full KV.
+"""Decode-attention benchmark: Tangram (length-fitted, AOT table, uniform) vs FlashInfer vs SGLang.
 
     python -m tangram_sglang.bench.kernels --json benchmarks/results/kernels-h200.json
     python -m tangram_sglang.bench.kernels --quick --json /tmp/kernels-quick.json   # smoke run
@@ -7,9 +7,13 @@
 Llama-3.1-8B decode shapes (32 query heads, 8 KV heads, head_dim 128, bf16, page_size 16), batch
 in {1, 8, 32, 128} x context in {8k, 32k, 128k} tokens x budget {50%, 25%}; per-head ratios of
 one layer of a skewed profile (``--profile`` file, else ``bench.synthetic.skewed_profile``)
-rescaled to each budget; kept tokens per head = ``profile.kept_len``. Side by side, one run:
+rescaled to each budget; kept tokens per head = ``profile.kept_len`` (shape ``ratios``), and the
+same total spread evenly over the heads (shape ``equal``: the chat case, where short turns and the
+decode tail are kept whole and every group holds about the same tokens). Side by side, one run:
 
-* ``aot``: :func:`ragged_decode_attention` with the AOT split table (CUDA-graph replay);
+* ``lengths``: :func:`ragged_decode_attention` with ``plan="lengths"`` (split fitted to the real
+  lengths in the kernel; the serving default; CUDA-graph replay);
+* ``aot``: the same kernel with the static AOT split table, ``plan="table"`` (CUDA-graph replay);
 * ``uniform``: the same kernel with the uniform split table (CUDA-graph replay);
 * ``flashinfer``: FlashInfer 0.6.15's ``BatchDecodeWithPagedKVCacheWrapper`` over the same ragged
   heads (every (request, KV head) one sequence with 1 KV head and 4 query heads), per-step
@@ -42,7 +46,8 @@ NUM_QO_HEADS, NUM_KV_HEADS, HEAD_DIM, PAGE_SIZE, DTYPE_BYTES = 32, 8, 128, 16, 2
 BATCHES = (1, 8, 32, 128)
 CONTEXTS = (8192, 32768, 131072)
 BUDGETS = (0.25, 0.5)  # 25% first: the headline target, if the time budget runs out
-QUICK = {"batches": (1, 8), "contexts": (8192,), "budgets": (0.25,)}
+SHAPES = ("ratios", "equal")  # kept lengths proportional to the head ratios / equal on all heads
+QUICK = {"batches": (1, 8), "contexts": (8192,), "budgets": (0.25,), "shapes": SHAPES}
 # 4 x the H200's 50 MiB L2: replicate smaller inputs so each timed call reads cold HBM.
 ROTATE_BYTES = 256 << 20
 MAX_REPLICAS = 32
@@ -56,6 +61,7 @@ class Case:
     batch: int  # requests
     context: int  # logical tokens per request
     budget: float  # target mean kept fraction
+    shape: str  # "ratios" (kept tokens follow the head ratios) or "equal" (same on every head)
     ratios: list[float]  # per-KV-head ratio of the benchmarked layer
     kept_tokens: list[int]  # per-KV-head kept tokens of one request
     kept_kv_bytes: int  # K + V bytes the kept tokens occupy (one layer, whole batch)
@@ -87,9 +93,22 @@ def replicas_for(nbytes: int) -> int:
     return max(1, min(MAX_REPLICAS, math.ceil(ROTATE_BYTES / max(1, nbytes))))
 
 
-def make_case(batch: int, context: int, budget: float, ratios: np.ndarray, sink: int, window: int):
-    """A :class:`Case` with its kept lengths, byte counts, replicas and peak memory."""
+def make_case(
+    batch: int,
+    context: int,
+    budget: float,
+    ratios: np.ndarray,
+    sink: int,
+    window: int,
+    shape: str = "ratios",
+):
+    """A :class:`Case` with its kept lengths, byte counts, replicas and peak memory.
+
+    ``shape="equal"`` gives every head the mean of the ``ratios`` kept lengths (same total).
+    """
     kept = [kept_len(context, float(r), sink, window) for r in ratios]
+    if shape == "equal":
+        kept = [round(sum(kept) / len(kept))] * len(kept)
     token_bytes = HEAD_DIM * DTYPE_BYTES * 2  # K and V of one token of one head
     kept_bytes = batch * sum(kept) * token_bytes
     full_bytes = batch * context * NUM_KV_HEADS * token_bytes
@@ -100,6 +119,7 @@ def make_case(batch: int, context: int, budget: float, ratios: np.ndarray, sink:
         batch,
         context,
         budget,
+        shape,
         [float(r) for r in ratios],
         kept,
         kept_bytes,
@@ -116,21 +136,29 @@ def plan_cases(
     contexts=CONTEXTS,
     budgets=BUDGETS,
     max_gib: float = DEFAULT_MAX_GIB,
+    shapes=SHAPES,
 ) -> list[Case]:
-    """Every (batch, context, budget) case; the ones over ``max_gib`` carry a skip note."""
+    """Every (budget, shape, batch, context) case; the ones over ``max_gib`` carry a skip note."""
     cases = []
     for budget in budgets:
         _, ratios = layer_ratios(profile, budget)
-        for batch in batches:
-            for context in contexts:
-                case = make_case(
-                    batch, context, budget, ratios, profile.sink_tokens, profile.recent_window
-                )
-                if case.peak_bytes > max_gib * (1 << 30):
-                    case.skipped = (
-                        f"needs {case.peak_bytes / (1 << 30):.1f} GiB > --max-gib {max_gib}"
+        for shape in shapes:
+            for batch in batches:
+                for context in contexts:
+                    case = make_case(
+                        batch,
+                        context,
+                        budget,
+                        ratios,
+                        profile.sink_tokens,
+                        profile.recent_window,
+                        shape,
                     )
-                cases.append(case)
+                    if case.peak_bytes > max_gib * (1 << 30):
+                        case.skipped = (
+                            f"needs {case.peak_bytes / (1 << 30):.1f} GiB > --max-gib {max_gib}"
+                        )
+                    cases.append(case)
     return cases
 
 
@@ -142,10 +170,14 @@ def _geomean(values: list[float]) -> float | None:
 def summarize(cases: list[Case]) -> dict[str, Any]:
     """The summary block: geomean speedups and the median bandwidth fraction.
 
-    ``tangram_vs_full_kv_speedup_at_25pct_geomean`` is over 25% cases with batch >= 32 (the
-    issue's target); ``..._all_batches`` adds the small batches.
+    Over the ``ratios``-shaped cases (comparable across runs), except
+    ``lengths_vs_aot_speedup_equal_geomean`` (the ``equal``-shaped cases: AOT table time /
+    length-fitted time). ``tangram_vs_full_kv_speedup_at_25pct_geomean`` is over 25% cases with
+    batch >= 32 (the issue's target); ``..._all_batches`` adds the small batches.
     """
-    ran = [c for c in cases if not c.skipped and c.results.get("aot_ms")]
+    done = [c for c in cases if not c.skipped and c.results.get("aot_ms")]
+    ran = [c for c in done if c.shape == "ratios"]
+    equal = [c for c in done if c.shape == "equal"]
 
     def ratio(c: Case, num: str, den: str) -> float | None:
         a, b = c.results.get(num), c.results.get(den)
@@ -157,6 +189,10 @@ def summarize(cases: list[Case]) -> dict[str, Any]:
         "num_cases": len(cases),
         "num_ran": len(ran),
         "aot_vs_uniform_speedup_geomean": _geomean([ratio(c, "uniform_ms", "aot_ms") for c in ran]),
+        "lengths_vs_aot_speedup_geomean": _geomean([ratio(c, "aot_ms", "lengths_ms") for c in ran]),
+        "lengths_vs_aot_speedup_equal_geomean": _geomean(
+            [ratio(c, "aot_ms", "lengths_ms") for c in equal]
+        ),
         "tangram_vs_full_kv_speedup_at_25pct_geomean": _geomean(
             [ratio(c, "sglang_full_kv_ms", "aot_ms") for c in at25 if c.batch >= 32]
         ),
@@ -191,27 +227,31 @@ def load_profile(path: str | None) -> BudgetProfile:
 
 def table_line(c: Case) -> str:
     """One row of the printed summary table."""
+    head = f"{c.shape:>6} {c.batch:>5} {c.context:>7} {c.budget:>5.2f}"
     if c.skipped:
-        return f"{c.batch:>5} {c.context:>7} {c.budget:>5.2f}  skipped: {c.skipped}"
+        return f"{head}  skipped: {c.skipped}"
     r = c.results
     if not r:
         kept = sum(c.kept_tokens) / (len(c.kept_tokens) * c.context)
         return (
-            f"{c.batch:>5} {c.context:>7} {c.budget:>5.2f}  planned: kept {kept:.3f} of full KV, "
+            f"{head}  planned: kept {kept:.3f} of full KV, "
             f"peak {c.peak_bytes / (1 << 30):.1f} GiB, replicas {c.replicas_kept}/{c.replicas_full}"
         )
 
     def fmt(key: str) -> str:
         return f"{r[key]:8.3f}" if isinstance(r.get(key), float) else f"{'-':>8}"
 
-    keys = ("aot_ms", "uniform_ms", "flashinfer_ms", "sglang_full_kv_ms", "roofline_ms")
+    keys = (
+        "lengths_ms",
+        "aot_ms",
+        "uniform_ms",
+        "flashinfer_ms",
+        "sglang_full_kv_ms",
+        "roofline_ms",
+    )
     frac = r.get("aot_bw_fraction")
     frac_text = f"{frac:5.2f}" if frac else "    -"
-    return (
-        f"{c.batch:>5} {c.context:>7} {c.budget:>5.2f} "
-        + " ".join(map(fmt, keys))
-        + (f" {frac_text}")
-    )
+    return f"{head} " + " ".join(map(fmt, keys)) + (f" {frac_text}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -234,7 +274,9 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         meta |= kernel_runners.run_all(cases, on_case=lambda: write_json(args.json, cases, meta))
     doc = write_json(args.json, cases, meta)
-    print("batch context budget   aot_ms  unif_ms   fi_ms  full_ms  roof_ms  bw_frac")
+    print(
+        " shape batch context budget  len_ms   aot_ms  unif_ms    fi_ms  full_ms  roof_ms bw_frac"
+    )
     for case in cases:
         print(table_line(case))
     print(json.dumps(doc["summary"], indent=1))

@@ -19,11 +19,25 @@ def profile():
 
 def test_plan_covers_the_issue_grid_with_rescaled_budgets() -> None:
     cases = bench.plan_cases(profile())
-    assert len(cases) == 4 * 3 * 2
-    assert {(c.batch, c.context, c.budget) for c in cases} == {
-        (b, n, r) for b in bench.BATCHES for n in bench.CONTEXTS for r in bench.BUDGETS
+    assert len(cases) == 4 * 3 * 2 * 2
+    assert {(c.batch, c.context, c.budget, c.shape) for c in cases} == {
+        (b, n, r, s)
+        for b in bench.BATCHES
+        for n in bench.CONTEXTS
+        for r in bench.BUDGETS
+        for s in bench.SHAPES
     }
     for case in cases:
+        if case.shape == "equal":  # the chat shape: every head keeps the same tokens
+            assert len(set(case.kept_tokens)) == 1
+            twin = next(
+                c
+                for c in cases
+                if (c.shape, c.batch, c.context, c.budget)
+                == ("ratios", case.batch, case.context, case.budget)
+            )
+            assert abs(sum(case.kept_tokens) - sum(twin.kept_tokens)) <= 4
+            continue
         assert len(case.kept_tokens) == bench.NUM_KV_HEADS
         assert abs(np.mean(case.ratios) - case.budget) < 1e-6
         assert max(case.ratios) / min(case.ratios) > 2  # skewed heads
@@ -34,7 +48,12 @@ def test_plan_covers_the_issue_grid_with_rescaled_budgets() -> None:
 
 def test_small_inputs_are_replicated_past_l2_and_big_cases_skipped() -> None:
     cases = bench.plan_cases(
-        profile(), batches=(1, 128), contexts=(8192, 131072), budgets=(0.25,), max_gib=16
+        profile(),
+        batches=(1, 128),
+        contexts=(8192, 131072),
+        budgets=(0.25,),
+        max_gib=16,
+        shapes=("ratios",),
     )
     small = next(c for c in cases if c.batch == 1 and c.context == 8192)
     assert small.replicas_kept * small.kept_kv_bytes >= bench.ROTATE_BYTES
@@ -44,8 +63,9 @@ def test_small_inputs_are_replicated_past_l2_and_big_cases_skipped() -> None:
     assert "--max-gib 16" in big.skipped
 
 
-def fake_results(case, aot, uniform, full, frac):
+def fake_results(case, aot, uniform, full, frac, lengths=None):
     case.results = {
+        "lengths_ms": lengths or aot,
         "aot_ms": aot,
         "uniform_ms": uniform,
         "sglang_full_kv_ms": full,
@@ -56,13 +76,19 @@ def fake_results(case, aot, uniform, full, frac):
 
 def test_summary_geomeans_and_median() -> None:
     cases = bench.plan_cases(profile(), batches=(8, 32), contexts=(8192,), budgets=(0.25, 0.5))
+    ratio_cases = [c for c in cases if c.shape == "ratios"]
     for case, (aot, uni, full, frac) in zip(
-        cases,
+        ratio_cases,
         [(1.0, 2.0, 4.0, 0.7), (1.0, 1.0, 3.0, 0.8), (2.0, 8.0, 4.0, 0.9), (1.0, 1.0, 1.0, 0.6)],
         strict=True,
     ):
         fake_results(case, aot, uni, full, frac)
+    for case in cases:
+        if case.shape == "equal":  # kept out of the headline numbers
+            fake_results(case, 3.0, 100.0, 0.01, 0.01, lengths=2.0)
     summary = bench.summarize(cases)
+    assert math.isclose(summary["lengths_vs_aot_speedup_geomean"], 1.0)
+    assert math.isclose(summary["lengths_vs_aot_speedup_equal_geomean"], 1.5)
     assert math.isclose(summary["aot_vs_uniform_speedup_geomean"], (2 * 1 * 4 * 1) ** 0.25)
     # 25% cases are batches 8 and 32; only batch >= 32 counts for the target
     assert math.isclose(summary["tangram_vs_full_kv_speedup_at_25pct_geomean"], 3.0)
@@ -78,7 +104,7 @@ def test_plan_only_cli_writes_json(tmp_path, capsys) -> None:
     assert bench.main(["--plan-only", "--quick", "--json", str(out)]) == 0
     doc = json.loads(out.read_text())
     assert set(doc) == {"meta", "cases", "summary"}
-    assert len(doc["cases"]) == 2 and doc["summary"]["num_ran"] == 0
+    assert len(doc["cases"]) == 4 and doc["summary"]["num_ran"] == 0
     assert "planned" in capsys.readouterr().out
 
 
