@@ -60,7 +60,7 @@ def test_decode_step_captured_on_padding_replays_real_batches():
     profile = state.profile
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     tables = build_split_tables(profile.grouping, profile.group_ratios, sms, 8).to(DEV)
-    mid_o, mid_lse = decode_scratch(8, HQ, tables.max_splits, D, DEV)
+    mid_o, mid_lse = decode_scratch(8, HQ, tables.scratch_splits, D, DEV)
     buf = md.DecodeGraphBuffers.create(8, mem.num_head_groups, HQ, D, torch.bfloat16, DEV)
     q = torch.zeros(BS, HQ, D, dtype=torch.bfloat16, device=DEV)
     k = torch.zeros(BS, HKV, D, dtype=torch.bfloat16, device=DEV)

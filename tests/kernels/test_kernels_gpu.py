@@ -2,7 +2,8 @@
 
 Llama-3.1-8B shapes (32 query heads, 8 KV heads, head_dim 128) and SmolLM2 shapes (9/3, 64),
 bf16, thousands of kept tokens per group, against the torch reference on the same GPU; plus a
-CUDA-graph capture/replay of the decode launch with lengths changed between replays.
+CUDA-graph capture/replay of the decode launch with lengths changed between replays (both split
+plans; under the length-fitted one the replay re-plans from the new lengths inside the kernel).
 """
 
 from __future__ import annotations
@@ -13,7 +14,11 @@ import torch
 from kernel_cases import make_paged_layer, rel_err
 
 from tangram_sglang.grouping import HeadGrouping
-from tangram_sglang.kernels.decode_attention import decode_scratch, ragged_decode_attention
+from tangram_sglang.kernels.decode_attention import (
+    BLOCK_N,
+    decode_scratch,
+    ragged_decode_attention,
+)
 from tangram_sglang.kernels.extend_attention import ragged_extend_attention
 from tangram_sglang.kernels.kv_write import write_kept_kv
 from tangram_sglang.kernels.reference import (
@@ -21,7 +26,7 @@ from tangram_sglang.kernels.reference import (
     extend_reference,
     kv_write_reference,
 )
-from tangram_sglang.kernels.split_table import build_split_table
+from tangram_sglang.kernels.split_table import build_split_table, fitted_splits
 
 pytestmark = pytest.mark.gpu
 
@@ -75,10 +80,14 @@ def as_f32(args):
     return [a.float() if a.is_floating_point() else a for a in args]
 
 
+PLANS = {"aot": (False, "table"), "uniform": (True, "table"), "lengths": (False, "lengths")}
+
+
 @pytest.mark.parametrize("geometry", list(GEOMETRIES))
 @pytest.mark.parametrize("page_size", [1, 16, 64], ids=lambda p: f"page{p}")
-@pytest.mark.parametrize("uniform", [False, True], ids=["aot", "uniform"])
-def test_decode_full_size(geometry, page_size, uniform) -> None:
+@pytest.mark.parametrize("plan", list(PLANS))
+def test_decode_full_size(geometry, page_size, plan) -> None:
+    uniform, plan_arg = PLANS[plan]
     num_kv_heads, gqa, head_dim = GEOMETRIES[geometry]
     rows, batch = 24, 16
     layer, ratios = skewed_layer(num_kv_heads, head_dim, page_size, rows, 8192, seed=page_size)
@@ -86,22 +95,27 @@ def test_decode_full_size(geometry, page_size, uniform) -> None:
     view = table_for(ratios, batch, uniform)
     q = torch.randn(batch, num_kv_heads * gqa, head_dim, device=DEV, dtype=torch.bfloat16)
     out = torch.full_like(q, float("nan"))
-    mid_o, mid_lse = decode_scratch(batch, q.shape[1], view.max_splits, head_dim, DEV)
-    ragged_decode_attention(q, *paging(layer, req_rows), view, head_dim**-0.5, out, mid_o, mid_lse)
+    splits = max(view.max_splits, view.split_cap)
+    mid_o, mid_lse = decode_scratch(batch, q.shape[1], splits, head_dim, DEV)
+    ragged_decode_attention(
+        q, *paging(layer, req_rows), view, head_dim**-0.5, out, mid_o, mid_lse, plan_arg
+    )
     want = decode_reference(q.float(), *as_f32(paging(layer, req_rows)), head_dim**-0.5)
     assert not out.isnan().any()
     assert rel_err(out, want) < 1e-2
 
 
-def test_decode_cuda_graph_replay_follows_new_lengths() -> None:
+@pytest.mark.parametrize("plan", ["table", "lengths"])
+def test_decode_cuda_graph_replay_follows_new_lengths(plan) -> None:
     num_kv_heads, gqa, head_dim = GEOMETRIES["llama"]
     layer, ratios = skewed_layer(num_kv_heads, head_dim, 16, 8, 4096, seed=1)
     req_rows = torch.arange(8, dtype=torch.int32, device=DEV)
     view = table_for(ratios, 8, uniform=False)
     q = torch.randn(8, num_kv_heads * gqa, head_dim, device=DEV, dtype=torch.bfloat16)
     out = torch.empty_like(q)
-    mid_o, mid_lse = decode_scratch(8, q.shape[1], view.max_splits, head_dim, DEV)
-    args = (q, *paging(layer, req_rows), view, head_dim**-0.5, out, mid_o, mid_lse)
+    splits = max(view.max_splits, view.split_cap)
+    mid_o, mid_lse = decode_scratch(8, q.shape[1], splits, head_dim, DEV)
+    args = (q, *paging(layer, req_rows), view, head_dim**-0.5, out, mid_o, mid_lse, plan)
     ragged_decode_attention(*args)  # compile outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
@@ -115,6 +129,48 @@ def test_decode_cuda_graph_replay_follows_new_lengths() -> None:
         torch.cuda.synchronize()
         want = decode_reference(q.float(), *as_f32(paging(layer, req_rows)), head_dim**-0.5)
         assert not out.isnan().any() and rel_err(out, want) < 1e-2
+
+
+def test_fitted_decode_equal_lengths_in_a_cuda_graph() -> None:
+    """The chat case (every group of a row holds the same tokens), captured once and replayed
+    with equal lengths, then skewed ones, then one long group: the length-fitted plan re-plans
+    inside the graph and matches the reference; its split counts match the numpy twin."""
+    num_kv_heads, gqa, head_dim = GEOMETRIES["llama"]
+    rows = 16
+    lens = np.full((rows, num_kv_heads), 1500)
+    lens[:, 0] = 6000  # page room for the later steps' longer group
+    layer = make_paged_layer(lens, num_kv_heads, 1, 16, head_dim, torch.bfloat16, seed=7)
+    ratios = np.linspace(0.9, 0.05, num_kv_heads)  # the table would split these unevenly
+    view = table_for(ratios, rows, uniform=False)
+    req_rows = torch.arange(rows, dtype=torch.int32, device=DEV)
+    q = torch.randn(rows, num_kv_heads * gqa, head_dim, device=DEV, dtype=torch.bfloat16)
+    out = torch.empty_like(q)
+    mid_o, mid_lse = decode_scratch(rows, q.shape[1], view.split_cap, head_dim, DEV)
+    args = (q, *paging(layer, req_rows), view, head_dim**-0.5, out, mid_o, mid_lse, "lengths")
+    ragged_decode_attention(*args)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        ragged_decode_attention(*args)
+    rng = np.random.default_rng(0)
+    steps = [
+        np.full((rows, num_kv_heads), 1500),
+        rng.integers(0, 1500, (rows, num_kv_heads)),
+        np.where(np.arange(num_kv_heads) == 0, 6000, 3)[None].repeat(rows, 0),
+    ]
+    for step in steps:
+        layer.group_len.copy_(torch.as_tensor(step, dtype=torch.int32))
+        q.copy_(torch.randn_like(q))
+        out.fill_(float("nan"))
+        mid_lse.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        want = decode_reference(q.float(), *as_f32(paging(layer, req_rows)), head_dim**-0.5)
+        assert not out.isnan().any() and rel_err(out, want) < 1e-2
+        head_lens = step[:, layer.group_of_head.cpu().numpy()]
+        splits, _ = fitted_splits(head_lens, view.cta_budget, view.split_cap, BLOCK_N)
+        written = (~mid_lse.isnan()).sum(dim=2).cpu().numpy()
+        assert (written == np.repeat(splits, gqa, axis=1)).all()
 
 
 @pytest.mark.parametrize("geometry", list(GEOMETRIES))
