@@ -57,8 +57,8 @@ from tangram_sglang.kernels.split_table import LayerSplits
 
 # Tokens per inner-loop block. 32 (as SGLang's grouped decode kernel) keeps the K and V tiles,
 # the gathered page offsets and the fp32 accumulator in registers without spills: ptxas for
-# sm_90a reports 122 registers at head_dim 64 and 166 at 128 (BLOCK_N = 64: 226 and 255 with
-# spills), i.e. 3-4 CTAs of 4 warps per SM.
+# sm_90a reports 128 registers at head_dim 64 and 160 (plan "lengths") / 166 ("table") at 128
+# (BLOCK_N = 64: 226 and 255 with spills), i.e. 3-4 CTAs of 4 warps per SM.
 BLOCK_N = 32
 # tl.dot needs M >= 16: the GQA query heads of a KV head are padded to at least 16 rows.
 MIN_GQA_PAD = 16

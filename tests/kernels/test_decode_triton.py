@@ -345,3 +345,10 @@ def test_fitted_several_heads_per_group() -> None:
 )
 def test_fitted_random_lengths(lens, max_splits, num_sms) -> None:
     run_fitted(lens, page_size=8, max_splits=max_splits, num_sms=num_sms)
+
+
+def test_numpy_twins_use_the_kernel_block() -> None:
+    """bench.split_balance (and the plan's unit tests) copy BLOCK_N to stay free of triton."""
+    from tangram_sglang.bench import split_balance
+
+    assert split_balance.BLOCK_N == BLOCK_N
