@@ -11,7 +11,8 @@
 #   ... later: cat /tmp/ns/progress; cp /tmp/ns/never-slower.json $OUT/
 # Env: SYSTEMS (space-separated bench.multiturn systems, default below; tangram:1.0 runs the
 #      workloads in WL1), WL (workloads), WL1 (workloads of tangram:1.0), T (per-workload
-#      timeout, s), CAP_S (each system's bench, s), R (result folder).
+#      timeout, s), CAP_S (each system's bench, s), R (result folder), BENCH_ARGS (more
+#      bench.multiturn flags, e.g. "--context-tokens 16384" for mixed:N).
 set -u
 R=${R:-/tmp/ns}
 mkdir -p "$R"
@@ -29,7 +30,8 @@ for sys in $SYSTEMS; do
     --model-path "$MODEL" --device cuda --profile "$PROFILE" --systems "$sys" \
     --server-args "$COMMON" --baseline-args "--attention-backend triton" \
     --workloads "$wl" --main-workload "${main/:/-}" --workload-timeout-s "${T:-300}" \
-    --startup-timeout-s 400 --log-dir "$R" --output "$R/mt-$name.json" > "$R/mt-$name.out" 2>&1
+    --startup-timeout-s 400 --log-dir "$R" --output "$R/mt-$name.json" ${BENCH_ARGS:-} \
+    > "$R/mt-$name.out" 2>&1
   grep "\[multiturn\]" "$R/mt-$name.out" >> "$R/progress"
 done
 python3 -m tangram_sglang.bench.multiturn merge $(ls "$R"/mt-*.json) --output "$R/never-slower.json" \

@@ -337,7 +337,7 @@ def ensure_entry_point() -> str:
             parser.write(fh)
         written.append(str(eps_file))
     if not written:
-        return f"plugin entry point {ENTRY_POINT_NAME} already installed"
+        return f"plugin entry point {ENTRY_POINT_NAME}: registered (pyproject.toml declares it)"
     return (
         f"installed plugin entry point {ENTRY_POINT_NAME} = {ENTRY_POINT_VALUE} into "
         f"{', '.join(written)}; declare it in pyproject.toml too so `pip install -e .` keeps it"

@@ -120,12 +120,27 @@ def full_kv_bytes_per_token(model_dir: Path, dtype_bytes: int) -> int:
     return 2 * cfg["num_hidden_layers"] * heads * head_dim * dtype_bytes
 
 
-def report_turn(server: SGLangServer, per_token_bytes: int, i: int, turn: TurnResult) -> None:
+def report_turn(
+    server: SGLangServer,
+    per_token_bytes: int,
+    i: int,
+    turn: TurnResult,
+    before: tuple[int, int] = (0, 0),
+) -> tuple[int, int]:
     """Print one answered turn: the reply, radix-cache reuse, KV bytes held vs full KV.
 
     Under ``--tangram`` the finished turn's compressed segments stay in the radix tree, so the
     next turn reports them as cached tokens (reused, not recomputed); the tree's pages are the
     whole conversation's KV (the demo flushes the cache first, so nothing else is in it).
+
+    Args:
+        per_token_bytes: full KV bytes of one token (K and V, all layers).
+        before: ``(held, full)`` bytes after the previous turn (what this returned then), so the
+            report can say what this turn added; ``(0, 0)`` for the first turn.
+
+    Returns:
+        ``(held, full)``: bytes the conversation holds now (Tangram pages in the radix tree; the
+        full-KV figure on a stock server) and what full KV would hold.
     """
     pool = tangram_pool(server)
     kind = "compressed KV" if pool else "KV"
@@ -135,18 +150,31 @@ def report_turn(server: SGLangServer, per_token_bytes: int, i: int, turn: TurnRe
         f" (earlier turns' {kind}, reused without recomputation)"
     )
     full = (turn.prompt_tokens + turn.completion_tokens) * per_token_bytes
-    if pool and pool.get("last_release"):
-        new = pool["last_release"]["bytes_held"]
-        radix = pool.get("radix") or {}
-        held = radix.get("pages_held", 0) * pool["bytes_per_page"] or new
-        print(
-            f"KV of this turn's new tokens: {new / 2**20:.2f} MiB in Tangram pages; whole "
-            f"conversation held: {held / 2**20:.2f} MiB vs {full / 2**20:.2f} MiB full KV "
-            f"(saved {1 - held / full:.0%}); pool pages free "
-            f"{pool['pages_free']}/{pool['pages_total']}"
-        )
-    else:
+    if not (pool and pool.get("last_release")):
         print(f"KV held by the request (full KV): {full / 2**20:.2f} MiB")
+        return full, full
+    radix = pool.get("radix") or {}
+    held = radix.get("pages_held", 0) * pool["bytes_per_page"] or pool["last_release"]["bytes_held"]
+    added, added_full = held - before[0], full - before[1]
+    print(
+        f"whole conversation held: {held / 2**20:.2f} MiB vs {full / 2**20:.2f} MiB full KV "
+        f"(saved {1 - held / full:.0%}); this turn added {added / 2**20:.2f} MiB vs "
+        f"{added_full / 2**20:.2f} MiB full KV; pool pages free "
+        f"{pool['pages_free']}/{pool['pages_total']}"
+    )
+    return held, full
+
+
+class TurnReporter:
+    """``chat``'s ``on_turn`` callback: :func:`report_turn` with the previous turn's figures."""
+
+    def __init__(self, server: SGLangServer, per_token_bytes: int) -> None:
+        self.server = server
+        self.per_token_bytes = per_token_bytes
+        self.before = (0, 0)
+
+    def __call__(self, i: int, turn: TurnResult) -> None:
+        self.before = report_turn(self.server, self.per_token_bytes, i, turn, self.before)
 
 
 DEMO_MIN_COMPRESS_TOKENS = 128  # the demo's first turn (~250 tokens) is compressed
@@ -255,7 +283,7 @@ def run_demo(args: argparse.Namespace) -> int:
         chat(
             server.base_url,
             DEMO_TURNS,
-            on_turn=lambda i, turn: report_turn(server, per_token, i, turn),
+            on_turn=TurnReporter(server, per_token),
         )
     print("\nserver stopped")
     return 0

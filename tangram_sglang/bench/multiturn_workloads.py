@@ -17,6 +17,13 @@ whole history (previous inputs and outputs) plus the round's new tokens, as SGLa
 * ``system-prompt``: every conversation starts with the same ``system_prompt_tokens`` system
   prompt (default 2,048; the same ids for every client), then its ``sharegpt`` rounds: round 1
   is the system prompt + the first user turn.
+* ``short-chat``: a ``request_length`` first turn (default 1,024 tokens), then
+  ``num_rounds - 1`` turns of 128 new tokens; ``output_length`` out per round (default 128).
+  Decode-bound chat traffic whose segments are mostly kept whole.
+* ``mixed``: one client in :data:`MIXED_LONG_EVERY` holds a long document (``context_tokens``,
+  then turns of 256 new tokens, 128 out: the cliff's shape), the others are ``short-chat``
+  conversations (e.g. ``mixed:120x4``: 24 long + 96 short, interleaved). Sized past stock's KV
+  capacity it measures both halves of the bar at once: where memory binds and where it does not.
 
 Source: SGLang ``bench_multiturn`` (clients, rounds, request/output length); SCBench (shared
 long context, multi-turn queries); issue 7 (cliff workload).
@@ -35,7 +42,9 @@ from tangram_sglang.errors import ConfigError
 ID_LOW = 1000  # smallest random token id (skips special tokens at the bottom of the vocab)
 SHAREGPT_TABLE = Path(__file__).resolve().parent / "data" / "sharegpt_rounds.json"
 CLIFF_CONTEXT, CLIFF_ROUNDS, CLIFF_STEP, CLIFF_OUTPUT = 16384, 3, 256, 128  # tokens
-WORKLOADS = ("sharegpt", "long-context", "cliff", "prefill", "system-prompt")
+WORKLOADS = ("sharegpt", "long-context", "cliff", "prefill", "system-prompt", "short-chat", "mixed")
+SHORT_FIRST, SHORT_STEP, SHORT_OUTPUT = 1024, 128, 128  # short-chat defaults (tokens)
+MIXED_LONG_EVERY = 5  # mixed: clients 0, 5, 10, ... hold a long document
 DEFAULT_SYSTEM_PROMPT_TOKENS = 2048  # system-prompt workload: tokens shared by every client
 
 
@@ -110,6 +119,17 @@ def make_conversations(spec: WorkloadSpec) -> list[Conversation]:
         return [Conversation(rounds, shared)] * spec.num_clients
     if spec.name == "sharegpt":
         return _sharegpt(spec)
+    if spec.name == "short-chat":
+        return [_short_chat(spec)] * spec.num_clients
+    if spec.name == "mixed":
+        long_doc = ((spec.context_tokens, CLIFF_OUTPUT),) + ((CLIFF_STEP, CLIFF_OUTPUT),) * (
+            spec.num_rounds - 1
+        )
+        short = _short_chat(spec)
+        return [
+            Conversation(long_doc) if c % MIXED_LONG_EVERY == 0 else short
+            for c in range(spec.num_clients)
+        ]
     if spec.name == "system-prompt":
         if spec.system_prompt_tokens < 1:
             raise ConfigError(
@@ -155,6 +175,11 @@ def load_sharegpt_table(path: Path = SHAREGPT_TABLE) -> list[list[tuple[int, int
         )
     data = json.loads(path.read_text())
     return [[(int(a), int(b)) for a, b in conv] for conv in data["conversations"]]
+
+
+def _short_chat(spec: WorkloadSpec) -> Conversation:
+    first, out = spec.request_length or SHORT_FIRST, spec.output_length or SHORT_OUTPUT
+    return Conversation(((first, out),) + ((SHORT_STEP, out),) * (spec.num_rounds - 1))
 
 
 def build_sharegpt_table(num_conversations: int = 1000, seed: int = 0) -> dict:

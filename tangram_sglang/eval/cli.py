@@ -27,6 +27,8 @@ from pathlib import Path
 from tangram_sglang.errors import TangramError
 from tangram_sglang.eval.runner import (
     CHUNKED_PREFILL_TOKENS,
+    DEFAULT_SYSTEMS,
+    GRID_CELL_TOKENS,
     SYSTEMS,
     TEMPLATE_MARGIN,
     RunConfig,
@@ -59,7 +61,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--lengths", default="1024,2048", help="document lengths (tokens)")
     p.add_argument("--depths", default="0.1,0.5,0.9", help="needle depths in [0, 1]")
     p.add_argument("--num-turns", type=int, default=3, help="questions per multi-turn sample")
-    p.add_argument("--systems", default=",".join(SYSTEMS), help=f"subset of {SYSTEMS}")
+    p.add_argument(
+        "--systems",
+        default=",".join(DEFAULT_SYSTEMS),
+        help=f"subset of {SYSTEMS} (default: all but the *-grid ones)",
+    )
     p.add_argument(
         "--profile-dir",
         default=None,
@@ -83,6 +89,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         choices=tuple(PROTOCOLS),
         help="what is compressed: the context alone, or the first prompt with "
         "its question (SnapKV)",
+    )
+    p.add_argument(
+        "--grid-cell",
+        type=int,
+        default=GRID_CELL_TOKENS,
+        help="cell of the *-grid systems' segment grid (tokens; their "
+        "--chunked-prefill-size, TANGRAM_GRID_SEGMENTS=1)",
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None, help="torch threads (kvpress side)")
@@ -155,6 +168,7 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
             f"--lengths {max(lengths)}: contexts must stay under {limit} tokens "
             "on cpu (one prefill chunk, the CPU KV pool)"
         )
+    _check_grid_cell(args.grid_cell, systems, lengths, server_args)
     if args.device == "cuda":
         import torch
 
@@ -189,7 +203,46 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
         device=args.device,
         protocol=args.protocol,
         chunked_prefill_tokens=chunk,
+        grid_cell=args.grid_cell,
     )
+
+
+def _check_grid_cell(
+    cell: int, systems: tuple[str, ...], lengths: tuple[int, ...], server_args: tuple[str, ...]
+) -> None:
+    """``--grid-cell`` must give the ``*-grid`` systems whole cells that get compressed.
+
+    Raises:
+        ConfigError: a cell below 1, or (with a grid system selected) a cell longer than every
+            document or shorter than the servers' ``--tangram-min-compress-tokens`` (a cell that
+            short is kept whole: nothing would be compressed).
+    """
+    from tangram_sglang.config import DEFAULT_MIN_COMPRESS_TOKENS
+    from tangram_sglang.errors import ConfigError
+    from tangram_sglang.eval.systems import GRID_SYSTEMS
+
+    if cell < 1:
+        raise ConfigError(f"--grid-cell must be >= 1 token, got {cell}")
+    if not any(s in GRID_SYSTEMS for s in systems):
+        return
+    min_compress = DEFAULT_MIN_COMPRESS_TOKENS
+    for i, arg in enumerate(server_args):
+        if arg.startswith("--tangram-min-compress-tokens"):
+            value = arg.partition("=")[2] or (
+                server_args[i + 1] if i + 1 < len(server_args) else ""
+            )
+            min_compress = int(value) if value.isdigit() else min_compress
+    if cell < min_compress:
+        raise ConfigError(
+            f"--grid-cell {cell}: cells shorter than --tangram-min-compress-tokens "
+            f"({min_compress}) are kept whole, so the grid systems would compress nothing; use "
+            f"--grid-cell >= {min_compress}"
+        )
+    if cell > max(lengths):
+        raise ConfigError(
+            f"--grid-cell {cell}: longer than every document (--lengths {max(lengths)}), so "
+            "the grid systems would compress nothing; use a cell <= the longest document"
+        )
 
 
 def _check_profiles(profile_dir: Path, systems: tuple[str, ...]) -> None:

@@ -31,7 +31,8 @@ from tangram_sglang.eval.scoring import METRIC
 from tangram_sglang.eval.tasks import PROTOCOLS
 
 FULL_SYSTEMS = ("full", "full-hf")
-TANGRAM_SYSTEMS = ("tangram", "tangram-kvzip-lite")  # eval.systems.TANGRAM_SYSTEMS' names
+TANGRAM_SYSTEMS = ("tangram", "tangram-kvzip-lite")  # the scorers compared (summary: best of)
+GRID_SYSTEMS = ("tangram-grid", "tangram-kvzip-lite-grid")  # eval.systems.GRID_SYSTEMS' names
 MULTITURN_TASK = "multiturn-squad"
 LATER = "later_turns_" + METRIC
 SUMMARY_RATIOS = (0.25, 0.5)
@@ -47,7 +48,8 @@ def build(cfg: Any, samples: list, records: list[dict[str, Any]], wall_s: float)
         "protocol": cfg.protocol,
         "protocol_definition": PROTOCOLS[cfg.protocol],
         "kept_fraction_definition": "share of the context's KV entries kept (sink, window and "
-        "group padding included; the same for every compressed system of a ratio)",
+        "group padding included; the same for every compressed system of a ratio but the "
+        "*-grid ones, whose tokens after the last whole grid cell are kept whole)",
         "model": cfg.model,
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
         "machine": machine(cfg.device),
@@ -64,6 +66,7 @@ def build(cfg: Any, samples: list, records: list[dict[str, Any]], wall_s: float)
             "device": cfg.device,
             "dtype": cfg.dtype,
             "protocol": cfg.protocol,
+            "grid_cell": getattr(cfg, "grid_cell", None),
         },
         "samples": [
             {
@@ -217,7 +220,9 @@ def _mean(values: list[float]) -> float | None:
 
 def markdown_table(rep: dict[str, Any]) -> str:
     """A RESULTS.md table: one row per (task, ratio), one column per system (points)."""
-    systems = ["full", *TANGRAM_SYSTEMS, "dynamic-ada-snapkv", "uniform-snapkv", "kvzip", "full-hf"]
+    systems = ["full", *TANGRAM_SYSTEMS, *GRID_SYSTEMS, "dynamic-ada-snapkv", "uniform-snapkv"]
+    present = {s for by_ratio in rep["results"].values() for c in by_ratio.values() for s in c}
+    systems = [s for s in [*systems, "kvzip", "full-hf"] if s in present]
     lines = [
         f"| task | ratio | kept | {' | '.join(systems)} | n |",
         "|---|---|---|" + "---|" * len(systems) + "---|",

@@ -31,11 +31,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from tangram_sglang.config import GRID_ENV
 from tangram_sglang.errors import ConfigError, TangramError
 from tangram_sglang.eval import report
 from tangram_sglang.eval.scoring import score
 from tangram_sglang.eval.systems import (
     DEVICE_DTYPES,
+    GRID_CELL_TOKENS,
+    GRID_SYSTEMS,
     PRESS_SYSTEMS,
     TANGRAM_SYSTEMS,
     KvpressRunner,
@@ -55,6 +58,7 @@ from tangram_sglang.serving import CUDA_STOCK_FLAGS
 
 MAX_NEW_TOKENS = {"needle": 28, "squad": 24, "multiturn-squad": 24}
 SYSTEMS = ("full", *TANGRAM_SYSTEMS, *PRESS_SYSTEMS, "full-hf")
+DEFAULT_SYSTEMS = tuple(s for s in SYSTEMS if s not in GRID_SYSTEMS)
 STARTUP_S = 1800.0  # server start-up limit: minutes on a busy shared CPU
 CHUNKED_PREFILL_TOKENS = 16384  # > any prompt here: the whole prompt is one Tangram segment
 TEMPLATE_MARGIN = 1024  # tokens the chat template, questions and multi-turn history add at most
@@ -92,6 +96,8 @@ class RunConfig:
         protocol: ``query-agnostic`` or ``query-aware`` (``tasks.PROTOCOLS``).
         chunked_prefill_tokens: the servers' ``--chunked-prefill-size`` (tokens), above every
             prompt so that each compressed part is one segment.
+        grid_cell: cell of the ``*-grid`` systems (tokens): their servers run with
+            ``TANGRAM_GRID_SEGMENTS=1`` and ``--chunked-prefill-size grid_cell``.
     """
 
     model: str
@@ -113,6 +119,7 @@ class RunConfig:
     device: str = "cpu"
     protocol: str = "query-agnostic"
     chunked_prefill_tokens: int = CHUNKED_PREFILL_TOKENS
+    grid_cell: int = GRID_CELL_TOKENS
 
     @property
     def dtype(self) -> str:
@@ -142,13 +149,15 @@ def shipped_profile(
     return profile
 
 
-def server_flags(cfg: RunConfig, tangram: bool) -> list[str]:
+def server_flags(cfg: RunConfig, tangram: bool, grid: bool = False) -> list[str]:
     """``launch_server`` flags of one server (before the ``--tangram`` ones): ``--server-args``,
-    the chunk size that keeps each compressed part one segment, and on cuda the dtype
-    (``cfg.dtype``) and :data:`CUDA_SERVER_FLAGS` (+ :data:`CUDA_STOCK_FLAGS` for a stock server)
-    where ``--server-args`` does not set them. On cpu ``SGLangServer`` adds the CPU engine's."""
+    the chunk size that keeps each compressed part one segment (``cfg.grid_cell`` for a grid
+    system: the grid's cell), and on cuda the dtype (``cfg.dtype``) and
+    :data:`CUDA_SERVER_FLAGS` (+ :data:`CUDA_STOCK_FLAGS` for a stock server) where
+    ``--server-args`` does not set them. On cpu ``SGLangServer`` adds the CPU engine's."""
     args = list(cfg.server_args)
-    args += ["--chunked-prefill-size", str(cfg.chunked_prefill_tokens)]
+    chunk = cfg.grid_cell if grid else cfg.chunked_prefill_tokens
+    args += ["--chunked-prefill-size", str(chunk)]
     if cfg.device == "cuda":
         extra = {"--dtype": cfg.dtype, **CUDA_SERVER_FLAGS, **({} if tangram else CUDA_STOCK_FLAGS)}
         for flag, value in extra.items():
@@ -248,7 +257,8 @@ class _Context:
         todo = [s for s in self.samples if not self._done(system, ratio, s)]
         if not todo:
             return
-        args = server_flags(self.cfg, tangram=ratio is not None)
+        grid = system in GRID_SYSTEMS
+        args = server_flags(self.cfg, tangram=ratio is not None, grid=grid)
         with tempfile.TemporaryDirectory(prefix="tangram-eval-") as tmp:
             if ratio is not None:
                 path = Path(tmp) / f"profile-r{ratio}.json"
@@ -256,7 +266,11 @@ class _Context:
                 args = ["--tangram", "--tangram-profile", str(path), *args]
             start = time.monotonic()
             server = SGLangServer(
-                self.cfg.model_dir, args=args, device=self.cfg.device, startup_timeout_s=STARTUP_S
+                self.cfg.model_dir,
+                args=args,
+                device=self.cfg.device,
+                startup_timeout_s=STARTUP_S,
+                env={GRID_ENV: "1" if grid else "0"},
             )
             with server:
                 self.log(f"[eval] {system} r={ratio} server up in {time.monotonic() - start:.0f} s")
@@ -272,14 +286,19 @@ class _Context:
         if len(conv.turn_ids[0]) > n:  # query-agnostic: the context alone, kept in the tree
             client.generate(conv.context_ids, 1)
         profile = None if ratio is None else self.server_profiles[(system, ratio)]
-        kept = 1.0 if profile is None else tangram_kept_fraction(profile, n)
+        cell = self.cfg.grid_cell if system in GRID_SYSTEMS else 0
+        kept = 1.0 if profile is None else tangram_kept_fraction(profile, n, cell)
+        # the context must come from the tree on later turns: all of it, or on the grid its
+        # whole cells (a match ending inside the cell a prompt fills is cut back to the cell)
+        reused = n // cell * cell if cell else n
         for turn, ids in enumerate(conv.turn_ids):
             out, cached = client.generate(ids, MAX_NEW_TOKENS[sample.task])
-            if cached < n and len(ids) > n:  # (query-aware turn 0 is the compressed request)
+            if cached < reused and len(ids) > n:  # (query-aware turn 0 is the compressed one)
                 raise TangramError(
                     f"{system} r={ratio} {sample.sample_id} turn {turn}: cached_tokens {cached} < "
-                    f"context {n} tokens: the compressed context was not reused from the radix "
-                    "tree (is --disable-radix-cache in --server-args, or the KV pool too small?)"
+                    f"{reused} of the context's {n} tokens: the compressed context was not "
+                    "reused from the radix tree (is --disable-radix-cache in --server-args, or "
+                    "the KV pool too small?)"
                 )
             self._record(system, ratio, sample, turn, conv, ids, out, cached, kept)
         self.log(f"[eval] {system} r={ratio} {sample.sample_id}: {time.monotonic() - start:.0f} s")

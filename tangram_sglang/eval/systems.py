@@ -53,11 +53,16 @@ import numpy as np
 import requests
 
 from tangram_sglang.errors import TangramError
+from tangram_sglang.mem.reservation import segment_kept_lens
 from tangram_sglang.profile import BudgetProfile
 
 PRESS_SYSTEMS = ("dynamic-ada-snapkv", "uniform-snapkv", "kvzip")
 # Tangram systems: system name -> the scorer of its shipped profile (``<scorer>-r<ratio>.json``)
-TANGRAM_SYSTEMS = {"tangram": "ada-snapkv", "tangram-kvzip-lite": "kvzip-lite"}
+# Tangram systems on the segment grid (``TANGRAM_GRID_SEGMENTS=1``, cells of ``--grid-cell``
+# tokens): every whole cell is compressed on its own, before any question (query-agnostic).
+GRID_SYSTEMS = {"tangram-grid": "ada-snapkv", "tangram-kvzip-lite-grid": "kvzip-lite"}
+TANGRAM_SYSTEMS = {"tangram": "ada-snapkv", "tangram-kvzip-lite": "kvzip-lite", **GRID_SYSTEMS}
+GRID_CELL_TOKENS = 256  # default cell: a 1k-token CPU document spans whole cells
 # model dtype per --device, for the transformers side and the SGLang servers alike (cpu: the CPU
 # engine's float32; cuda: bfloat16, the Qwen2.5 / SmolLM2 training dtype; SGLang's "auto" would
 # pick float16 for the float32-saved conversions)
@@ -67,12 +72,24 @@ SNAPKV_KERNEL = 5  # avg-pool kernel, as in calibration/README.md
 ADAKV_ALPHA = 0.2  # AdaKV safeguard (kvpress default; the profiles' calibration value)
 
 
-def tangram_kept_fraction(profile: BudgetProfile, num_tokens: int) -> float:
-    """Share of full KV that Tangram keeps for one segment of ``num_tokens`` tokens.
+def tangram_kept_fraction(profile: BudgetProfile, num_tokens: int, grid_cell: int = 0) -> float:
+    """Share of full KV that Tangram keeps for ``num_tokens`` tokens.
 
-    Each KV head keeps its group's ``kept_len`` (Tangram arXiv 2606.06302 §4.1, docs/design.md §2).
+    Without a grid (``grid_cell`` 0) the tokens are one segment; on the segment grid each whole
+    cell of ``grid_cell`` tokens is one segment and the tokens after the last whole cell are kept
+    whole (``mem.reservation.segment_kept_lens``, docs/design.md §5.1). Each KV head keeps its
+    group's ``kept_len`` of each segment (Tangram arXiv 2606.06302 §4.1, docs/design.md §2).
     """
-    group_len = np.array(profile.group_kept_lens(num_tokens), dtype=np.float64)
+    cells = num_tokens // grid_cell if grid_cell else 0
+    if cells == 0:
+        group_len = np.array(profile.group_kept_lens(num_tokens), dtype=np.float64)
+    else:  # the serving rule itself, segment by segment: whole cells, then the tail
+        cuts = [(k * grid_cell, grid_cell) for k in range(cells)]
+        if num_tokens > cells * grid_cell:
+            cuts.append((cells * grid_cell, num_tokens - cells * grid_cell))
+        group_len = sum(
+            segment_kept_lens(profile, start, n, grid_cell).astype(np.float64) for start, n in cuts
+        )
     per_head = group_len[profile.grouping.cluster_of]
     return float(per_head.mean() / num_tokens)
 

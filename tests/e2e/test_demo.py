@@ -17,10 +17,10 @@ import requests
 
 from tangram_sglang.demo import (
     DEMO_TURNS,
+    TurnReporter,
     chat,
     demo_server_args,
     full_kv_bytes_per_token,
-    report_turn,
 )
 
 pytestmark = pytest.mark.e2e
@@ -30,10 +30,11 @@ def test_the_demo_chat_holds_less_than_full_kv_every_turn(servers, smollm2_path,
     server = servers.get(demo_server_args(False, "cpu", None), "demo-tangram")
     requests.post(f"{server.base_url}/flush_cache", timeout=60).raise_for_status()
     per_token = full_kv_bytes_per_token(smollm2_path, 4)  # the CPU engine serves float32
-    turns = chat(
-        server.base_url, DEMO_TURNS, on_turn=lambda i, t: report_turn(server, per_token, i, t)
-    )
-    saved = [int(x) for x in re.findall(r"full KV \(saved (-?\d+)%\)", capsys.readouterr().out)]
+    turns = chat(server.base_url, DEMO_TURNS, on_turn=TurnReporter(server, per_token))
+    out = capsys.readouterr().out
+    saved = [int(x) for x in re.findall(r"full KV \(saved (-?\d+)%\)", out)]
+    added = [float(x) for x in re.findall(r"this turn added (-?[\d.]+) MiB vs", out)]
+    assert len(added) == len(DEMO_TURNS) and all(a > 0 for a in added), added
     assert len(saved) == len(turns) == len(DEMO_TURNS)
     assert all(s > 0 for s in saved), saved
     assert "Rome" in turns[1].reply, turns[1].reply

@@ -67,6 +67,25 @@ def test_system_prompt_conversations_share_one_system_prompt_then_sharegpt_round
         make_conversations(WorkloadSpec("system-prompt", num_clients=1, system_prompt_tokens=0))
 
 
+def test_short_chat_and_mixed_workloads():
+    short = make_conversations(WorkloadSpec("short-chat", num_clients=3, num_rounds=6))
+    assert len(short) == 3
+    assert short[0].rounds == ((1024, 128),) + ((128, 128),) * 5
+    assert WorkloadSpec("short-chat", num_clients=64, num_rounds=6).label == "short-chat-64x6"
+    capped = make_conversations(
+        WorkloadSpec("short-chat", num_clients=1, num_rounds=2, request_length=500, output_length=7)
+    )
+    assert capped[0].rounds == ((500, 7), (128, 7))
+    mixed = make_conversations(
+        WorkloadSpec("mixed", num_clients=120, num_rounds=4, context_tokens=16384)
+    )
+    long = [c for c in mixed if c.rounds[0][0] == 16384]
+    assert len(long) == 24 and len(mixed) == 120  # 1 in 5: 24 long + 96 short
+    assert long[0].rounds == ((16384, 128),) + ((256, 128),) * 3
+    assert mixed[1].rounds == ((1024, 128),) + ((128, 128),) * 3
+    assert [c.rounds[0][0] for c in mixed[:6]] == [16384, 1024, 1024, 1024, 1024, 16384]
+
+
 def test_shared_prefix_ratios_compare_tangram_025_with_the_best_stock():
     def run(tok_s, hit):
         return {"requests_ok": 4, "output_tok_per_s": tok_s, "wall_s": 1.0, "cache_hit_rate": hit}
@@ -105,6 +124,8 @@ ITEMS = [
     ("prefill:4x512", "prefill-4x512"),
     ("sharegpt:8x2", "sharegpt-8x2"),
     ("system-prompt:64x4", "system-prompt-64x4"),
+    ("short-chat:64x6", "short-chat-64x6"),
+    ("mixed:120x4", "mixed-120x4"),
     ("cliff:64:no-max", "cliff-64-no-max"),
     ("sharegpt:8x2:no-max", "sharegpt-8x2-no-max"),
 ]

@@ -22,6 +22,17 @@ def test_per_head_budgets_are_the_group_kept_lengths(profile):
     assert kept.mean() / n == pytest.approx(tangram_kept_fraction(profile, n))
 
 
+def test_on_the_grid_whole_cells_are_compressed_and_the_rest_kept_whole(profile):
+    """1,000 tokens on a 256-token grid: three cells of kept_len(256) each, 232 tokens whole."""
+    per_cell = tangram_kept_per_head(profile, 256)
+    expected = (3 * per_cell + 232).mean() / 1000
+    assert tangram_kept_fraction(profile, 1000, 256) == pytest.approx(expected)
+    assert tangram_kept_fraction(profile, 1000, 0) == tangram_kept_fraction(profile, 1000)
+    assert tangram_kept_fraction(profile, 200, 256) == tangram_kept_fraction(profile, 200)
+    # the grid compresses less of the same tokens (the tail stays whole)
+    assert tangram_kept_fraction(profile, 1000, 256) > tangram_kept_fraction(profile, 1000)
+
+
 def test_the_head_the_dynamic_method_gave_more_is_named_first(profile):
     n = 1000
     tangram = tangram_kept_per_head(profile, n)

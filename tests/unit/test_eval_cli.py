@@ -28,6 +28,22 @@ REPO = Path(__file__).resolve().parents[2]
         (["--lengths", "1024,16000"], "--lengths 16000: contexts must stay under"),
         (["--device", "cuda", "--threads", "2"], "--threads sets CPU threads"),
         (["--server-args", "--dtype float16"], "--dtype is set by the harness"),
+        (["--grid-cell", "0"], "--grid-cell must be >= 1"),
+        (["--systems", "tangram-grid", "--grid-cell", "128"], "would compress nothing"),
+        (
+            ["--systems", "tangram-grid", "--grid-cell", "512", "--lengths", "256"],
+            "longer than every document",
+        ),
+        (
+            [
+                "--systems",
+                "tangram-grid",
+                "--grid-cell",
+                "300",
+                "--server-args=--tangram-min-compress-tokens 400",
+            ],
+            "--tangram-min-compress-tokens (400)",
+        ),
     ],
 )
 def test_bad_flags_exit_2_naming_the_flag(capsys, argv, match):
@@ -123,6 +139,17 @@ def test_cuda_servers_get_bfloat16_and_the_stock_one_the_triton_backend(smollm2_
     assert "--attention-backend" not in tangram  # --tangram picks its own backend
     mine = _cfg(smollm2_path, device="cuda", server_args=("--attention-backend", "flashinfer"))
     assert server_flags(mine, tangram=False).count("--attention-backend") == 1
+
+
+def test_grid_systems_get_the_grid_cell_as_their_chunk_and_are_not_run_by_default(smollm2_path):
+    from tangram_sglang.eval.runner import DEFAULT_SYSTEMS, SYSTEMS, server_flags
+
+    cfg = _cfg(smollm2_path, grid_cell=256)
+    grid, plain = server_flags(cfg, tangram=True, grid=True), server_flags(cfg, tangram=True)
+    assert grid[grid.index("--chunked-prefill-size") + 1] == "256"
+    assert plain[plain.index("--chunked-prefill-size") + 1] == "16384"
+    assert {"tangram-grid", "tangram-kvzip-lite-grid"} <= set(SYSTEMS)
+    assert not {"tangram-grid", "tangram-kvzip-lite-grid"} & set(DEFAULT_SYSTEMS)
 
 
 def test_cuda_chunk_covers_the_longest_context_up_to_the_models_context(smollm2_path):
