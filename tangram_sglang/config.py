@@ -210,15 +210,17 @@ DECODE_PLANS = ("lengths", "table")
 
 
 def decode_plan(environ: dict[str, str] | None = None) -> str:
-    """The decode kernel's split plan: ``"lengths"`` (default) or ``"table"``.
+    """The decode kernel's split plan: ``"table"`` (default) or ``"lengths"``.
 
-    ``lengths`` fits each KV head's split-KV partition to the row's real kept lengths inside the
-    kernel every step; ``table`` uses the static AOT split table (splits proportional to the
-    group ratios), kept for A/B measurement (``kernels/split_table.py``, docs/design.md §3.3).
+    ``table`` uses the static AOT split table (splits proportional to the group ratios), the plan
+    every GPU figure so far was measured with; ``lengths`` fits each KV head's split-KV partition
+    to the row's real kept lengths inside the kernel every step (better balanced on the CPU
+    model of the plan, ``bench.split_balance``; the default once a GPU A/B shows it is not
+    slower). ``kernels/split_table.py``, docs/design.md §3.3.
 
     Args:
         environ: the environment to read (default ``os.environ``); ``TANGRAM_DECODE_PLAN`` unset
-            or empty means ``lengths``.
+            or empty means ``table``.
 
     Returns:
         One of :data:`DECODE_PLANS`.
@@ -228,10 +230,10 @@ def decode_plan(environ: dict[str, str] | None = None) -> str:
     """
     raw = (os.environ if environ is None else environ).get(DECODE_PLAN_ENV, "").strip().lower()
     if raw == "":
-        return "lengths"
+        return "table"
     if raw not in DECODE_PLANS:
         raise ConfigError(
-            f"{DECODE_PLAN_ENV}={raw!r}: use 'lengths' (split fitted to each row's kept lengths, "
-            "default) or 'table' (the static AOT split table)"
+            f"{DECODE_PLAN_ENV}={raw!r}: use 'table' (the static AOT split table, default) or "
+            "'lengths' (split fitted to each row's kept lengths)"
         )
     return raw

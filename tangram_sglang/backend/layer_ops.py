@@ -77,8 +77,9 @@ class TritonKernels(ReferenceKernels):
         state: the server's TangramState (profile: grouping, group ratios, model shape).
         max_batch_size: largest decode batch (requests; SGLang's request rows).
         device: a CUDA device.
-        plan: the decode split plan, ``"lengths"`` (fitted to each row's kept lengths in the
-            kernel) or ``"table"`` (the static AOT table); :func:`config.decode_plan`.
+        plan: the decode split plan, ``"table"`` (the static AOT table, default) or
+            ``"lengths"`` (fitted to each row's kept lengths in the kernel);
+            :func:`config.decode_plan`.
     """
 
     def __init__(
@@ -86,7 +87,7 @@ class TritonKernels(ReferenceKernels):
         state: TangramState,
         max_batch_size: int,
         device: torch.device,
-        plan: str = "lengths",
+        plan: str = "table",
     ) -> None:
         from tangram_sglang.kernels.decode_attention import decode_scratch
         from tangram_sglang.kernels.split_table import build_split_tables

@@ -7,15 +7,15 @@ the real lengths):
   (KV head, split) and processes the split's tokens of that head's group. Two plans, chosen by
   the launcher's ``plan`` (a constexpr of the kernels):
 
-  - ``"lengths"`` (default): :func:`_fitted_chunk` reads the row's kept lengths
+  - ``"lengths"``: :func:`_fitted_chunk` reads the row's kept lengths
     ``L_h = group_len[row, group_of_head[h]]`` of every KV head and gives every CTA at most one
     chunk of about ``sum_h L_h / N`` tokens (``N``: the bucket's CTA budget per row); CTA ``c``
     finds its head by a prefix sum of the heads' split counts. A grid of
     ``num_ctas = min(N + H_kv, H_kv * cap)`` always suffices; CTAs past the row's split count
     exit at once. Rule, bound and sources: ``split_table.py``'s docstring.
-  - ``"table"``: the static AOT table (``cta_head[c]``, ``cta_split[c]``, ``splits[head]``;
-    splits proportional to the group ratios); balanced when the lengths follow the ratios. Kept
-    for A/B measurement and the uniform baseline.
+  - ``"table"`` (default): the static AOT table (``cta_head[c]``, ``cta_split[c]``,
+    ``splits[head]``; splits proportional to the group ratios); balanced when the lengths follow
+    the ratios. Also the uniform baseline's plan.
 
   Either way split ``s`` of a head with ``L`` kept tokens and ``n`` splits covers tokens
   ``[s * chunk, min(L, (s + 1) * chunk))``, ``chunk = roundup(ceil(L / n), BLOCK_N)``.
@@ -366,7 +366,7 @@ def ragged_decode_attention(
     out: torch.Tensor,
     mid_o: torch.Tensor,
     mid_lse: torch.Tensor,
-    plan: str = "lengths",
+    plan: str = "table",
 ) -> torch.Tensor:
     """Decode attention of one layer over ragged per-group page lists (per layer, per step).
 
@@ -389,8 +389,8 @@ def ragged_decode_attention(
             (``"lengths"``) or ``table.max_splits`` (``"table"``);
             ``SplitTables.scratch_splits`` fits both.
         mid_lse: float32 ``[mid_o.shape[0], num_qo_heads, mid_o.shape[2]]`` scratch.
-        plan: ``"lengths"`` (split fitted to the row's kept lengths in the kernel, default) or
-            ``"table"`` (the static AOT split table); see the module docstring.
+        plan: ``"table"`` (the static AOT split table, default) or ``"lengths"`` (split fitted
+            to the row's kept lengths in the kernel); see the module docstring.
 
     Returns:
         ``out``. A KV head whose group has 0 kept tokens gives zeros (never NaN).

@@ -39,12 +39,12 @@ Tables are built for a set of batch-size buckets (powers of two up to ``max_batc
 launch for batch ``bs`` uses the smallest bucket ``>= bs`` (a host-side lookup on a python int,
 so CUDA-graph capture per batch size sees a fixed table).
 
-Length-fitted plan (the serving default; ``decode_attention.py``, ``plan="lengths"``)
-------------------------------------------------------------------------------------
+Length-fitted plan (``TANGRAM_DECODE_PLAN=lengths``; ``decode_attention.py``, ``plan="lengths"``)
+---------------------------------------------------------------------------------------------
 
 The table is balanced only when every group's kept length is its ratio times the context. Segments
 kept whole (short turns, the decode tail) give every group of a row about the same length, and
-then a low-ratio head with few splits is the straggler. So by default the decode kernel fits the
+then a low-ratio head with few splits is the straggler. So the length-fitted plan fits the
 split of each head to the row's real lengths every step, inside the kernel; only the CTA budget
 is ahead of time. Per request row, ``L_h = group_len[row, group_of_head[h]]``::
 

@@ -170,7 +170,9 @@ def test_decode_launcher_rejects_small_scratch_and_bad_table() -> None:
         )
     mid_o, mid_lse = decode_scratch(1, 2, table.split_cap - 1, 64, DEVICE)
     with pytest.raises(KernelError, match=r"mid_o .* splits >= \d+ \(plan='lengths'\)"):
-        ragged_decode_attention(*args, table, 0.125, torch.empty_like(q), mid_o, mid_lse)
+        ragged_decode_attention(
+            *args, table, 0.125, torch.empty_like(q), mid_o, mid_lse, plan="lengths"
+        )
     bad = LayerSplits(
         table.splits.long(),
         table.cta_head,
@@ -282,7 +284,7 @@ def run_fitted(
         layer.group_of_head,
         layer.column_of_head,
     )
-    ragged_decode_attention(q, *args, table, head_dim**-0.5, out, mid_o, mid_lse)
+    ragged_decode_attention(q, *args, table, head_dim**-0.5, out, mid_o, mid_lse, plan="lengths")
     want = decode_reference(
         q.float(), *(a.float() if a.is_floating_point() else a for a in args), head_dim**-0.5
     )
