@@ -12,8 +12,9 @@ same total spread evenly over the heads (shape ``equal``: the chat case, where s
 decode tail are kept whole and every group holds about the same tokens). Side by side, one run:
 
 * ``lengths``: :func:`ragged_decode_attention` with ``plan="lengths"`` (split fitted to the real
-  lengths in the kernel; the serving default; CUDA-graph replay);
-* ``aot``: the same kernel with the static AOT split table, ``plan="table"`` (CUDA-graph replay);
+  lengths in the kernel; ``TANGRAM_DECODE_PLAN=lengths``; CUDA-graph replay);
+* ``aot``: the same kernel with the static AOT split table, ``plan="table"`` (the serving
+  default; CUDA-graph replay);
 * ``uniform``: the same kernel with the uniform split table (CUDA-graph replay);
 * ``flashinfer``: FlashInfer 0.6.15's ``BatchDecodeWithPagedKVCacheWrapper`` over the same ragged
   heads (every (request, KV head) one sequence with 1 KV head and 4 query heads), per-step

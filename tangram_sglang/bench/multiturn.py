@@ -140,7 +140,7 @@ def parse_workload(item: str, args: argparse.Namespace) -> WorkloadSpec:
     ``-no-max``, so one server run can measure a workload both ways.
 
     Raises:
-        ConfigError: unknown name or a malformed size.
+        ConfigError: unknown name or a malformed size (not N or NxM, or a part below 1).
     """
     no_max = item.endswith(":no-max")
     name, _, size = item.removesuffix(":no-max").partition(":")
@@ -149,8 +149,12 @@ def parse_workload(item: str, args: argparse.Namespace) -> WorkloadSpec:
     try:
         parts = [int(p) for p in size.split("x")] if size else [args.num_clients]
     except ValueError:
-        msg = f"--workloads item {item!r}: size must be N or NxM (integers)"
-        raise ConfigError(msg) from None
+        parts = []
+    if not 1 <= len(parts) <= 2 or min(parts) < 1:
+        raise ConfigError(
+            f"--workloads item {item!r}: size must be N or NxM, whole numbers >= 1 "
+            "(e.g. mixed:120x4: 120 clients, 4 rounds)"
+        )
     clients = parts[0]
     second = parts[1] if len(parts) > 1 else None
     common = {

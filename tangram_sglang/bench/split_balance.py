@@ -30,6 +30,7 @@ import sys
 
 import numpy as np
 
+from tangram_sglang.errors import TangramError
 from tangram_sglang.kernels.split_table import (
     MAX_SPLITS_PER_HEAD,
     build_split_table,
@@ -126,13 +127,20 @@ def format_rows(rows: list[dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Entry point; returns the exit status (2 on a bad flag or profile, one line on stderr)."""
     from tangram_sglang.integration.profile_loader import CALIBRATION_DIR
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--profile", default=str(CALIBRATION_DIR / DEFAULT_PROFILE))
     parser.add_argument("--num-sms", type=int, default=H200_SMS)
     args = parser.parse_args(argv)
-    profile = BudgetProfile.load(args.profile)
+    if args.num_sms < 1:
+        parser.error(f"--num-sms {args.num_sms} must be >= 1 (the device's SM count)")
+    try:
+        profile = BudgetProfile.load(args.profile)
+    except TangramError as exc:
+        print(f"error: --profile: {exc}", file=sys.stderr)
+        return 2
     print(
         f"profile {args.profile}: {profile.model.num_layers} layers, "
         f"{profile.model.num_kv_heads} KV heads, {profile.grouping.num_head_groups} head groups; "

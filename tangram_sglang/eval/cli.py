@@ -168,6 +168,7 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
             f"--lengths {max(lengths)}: contexts must stay under {limit} tokens "
             "on cpu (one prefill chunk, the CPU KV pool)"
         )
+    _min_compress_tokens(server_args)  # a bad value stops here, for every system
     _check_grid_cell(args.grid_cell, systems, lengths, server_args)
     if args.device == "cuda":
         import torch
@@ -217,7 +218,6 @@ def _check_grid_cell(
             document or shorter than the servers' ``--tangram-min-compress-tokens`` (a cell that
             short is kept whole: nothing would be compressed).
     """
-    from tangram_sglang.config import DEFAULT_MIN_COMPRESS_TOKENS
     from tangram_sglang.errors import ConfigError
     from tangram_sglang.eval.systems import GRID_SYSTEMS
 
@@ -225,13 +225,7 @@ def _check_grid_cell(
         raise ConfigError(f"--grid-cell must be >= 1 token, got {cell}")
     if not any(s in GRID_SYSTEMS for s in systems):
         return
-    min_compress = DEFAULT_MIN_COMPRESS_TOKENS
-    for i, arg in enumerate(server_args):
-        if arg.startswith("--tangram-min-compress-tokens"):
-            value = arg.partition("=")[2] or (
-                server_args[i + 1] if i + 1 < len(server_args) else ""
-            )
-            min_compress = int(value) if value.isdigit() else min_compress
+    min_compress = _min_compress_tokens(server_args)
     if cell < min_compress:
         raise ConfigError(
             f"--grid-cell {cell}: cells shorter than --tangram-min-compress-tokens "
@@ -243,6 +237,32 @@ def _check_grid_cell(
             f"--grid-cell {cell}: longer than every document (--lengths {max(lengths)}), so "
             "the grid systems would compress nothing; use a cell <= the longest document"
         )
+
+
+def _min_compress_tokens(server_args: tuple[str, ...]) -> int:
+    """The servers' ``--tangram-min-compress-tokens`` in ``--server-args`` (tokens; the default
+    when absent).
+
+    Raises:
+        ConfigError: a value that is missing or not a whole number >= 0 (checked here, before
+            any server or model starts, not by the first server after minutes).
+    """
+    from tangram_sglang.config import DEFAULT_MIN_COMPRESS_TOKENS
+    from tangram_sglang.errors import ConfigError
+
+    flag = "--tangram-min-compress-tokens"
+    tokens = DEFAULT_MIN_COMPRESS_TOKENS
+    for i, arg in enumerate(server_args):
+        if arg != flag and not arg.startswith(flag + "="):
+            continue
+        value = arg.partition("=")[2] if "=" in arg else " ".join(server_args[i + 1 : i + 2])
+        if not value.isdecimal():
+            raise ConfigError(
+                f"--server-args: {flag} {value!r} must be a whole number >= 0 (tokens; segments "
+                "shorter than this are kept whole)"
+            )
+        tokens = int(value)
+    return tokens
 
 
 def _check_profiles(profile_dir: Path, systems: tuple[str, ...]) -> None:

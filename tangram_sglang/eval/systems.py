@@ -77,13 +77,14 @@ def tangram_kept_fraction(profile: BudgetProfile, num_tokens: int, grid_cell: in
 
     Without a grid (``grid_cell`` 0) the tokens are one segment; on the segment grid each whole
     cell of ``grid_cell`` tokens is one segment and the tokens after the last whole cell are kept
-    whole (``mem.reservation.segment_kept_lens``, docs/design.md §5.1). Each KV head keeps its
-    group's ``kept_len`` of each segment (Tangram arXiv 2606.06302 §4.1, docs/design.md §2).
+    whole (``mem.reservation.segment_kept_lens``, docs/design.md §5.1): fewer tokens than one
+    cell are all kept (1.0). Each KV head keeps its group's ``kept_len`` of each segment
+    (Tangram arXiv 2606.06302 §4.1, docs/design.md §2).
     """
-    cells = num_tokens // grid_cell if grid_cell else 0
-    if cells == 0:
+    if not grid_cell:
         group_len = np.array(profile.group_kept_lens(num_tokens), dtype=np.float64)
     else:  # the serving rule itself, segment by segment: whole cells, then the tail
+        cells = num_tokens // grid_cell
         cuts = [(k * grid_cell, grid_cell) for k in range(cells)]
         if num_tokens > cells * grid_cell:
             cuts.append((cells * grid_cell, num_tokens - cells * grid_cell))

@@ -3,9 +3,9 @@
 Decode work of KV head ``h`` is proportional to its kept length, i.e. to its head group's ratio
 ``r_g`` times the context. The ratios are static (the budget profile), so the split-KV partition
 is computed once at start-up and the decode kernel only reads it: no per-step planning, no host
-sync (Tangram arXiv 2606.06302, "Ahead-of-time load balancing"; docs/design.md §3.3). Serving
-keeps the table's CTA budget but, by default, fits the split to the real lengths in the kernel
-(the length-fitted plan below); the table itself stays selectable (``TANGRAM_DECODE_PLAN=table``).
+sync (Tangram arXiv 2606.06302, "Ahead-of-time load balancing"; docs/design.md §3.3). The
+table is serving's default plan; ``TANGRAM_DECODE_PLAN=lengths`` keeps only its CTA budget and
+fits the split to the real lengths in the kernel (the length-fitted plan below).
 
 Per layer ``l`` and batch bucket the table holds::
 

@@ -149,6 +149,15 @@ def test_bad_workload_items_are_config_errors(bad):
         mt.parse_workload(bad, args())
 
 
+@pytest.mark.parametrize(
+    "bad", ["short-chat:4x0", "prefill:16x0", "mixed:1x2x3", "mixed:0x4", "mixed:2x-1"]
+)
+def test_a_zero_or_extra_size_part_is_named_not_replaced_by_a_default(bad):
+    """``4x0`` was read as 4 x --num-rounds and ``1x2x3`` as 1x2: the size must be N or NxM."""
+    with pytest.raises(ConfigError, match=r"size must be N or NxM, whole numbers >= 1"):
+        mt.parse_workload(bad, args())
+
+
 def test_systems_parse_and_reject_bad_ratios():
     assert mt.parse_systems("baseline, tangram:0.25") == [
         ("baseline", None),

@@ -44,6 +44,18 @@ REPO = Path(__file__).resolve().parents[2]
             ],
             "--tangram-min-compress-tokens (400)",
         ),
+        (
+            ["--server-args", "--tangram-min-compress-tokens x"],
+            "--tangram-min-compress-tokens 'x' must be a whole number >= 0",
+        ),
+        (
+            ["--systems", "tangram-grid", "--server-args=--tangram-min-compress-tokens=-3"],
+            "--tangram-min-compress-tokens '-3' must be a whole number >= 0",
+        ),
+        (
+            ["--server-args=--tangram-min-compress-tokens"],
+            "--tangram-min-compress-tokens '' must be a whole number >= 0",
+        ),
     ],
 )
 def test_bad_flags_exit_2_naming_the_flag(capsys, argv, match):

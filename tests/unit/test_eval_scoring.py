@@ -81,6 +81,22 @@ def test_summary_is_tangram_minus_each_method_in_points_over_tasks_and_ratios():
     assert "| needle | 0.25 | 0.25 | 100.0 | 50.0 | 50.0 | 0.0 | 2 |" in table
 
 
+def test_every_system_the_eval_runs_has_a_markdown_column():
+    """report.py spells the system names out (eval.systems' sets): a renamed or added system
+    must not drop out of the RESULTS table."""
+    from tangram_sglang.eval import report
+    from tangram_sglang.eval.runner import SYSTEMS
+    from tangram_sglang.eval.systems import GRID_SYSTEMS, TANGRAM_SYSTEMS
+
+    assert set(report.GRID_SYSTEMS) == set(GRID_SYSTEMS)
+    assert set(report.TANGRAM_SYSTEMS) == set(TANGRAM_SYSTEMS) - set(GRID_SYSTEMS)
+    cells = {s: {"kept_fraction": 0.25, "num_scored": 1} for s in SYSTEMS}
+    header = markdown_table({"results": {"needle": {"0.25": cells}}}).splitlines()[0]
+    columns = header.strip("| ").split(" | ")
+    assert columns[:3] == ["task", "ratio", "kept"] and columns[-1] == "n"
+    assert sorted(columns[3:-1]) == sorted(SYSTEMS)
+
+
 def test_missing_systems_give_none_not_a_number():
     s = summary(aggregate([_rec("squad", "full", None, 1.0)], (0.5,)))
     assert s["tangram_minus_dynamic_points"] is None

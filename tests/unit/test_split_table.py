@@ -198,3 +198,22 @@ def test_split_balance_report_on_the_llama_profile() -> None:
         assert row["lengths_mean"] <= row["table_mean"] + 1e-9
         assert row["lengths_ctas"] <= 17 + 8  # N + H_kv at bucket 64 on 132 SMs
     assert "| whole | 64 |" in split_balance.format_rows(list(rows.values()))
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (["--profile", "/nonexistent/profile.json"], "--profile: /nonexistent/profile.json"),
+        (["--num-sms", "0"], "--num-sms 0 must be >= 1"),
+    ],
+)
+def test_split_balance_bad_flags_give_one_line(argv, needle, capsys) -> None:
+    """A missing profile or a bad SM count: exit status 2 and one line naming the flag."""
+    from tangram_sglang.bench import split_balance
+
+    try:
+        status = split_balance.main(argv)
+    except SystemExit as exc:  # argparse's parser.error
+        status = exc.code
+    err = capsys.readouterr().err.strip().splitlines()
+    assert status == 2 and needle in err[-1] and "Traceback" not in "\n".join(err)
