@@ -166,7 +166,12 @@ def report_turn(
 
 
 class TurnReporter:
-    """``chat``'s ``on_turn`` callback: :func:`report_turn` with the previous turn's figures."""
+    """``chat``'s ``on_turn`` callback: :func:`report_turn` with the previous turn's figures.
+
+    Args:
+        server: the running server (its ``/server_info`` pool figures).
+        per_token_bytes: full KV bytes of one token (K and V, all layers).
+    """
 
     def __init__(self, server: SGLangServer, per_token_bytes: int) -> None:
         self.server = server

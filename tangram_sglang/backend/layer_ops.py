@@ -99,6 +99,10 @@ class TritonKernels(ReferenceKernels):
         ).to(device)
         m = profile.model
         self.plan = plan
+        # per bucket, every layer's view, built once: decode only indexes them
+        self.views = {
+            t.batch_size: [t.layer(lid) for lid in range(m.num_layers)] for t in self.tables.tables
+        }
         self.mid_o, self.mid_lse = decode_scratch(
             max_batch_size, m.num_qo_heads, self.tables.scratch_splits, m.head_dim, device
         )
@@ -160,7 +164,7 @@ class TritonKernels(ReferenceKernels):
         """Split-KV ragged decode of layer ``lid`` (this server's plan, the bucket's table)."""
         from tangram_sglang.kernels.decode_attention import ragged_decode_attention
 
-        table = self.tables.for_batch(q.shape[0]).layer(lid)
+        table = self.views[self.tables.for_batch(q.shape[0]).batch_size][lid]
         out = torch.empty_like(q) if out is None else out
         return ragged_decode_attention(
             q,
