@@ -166,6 +166,12 @@ def server_flags(cfg: RunConfig, tangram: bool, grid: bool = False) -> list[str]
     return args
 
 
+def server_env(system: str) -> dict[str, str]:
+    """Environment of one system's server over the harness's own: ``TANGRAM_GRID_SEGMENTS`` on
+    for the ``*-grid`` systems, off for every other (whatever the harness's environment says)."""
+    return {GRID_ENV: "1" if system in GRID_SYSTEMS else "0"}
+
+
 def run(cfg: RunConfig, log: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Build the samples, run the systems, score; returns the report dict (see ``report``)."""
     from transformers import AutoTokenizer, GenerationConfig
@@ -270,7 +276,7 @@ class _Context:
                 args=args,
                 device=self.cfg.device,
                 startup_timeout_s=STARTUP_S,
-                env={GRID_ENV: "1" if grid else "0"},
+                env=server_env(system),
             )
             with server:
                 self.log(f"[eval] {system} r={ratio} server up in {time.monotonic() - start:.0f} s")

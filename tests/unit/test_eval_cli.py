@@ -164,6 +164,15 @@ def test_grid_systems_get_the_grid_cell_as_their_chunk_and_are_not_run_by_defaul
     assert not {"tangram-grid", "tangram-kvzip-lite-grid"} & set(DEFAULT_SYSTEMS)
 
 
+def test_only_grid_systems_get_the_grid_switch():
+    from tangram_sglang.eval.runner import SYSTEMS, server_env
+
+    assert server_env("tangram-grid") == {"TANGRAM_GRID_SEGMENTS": "1"}
+    assert server_env("tangram-kvzip-lite-grid") == {"TANGRAM_GRID_SEGMENTS": "1"}
+    for system in set(SYSTEMS) - {"tangram-grid", "tangram-kvzip-lite-grid"}:
+        assert server_env(system) == {"TANGRAM_GRID_SEGMENTS": "0"}, system
+
+
 def test_cuda_chunk_covers_the_longest_context_up_to_the_models_context(smollm2_path):
     import json
 
