@@ -30,6 +30,18 @@ class PagedLayer:
     dense_v: list[list[torch.Tensor]]
     free_pages: list[int]  # page ids never handed out (for reserving extra pages in tests)
 
+    def paging(self, req_rows: torch.Tensor) -> tuple:
+        """The kernels' paging arguments in their order: pools, page table, lengths, rows, heads."""
+        return (
+            self.k_pool,
+            self.v_pool,
+            self.page_table,
+            self.group_len,
+            req_rows,
+            self.group_of_head,
+            self.column_of_head,
+        )
+
 
 def head_slots(num_kv_heads: int, num_groups: int, heads_per_group: int, rng) -> tuple:
     """Distinct random (group, column) slots for the layer's heads (groups may be shared)."""

@@ -48,6 +48,19 @@ def layer_table(
     return table.to(DEVICE).layer(0)
 
 
+def decode_and_check(layer, req_rows, q, table, out, mid_o, mid_lse, plan) -> None:
+    """Run the Triton decode of ``layer`` with ``plan``; every output element written and within
+    the dtype's tolerance of the torch reference."""
+    args = layer.paging(req_rows)
+    scale = q.shape[-1] ** -0.5
+    ragged_decode_attention(q, *args, table, scale, out, mid_o, mid_lse, plan=plan)
+    want = decode_reference(
+        q.float(), *(a.float() if a.is_floating_point() else a for a in args), scale
+    )
+    assert not out.isnan().any(), "unwritten or NaN output"
+    assert rel_err(out, want) < TOL[q.dtype]
+
+
 def run_case(
     dtype,
     page_size,
@@ -76,21 +89,7 @@ def run_case(
     mid_o, mid_lse = decode_scratch(bs + 1, num_qo_heads, scratch_splits + 1, head_dim, DEVICE)
     mid_o.fill_(float("nan"))
     mid_lse.fill_(float("nan"))
-    args = (
-        layer.k_pool,
-        layer.v_pool,
-        layer.page_table,
-        layer.group_len,
-        req_rows,
-        layer.group_of_head,
-        layer.column_of_head,
-    )
-    ragged_decode_attention(q, *args, table, head_dim**-0.5, out, mid_o, mid_lse, plan=plan)
-    want = decode_reference(
-        q.float(), *(a.float() if a.is_floating_point() else a for a in args), head_dim**-0.5
-    )
-    assert not out.isnan().any(), "unwritten or NaN output"
-    assert rel_err(out, want) < TOL[dtype]
+    decode_and_check(layer, req_rows, q, table, out, mid_o, mid_lse, plan)
     return layer, out
 
 
@@ -275,21 +274,7 @@ def run_fitted(
     out = torch.full_like(q, float("nan"))
     mid_o, mid_lse = decode_scratch(rows, num_qo_heads, table.split_cap + 1, head_dim, DEVICE)
     mid_lse.fill_(float("nan"))
-    args = (
-        layer.k_pool,
-        layer.v_pool,
-        layer.page_table,
-        layer.group_len,
-        req_rows,
-        layer.group_of_head,
-        layer.column_of_head,
-    )
-    ragged_decode_attention(q, *args, table, head_dim**-0.5, out, mid_o, mid_lse, plan="lengths")
-    want = decode_reference(
-        q.float(), *(a.float() if a.is_floating_point() else a for a in args), head_dim**-0.5
-    )
-    assert not out.isnan().any(), "unwritten or NaN output"
-    assert rel_err(out, want) < TOL[dtype]
+    decode_and_check(layer, req_rows, q, table, out, mid_o, mid_lse, "lengths")
     head_lens = lens[req_rows.cpu().numpy()][:, layer.group_of_head.cpu().numpy()]
     splits, chunk = fitted_splits(head_lens, table.cta_budget, table.split_cap, BLOCK_N)
     assert (splits <= table.split_cap).all() and splits.sum(axis=1).max() <= table.fitted_ctas

@@ -24,15 +24,7 @@ def extend_inputs(dtype, page_size, head_dim, extend_lens, gqa=2, num_kv_heads=2
     q = torch.randn(n, num_kv_heads * gqa, head_dim, device=DEVICE).to(dtype)
     k_new = torch.randn(n, num_kv_heads, head_dim, device=DEVICE).to(dtype)
     v_new = torch.randn(n, num_kv_heads, head_dim, device=DEVICE).to(dtype)
-    paging = (
-        layer.k_pool,
-        layer.v_pool,
-        layer.page_table,
-        layer.group_len,
-        req_rows,
-        layer.group_of_head,
-        layer.column_of_head,
-    )
+    paging = layer.paging(req_rows)
     return layer, q, k_new, v_new, qo_indptr, paging
 
 

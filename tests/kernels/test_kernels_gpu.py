@@ -64,18 +64,6 @@ def table_for(ratios, batch, uniform):
     )
 
 
-def paging(layer, req_rows):
-    return (
-        layer.k_pool,
-        layer.v_pool,
-        layer.page_table,
-        layer.group_len,
-        req_rows,
-        layer.group_of_head,
-        layer.column_of_head,
-    )
-
-
 def as_f32(args):
     return [a.float() if a.is_floating_point() else a for a in args]
 
@@ -98,9 +86,9 @@ def test_decode_full_size(geometry, page_size, plan) -> None:
     splits = max(view.max_splits, view.split_cap)
     mid_o, mid_lse = decode_scratch(batch, q.shape[1], splits, head_dim, DEV)
     ragged_decode_attention(
-        q, *paging(layer, req_rows), view, head_dim**-0.5, out, mid_o, mid_lse, plan_arg
+        q, *layer.paging(req_rows), view, head_dim**-0.5, out, mid_o, mid_lse, plan_arg
     )
-    want = decode_reference(q.float(), *as_f32(paging(layer, req_rows)), head_dim**-0.5)
+    want = decode_reference(q.float(), *as_f32(layer.paging(req_rows)), head_dim**-0.5)
     assert not out.isnan().any()
     assert rel_err(out, want) < 1e-2
 
@@ -115,7 +103,7 @@ def test_decode_cuda_graph_replay_follows_new_lengths(plan) -> None:
     out = torch.empty_like(q)
     splits = max(view.max_splits, view.split_cap)
     mid_o, mid_lse = decode_scratch(8, q.shape[1], splits, head_dim, DEV)
-    args = (q, *paging(layer, req_rows), view, head_dim**-0.5, out, mid_o, mid_lse, plan)
+    args = (q, *layer.paging(req_rows), view, head_dim**-0.5, out, mid_o, mid_lse, plan)
     ragged_decode_attention(*args)  # compile outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
@@ -127,7 +115,7 @@ def test_decode_cuda_graph_replay_follows_new_lengths(plan) -> None:
         out.fill_(float("nan"))
         graph.replay()
         torch.cuda.synchronize()
-        want = decode_reference(q.float(), *as_f32(paging(layer, req_rows)), head_dim**-0.5)
+        want = decode_reference(q.float(), *as_f32(layer.paging(req_rows)), head_dim**-0.5)
         assert not out.isnan().any() and rel_err(out, want) < 1e-2
 
 
@@ -146,7 +134,7 @@ def test_fitted_decode_equal_lengths_in_a_cuda_graph() -> None:
     q = torch.randn(rows, num_kv_heads * gqa, head_dim, device=DEV, dtype=torch.bfloat16)
     out = torch.empty_like(q)
     mid_o, mid_lse = decode_scratch(rows, q.shape[1], view.split_cap, head_dim, DEV)
-    args = (q, *paging(layer, req_rows), view, head_dim**-0.5, out, mid_o, mid_lse, "lengths")
+    args = (q, *layer.paging(req_rows), view, head_dim**-0.5, out, mid_o, mid_lse, "lengths")
     ragged_decode_attention(*args)  # compile outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
@@ -165,7 +153,7 @@ def test_fitted_decode_equal_lengths_in_a_cuda_graph() -> None:
         mid_lse.fill_(float("nan"))
         graph.replay()
         torch.cuda.synchronize()
-        want = decode_reference(q.float(), *as_f32(paging(layer, req_rows)), head_dim**-0.5)
+        want = decode_reference(q.float(), *as_f32(layer.paging(req_rows)), head_dim**-0.5)
         assert not out.isnan().any() and rel_err(out, want) < 1e-2
         head_lens = step[:, layer.group_of_head.cpu().numpy()]
         splits, _ = fitted_splits(head_lens, view.cta_budget, view.split_cap, BLOCK_N)
@@ -192,14 +180,14 @@ def test_extend_full_size(geometry) -> None:
         k_new,
         v_new,
         qo_indptr,
-        *paging(layer, req_rows),
+        *layer.paging(req_rows),
         head_dim**-0.5,
         out,
         lse,
         max_extend_len=max(extend_lens),
     )
     want, want_lse = extend_reference(
-        *as_f32((q, k_new, v_new, qo_indptr, *paging(layer, req_rows))), head_dim**-0.5
+        *as_f32((q, k_new, v_new, qo_indptr, *layer.paging(req_rows))), head_dim**-0.5
     )
     assert not out.isnan().any() and not lse.isnan().any()
     assert rel_err(out, want) < 1e-2 and rel_err(lse, want_lse) < 1e-3

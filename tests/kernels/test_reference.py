@@ -38,18 +38,7 @@ def test_decode_reference_matches_dense(page_size: int, heads_per_group: int) ->
     req_rows = torch.tensor([4, 0, 2, 1], dtype=torch.int32, device=DEVICE)
     q = torch.randn(4, num_kv_heads * gqa, HEAD_DIM, device=DEVICE)
     out = torch.full_like(q, float("nan"))
-    decode_reference(
-        q,
-        layer.k_pool,
-        layer.v_pool,
-        layer.page_table,
-        layer.group_len,
-        req_rows,
-        layer.group_of_head,
-        layer.column_of_head,
-        HEAD_DIM**-0.5,
-        out=out,
-    )
+    decode_reference(q, *layer.paging(req_rows), HEAD_DIM**-0.5, out=out)
     assert not out.isnan().any()
     for b, row in enumerate(req_rows.tolist()):
         for h in range(num_kv_heads):
