@@ -27,6 +27,10 @@ import torch
 from tangram_sglang.errors import PoolError
 from tangram_sglang.profile import BudgetProfile
 
+# Pages per step of ``KVPool.copy_pages``: its three temporaries hold 3 x this many pages of one
+# pool (48 MiB at H_p 4, page 16, D 128, bf16).
+COPY_CHUNK_PAGES = 1024
+
 
 def bytes_per_page(heads_per_group: int, page_size: int, head_dim: int, dtype: torch.dtype) -> int:
     """Bytes of one page, K and V together: ``2 * H_p * page_size * D * itemsize``."""
@@ -139,14 +143,28 @@ class KVPool:
     def copy_pages(self, src: torch.Tensor, dst: torch.Tensor, num_slots: torch.Tensor) -> None:
         """Copy-on-write of tail pages: ``dst[:, :n] = src[:, :n]`` for all H_p columns.
 
+        Two gathers, one ``where`` and one scatter per pool for every ``COPY_CHUNK_PAGES``
+        pages, whatever their number (a later turn of 64 chats copies one tail page per head
+        group per conversation: thousands of pages). Slots ``>= n`` of ``dst`` keep their
+        contents. No device-to-host read; index tensors already on the pool's device are used
+        as they are (callers upload them non-blocking, ``PackedUpload``), host ones are copied.
+
         Args:
-            src: int ``[n]`` source page ids (a shared partial tail page).
-            dst: int ``[n]`` fresh destination page ids.
+            src: int ``[n]`` source page ids (a shared partial tail page; repeats allowed).
+            dst: int ``[n]`` fresh destination page ids, distinct.
             num_slots: int ``[n]`` filled slots of each source page (tokens, 1..page_size).
         """
-        for s, d, n in zip(src.tolist(), dst.tolist(), num_slots.tolist(), strict=True):
-            self.k_pool[d, :, :n] = self.k_pool[s, :, :n]
-            self.v_pool[d, :, :n] = self.v_pool[s, :, :n]
+        device = self.k_pool.device
+        src, dst, fill = (t.to(device=device, dtype=torch.int64) for t in (src, dst, num_slots))
+        slot = torch.arange(self.page_size, device=device)
+        for lo in range(0, src.numel(), COPY_CHUNK_PAGES):  # bounds the temporaries
+            s, d = src[lo : lo + COPY_CHUNK_PAGES], dst[lo : lo + COPY_CHUNK_PAGES]
+            n = fill[lo : lo + COPY_CHUNK_PAGES]
+            keep = (slot.unsqueeze(0) < n.unsqueeze(1)).view(-1, 1, self.page_size, 1)
+            for pool in (self.k_pool, self.v_pool):
+                pool.index_copy_(
+                    0, d, torch.where(keep, pool.index_select(0, s), pool.index_select(0, d))
+                )
 
     def write(
         self,

@@ -703,9 +703,12 @@ class TangramMemory:
         if self.defer_copies:
             self._copies.append((src.copy(), dst.copy(), np.asarray(fill, np.int64).copy()))
             return
-        self.kv_pool.copy_pages(
-            torch.from_numpy(src), torch.from_numpy(dst), torch.from_numpy(fill)
-        )
+        self._copy_now(src, dst, np.asarray(fill, np.int64))
+
+    def _copy_now(self, src: np.ndarray, dst: np.ndarray, fill: np.ndarray) -> None:
+        """The pool copies of host page ids, uploaded in one packed non-blocking copy."""
+        d_src, d_dst, d_fill = self.table.uploader.upload([src, dst, fill])
+        self.kv_pool.copy_pages(d_src, d_dst, d_fill)
 
     def run_copies(self) -> int:
         """Run the copy-on-write copies deferred since the last call (``defer_copies``).
@@ -722,9 +725,7 @@ class TangramMemory:
         if not copies or self.kv_pool is None:
             return 0
         src, dst, fill = (np.concatenate(c) for c in zip(*copies, strict=True))
-        self.kv_pool.copy_pages(
-            torch.from_numpy(src), torch.from_numpy(dst), torch.from_numpy(fill)
-        )
+        self._copy_now(src, dst, fill)
         return int(src.size)
 
     def _fill(self, row: int, old_len: np.ndarray, new_len: np.ndarray) -> None:

@@ -329,8 +329,9 @@ class PackedUpload:
     CUDA: the arrays are packed into a pinned host buffer and copied ``non_blocking`` on the
     current stream into a device buffer; ``slots`` (>= 2) pinned/device buffer pairs are used
     in turn, and before a pinned buffer is rewritten the event recorded after its last copy is
-    waited for (normally long done: the host runs at most one batch ahead), so a copy still in
-    flight is never overwritten. Buffers grow (doubling) when a call needs more room.
+    waited for (normally long done: the host runs at most one batch ahead and a batch makes at
+    most two uploads, its copy-on-write page ids and its plan), so a copy still in flight is
+    never overwritten. Buffers grow (doubling) when a call needs more room.
     CPU: the arrays are concatenated into a fresh tensor (no copy to make).
 
     Args:
@@ -338,7 +339,7 @@ class PackedUpload:
         slots: buffer pairs used in turn (CUDA).
     """
 
-    def __init__(self, device: str | torch.device, slots: int = 2) -> None:
+    def __init__(self, device: str | torch.device, slots: int = 4) -> None:
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
         self.slots = max(int(slots), 2)

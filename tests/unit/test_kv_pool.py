@@ -5,6 +5,7 @@ import torch
 from factories import make_pool, make_profile
 
 from tangram_sglang.errors import PoolError
+from tangram_sglang.mem import kv_pool
 from tangram_sglang.mem.kv_pool import KVPool, bytes_per_page, num_pages_for_budget
 
 
@@ -62,6 +63,26 @@ def test_copy_pages_copies_filled_slots_of_all_columns():
     assert torch.equal(pool.k_pool[7, :, :3], pool.k_pool[3, :, :3])
     assert torch.equal(pool.v_pool[7, :, :3], pool.v_pool[3, :, :3])
     assert pool.k_pool[7, :, 3].abs().sum() == 0
+
+
+def test_copy_pages_matches_a_page_by_page_copy_across_chunks(monkeypatch):
+    """Many pages in one call (repeated sources, every fill, several chunks) equal the
+    page-by-page copy, and the slots past each fill keep the destination's contents."""
+    monkeypatch.setattr(kv_pool, "COPY_CHUNK_PAGES", 3)
+    pool = KVPool.create(64, 2, 4, 8, torch.float32)
+    pool.k_pool.copy_(torch.randn_like(pool.k_pool))
+    pool.v_pool.copy_(torch.randn_like(pool.v_pool))
+    src = torch.tensor([5, 5, 6, 7, 5, 8, 9])  # one shared tail page copied for several rows
+    dst = torch.tensor([20, 21, 22, 23, 24, 25, 26])
+    fill = torch.tensor([1, 4, 2, 3, 4, 1, 2])
+    want_k, want_v = pool.k_pool.clone(), pool.v_pool.clone()
+    for s, d, n in zip(src.tolist(), dst.tolist(), fill.tolist(), strict=True):
+        want_k[d, :, :n] = want_k[s, :, :n]
+        want_v[d, :, :n] = want_v[s, :, :n]
+    pool.copy_pages(src, dst, fill)
+    assert torch.equal(pool.k_pool, want_k) and torch.equal(pool.v_pool, want_v)
+    pool.copy_pages(src[:0], dst[:0], fill[:0])  # nothing to copy
+    assert torch.equal(pool.k_pool, want_k)
 
 
 def test_meta_device_sizes_without_memory():
