@@ -22,20 +22,32 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from tangram_sglang.errors import PoolError
 from tangram_sglang.profile import BudgetProfile
-
-# Pages per step of ``KVPool.copy_pages``: its three temporaries hold 3 x this many pages of one
-# pool (48 MiB at H_p 4, page 16, D 128, bf16).
-COPY_CHUNK_PAGES = 1024
 
 
 def bytes_per_page(heads_per_group: int, page_size: int, head_dim: int, dtype: torch.dtype) -> int:
     """Bytes of one page, K and V together: ``2 * H_p * page_size * D * itemsize``."""
     itemsize = torch.empty((), dtype=dtype).element_size()
     return 2 * heads_per_group * page_size * head_dim * itemsize
+
+
+def filled_slots(
+    src: np.ndarray, dst: np.ndarray, num_slots: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """int64 ``(src_page, dst_page, slot)``, each ``[sum(num_slots)]``: page i's slots
+    ``0 .. num_slots[i] - 1`` (the copy-on-write of :meth:`KVPool.copy_slots`; host only)."""
+    count = np.asarray(num_slots, np.int64).reshape(-1)
+    total = int(count.sum())
+    slot = np.arange(total, dtype=np.int64) - np.repeat(np.cumsum(count) - count, count)
+    return (
+        np.repeat(np.asarray(src, np.int64), count),
+        np.repeat(np.asarray(dst, np.int64), count),
+        slot,
+    )
 
 
 def num_pages_for_budget(memory_bytes: int, bytes_page: int) -> int:
@@ -143,28 +155,34 @@ class KVPool:
     def copy_pages(self, src: torch.Tensor, dst: torch.Tensor, num_slots: torch.Tensor) -> None:
         """Copy-on-write of tail pages: ``dst[:, :n] = src[:, :n]`` for all H_p columns.
 
-        Two gathers, one ``where`` and one scatter per pool for every ``COPY_CHUNK_PAGES``
-        pages, whatever their number (a later turn of 64 chats copies one tail page per head
-        group per conversation: thousands of pages). Slots ``>= n`` of ``dst`` keep their
-        contents. No device-to-host read; index tensors already on the pool's device are used
-        as they are (callers upload them non-blocking, ``PackedUpload``), host ones are copied.
+        Host inputs: the pages are expanded to their filled slots (:func:`filled_slots`) and
+        copied by :meth:`copy_slots`. Slots ``>= n`` of ``dst`` keep their contents.
 
         Args:
             src: int ``[n]`` source page ids (a shared partial tail page; repeats allowed).
             dst: int ``[n]`` fresh destination page ids, distinct.
             num_slots: int ``[n]`` filled slots of each source page (tokens, 1..page_size).
         """
+        parts = filled_slots(src.cpu().numpy(), dst.cpu().numpy(), num_slots.cpu().numpy())
         device = self.k_pool.device
-        src, dst, fill = (t.to(device=device, dtype=torch.int64) for t in (src, dst, num_slots))
-        slot = torch.arange(self.page_size, device=device)
-        for lo in range(0, src.numel(), COPY_CHUNK_PAGES):  # bounds the temporaries
-            s, d = src[lo : lo + COPY_CHUNK_PAGES], dst[lo : lo + COPY_CHUNK_PAGES]
-            n = fill[lo : lo + COPY_CHUNK_PAGES]
-            keep = (slot.unsqueeze(0) < n.unsqueeze(1)).view(-1, 1, self.page_size, 1)
+        self.copy_slots(*(torch.from_numpy(a).to(device) for a in parts))
+
+    def copy_slots(
+        self, src_page: torch.Tensor, dst_page: torch.Tensor, slot: torch.Tensor
+    ) -> None:
+        """``pool[dst_page[i], :, slot[i]] = pool[src_page[i], :, slot[i]]`` for K and V.
+
+        One gather and one scatter per pool for the whole call, whatever the number of pages
+        (a later turn of 64 chats copies one tail page per head group per conversation:
+        thousands of pages), moving only the filled slots. No device-to-host read.
+
+        Args:
+            src_page, dst_page, slot: int64 ``[m]`` on the pool's device (page ids, slot index
+                ``< page_size``); ``(dst_page[i], slot[i])`` pairs distinct.
+        """
+        if slot.numel():
             for pool in (self.k_pool, self.v_pool):
-                pool.index_copy_(
-                    0, d, torch.where(keep, pool.index_select(0, s), pool.index_select(0, d))
-                )
+                pool[dst_page, :, slot] = pool[src_page, :, slot]
 
     def write(
         self,

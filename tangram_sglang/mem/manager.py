@@ -35,7 +35,7 @@ import torch
 
 from tangram_sglang.errors import PoolError
 from tangram_sglang.mem.invariants import check_memory
-from tangram_sglang.mem.kv_pool import KVPool, bytes_per_page, num_pages_for_budget
+from tangram_sglang.mem.kv_pool import KVPool, bytes_per_page, filled_slots, num_pages_for_budget
 from tangram_sglang.mem.page_allocator import PageAllocator
 from tangram_sglang.mem.page_table import EXTEND, PageTable, SegmentPages
 from tangram_sglang.mem.prefix import PrefixMatch, validate_prefix
@@ -706,9 +706,9 @@ class TangramMemory:
         self._copy_now(src, dst, np.asarray(fill, np.int64))
 
     def _copy_now(self, src: np.ndarray, dst: np.ndarray, fill: np.ndarray) -> None:
-        """The pool copies of host page ids, uploaded in one packed non-blocking copy."""
-        d_src, d_dst, d_fill = self.table.uploader.upload([src, dst, fill])
-        self.kv_pool.copy_pages(d_src, d_dst, d_fill)
+        """The pool copies of host page ids: their filled slots, uploaded in one packed
+        non-blocking copy (``PackedUpload``), then one gather and scatter per pool."""
+        self.kv_pool.copy_slots(*self.table.uploader.upload(list(filled_slots(src, dst, fill))))
 
     def run_copies(self) -> int:
         """Run the copy-on-write copies deferred since the last call (``defer_copies``).

@@ -5,7 +5,6 @@ import torch
 from factories import make_pool, make_profile
 
 from tangram_sglang.errors import PoolError
-from tangram_sglang.mem import kv_pool
 from tangram_sglang.mem.kv_pool import KVPool, bytes_per_page, num_pages_for_budget
 
 
@@ -65,10 +64,9 @@ def test_copy_pages_copies_filled_slots_of_all_columns():
     assert pool.k_pool[7, :, 3].abs().sum() == 0
 
 
-def test_copy_pages_matches_a_page_by_page_copy_across_chunks(monkeypatch):
-    """Many pages in one call (repeated sources, every fill, several chunks) equal the
-    page-by-page copy, and the slots past each fill keep the destination's contents."""
-    monkeypatch.setattr(kv_pool, "COPY_CHUNK_PAGES", 3)
+def test_copy_pages_matches_a_page_by_page_copy():
+    """Many pages in one call (repeated sources, every fill) equal the page-by-page copy, and
+    the slots past each fill keep the destination's contents."""
     pool = KVPool.create(64, 2, 4, 8, torch.float32)
     pool.k_pool.copy_(torch.randn_like(pool.k_pool))
     pool.v_pool.copy_(torch.randn_like(pool.v_pool))
