@@ -62,7 +62,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 VALUE_ATTR = "tangram_value"  # TreeNode attribute holding a boundary node's SegmentValue
-SLOT_ATTR = "tangram_slot"  # TreeNode attribute: a boundary node's last token slot (host int)
+SLOT_ATTR = "tangram_slot"  # TreeNode attribute: a boundary node's last token slot (host int,
+# read on demand by TangramRadixCache._node_of_slot)
 
 
 def value_of(node: TreeNode) -> SegmentValue | None:
@@ -111,7 +112,7 @@ class TangramRadixCache(RadixCache):
     """
 
     def __init__(self, params: CacheInitParams) -> None:
-        self._boundaries: dict[int, TreeNode] = {}  # last token slot of a boundary -> node
+        self._boundaries: dict[int, TreeNode] = {}  # id(node) -> boundary node (holds a segment)
         self.num_evicted_pages = 0  # pages freed by evicting nodes since start-up
         self.num_duplicate_pages = 0  # pages of segments already cached, freed at insert
         self.num_adopted_pages = 0  # copy-on-write copies a parent chain took (duplicates saved)
@@ -259,11 +260,23 @@ class TangramRadixCache(RadixCache):
             self._unlocked_pages += split.num_pages
         if below.lock_ref == 0:
             self._unlocked_pages -= moved
-        slot = int(node.value[-1])
-        setattr(node, SLOT_ATTR, slot)
-        self._boundaries[slot] = node
+        self._boundaries[id(node)] = node
         self.num_split_segments += 1
         return True
+
+    def _node_of_slot(self, slot: int) -> TreeNode | None:
+        """The boundary node whose last token holds KV slot ``slot`` (None if none).
+
+        The fallback of :meth:`prefix_for` when the caller has no node: the boundary nodes'
+        last slots are read to the host once (one device-to-host copy for the nodes not read
+        before) and kept on the nodes; O(boundary nodes).
+        """
+        unread = [n for n in self._boundaries.values() if getattr(n, SLOT_ATTR, None) is None]
+        if unread:
+            slots = torch.stack([n.value[-1] for n in unread]).tolist()
+            for node, value in zip(unread, slots, strict=True):
+                setattr(node, SLOT_ATTR, int(value))
+        return next((n for n in self._boundaries.values() if getattr(n, SLOT_ATTR) == slot), None)
 
     def prefix_for(self, row: int, prefix_len: int, node: TreeNode | None = None) -> PrefixMatch:
         """The compressed prefix of a new row whose first ``prefix_len`` tokens were matched.
@@ -283,8 +296,7 @@ class TangramRadixCache(RadixCache):
             PoolError: the prefix ends at no boundary node of the tree.
         """
         if node is None or value_of(node) is None:
-            slot = int(self.req_to_token_pool.req_to_token[row, prefix_len - 1])
-            node = self._boundaries.get(slot)
+            node = self._node_of_slot(int(self.req_to_token_pool.req_to_token[row, prefix_len - 1]))
         if node is None or value_of(node).end_depth != prefix_len:
             raise PoolError(
                 f"radix: row {row} starts from a {prefix_len}-token prefix that ends at no "
@@ -336,8 +348,8 @@ class TangramRadixCache(RadixCache):
     ) -> None:
         """Put each segment on the node ending at its last token; free what cannot be kept.
 
-        The new boundary nodes' last token slots are read to the host together (one
-        device-to-host copy per finished request, none when nothing new is attached).
+        Host work only: no device read (a finished request's insert runs while the next batch
+        is in flight under overlap scheduling; a read would wait for that batch).
         """
         # A chain continues a boundary node (or the root); a row whose in-flight insert ended on
         # a plain node (a cell another chain held) cannot hang anything after it.
@@ -371,11 +383,8 @@ class TangramRadixCache(RadixCache):
             parent = node
         if attached and attached[0] is not None and value_of(attached[0]).start_node is start:
             self._adopt_copies(start, attached[0])
-        if attached:
-            slots = torch.stack([n.value[-1] for n in attached]).tolist()
-            for node, slot in zip(attached, slots, strict=True):
-                setattr(node, SLOT_ATTR, int(slot))
-                self._boundaries[int(slot)] = node
+        for node in attached:
+            self._boundaries[id(node)] = node
 
     def _on_grid(self, parent: TreeNode | None, seg: SegmentPages, lo: int, hi: int) -> bool:
         """Under the grid: may the row's segment ``[lo, hi)`` hang after ``parent``?
@@ -528,7 +537,7 @@ class TangramRadixCache(RadixCache):
         """SGLang's leaf removal, plus: free the node's pages (exactly once)."""
         value = value_of(node)
         if value is not None:
-            self._boundaries.pop(getattr(node, SLOT_ATTR), None)
+            self._boundaries.pop(id(node), None)
             setattr(node, VALUE_ATTR, None)
             if node.lock_ref == 0:
                 self._unlocked_pages -= value.num_pages

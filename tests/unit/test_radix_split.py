@@ -14,7 +14,7 @@ import numpy as np
 import torch
 from radix_world import PAGE, build_tree, run_request
 
-from tangram_sglang.radix.cache import value_of
+from tangram_sglang.radix.cache import SLOT_ATTR, value_of
 
 SYSTEM = [40, 41, 42, 43, 44, 45]  # the shared first tokens
 
@@ -48,3 +48,29 @@ def test_a_compressed_segment_is_not_split():
     assert cached == 0 and tree.stats()["whole_segments_split"] == 0
     tree.reset()
     assert torch.all(torch.as_tensor(state.memory.allocator.ref_count[1:]) == 0)
+
+
+def test_inserts_read_no_slot_and_the_slot_fallback_finds_the_node():
+    """Attaching and splitting segments reads no KV slot from the device (they run while the
+    next batch is in flight); ``prefix_for`` without a node reads the slots once, on demand."""
+    tree, state, req_pool, slots = build_tree(min_compress_tokens=16)
+    run_request(tree, state, req_pool, slots, [*SYSTEM, 1, 2, 3, 4], [5, 6], chunk=16)
+    run_request(tree, state, req_pool, slots, [*SYSTEM, 7, 7, 7], [5], chunk=16)
+    nodes = list(tree._boundaries.values())
+    assert len(nodes) >= 3 and all(getattr(n, SLOT_ATTR, None) is None for n in nodes)
+    split = next(n for n in nodes if value_of(n).end_depth == len(SYSTEM))
+    row = req_pool.free_slots[0]
+    req_pool.req_to_token[row, : len(SYSTEM)] = torch.cat([n.value for n in path_to(split)])
+    by_slot, by_node = tree.prefix_for(row, len(SYSTEM)), tree.prefix_for(row, len(SYSTEM), split)
+    assert np.array_equal(by_slot.lens, by_node.lens)
+    assert all(map(np.array_equal, by_slot.pages, by_node.pages))
+    assert all(isinstance(getattr(n, SLOT_ATTR), int) for n in nodes)
+
+
+def path_to(node):
+    """The tree nodes from the root's child down to ``node`` (their values are its slots)."""
+    path = []
+    while node.parent is not None:
+        path.append(node)
+        node = node.parent
+    return path[::-1]
