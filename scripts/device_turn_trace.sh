@@ -15,7 +15,7 @@ run() {
   timeout "${T:-420}" python3 -m tangram_sglang.bench.prefill_trace --model-path "$MODEL" \
     --label "$name-turns" --server-args "$COMMON $*" --num-prompts "${N:-32}" \
     --prompt-len "${L:-16384}" --turn-tokens "${E:-330}" --stagger-ms "${D:-40}" \
-    --output-len 64 --top 30 --trace-dir "$R/trace-$name" --json "$R/trace-$name-turns.json" \
+    --output-len 64 --top 60 --trace-dir "$R/trace-$name" --json "$R/trace-$name-turns.json" \
     > "$R/trace-$name.out" 2>&1
   echo "$(date -u +%T) rc=$? $name" >> "$R/progress"
   grep -E '"(wall_s|history_wall_s|traced_wall_s|warmup_wall_s|gpu_busy_ms|gpu_idle_ms)"' "$R/trace-$name.out" >> "$R/progress"
