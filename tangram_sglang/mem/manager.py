@@ -708,7 +708,15 @@ class TangramMemory:
     def _copy_now(self, src: np.ndarray, dst: np.ndarray, fill: np.ndarray) -> None:
         """The pool copies of host page ids: their filled slots, uploaded in one packed
         non-blocking copy (``PackedUpload``), then one gather and scatter per pool."""
-        self.kv_pool.copy_slots(*self.table.uploader.upload(list(filled_slots(src, dst, fill))))
+        parts = filled_slots(src, dst, fill)
+        if self.debug:  # one gather then one scatter: no chained copy, no slot written twice
+            dst_slots = parts[1] * self.page_size + parts[2]
+            if np.unique(dst_slots).size != dst_slots.size or np.isin(dst, src).any():
+                raise PoolError(
+                    "copy-on-write: a destination page is written twice or is also a source in "
+                    f"one batch (src {src[:8].tolist()}, dst {dst[:8].tolist()})"
+                )
+        self.kv_pool.copy_slots(*self.table.uploader.upload(list(parts)))
 
     def run_copies(self) -> int:
         """Run the copy-on-write copies deferred since the last call (``defer_copies``).

@@ -331,7 +331,9 @@ class PackedUpload:
     in turn, and before a pinned buffer is rewritten the event recorded after its last copy is
     waited for (normally long done: the host runs at most one batch ahead and a batch makes at
     most two uploads, its copy-on-write page ids and its plan), so a copy still in flight is
-    never overwritten. Buffers grow (doubling) when a call needs more room.
+    never overwritten. The device buffers are reused in stream order: every upload and every
+    kernel that reads it run on one stream (the batch's, in ``init_forward_metadata``).
+    Buffers grow (doubling) when a call needs more room.
     CPU: the arrays are concatenated into a fresh tensor (no copy to make).
 
     Args:

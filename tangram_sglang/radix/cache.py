@@ -20,9 +20,9 @@ idle self-check stay exact. On top, each node where a finished request's segment
 
 The backend asks :meth:`prefix_for` for a new row's :class:`~tangram_sglang.mem.prefix.
 PrefixMatch`: from the matched node when the caller has it (``req.last_node``: no device
-read), else from the row's last prefix token slot (one device read). Each boundary node keeps
-its last token slot on the host (read once per finished request, for all its segments
-together), so eviction and ``/flush_cache`` never read the device.
+read), else from the row's last prefix token slot (a fallback the server never takes: it reads
+the boundary nodes' last slots from the device on demand). Inserting, evicting and
+``/flush_cache`` never read the device.
 
 Why a ``RadixCache`` subclass and not a ``FullComponent`` override of ``UnifiedRadixCache``: the
 0.5.17 unified tree needs ``SGLANG_ENABLE_UNIFIED_RADIX_TREE`` or a hybrid model to be chosen by
@@ -290,7 +290,8 @@ class TangramRadixCache(RadixCache):
             node: the matched boundary node (``req.last_node``, handed over on the host by the
                 ``ForwardBatch.init_new`` hook) when the caller has it: no device read. Without
                 it (or when it holds no segment) the node is found from the row's last prefix
-                token slot in ``req_to_token`` (one device-to-host read).
+                token slot in ``req_to_token`` (two device-to-host reads at most: that slot,
+                and the last slots of boundary nodes not read before; O(boundary nodes)).
 
         Raises:
             PoolError: the prefix ends at no boundary node of the tree.

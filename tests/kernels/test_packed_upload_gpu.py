@@ -2,8 +2,9 @@
 
 Many decode steps of a deferred page table on CUDA, each flushed once with its decode plan
 (the backend's path): after every step the device table and lengths equal the host mirror, the
-plan equals the host plan, the pinned buffers are reused (two slots, no growth after the first
-steps) and the staged copies run on the current stream, in order with the kernels that read them.
+plan equals the host plan, the pinned buffers are reused (its slots in turn, no growth after
+the first steps) and the staged copies run on the current stream, in order with the kernels
+that read them.
 """
 
 from __future__ import annotations

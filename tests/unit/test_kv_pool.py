@@ -1,5 +1,6 @@
 """KVPool: layout, byte sizing, kept-KV write at (page, column, slot), COW page copy."""
 
+import numpy as np
 import pytest
 import torch
 from factories import make_pool, make_profile
@@ -86,3 +87,17 @@ def test_copy_pages_matches_a_page_by_page_copy():
 def test_meta_device_sizes_without_memory():
     pool = KVPool.create(1 << 20, 4, 16, 128, torch.bfloat16, device="meta")
     assert pool.num_pages == 1 << 20 and pool.k_pool.device.type == "meta"
+
+
+def test_a_chained_or_doubled_copy_is_refused_in_debug_mode():
+    """One gather then one scatter cannot chain copies (S -> D, D -> D2) or write a slot twice;
+    the debug pool check refuses such a batch instead of copying stale slots."""
+    from radix_world import build_tree  # a real memory manager with debug pool checks
+
+    memory = build_tree()[1].memory
+    src, dst, fill = np.array([5, 7]), np.array([7, 9]), np.array([2, 2])
+    with pytest.raises(PoolError, match="written twice or is also a source"):
+        memory._copy_now(src, dst, fill)
+    with pytest.raises(PoolError, match="written twice"):
+        memory._copy_now(np.array([5, 6]), np.array([9, 9]), np.array([1, 1]))
+    memory._copy_now(np.array([5, 5]), np.array([8, 9]), np.array([2, 1]))  # a shared source
