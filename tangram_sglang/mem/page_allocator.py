@@ -156,8 +156,13 @@ class PageAllocator:
         if pages.numel() == 0:
             return 0
         distinct = self._check_held(pages, f"free by {owner}", per_occurrence=True)
-        self.ref_count.index_add_(0, pages, torch.full_like(pages, -1, dtype=torch.int32))
-        released = pages[self.ref_count[pages] == 0]
+        if distinct and self.ref_count.device.type == "cpu":  # numpy views: the common case
+            ids, counts = pages.numpy(), self.ref_count.numpy()
+            counts[ids] -= 1
+            released = torch.from_numpy(ids[counts[ids] == 0])
+        else:
+            self.ref_count.index_add_(0, pages, torch.full_like(pages, -1, dtype=torch.int32))
+            released = pages[self.ref_count[pages] == 0]
         if released.numel():
             if not distinct:
                 # A page listed twice reaches zero once; keep its first occurrence, in order.

@@ -305,7 +305,9 @@ class PageTable:
         """
         extra = list(extra or [])
         zero = np.unique(np.asarray(self._zero_rows, np.int64))
-        flat = np.unique(np.concatenate(self._entries)) if self._entries else np.zeros(0, np.int64)
+        # entries staged twice are written twice with the same value (read from the mirror now):
+        # no sort of the (large) entry list is needed
+        flat = np.concatenate(self._entries) if self._entries else np.zeros(0, np.int64)
         rows = np.unique(np.concatenate(self._len_rows)) if self._len_rows else zero[:0]
         self._zero_rows, self._entries, self._len_rows = [], [], []
         if not (zero.size or flat.size or rows.size or extra):
