@@ -24,7 +24,7 @@ Ragged Paging; SGLang ``ReqToTokenPool`` (rows).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -49,11 +49,12 @@ class SegmentPages:
     kept_len: np.ndarray  # int64 [G]: tokens the segment added per group (tokens)
     first_page_index: np.ndarray  # int64 [G]: table index of the segment's first owned page
     pages: list[np.ndarray]  # per group: int64 page ids it owns, in table order
+    # pages owned over all groups; counted once: an id may be replaced (a radix node adopts a
+    # copy-on-write copy), a group's list never grows or shrinks
+    num_pages: int = field(init=False)
 
-    @property
-    def num_pages(self) -> int:
-        """Pages owned by the segment over all groups."""
-        return int(sum(p.size for p in self.pages))
+    def __post_init__(self) -> None:
+        self.num_pages = int(sum(p.size for p in self.pages))
 
 
 @dataclass(slots=True)
