@@ -46,6 +46,7 @@ from tangram_sglang.mem.manager import TangramMemory
 from tangram_sglang.radix.cache import TangramRadixCache
 
 STAGES = ("match", "allocate", "plan", "decode", "finish")
+MAX_POOL_PAGES = 20_000_000  # host arrays of about 1 GB
 
 
 @dataclasses.dataclass
@@ -182,13 +183,19 @@ def turn_host_cost(
         request), plus ``"per_turn"``: allocate + plan + finish per request (ms).
 
     Raises:
-        ValueError: a count below 1.
+        ValueError: a count below 1, or a pool over ``MAX_POOL_PAGES`` pages.
     """
     if min(conversations, first_turn_tokens, next_turn_tokens, output_tokens, rounds) < 1:
         raise ValueError("turn_host_cost: every count must be >= 1")
     rng = np.random.default_rng(seed)
     context = first_turn_tokens + (rounds + 1) * (next_turn_tokens + output_tokens) + 16
     pages_per_conv = 64 * (-(-context // 16) + 2)  # every group whole, plus copies
+    if conversations * pages_per_conv > MAX_POOL_PAGES:
+        raise ValueError(
+            f"turn_host_cost: {conversations} conversations of up to {context} tokens need "
+            f"{conversations * pages_per_conv:,} pages, over {MAX_POOL_PAGES:,}; use fewer "
+            "conversations, rounds or tokens"
+        )
     world = build_world(conversations + 1, context, conversations * pages_per_conv + 1)
     convs = [rng.integers(100, 30000, first_turn_tokens).tolist() for _ in range(conversations)]
     _, convs = play_round(world, convs, output_tokens, rng)

@@ -34,3 +34,5 @@ def test_cost_table_and_bad_counts():
     assert out["per_turn"] == pytest.approx(out["allocate"] + out["plan"] + out["finish"], abs=1e-3)
     with pytest.raises(ValueError, match="must be >= 1"):
         turn_host.turn_host_cost(0)
+    with pytest.raises(ValueError, match="use fewer conversations"):
+        turn_host.turn_host_cost(100_000)
