@@ -161,6 +161,37 @@ def overlap(a0: float, a1: float, idle: np.ndarray) -> float:
     return float(np.clip(np.minimum(seg[:, 1], a1) - np.maximum(seg[:, 0], a0), 0, None).sum())
 
 
+def self_idle(events: list[dict], idle: np.ndarray) -> Counter:
+    """Exclusive GPU-idle time (ms) per ``"cat: name"`` of the host frames in ``events``.
+
+    Python frames and CPU ops nest per thread (``tid``): a frame's exclusive idle time is its
+    overlap with ``idle`` minus that of the frames directly inside it. A frame that starts
+    inside another and ends after it (clock jitter) counts as inside it.
+
+    Args:
+        events: complete (``"ph": "X"``) trace events, ``ts``/``dur`` in microseconds.
+        idle: disjoint sorted GPU-idle intervals ``[n, 2]`` (microseconds).
+    """
+    frames = sorted(
+        (e for e in events if e.get("cat") in ("python_function", "cpu_op")),
+        key=lambda e: (str(e.get("pid")), str(e.get("tid")), e["ts"], -e["dur"]),
+    )
+    out: Counter = Counter()
+    stack: list[list] = []  # [thread, end, name, exclusive idle (us)]
+    for e in frames:
+        thread, start, end = (e.get("pid"), e.get("tid")), e["ts"], e["ts"] + e["dur"]
+        while stack and (stack[-1][0] != thread or stack[-1][1] <= start):
+            _, _, name, own = stack.pop()
+            out[name] += own / 1e3
+        ov = overlap(start, end, idle)
+        if stack:
+            stack[-1][3] -= ov  # the parent's idle time under this frame is this frame's
+        stack.append([thread, end, f"{e.get('cat')}: {e['name']}", ov])
+    for _, _, name, own in stack:
+        out[name] += own / 1e3
+    return Counter({k: v for k, v in out.items() if v > 1e-9})
+
+
 def analyse(trace: dict, top: int = 40) -> dict:
     """GPU busy/idle times (ms) and the host functions overlapping idle time in one trace.
 
@@ -172,7 +203,9 @@ def analyse(trace: dict, top: int = 40) -> dict:
     Returns:
         ``span_ms`` (first to last GPU event), ``gpu_busy_ms``, ``gpu_idle_ms``,
         ``idle_gaps_over_1ms``, ``largest_gaps_ms``, ``host_during_idle_ms`` (per
-        ``"cat: name"``, inclusive: a frame counts the idle time of the frames it calls) and
+        ``"cat: name"``, inclusive: a frame counts the idle time of the frames it calls),
+        ``host_self_during_idle_ms`` (the same, exclusive: only the idle time no frame it calls
+        covers, so the functions that hold the GPU up come first; :func:`self_idle`) and
         ``gpu_time_by_kernel_ms`` (summed duration per GPU event name, largest first, with
         ``gpu_launches_by_kernel`` the count of each).
 
@@ -195,6 +228,7 @@ def analyse(trace: dict, top: int = 40) -> dict:
             ov = overlap(e["ts"], e["ts"] + e["dur"], idle)
             if ov > 0:
                 by_func[f"{e.get('cat')}: {e['name']}"] += ov / 1e3
+    by_self = self_idle(events, idle)
     gaps = np.sort(idle[:, 1] - idle[:, 0])[::-1] / 1e3
     kernel_ms: Counter = Counter()
     kernel_count: Counter = Counter()
@@ -209,6 +243,7 @@ def analyse(trace: dict, top: int = 40) -> dict:
         "idle_gaps_over_1ms": int((gaps > 1.0).sum()),
         "largest_gaps_ms": [round(float(g), 3) for g in gaps[:20]],
         "host_during_idle_ms": {k: round(v, 3) for k, v in by_func.most_common(top)},
+        "host_self_during_idle_ms": {k: round(v, 3) for k, v in by_self.most_common(top)},
         "gpu_time_by_kernel_ms": {k: round(v, 3) for k, v in kernel_ms.most_common(top)},
         "gpu_launches_by_kernel": {k: kernel_count[k] for k, _ in kernel_ms.most_common(top)},
     }

@@ -38,6 +38,7 @@ def test_analyse_attributes_gpu_idle_time_to_the_host_functions_running_then():
     assert out["gpu_idle_ms"] == pytest.approx(2.5)
     assert out["largest_gaps_ms"] == [2.5]
     assert out["host_during_idle_ms"] == {"python_function: stats": 1.5}
+    assert out["host_self_during_idle_ms"] == {"python_function: stats": 1.5}
     assert out["gpu_time_by_kernel_ms"] == {"gemm": 1.0, "attn": 1.0, "HtoD": 1.0}
     assert out["gpu_launches_by_kernel"] == {"gemm": 1, "attn": 1, "HtoD": 1}
 
@@ -76,3 +77,35 @@ def test_bad_flags_exit_2_naming_the_flag_before_any_server(tmp_path, capsys, ar
     assert exc.value.code == 2
     assert match in capsys.readouterr().err
     assert not (tmp_path / "t").exists()  # nothing written, no server started
+
+
+def test_exclusive_idle_time_goes_to_the_innermost_frame():
+    """A loop that copies page by page while the GPU waits: the inclusive list names every frame
+    on the stack, the exclusive one the frame that does the work."""
+    us = 1000.0
+    frame = {"ph": "X", "cat": "python_function", "pid": 1, "tid": 1}
+    trace = {
+        "traceEvents": [
+            {"ph": "X", "cat": "kernel", "name": "gemm", "ts": 0, "dur": 1 * us},
+            {"ph": "X", "cat": "kernel", "name": "gemm", "ts": 11 * us, "dur": 1 * us},
+            {**frame, "name": "forward", "ts": 1 * us, "dur": 10 * us},
+            {**frame, "name": "plan", "ts": 1 * us, "dur": 9 * us},
+            {**frame, "name": "copy_pages", "ts": 2 * us, "dur": 6 * us},
+            {**frame, "name": "upload", "ts": 8 * us, "dur": 1 * us},
+            {**frame, "tid": 2, "name": "watchdog", "ts": 0, "dur": 12 * us},
+        ]
+    }
+    out = analyse(trace)
+    assert out["gpu_idle_ms"] == pytest.approx(10.0)
+    inclusive = out["host_during_idle_ms"]
+    assert inclusive["python_function: forward"] == pytest.approx(10.0)
+    assert inclusive["python_function: plan"] == pytest.approx(9.0)
+    assert out["host_self_during_idle_ms"] == pytest.approx(
+        {
+            "python_function: watchdog": 10.0,  # another thread: its own stack
+            "python_function: copy_pages": 6.0,
+            "python_function: plan": 2.0,  # 1-2 ms and 9-10 ms
+            "python_function: upload": 1.0,
+            "python_function: forward": 1.0,  # 10-11 ms
+        }
+    )
