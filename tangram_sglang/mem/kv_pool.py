@@ -39,7 +39,14 @@ def filled_slots(
     src: np.ndarray, dst: np.ndarray, num_slots: np.ndarray
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """int64 ``(src_page, dst_page, slot)``, each ``[sum(num_slots)]``: page i's slots
-    ``0 .. num_slots[i] - 1`` (the copy-on-write of :meth:`KVPool.copy_slots`; host only)."""
+    ``0 .. num_slots[i] - 1``, the arguments of :meth:`KVPool.copy_slots` for the copy-on-write
+    ``dst[i][:, :n_i] = src[i][:, :n_i]`` of whole tail pages (host only).
+
+    Args:
+        src: int ``[n]`` source page ids (a shared partial tail page; repeats allowed).
+        dst: int ``[n]`` fresh destination page ids, distinct.
+        num_slots: int ``[n]`` filled slots of each source page (tokens, 1..page_size).
+    """
     count = np.asarray(num_slots, np.int64).reshape(-1)
     total = int(count.sum())
     slot = np.arange(total, dtype=np.int64) - np.repeat(np.cumsum(count) - count, count)
@@ -152,21 +159,6 @@ class KVPool:
         )
 
     # ---- data movement ---------------------------------------------------------------------
-    def copy_pages(self, src: torch.Tensor, dst: torch.Tensor, num_slots: torch.Tensor) -> None:
-        """Copy-on-write of tail pages: ``dst[:, :n] = src[:, :n]`` for all H_p columns.
-
-        Host inputs: the pages are expanded to their filled slots (:func:`filled_slots`) and
-        copied by :meth:`copy_slots`. Slots ``>= n`` of ``dst`` keep their contents.
-
-        Args:
-            src: int ``[n]`` source page ids (a shared partial tail page; repeats allowed).
-            dst: int ``[n]`` fresh destination page ids, distinct.
-            num_slots: int ``[n]`` filled slots of each source page (tokens, 1..page_size).
-        """
-        parts = filled_slots(src.cpu().numpy(), dst.cpu().numpy(), num_slots.cpu().numpy())
-        device = self.k_pool.device
-        self.copy_slots(*(torch.from_numpy(a).to(device) for a in parts))
-
     def copy_slots(
         self, src_page: torch.Tensor, dst_page: torch.Tensor, slot: torch.Tensor
     ) -> None:

@@ -6,7 +6,7 @@ import torch
 from factories import make_pool, make_profile
 
 from tangram_sglang.errors import PoolError
-from tangram_sglang.mem.kv_pool import KVPool, bytes_per_page, num_pages_for_budget
+from tangram_sglang.mem.kv_pool import KVPool, bytes_per_page, filled_slots, num_pages_for_budget
 
 
 def test_layout_and_bytes_per_page():
@@ -59,7 +59,7 @@ def test_copy_pages_copies_filled_slots_of_all_columns():
     pool = make_pool()
     pool.k_pool[3] = torch.randn(2, 4, 8)
     pool.v_pool[3] = torch.randn(2, 4, 8)
-    pool.copy_pages(torch.tensor([3]), torch.tensor([7]), torch.tensor([3]))
+    copy_pages(pool, [3], [7], [3])
     assert torch.equal(pool.k_pool[7, :, :3], pool.k_pool[3, :, :3])
     assert torch.equal(pool.v_pool[7, :, :3], pool.v_pool[3, :, :3])
     assert pool.k_pool[7, :, 3].abs().sum() == 0
@@ -78,9 +78,9 @@ def test_copy_pages_matches_a_page_by_page_copy():
     for s, d, n in zip(src.tolist(), dst.tolist(), fill.tolist(), strict=True):
         want_k[d, :, :n] = want_k[s, :, :n]
         want_v[d, :, :n] = want_v[s, :, :n]
-    pool.copy_pages(src, dst, fill)
+    copy_pages(pool, src, dst, fill)
     assert torch.equal(pool.k_pool, want_k) and torch.equal(pool.v_pool, want_v)
-    pool.copy_pages(src[:0], dst[:0], fill[:0])  # nothing to copy
+    copy_pages(pool, src[:0], dst[:0], fill[:0])  # nothing to copy
     assert torch.equal(pool.k_pool, want_k)
 
 
@@ -101,3 +101,8 @@ def test_a_chained_or_doubled_copy_is_refused_in_debug_mode():
     with pytest.raises(PoolError, match="written twice"):
         memory._copy_now(np.array([5, 6]), np.array([9, 9]), np.array([1, 1]))
     memory._copy_now(np.array([5, 5]), np.array([8, 9]), np.array([2, 1]))  # a shared source
+
+
+def copy_pages(pool, src, dst, fill):
+    """Copy-on-write of whole tail pages through the pool's slot copy (as the manager does)."""
+    pool.copy_slots(*(torch.from_numpy(a) for a in filled_slots(src, dst, fill)))
