@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import gzip
 import json
+import os
 import shlex
 import sys
 import time
@@ -358,16 +359,34 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> list[str
     """The ``--server-args`` flags; a bad flag exits 2 naming it (``p.error``), before a server."""
     if args.num_prompts < 1 or args.prompt_len < 1 or args.output_len < 1:
         p.error("--num-prompts, --prompt-len and --output-len must be >= 1")
-    if args.turn_tokens < 0 or args.stagger_ms < 0:
-        p.error("--turn-tokens and --stagger-ms must be >= 0")
+    if args.turn_tokens < 0 or not 0 <= args.stagger_ms < float("inf"):
+        p.error("--turn-tokens and --stagger-ms must be >= 0 (and finite)")
+    if args.top < 1:
+        p.error(f"--top {args.top}: list at least 1 host function / kernel")
     if not Path(args.model_path).is_dir():
         p.error(f"--model-path {args.model_path!r}: no such folder (give a local model folder)")
+    config = Path(args.model_path) / "config.json"
+    limit = json.loads(config.read_text()).get("max_position_embeddings") if config.is_file() else 0
+    need = args.prompt_len + args.turn_tokens + args.output_len
+    if limit and need > limit:
+        p.error(
+            f"--prompt-len {args.prompt_len} + --turn-tokens {args.turn_tokens} + --output-len "
+            f"{args.output_len} = {need} tokens, over the model's {limit}; use shorter prompts"
+        )
     if args.json and not Path(args.json).parent.is_dir():
         p.error(f"--json {args.json!r}: no folder {str(Path(args.json).parent)!r}; create it")
+    existing = next(d for d in (Path(args.trace_dir), *Path(args.trace_dir).parents) if d.exists())
+    if not existing.is_dir() or not os.access(existing, os.W_OK):
+        p.error(f"--trace-dir {args.trace_dir!r}: {str(existing)!r} is not a writable folder")
     try:
-        return shlex.split(args.server_args)
+        flags = shlex.split(args.server_args)
     except ValueError as exc:
         p.error(f"--server-args {args.server_args!r}: {exc}")
+    import torch
+
+    if not torch.cuda.is_available():
+        p.error("no CUDA GPU: the trace's GPU side is CUPTI's; run it on a GPU machine")
+    return flags
 
 
 def finish(args: argparse.Namespace, result: dict) -> int:

@@ -37,24 +37,17 @@ from array import array
 from types import SimpleNamespace
 
 import numpy as np
-import torch
-
-from tangram_sglang.backend.state import TangramState
-from tangram_sglang.bench.synthetic import skewed_profile
-from tangram_sglang.mem.kv_pool import KVPool
-from tangram_sglang.mem.manager import TangramMemory
-from tangram_sglang.radix.cache import TangramRadixCache
 
 STAGES = ("match", "allocate", "plan", "decode", "finish")
-MAX_POOL_PAGES = 20_000_000  # host arrays of about 1 GB
+MAX_POOL_PAGES = 4_000_000  # the run then holds about 1 GB
 
 
 @dataclasses.dataclass
 class TurnWorld:
     """The real tree, state and SGLang pools of one CPU run (built by :func:`build_world`)."""
 
-    tree: TangramRadixCache
-    state: TangramState
+    tree: object  # TangramRadixCache
+    state: object  # TangramState
     req_pool: object  # sglang ReqToTokenPool
     slots: object  # sglang TokenToKVPoolAllocator
 
@@ -71,9 +64,16 @@ def build_world(
         num_pages: pool pages (padding page 0 included).
         min_compress_tokens: segments shorter than this are kept whole (the server's default).
     """
+    import torch
     from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
     from sglang.srt.mem_cache.cache_init_params import CacheInitParams
     from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
+
+    from tangram_sglang.backend.state import TangramState
+    from tangram_sglang.bench.synthetic import skewed_profile
+    from tangram_sglang.mem.kv_pool import KVPool
+    from tangram_sglang.mem.manager import TangramMemory
+    from tangram_sglang.radix.cache import TangramRadixCache
 
     prof = skewed_profile("llama3-8b", 0.25, 4, "global").with_min_compress_tokens(
         min_compress_tokens
@@ -104,6 +104,7 @@ def play_round(
         ``({stage: seconds}, conversations)``: each stage's host time for the whole batch, and
         each conversation after the round (prompt + its outputs).
     """
+    import torch
     from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
     from sglang.srt.mem_cache.radix_cache import RadixKey
 
@@ -213,14 +214,22 @@ def turn_host_cost(
 
 def main(argv: list[str] | None = None) -> int:
     """CLI: print the per-request host cost of each stage (a table, or JSON with ``--json``)."""
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--conversations", type=int, default=64)
-    ap.add_argument("--first-turn-tokens", type=int, default=1024)
-    ap.add_argument("--next-turn-tokens", type=int, default=128)
-    ap.add_argument("--output-tokens", type=int, default=32)
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--json", action="store_true")
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    ap.add_argument("--conversations", type=int, default=64, help="chats per round (a batch)")
+    ap.add_argument("--first-turn-tokens", type=int, default=1024, help="round 0 prompt")
+    ap.add_argument("--next-turn-tokens", type=int, default=128, help="new tokens per turn")
+    ap.add_argument("--output-tokens", type=int, default=32, help="decode steps per turn")
+    ap.add_argument("--rounds", type=int, default=3, help="later-turn rounds timed")
+    ap.add_argument("--json", action="store_true", help="print JSON instead of a table")
     args = ap.parse_args(argv)
+    for flag in ("conversations", "first_turn_tokens", "next_turn_tokens", "output_tokens"):
+        if getattr(args, flag) < 1:
+            ap.error(f"--{flag.replace('_', '-')} {getattr(args, flag)}: must be >= 1")
+    if args.rounds < 1:
+        ap.error(f"--rounds {args.rounds}: must be >= 1")
     try:
         out = turn_host_cost(
             args.conversations,

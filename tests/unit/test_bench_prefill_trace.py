@@ -55,6 +55,10 @@ def test_analyse_refuses_a_trace_without_gpu_events():
         (["--output-len", "0"], "--output-len must be >= 1"),
         (["--turn-tokens", "-1"], "--turn-tokens and --stagger-ms must be >= 0"),
         (["--stagger-ms", "-5"], "--turn-tokens and --stagger-ms must be >= 0"),
+        (["--stagger-ms", "nan"], "--turn-tokens and --stagger-ms must be >= 0 (and finite)"),
+        (["--top", "0"], "--top 0: list at least 1"),
+        (["--trace-dir", "/dev/null/t"], "--trace-dir '/dev/null/t': '/dev/null' is not a"),
+        (["--prompt-len", "20000"], "= 20001 tokens, over the model's 16384; use shorter"),
         (["--server-args", "--foo 'bar"], '--server-args "--foo \'bar": No closing quotation'),
         (["--model-path", "/nonexistent/model"], "--model-path '/nonexistent/model': no such"),
         (["--json", "/nonexistent/dir/out.json"], "--json '/nonexistent/dir/out.json': no folder"),
@@ -64,12 +68,17 @@ def test_analyse_refuses_a_trace_without_gpu_events():
         "no-output",
         "negative-turn",
         "negative-stagger",
+        "nan-stagger",
+        "no-top",
+        "unwritable-trace-dir",
+        "longer-than-the-model",
         "unbalanced-quote",
         "missing-model",
         "json-folder-missing",
     ],
 )
 def test_bad_flags_exit_2_naming_the_flag_before_any_server(tmp_path, capsys, argv, match):
+    (tmp_path / "config.json").write_text('{"max_position_embeddings": 16384}')
     base = {"--model-path": str(tmp_path), "--label": "x", "--trace-dir": str(tmp_path / "t")}
     flags = dict(zip(argv[::2], argv[1::2], strict=True))
     with pytest.raises(SystemExit) as exc:
@@ -77,6 +86,15 @@ def test_bad_flags_exit_2_naming_the_flag_before_any_server(tmp_path, capsys, ar
     assert exc.value.code == 2
     assert match in capsys.readouterr().err
     assert not (tmp_path / "t").exists()  # nothing written, no server started
+
+
+def test_no_cuda_exits_2_before_any_server(tmp_path, capsys):
+    if __import__("torch").cuda.is_available():
+        pytest.skip("this machine has a CUDA GPU")
+    with pytest.raises(SystemExit) as exc:
+        main(["--model-path", str(tmp_path), "--label", "x", "--trace-dir", str(tmp_path / "t")])
+    assert exc.value.code == 2 and "no CUDA GPU" in capsys.readouterr().err
+    assert not (tmp_path / "t").exists()
 
 
 def test_exclusive_idle_time_goes_to_the_innermost_frame():

@@ -36,3 +36,10 @@ def test_cost_table_and_bad_counts():
         turn_host.turn_host_cost(0)
     with pytest.raises(ValueError, match="use fewer conversations"):
         turn_host.turn_host_cost(100_000)
+
+
+@pytest.mark.parametrize("flag", ["--conversations", "--output-tokens", "--rounds"])
+def test_cli_names_the_bad_flag_before_any_work(flag, capsys):
+    with pytest.raises(SystemExit) as exc:
+        turn_host.main([flag, "0"])
+    assert exc.value.code == 2 and f"{flag} 0: must be >= 1" in capsys.readouterr().err
