@@ -29,7 +29,7 @@ for sys in $SYSTEMS; do
   CUDA_VISIBLE_DEVICES=0 timeout -s INT "${CAP_S:-720}" python3 -m tangram_sglang.bench.multiturn \
     --model-path "$MODEL" --device cuda --profile "$PROFILE" --systems "$sys" \
     --server-args "$COMMON" --baseline-args "--attention-backend triton" \
-    --workloads "$wl" --main-workload "${main/:/-}" --workload-timeout-s "${T:-300}" \
+    --workloads "$wl" --main-workload "${main//:/-}" --workload-timeout-s "${T:-300}" \
     --startup-timeout-s 400 --log-dir "$R" --output "$R/mt-$name.json" ${BENCH_ARGS:-} \
     > "$R/mt-$name.out" 2>&1
   grep "\[multiturn\]" "$R/mt-$name.out" >> "$R/progress"
