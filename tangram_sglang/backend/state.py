@@ -543,10 +543,12 @@ class TangramState:
         """No side effects: do these new requests fit now (see ``docs/admission.md``)?
 
         Args:
-            asks: the requests picked this round and the candidate (decode tails as counted at
-                admission: ``min(T - out, clip)`` tokens each).
-            headroom_pages: :meth:`decode_headroom_pages` of the running requests (their
-                remaining tails x SGLang's ``new_token_ratio``).
+            asks: new requests to price (decode tails as counted at admission:
+                ``min(T - out, clip)`` tokens each); the server passes the candidate alone.
+            headroom_pages: pages already spoken for this round: :meth:`decode_headroom_pages`
+                of the running requests (their remaining tails x SGLang's ``new_token_ratio``)
+                plus the :meth:`request_pages` of the requests picked before the candidate
+                (``integration.sglang_adapters.round_picks`` keeps that sum).
             evictable_pages: pages unlocked radix nodes would give back (the candidate's own
                 prefix path excluded).
         """

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import logging
 import math
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -249,6 +250,7 @@ def _clip() -> int:
 
 REFUSAL_ATTR = "_tangram_refusal"  # Req attribute: the HTTP 400 text of a refused request
 ASKED_ATTR = "_tangram_asked"  # Req attribute: max_new_tokens as the client sent it (None: unset)
+ROUND_ATTR = "_tangram_round"  # PrefillAdder attribute: its RoundPicks
 
 
 def _first_chunk(state: Any, prompt_tokens: int) -> int:
@@ -398,26 +400,64 @@ def _ask(state: Any, req: Any, first_chunk: int, decode_tokens: int) -> PrefillA
     return PrefillAsk(left, first, decode_tokens, lens, pinned, cached)
 
 
-def _running_headroom(state: Any, adder: Any, picked_rows: list[Any]) -> int:
+@dataclass(slots=True)
+class RoundPicks:
+    """What one ``PrefillAdder`` round has picked so far, priced once per request.
+
+    ``PrefillAdder`` only appends to ``can_run_list`` while it fills a round, so each picked
+    request is priced when it first shows up there, and a later candidate reads the running
+    sums (once per round per request instead of once per later candidate: 64 admissions in one
+    round price 64 requests, not 2,080).
+    """
+
+    priced: int = 0  # entries of can_run_list already counted
+    new_requests: int = 0  # picked requests that start a new row
+    new_pages: int = 0  # sum of their TangramState.request_pages
+    continuing: list[Any] = field(default_factory=list)  # rows continuing a chunked prefill
+    running_headroom: int | None = None  # the running batch's tail pages (computed once)
+
+
+def round_picks(state: Any, adder: Any) -> RoundPicks:
+    """The adder's :class:`RoundPicks`, brought up to date with its ``can_run_list``.
+
+    A picked request whose row already holds pages continues a chunked prefill (its pages are
+    reserved): it is listed in ``continuing``. Any other is priced by
+    :meth:`TangramState.request_pages` with its chosen chunk (``extend_range``) and
+    ``min(T - out, clip)`` decode tokens, as when it was admitted.
+    """
+    picks = getattr(adder, ROUND_ATTR, None)
+    if picks is None:
+        picks = RoundPicks()
+        setattr(adder, ROUND_ATTR, picks)
+    for r in adder.can_run_list[picks.priced :]:
+        if r.req_pool_idx is not None and state.memory.rids[int(r.req_pool_idx)] is not None:
+            picks.continuing.append(r)
+        else:
+            tail = admission_decode_tokens(_new_tail(r), _clip())
+            picks.new_pages += state.request_pages(_ask(state, r, r.extend_range.length, tail))
+            picks.new_requests += 1
+    picks.priced = len(adder.can_run_list)
+    return picks
+
+
+def _running_headroom(state: Any, adder: Any, picks: RoundPicks) -> int:
     """Pages the running requests' remaining tails need, x SGLang's ``new_token_ratio``.
 
     Computed once per ``PrefillAdder`` for its running batch (the batch does not change while
     the adder fills a round); rows continuing a chunked prefill are added per call.
     """
     ratio = float(adder.new_token_ratio)
-    cached = getattr(adder, "_tangram_running_headroom", None)
-    if cached is None:
+    if picks.running_headroom is None:
         reqs = [r for r in getattr(adder.running_batch, "reqs", []) if r.req_pool_idx is not None]
-        cached = state.decode_headroom_pages(
+        picks.running_headroom = state.decode_headroom_pages(
             [int(r.req_pool_idx) for r in reqs],
             [admission_decode_tokens(_tokens_left(r), _clip(), ratio) for r in reqs],
         )
-        adder._tangram_running_headroom = cached
     chunked = state.decode_headroom_pages(
-        [int(r.req_pool_idx) for r in picked_rows],
-        [admission_decode_tokens(_new_tail(r), _clip(), ratio) for r in picked_rows],
+        [int(r.req_pool_idx) for r in picks.continuing],
+        [admission_decode_tokens(_new_tail(r), _clip(), ratio) for r in picks.continuing],
     )
-    return cached + chunked
+    return picks.running_headroom + chunked
 
 
 def add_one_req(original, adder: Any, req: Any, *args: Any, **kwargs: Any) -> Any:
@@ -456,14 +496,7 @@ def add_one_req(original, adder: Any, req: Any, *args: Any, **kwargs: Any) -> An
         else:
             max_new = int(req.sampling_params.max_new_tokens or 0)
             return _refuse(state, req, state.never_fits_message(whole, max_new, asked))
-    new, running = [], []
-    for r in adder.can_run_list:
-        active = r.req_pool_idx is not None and state.memory.rids[int(r.req_pool_idx)] is not None
-        if active:
-            running.append(r)  # a chunked prefill continuing: its pages are reserved
-        else:
-            tail = admission_decode_tokens(_new_tail(r), _clip())
-            new.append(_ask(state, r, r.extend_range.length, tail))
+    picks = round_picks(state, adder)
     budget = getattr(adder, "rem_chunk_tokens", None)
     left = _extend_len(req)
     first = left if budget is None else max(min(left, int(budget)), 1)
@@ -471,11 +504,12 @@ def add_one_req(original, adder: Any, req: Any, *args: Any, **kwargs: Any) -> An
     if grid and first < left:  # SGLang cuts the chunk down to a grid multiple (or skips it)
         first = max(first // grid * grid, 1)
     tail = admission_decode_tokens(_new_tail(req), _clip())
-    new.append(_ask(state, req, first, tail))
+    new = [_ask(state, req, first, tail)]
     evictable = state.evictable_pages(getattr(req, "last_node", None))
-    if state.can_admit(new, _running_headroom(state, adder, running), evictable):
+    headroom = _running_headroom(state, adder, picks) + picks.new_pages
+    if state.can_admit(new, headroom, evictable):
         return original(adder, req, *args, **kwargs)
-    if state.is_idle() and len(new) == 1:
+    if state.is_idle() and picks.new_requests == 0:
         cached, asked = len(req.prefix_indices), req.sampling_params.max_new_tokens
         offer = state.memory.ledger.unreserved_free() + evictable
         message = (

@@ -167,3 +167,51 @@ def test_pages_return_after_prompt_only_admission_and_growing_tails():
             state.release(rows.pop(0))  # a request finishes
     assert state.memory.allocator.num_free() == start
     assert state.memory.ledger.outstanding_pages() == 0
+
+
+def _sglang_req(rid: str, prompt_tokens: int, chunk: int, max_new_tokens: int):
+    """A real SGLang ``Req`` as the adder holds it after picking it: no prefix, first chunk set."""
+    from array import array
+
+    from sglang.srt.managers.schedule_batch import Req
+    from sglang.srt.sampling.sampling_params import SamplingParams
+
+    req = Req(
+        rid,
+        "",
+        array("q", range(1, prompt_tokens + 1)),
+        SamplingParams(max_new_tokens=max_new_tokens),
+    )
+    req.init_next_round_input(None)
+    req.set_extend_range(0, chunk)
+    return req
+
+
+def test_a_round_prices_each_picked_request_once_and_sums_as_the_formula_does(monkeypatch):
+    from tangram_sglang.integration.sglang_adapters import round_picks
+
+    state = make_state(num_pages=512)
+    calls = []
+    price = state.request_pages
+    monkeypatch.setattr(state, "request_pages", lambda ask: calls.append(ask) or price(ask))
+    adder = SimpleNamespace(can_run_list=[])  # what round_picks reads of SGLang's PrefillAdder
+    reqs = [_sglang_req(f"r{i}", 5 + 3 * i, min(5 + 3 * i, 16), 4 + i) for i in range(12)]
+    sums = []
+    for req in reqs:  # the adder appends each request it admits; the next candidate reads
+        sums.append(round_picks(state, adder).new_pages)
+        adder.can_run_list.append(req)
+    picks = round_picks(state, adder)
+    assert len(calls) == len(reqs)  # each picked request priced once (was once per candidate)
+    assert picks.new_requests == len(reqs) and picks.continuing == []
+    want = [
+        price(
+            PrefillAsk(
+                len(r.full_untruncated_fill_ids),
+                r.extend_range.length,
+                admission_decode_tokens(r.sampling_params.max_new_tokens, 4096),
+            )
+        )
+        for r in reqs
+    ]
+    assert sums == [sum(want[:i]) for i in range(len(reqs))]
+    assert picks.new_pages == sum(want)
