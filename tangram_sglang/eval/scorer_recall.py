@@ -1,0 +1,288 @@
+"""How much of KVzip's kept set a same-pass scorer keeps: recall of the oracle's top-k (HF model).
+
+    python -m tangram_sglang.eval.scorer_recall --model-path qwen2.5-0.5b --num-samples 6 \\
+        --lengths 1024,2048 --keep 0.25,0.5 --output recall.json
+
+A quick, generation-free check for scorer work on the multi-turn task (``multiturn-squad``
+contexts, the document a conversation's later questions are about). For each sample's context
+it computes, on the real HF model (transformers, float32):
+
+* the **oracle**: kvpress ``KVzipPress`` scores (KVzip, arXiv 2505.23416: the model re-reads
+  the context after "repeat the previous context" and each KV pair scores the largest attention
+  any reconstruction query and any query head of its GQA group pays it);
+* each named Tangram scorer's scores (``--scorers``, the serving scorers' own code run on the
+  same post-RoPE queries and keys through ``calibrate.observe.ScoreObserver``);
+* the **shifted-replay probe** (``--probe``): the segment's own queries, rotated as if they
+  sat where KVzip's replay puts them (``n + c`` positions later, ``c`` the replay prompt's
+  tokens), attending to every key of the segment (no causal mask), max over queries and the
+  GQA group. It costs no extra forward; it is a candidate for a serving scorer, not one yet.
+
+and reports, per kept fraction ``keep``, the mean over samples, layers and KV heads of
+``|top_k(oracle) & top_k(scores)| / k`` with ``k = keep * m`` (``m`` the scored tokens: the
+context after the chat template's head, which KVzip does not score). A random ranking scores
+``keep``; the oracle scores 1.
+
+Recall is a proxy: it weighs every layer and head alike, while Tangram's per-head budgets keep
+different fractions per head. Accuracy is judged by the harness (``python -m tangram_sglang.eval``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+import numpy as np
+
+from tangram_sglang.errors import ConfigError
+
+REPLAY_PROMPT = "\n\nRepeat the previous context exactly.\n"  # probe's replay gap (its tokens)
+
+
+def topk_recall(oracle: np.ndarray, scores: np.ndarray, keep: float) -> float:
+    """Mean recall of the oracle's top-k by ``scores``, over every leading index.
+
+    Args:
+        oracle: float ``[..., m]`` reference scores (higher = keep).
+        scores: float ``[..., m]`` scores to judge, same shape.
+        keep: kept fraction in (0, 1]; ``k = max(1, round(keep * m))``.
+
+    Returns:
+        Mean of ``|top_k(oracle) & top_k(scores)| / k`` over the leading indices, in [0, 1].
+
+    Raises:
+        ConfigError: shapes differ, or ``keep`` outside (0, 1].
+    """
+    oracle, scores = np.asarray(oracle), np.asarray(scores)
+    if oracle.shape != scores.shape or oracle.ndim < 1:
+        raise ConfigError(
+            f"oracle {oracle.shape} and scores {scores.shape} must have one shape [..., m]"
+        )
+    if not 0.0 < keep <= 1.0:
+        raise ConfigError(f"keep={keep} must be in (0, 1] (a kept fraction)")
+    m = oracle.shape[-1]
+    k = max(1, round(keep * m))
+    a = np.argpartition(-oracle.reshape(-1, m), k - 1, axis=-1)[:, :k]
+    b = np.argpartition(-scores.reshape(-1, m), k - 1, axis=-1)[:, :k]
+    hits = [np.intersect1d(x, y).size for x, y in zip(a, b, strict=True)]
+    return float(np.mean(hits) / k)
+
+
+def kvzip_scores(model: Any, context_ids: list[int]) -> tuple[np.ndarray, int]:
+    """kvpress ``KVzipPress`` scores of one context, before it compresses anything.
+
+    Args:
+        model: a transformers causal LM loaded with SDPA attention (kvpress's requirement).
+        context_ids: the context (tokens), chat-template head included.
+
+    Returns:
+        ``(scores, head)``: float32 ``[num_layers, num_kv_heads, n]`` and the chat template's
+        head length (tokens) that KVzip leaves unscored (its scores there are 0).
+    """
+    import kvpress
+    import torch
+    from transformers import DynamicCache
+
+    press = kvpress.KVzipPress(compression_ratio=0.5)  # any ratio > 0 runs the scoring
+    seen: dict[str, Any] = {}
+
+    def capture(_model: Any) -> None:  # replaces the eviction: keep the scores, drop nothing
+        seen["scores"] = press.score_val[:, 0].float().cpu().numpy().copy()
+        seen["head"] = int(press.prefix_length)
+
+    press.compress_post = capture
+    ids = torch.tensor([context_ids], device=next(model.parameters()).device)
+    pos = torch.arange(ids.shape[1], device=ids.device)
+    with torch.inference_mode(), press(model):
+        model(
+            input_ids=ids,
+            past_key_values=DynamicCache(config=model.config),
+            use_cache=True,
+            cache_position=pos,
+            position_ids=pos[None],
+            logits_to_keep=1,
+        )
+    return seen["scores"], seen["head"]
+
+
+class ShiftedReplayProbe:
+    """The segment's own queries moved to KVzip's replay positions, attending to every key.
+
+    Query ``i`` (post-RoPE at position ``i``) is rotated by ``shift`` more positions (RoPE
+    rotations compose: ``R(i + s) = R(s) R(i)``), so its offset to key ``j`` is ``i + s - j >
+    0`` for every key, as for the replay of token ``i`` in KVzip. Scores: softmax over the
+    segment's keys (no mask), max over queries and the query heads of each KV head.
+
+    Args:
+        rotary: the HF model's rotary embedding module (``model.model.rotary_emb``).
+        apply_rotary: the model family's ``apply_rotary_pos_emb(q, k, cos, sin)``.
+        gap_tokens: tokens between the context's end and the replay (``c``); the shift is
+            ``n + c`` for an ``n``-token segment.
+        query_block: queries per matmul block (memory only).
+    """
+
+    obs_window = 1 << 30  # every query of the segment
+
+    def __init__(
+        self, rotary: Any, apply_rotary: Any, gap_tokens: int, query_block: int = 256
+    ) -> None:
+        self.rotary, self.apply_rotary = rotary, apply_rotary
+        self.gap_tokens, self.query_block = int(gap_tokens), int(query_block)
+
+    def rotate(self, q: Any, shift: int) -> Any:
+        """``q`` ``[H, n, D]`` post-RoPE, rotated by ``shift`` more positions (same shape)."""
+        import torch
+
+        pos = torch.full((1, 1), int(shift), device=q.device)
+        cos, sin = self.rotary(q[None], pos)
+        out, _ = self.apply_rotary(q[None], q[None], cos, sin)
+        return out[0]
+
+    def score(self, q_obs: Any, k_seg: Any, sm_scale: float, lse_obs: Any = None) -> Any:
+        """float32 ``[num_kv_heads, n]``: max shifted-replay attention per key.
+
+        Args:
+            q_obs: ``[num_qo_heads, n, D]`` post-RoPE queries of the whole segment.
+            k_seg: ``[num_kv_heads, n, D]`` post-RoPE keys of the segment.
+            sm_scale: softmax scale.
+            lse_obs: unused (the probe normalises over the segment's keys).
+        """
+        import torch
+
+        hq, n, _ = q_obs.shape
+        hkv = k_seg.shape[0]
+        group = hq // hkv
+        q = self.rotate(q_obs.float(), n + self.gap_tokens)
+        keys = k_seg.float().repeat_interleave(group, 0).transpose(1, 2)  # [Hq, D, n]
+        best = torch.zeros(hq, n, device=q.device)
+        for first in range(0, n, self.query_block):
+            p = torch.softmax((q[:, first : first + self.query_block] @ keys) * sm_scale, dim=-1)
+            best = torch.maximum(best, p.amax(1))
+        return best.view(hkv, group, n).amax(1)
+
+
+def _probe_for(model: Any, tokenizer: Any) -> ShiftedReplayProbe:
+    """The probe with the model's own RoPE (Llama/Qwen2 families)."""
+    import importlib
+
+    family = type(model).__module__  # transformers.models.<family>.modeling_<family>
+    apply = getattr(importlib.import_module(family), "apply_rotary_pos_emb", None)
+    if apply is None:
+        raise ConfigError(f"{type(model).__name__}: no apply_rotary_pos_emb in {family}")
+    gap = len(tokenizer(REPLAY_PROMPT, add_special_tokens=False)["input_ids"])
+    return ShiftedReplayProbe(model.model.rotary_emb, apply, gap)
+
+
+def recall_report(
+    model_path: str,
+    num_samples: int,
+    lengths: tuple[int, ...],
+    keeps: tuple[float, ...],
+    scorers: tuple[str, ...],
+    probe: bool = True,
+    seed: int = 0,
+) -> dict[str, Any]:
+    """Recall of KVzip's top-k per scorer and kept fraction (see the module docstring).
+
+    Returns:
+        ``{"settings": ..., "recall": {keep: {scorer: mean}}, "per_sample": [...]}``.
+
+    Raises:
+        ConfigError: an unknown scorer, bad sizes, or the data package is missing.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from tangram_sglang.calibrate.observe import ScoreObserver
+    from tangram_sglang.eval.tasks import build_samples, conversation_ids
+    from tangram_sglang.models import model_path as resolve
+    from tangram_sglang.scoring import get_scorer
+
+    path = str(resolve(model_path)) if "/" not in model_path else model_path
+    for keep in keeps:
+        topk_recall(np.zeros(2), np.zeros(2), keep)  # validates before the model loads
+    judged = {name: get_scorer(name) for name in scorers}
+    tok = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    model = model.eval()
+    observers = {name: ScoreObserver(model, s) for name, s in judged.items()}
+    if probe:
+        observers["shifted-replay (probe)"] = ScoreObserver(model, _probe_for(model, tok))
+    samples = build_samples("multiturn-squad", tok, num_samples, lengths, seed=seed)
+    sums = {keep: dict.fromkeys(observers, 0.0) for keep in keeps}
+    per_sample = []
+    for sample in samples:
+        ids = conversation_ids(sample, tok).context_ids
+        oracle, head = kvzip_scores(model, ids)
+        row: dict[str, Any] = {"sample": sample.sample_id, "tokens": len(ids), "recall": {}}
+        for name, observer in observers.items():
+            scores = observer.scores(ids)[..., head:]
+            for keep in keeps:
+                value = topk_recall(oracle[..., head:], scores, keep)
+                row["recall"].setdefault(str(keep), {})[name] = round(value, 4)
+                sums[keep][name] += value
+        per_sample.append(row)
+        print(f"[scorer_recall] {row}", file=sys.stderr, flush=True)
+    settings = {
+        "model_path": model_path,
+        "num_samples": num_samples,
+        "lengths": list(lengths),
+        "keep": list(keeps),
+        "scorers": list(scorers),
+        "probe": probe,
+        "seed": seed,
+        "oracle": "kvpress KVzipPress",
+    }
+    recall = {
+        str(keep): {name: round(total / len(samples), 4) for name, total in by.items()}
+        for keep, by in sums.items()
+    }
+    return {"settings": settings, "recall": recall, "per_sample": per_sample}
+
+
+def _floats(text: str, flag: str) -> tuple[float, ...]:
+    try:
+        return tuple(float(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise ConfigError(f"{flag} {text!r}: give comma-separated numbers, e.g. 0.25,0.5") from None
+
+
+def main(argv: list[str] | None = None) -> int:
+    """CLI: print (and with ``--output`` write) the recall table as JSON."""
+    parser = argparse.ArgumentParser(prog="python -m tangram_sglang.eval.scorer_recall")
+    parser.add_argument("--model-path", default="qwen2.5-0.5b", help="HF folder or embedded name")
+    parser.add_argument("--num-samples", type=int, default=4, help="contexts (>= 1)")
+    parser.add_argument(
+        "--lengths", default="1024", help="context lengths, tokens (e.g. 1024,2048)"
+    )
+    parser.add_argument("--keep", default="0.25,0.5", help="kept fractions in (0, 1]")
+    parser.add_argument("--scorers", default="kvzip-lite,snapkv", help="Tangram scorers to judge")
+    parser.add_argument("--no-probe", action="store_true", help="skip the shifted-replay probe")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--output", help="write the JSON here too")
+    args = parser.parse_args(argv)
+    try:
+        lengths = tuple(int(x) for x in _floats(args.lengths, "--lengths"))
+        report = recall_report(
+            args.model_path,
+            args.num_samples,
+            lengths,
+            _floats(args.keep, "--keep"),
+            tuple(s for s in args.scorers.split(",") if s),
+            probe=not args.no_probe,
+            seed=args.seed,
+        )
+    except ConfigError as err:
+        print(f"scorer_recall: {err}", file=sys.stderr)
+        return 2
+    text = json.dumps(report, indent=1)
+    if args.output:
+        with open(args.output, "w") as fh:
+            fh.write(text + "\n")
+    print(json.dumps(report["recall"], indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
