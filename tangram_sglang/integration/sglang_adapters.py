@@ -404,10 +404,11 @@ def _ask(state: Any, req: Any, first_chunk: int, decode_tokens: int) -> PrefillA
 class RoundPicks:
     """What one ``PrefillAdder`` round has picked so far, priced once per request.
 
-    ``PrefillAdder`` only appends to ``can_run_list`` while it fills a round, so each picked
-    request is priced when it first shows up there, and a later candidate reads the running
-    sums (once per round per request instead of once per later candidate: 64 admissions in one
-    round price 64 requests, not 2,080).
+    ``PrefillAdder`` only appends to ``can_run_list`` while it fills a round (a new adder is
+    made each round), so each picked request is priced when it first shows up there, and a
+    later candidate reads the running sums. A round of ``n`` candidates prices ``3n`` times
+    (whole-pool check, fits-now check, pick), not ``n + n(n+1)/2`` (every candidate re-pricing
+    every pick: 2,144 prices for 64).
     """
 
     priced: int = 0  # entries of can_run_list already counted

@@ -169,49 +169,71 @@ def test_pages_return_after_prompt_only_admission_and_growing_tails():
     assert state.memory.ledger.outstanding_pages() == 0
 
 
-def _sglang_req(rid: str, prompt_tokens: int, chunk: int, max_new_tokens: int):
-    """A real SGLang ``Req`` as the adder holds it after picking it: no prefix, first chunk set."""
+def _admit_round(requests, monkeypatch, chunk: int = 0):
+    """Offer ``requests`` (prompt ids, max_new_tokens) to one real ``PrefillAdder`` round
+    through Tangram's ``add_one_req``, on the real radix tree; stop at the first non-CONTINUE.
+
+    Returns ``(state, adder, results, prices)``: ``prices`` counts ``request_pages`` calls.
+    """
     from array import array
 
+    import radix_world
     from sglang.srt.managers.schedule_batch import Req
+    from sglang.srt.managers.schedule_policy import AddReqResult, PrefillAdder
+    from sglang.srt.runtime_context import get_context
     from sglang.srt.sampling.sampling_params import SamplingParams
 
-    req = Req(
-        rid,
-        "",
-        array("q", range(1, prompt_tokens + 1)),
-        SamplingParams(max_new_tokens=max_new_tokens),
-    )
-    req.init_next_round_input(None)
-    req.set_extend_range(0, chunk)
-    return req
+    from tangram_sglang.integration.sglang_adapters import add_one_req
+
+    monkeypatch.setattr(radix_world, "SLOTS", 10_000)  # SGLang's token budget never binds
+    tree, state, _, slots = radix_world.build_tree(chunk_tokens=chunk)
+    price, prices = state.request_pages, []
+    state.request_pages = lambda ask: prices.append(ask) or price(ask)
+    results = []
+    with get_context().override_server_args():
+        adder = PrefillAdder(1, tree, slots, None, 1.0, 10**6, chunk or None)
+        for i, (prompt, max_new) in enumerate(requests):
+            req = Req(f"r{i}", "", array("q", prompt), SamplingParams(max_new_tokens=max_new))
+            req.init_next_round_input(tree)
+            result = add_one_req(
+                PrefillAdder.add_one_req,
+                adder,
+                req,
+                has_chunked_req=False,
+                truncation_align_size=None,
+            )
+            results.append(result)
+            if result != AddReqResult.CONTINUE:
+                break
+    return state, adder, results, prices
 
 
-def test_a_round_prices_each_picked_request_once_and_sums_as_the_formula_does(monkeypatch):
+def test_a_round_admits_until_the_picks_and_the_candidate_pass_the_free_pages(monkeypatch):
+    """The real round: each candidate is priced with every earlier pick; the first NO_TOKEN
+    comes exactly when their pages pass the free pages, and each request is priced three
+    times (the whole-pool check, the fits-now check as the candidate, once as a pick): 3n, not
+    n + n(n+1)/2 as when every candidate re-priced every pick."""
+    from sglang.srt.managers.schedule_policy import CLIP_MAX_NEW_TOKENS, AddReqResult
+
     from tangram_sglang.integration.sglang_adapters import round_picks
 
-    state = make_state(num_pages=512)
-    calls = []
-    price = state.request_pages
-    monkeypatch.setattr(state, "request_pages", lambda ask: calls.append(ask) or price(ask))
-    adder = SimpleNamespace(can_run_list=[])  # what round_picks reads of SGLang's PrefillAdder
-    reqs = [_sglang_req(f"r{i}", 5 + 3 * i, min(5 + 3 * i, 16), 4 + i) for i in range(12)]
-    sums = []
-    for req in reqs:  # the adder appends each request it admits; the next candidate reads
-        sums.append(round_picks(state, adder).new_pages)
-        adder.can_run_list.append(req)
-    picks = round_picks(state, adder)
-    assert len(calls) == len(reqs)  # each picked request priced once (was once per candidate)
-    assert picks.new_requests == len(reqs) and picks.continuing == []
-    want = [
-        price(
-            PrefillAsk(
-                len(r.full_untruncated_fill_ids),
-                r.extend_range.length,
-                admission_decode_tokens(r.sampling_params.max_new_tokens, 4096),
-            )
-        )
-        for r in reqs
+    rng = np.random.default_rng(1)
+    requests = [
+        (rng.integers(1, 50, int(rng.integers(4, 30))).tolist(), int(rng.integers(2, 30)))
+        for _ in range(40)
     ]
-    assert sums == [sum(want[:i]) for i in range(len(reqs))]
-    assert picks.new_pages == sum(want)
+    state, adder, results, prices = _admit_round(requests, monkeypatch)
+    assert results[-1] == AddReqResult.NO_TOKEN  # the pool filled up before the 40th request
+    picked = len(results) - 1
+    assert len(adder.can_run_list) == picked >= 2
+    free = state.memory.ledger.unreserved_free()
+    need = [
+        state.request_pages(
+            PrefillAsk(len(p), len(p), admission_decode_tokens(t, int(CLIP_MAX_NEW_TOKENS)))
+        )
+        for p, t in requests[: picked + 1]
+    ]
+    assert sum(need[:picked]) <= free < sum(need)  # the candidate alone tips it over
+    assert round_picks(state, adder).new_pages == sum(need[:picked])
+    assert len(prices) - len(need) <= 3 * len(results)  # linear in the round, not quadratic
+    assert not state.refused  # an idle pool with picks waits; it does not refuse
