@@ -50,6 +50,7 @@ from tangram_sglang.backend.layer_ops import extend_layer, kernels_for
 from tangram_sglang.backend.state import TangramState
 from tangram_sglang.errors import ConfigError, KernelError
 from tangram_sglang.mem.manager import TangramMemory
+from tangram_sglang.scoring.replay import RopeShift, bind_rope, check_rope_span, needs_rope
 
 if TYPE_CHECKING:
     from sglang.srt.layers.radix_attention import RadixAttention
@@ -88,11 +89,33 @@ def tangram_state_of(model_runner: ModelRunner) -> TangramState:
             device=kv_pool.k_pool.device,
         )
         chunk = model_runner.server_args.chunked_prefill_size or 0
-        pool.tangram_state = TangramState(
-            memory, pool.full_kv_bytes_per_token, model_runner.device, chunk
-        )
-        req_pool.tangram_state = pool.tangram_state
+        state = TangramState(memory, pool.full_kv_bytes_per_token, model_runner.device, chunk)
+        if needs_rope(state.scorer):
+            state.scorer = bind_rope(state.scorer, model_rope(model_runner.model))
+        pool.tangram_state = state
+        req_pool.tangram_state = state
     return pool.tangram_state
+
+
+def model_rope(model: torch.nn.Module) -> RopeShift:
+    """The served model's RoPE frequencies, from its first rotary embedding module (start-up).
+
+    SGLang's rotary embeddings keep a ``cos_sin_cache`` (``[max_positions, rotary_dim]``, cos
+    then sin) and ``is_neox_style``; position 1's row gives each frequency.
+
+    Raises:
+        ConfigError: the model has no such module (the scorer needs RoPE).
+    """
+    for module in model.modules():
+        cache = getattr(module, "cos_sin_cache", None)
+        if isinstance(cache, torch.Tensor) and cache.dim() == 2 and cache.shape[0] > 1:
+            rope = RopeShift.from_cos_sin_row(cache[1], getattr(module, "is_neox_style", True))
+            check_rope_span(rope, int(cache.shape[0]))
+            return rope
+    raise ConfigError(
+        f"scorer kvzip-replay needs the model's RoPE, but {type(model).__name__} has no rotary "
+        "embedding with a cos_sin_cache; serve it with --tangram-scorer kvzip-lite"
+    )
 
 
 class TangramAttnBackend(AttentionBackend):

@@ -285,10 +285,15 @@ def build_scorer(args: argparse.Namespace):
 
 
 def scorer_options(scorer) -> dict:
-    """The scorer's dataclass options (all fields but ``name``), JSON-ready."""
+    """The scorer's dataclass options (all fields but ``name`` and the model-bound ones, such as
+    kvzip-replay's RoPE), JSON-ready."""
     from dataclasses import fields
 
-    return {f.name: getattr(scorer, f.name) for f in fields(scorer) if f.name != "name"}
+    return {
+        f.name: getattr(scorer, f.name)
+        for f in fields(scorer)
+        if f.name != "name" and not f.metadata.get("runtime")
+    }
 
 
 def check_grouping(args: argparse.Namespace, num_kv_heads: int) -> None:

@@ -33,7 +33,10 @@ from tangram_sglang.errors import ConfigError
 from tangram_sglang.profile import kept_len
 from tangram_sglang.scoring import (
     adaptive_select,
+    bind_rope,
+    needs_rope,
     pyramid_layer_budget,
+    rope_from_hf,
 )
 from tangram_sglang.scoring.ada_snapkv import ALPHA_SAFEGUARD
 from tangram_sglang.scoring.base import Scorer
@@ -63,7 +66,7 @@ class ScoreObserver:
         from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
         self.model = model
-        self.scorer = scorer
+        self.scorer = bind_rope(scorer, rope_from_hf(model)) if needs_rope(scorer) else scorer
         self.num_layers = int(model.config.num_hidden_layers)
         self._scores: list[torch.Tensor | None] = [None] * self.num_layers
         self._sdpa = sdpa_attention_forward

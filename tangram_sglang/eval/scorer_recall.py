@@ -12,10 +12,8 @@ it computes, on the real HF model (transformers, float32):
   any reconstruction query and any query head of its GQA group pays it);
 * each named Tangram scorer's scores (``--scorers``, the serving scorers' own code run on the
   same post-RoPE queries and keys through ``calibrate.observe.ScoreObserver``);
-* the **shifted-replay probe** (``--probe``): the segment's own queries, rotated as if they
-  sat where KVzip's replay puts them (``n + c`` positions later, ``c`` the replay prompt's
-  tokens), attending to every key of the segment (no causal mask), max over queries and the
-  GQA group. It costs no extra forward; it is a candidate for a serving scorer, not one yet.
+  ``kvzip-replay`` is the segment's own queries moved to where KVzip's replay puts them
+  (``scoring.replay``); it gets the HF model's RoPE, as in calibration.
 
 and reports, per kept fraction ``keep``, the mean over samples, layers and KV heads of
 ``|top_k(oracle) & top_k(scores)| / k`` with ``k = keep * m`` (``m`` the scored tokens: the
@@ -36,8 +34,6 @@ from typing import Any
 import numpy as np
 
 from tangram_sglang.errors import ConfigError
-
-REPLAY_PROMPT = "\n\nRepeat the previous context exactly.\n"  # probe's replay gap (its tokens)
 
 
 def topk_recall(oracle: np.ndarray, scores: np.ndarray, keep: float) -> float:
@@ -106,81 +102,12 @@ def kvzip_scores(model: Any, context_ids: list[int]) -> tuple[np.ndarray, int]:
     return seen["scores"], seen["head"]
 
 
-class ShiftedReplayProbe:
-    """The segment's own queries moved to KVzip's replay positions, attending to every key.
-
-    Query ``i`` (post-RoPE at position ``i``) is rotated by ``shift`` more positions (RoPE
-    rotations compose: ``R(i + s) = R(s) R(i)``), so its offset to key ``j`` is ``i + s - j >
-    0`` for every key, as for the replay of token ``i`` in KVzip. Scores: softmax over the
-    segment's keys (no mask), max over queries and the query heads of each KV head.
-
-    Args:
-        rotary: the HF model's rotary embedding module (``model.model.rotary_emb``).
-        apply_rotary: the model family's ``apply_rotary_pos_emb(q, k, cos, sin)``.
-        gap_tokens: tokens between the context's end and the replay (``c``); the shift is
-            ``n + c`` for an ``n``-token segment.
-        query_block: queries per matmul block (memory only).
-    """
-
-    obs_window = 1 << 30  # every query of the segment
-
-    def __init__(
-        self, rotary: Any, apply_rotary: Any, gap_tokens: int, query_block: int = 256
-    ) -> None:
-        self.rotary, self.apply_rotary = rotary, apply_rotary
-        self.gap_tokens, self.query_block = int(gap_tokens), int(query_block)
-
-    def rotate(self, q: Any, shift: int) -> Any:
-        """``q`` ``[H, n, D]`` post-RoPE, rotated by ``shift`` more positions (same shape)."""
-        import torch
-
-        pos = torch.full((1, 1), int(shift), device=q.device)
-        cos, sin = self.rotary(q[None], pos)
-        out, _ = self.apply_rotary(q[None], q[None], cos, sin)
-        return out[0]
-
-    def score(self, q_obs: Any, k_seg: Any, sm_scale: float, lse_obs: Any = None) -> Any:
-        """float32 ``[num_kv_heads, n]``: max shifted-replay attention per key.
-
-        Args:
-            q_obs: ``[num_qo_heads, n, D]`` post-RoPE queries of the whole segment.
-            k_seg: ``[num_kv_heads, n, D]`` post-RoPE keys of the segment.
-            sm_scale: softmax scale.
-            lse_obs: unused (the probe normalises over the segment's keys).
-        """
-        import torch
-
-        hq, n, _ = q_obs.shape
-        hkv = k_seg.shape[0]
-        group = hq // hkv
-        q = self.rotate(q_obs.float(), n + self.gap_tokens)
-        keys = k_seg.float().repeat_interleave(group, 0).transpose(1, 2)  # [Hq, D, n]
-        best = torch.zeros(hq, n, device=q.device)
-        for first in range(0, n, self.query_block):
-            p = torch.softmax((q[:, first : first + self.query_block] @ keys) * sm_scale, dim=-1)
-            best = torch.maximum(best, p.amax(1))
-        return best.view(hkv, group, n).amax(1)
-
-
-def _probe_for(model: Any, tokenizer: Any) -> ShiftedReplayProbe:
-    """The probe with the model's own RoPE (Llama/Qwen2 families)."""
-    import importlib
-
-    family = type(model).__module__  # transformers.models.<family>.modeling_<family>
-    apply = getattr(importlib.import_module(family), "apply_rotary_pos_emb", None)
-    if apply is None:
-        raise ConfigError(f"{type(model).__name__}: no apply_rotary_pos_emb in {family}")
-    gap = len(tokenizer(REPLAY_PROMPT, add_special_tokens=False)["input_ids"])
-    return ShiftedReplayProbe(model.model.rotary_emb, apply, gap)
-
-
 def recall_report(
     model_path: str,
     num_samples: int,
     lengths: tuple[int, ...],
     keeps: tuple[float, ...],
     scorers: tuple[str, ...],
-    probe: bool = True,
     seed: int = 0,
 ) -> dict[str, Any]:
     """Recall of KVzip's top-k per scorer and kept fraction (see the module docstring).
@@ -207,8 +134,6 @@ def recall_report(
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     model = model.eval()
     observers = {name: ScoreObserver(model, s) for name, s in judged.items()}
-    if probe:
-        observers["shifted-replay (probe)"] = ScoreObserver(model, _probe_for(model, tok))
     samples = build_samples("multiturn-squad", tok, num_samples, lengths, seed=seed)
     sums = {keep: dict.fromkeys(observers, 0.0) for keep in keeps}
     per_sample = []
@@ -230,7 +155,6 @@ def recall_report(
         "lengths": list(lengths),
         "keep": list(keeps),
         "scorers": list(scorers),
-        "probe": probe,
         "seed": seed,
         "oracle": "kvpress KVzipPress",
     }
@@ -257,8 +181,9 @@ def main(argv: list[str] | None = None) -> int:
         "--lengths", default="1024", help="context lengths, tokens (e.g. 1024,2048)"
     )
     parser.add_argument("--keep", default="0.25,0.5", help="kept fractions in (0, 1]")
-    parser.add_argument("--scorers", default="kvzip-lite,snapkv", help="Tangram scorers to judge")
-    parser.add_argument("--no-probe", action="store_true", help="skip the shifted-replay probe")
+    parser.add_argument(
+        "--scorers", default="kvzip-lite,snapkv,kvzip-replay", help="Tangram scorers to judge"
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output", help="write the JSON here too")
     args = parser.parse_args(argv)
@@ -270,7 +195,6 @@ def main(argv: list[str] | None = None) -> int:
             lengths,
             _floats(args.keep, "--keep"),
             tuple(s for s in args.scorers.split(",") if s),
-            probe=not args.no_probe,
             seed=args.seed,
         )
     except ConfigError as err:

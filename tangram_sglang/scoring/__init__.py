@@ -3,7 +3,8 @@
 Public names: :class:`Scorer`, :func:`get_scorer`, :func:`register_scorer`,
 :func:`available_scorers`, :func:`select_kept`, and the built-in scorers
 :class:`SnapKVScorer`, :class:`AdaSnapKVScorer`, :class:`PyramidKVScorer`, :class:`DuoScorer`,
-:class:`KVzipLiteScorer` (query-agnostic).
+:class:`KVzipLiteScorer` and :class:`ReplayScorer` (query-agnostic; the latter needs the
+model's RoPE, :func:`bind_rope`).
 """
 
 from tangram_sglang.scoring.ada_snapkv import AdaSnapKVScorer, adaptive_select
@@ -11,6 +12,13 @@ from tangram_sglang.scoring.base import Scorer, available_scorers, get_scorer, r
 from tangram_sglang.scoring.duo import DuoScorer
 from tangram_sglang.scoring.kvzip_lite import KVzipLiteScorer
 from tangram_sglang.scoring.pyramidkv import PyramidKVScorer, pyramid_layer_budget
+from tangram_sglang.scoring.replay import (
+    ReplayScorer,
+    RopeShift,
+    bind_rope,
+    needs_rope,
+    rope_from_hf,
+)
 from tangram_sglang.scoring.select import protected_mask, select_kept
 from tangram_sglang.scoring.snapkv import SnapKVScorer
 
@@ -19,13 +27,18 @@ __all__ = [
     "DuoScorer",
     "KVzipLiteScorer",
     "PyramidKVScorer",
+    "ReplayScorer",
+    "RopeShift",
     "Scorer",
     "SnapKVScorer",
     "adaptive_select",
     "available_scorers",
+    "bind_rope",
     "get_scorer",
+    "needs_rope",
     "protected_mask",
     "pyramid_layer_budget",
     "register_scorer",
+    "rope_from_hf",
     "select_kept",
 ]
