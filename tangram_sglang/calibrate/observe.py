@@ -49,6 +49,7 @@ DEFAULT_ALLOCATION = {
     "pyramidkv": "pyramid",
     "duo": "duo",
     "kvzip-lite": "global",  # KVzip ranks (layer, head, token) triples in one competition
+    "kvzip-replay": "global",
 }
 
 

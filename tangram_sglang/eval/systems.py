@@ -61,7 +61,12 @@ PRESS_SYSTEMS = ("dynamic-ada-snapkv", "uniform-snapkv", "kvzip")
 # Tangram systems on the segment grid (``TANGRAM_GRID_SEGMENTS=1``, cells of ``--grid-cell``
 # tokens): every whole cell is compressed on its own, before any question (query-agnostic).
 GRID_SYSTEMS = {"tangram-grid": "ada-snapkv", "tangram-kvzip-lite-grid": "kvzip-lite"}
-TANGRAM_SYSTEMS = {"tangram": "ada-snapkv", "tangram-kvzip-lite": "kvzip-lite", **GRID_SYSTEMS}
+TANGRAM_SYSTEMS = {
+    "tangram": "ada-snapkv",
+    "tangram-kvzip-lite": "kvzip-lite",
+    "tangram-kvzip-replay": "kvzip-replay",
+    **GRID_SYSTEMS,
+}
 GRID_CELL_TOKENS = 256  # default cell: a 1k-token CPU document spans whole cells
 # model dtype per --device, for the transformers side and the SGLang servers alike (cpu: the CPU
 # engine's float32; cuda: bfloat16, the Qwen2.5 / SmolLM2 training dtype; SGLang's "auto" would
