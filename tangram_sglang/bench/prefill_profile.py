@@ -87,6 +87,7 @@ def _build_state(profile, case: Case, device: torch.device, page_size: int):
     from tangram_sglang.backend.state import TangramState, chunked_footprint_pages
     from tangram_sglang.mem.kv_pool import bytes_per_page
     from tangram_sglang.mem.manager import TangramMemory
+    from tangram_sglang.scoring import RopeShift, bind_rope, needs_rope
 
     context = case.history + case.new_tokens
     per_row = chunked_footprint_pages(profile, page_size, case.new_tokens, 1, 0)
@@ -106,7 +107,11 @@ def _build_state(profile, case: Case, device: torch.device, page_size: int):
         device=device,
     )
     full = 2 * profile.model.num_layers * profile.model.num_kv_heads * profile.model.head_dim * 2
-    return TangramState(memory, full, device, 0)
+    state = TangramState(memory, full, device, 0)
+    if needs_rope(state.scorer):  # kvzip-replay: timing does not depend on the frequencies
+        rope = RopeShift.standard(profile.model.head_dim, theta=500000.0)  # Llama-3's base
+        state.scorer = bind_rope(state.scorer, rope)
+    return state
 
 
 def _qkv(profile, tokens: int, device: torch.device, seed: int):

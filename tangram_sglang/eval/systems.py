@@ -25,6 +25,8 @@ whole first prompt is the compressed part (``tasks.for_protocol``), later turns 
   It needs those extra forwards, so it gets its own prefill (:meth:`KvpressRunner._prefill_kvzip`).
 * ``tangram-kvzip-lite``: the ``--tangram`` server with the shipped ``kvzip-lite`` profile (the
   same-pass query-agnostic scorer, ``scoring/kvzip_lite.py``), rescaled to the ratio.
+* ``tangram-kvzip-replay``: the same with the shipped ``kvzip-replay`` profile (the segment's
+  own queries at KVzip's replay positions, ``scoring/replay.py``).
 * ``full-hf``: the same transformers model without a press (a diagnostic: HF vs SGLang numerics).
 
 kvpress on transformers 5.12.1 (checked 2026-11-30): ``with press(model): model.generate(...)``

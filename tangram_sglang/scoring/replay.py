@@ -72,6 +72,13 @@ class RopeShift:
         cos, sin = row.float().chunk(2, dim=-1)
         return cls(torch.atan2(sin, cos).cpu(), bool(neox))
 
+    @classmethod
+    def standard(cls, head_dim: int, theta: float = 10000.0) -> RopeShift:
+        """Unscaled RoPE over the whole head: ``inv_freq_i = theta ** (-2i / head_dim)``
+        (RoFormer, Su et al. 2021); for benchmarks on synthetic profiles, which have no model."""
+        exponents = torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim
+        return cls((float(theta) ** -exponents).float(), neox=True)
+
     def rotate(self, x: torch.Tensor, shift: int) -> torch.Tensor:
         """``x`` ``[..., D]`` (post-RoPE) rotated by ``shift`` more positions; float32.
 

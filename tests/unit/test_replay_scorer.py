@@ -106,3 +106,11 @@ def test_an_unbound_scorer_refuses_and_a_profile_never_stores_the_rope():
     assert bind_rope(get_scorer("snapkv"), RopeShift(torch.ones(4))) == get_scorer("snapkv")
     with pytest.raises(ConfigError, match="gap_tokens"):
         ReplayScorer(gap_tokens=-1)
+
+
+def test_the_standard_rope_is_roformers_and_matches_smollm2s_base(smollm2):
+    dim = smollm2.config.hidden_size // smollm2.config.num_attention_heads
+    theta = smollm2.config.rope_parameters["rope_theta"]
+    torch.testing.assert_close(
+        RopeShift.standard(dim, theta).inv_freq, rope_from_hf(smollm2).inv_freq
+    )

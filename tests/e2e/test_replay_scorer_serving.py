@@ -1,0 +1,47 @@
+"""The ``kvzip-replay`` scorer on the real ``--tangram`` server (SmolLM2, CPU).
+
+The scorer rotates each segment's queries with the served model's RoPE frequencies, which the
+attention backend binds at start-up; an unbound scorer raises at the first compressed prefill.
+The demo's chat (its turns are long enough to be compressed under the demo's threshold) must
+therefore run through compressed prefills, hold less KV than full KV on every turn, and report
+the scorer it runs in ``/get_server_info``.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import requests
+
+from tangram_sglang.demo import (
+    DEMO_MIN_COMPRESS_TOKENS,
+    DEMO_TURNS,
+    TurnReporter,
+    chat,
+    full_kv_bytes_per_token,
+)
+
+pytestmark = pytest.mark.e2e
+
+ARGS = [
+    "--tangram",
+    "--tangram-scorer",
+    "kvzip-replay",
+    "--tangram-min-compress-tokens",
+    str(DEMO_MIN_COMPRESS_TOKENS),
+]
+
+
+def test_a_kvzip_replay_server_compresses_every_turn(servers, smollm2_path, capsys):
+    server = servers.get(ARGS, "tangram-kvzip-replay")
+    info = requests.get(f"{server.base_url}/get_server_info", timeout=60).json()
+    assert info["tangram"]["scorer"] == "kvzip-replay"
+    assert info["tangram"]["profile_path"].endswith("smollm2/kvzip-replay-r0.25.json")
+    requests.post(f"{server.base_url}/flush_cache", timeout=60).raise_for_status()
+    per_token = full_kv_bytes_per_token(smollm2_path, 4)  # the CPU engine serves float32
+    turns = chat(server.base_url, DEMO_TURNS, on_turn=TurnReporter(server, per_token))
+    saved = [int(x) for x in re.findall(r"full KV \(saved (-?\d+)%\)", capsys.readouterr().out)]
+    assert len(saved) == len(turns) == len(DEMO_TURNS)
+    assert all(s > 0 for s in saved), saved
+    assert all(t.reply.strip() for t in turns)
