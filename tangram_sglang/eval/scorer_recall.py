@@ -18,7 +18,9 @@ it computes, on the real HF model (transformers, float32):
 and reports, per kept fraction ``keep``, the mean over samples, layers and KV heads of
 ``|top_k(oracle) & top_k(scores)| / k`` with ``k = keep * m`` (``m`` the scored tokens: the
 context after the chat template's head, which KVzip does not score). A random ranking scores
-``keep``; the oracle scores 1.
+``keep``; the oracle scores 1. ``later_answer_kept_share``: for the tokens of the gold answers
+of questions 2+ (found verbatim in the context), the share of (layer, KV head) whose top-k
+holds them, for each scorer and the oracle (chance: ``keep``).
 
 Recall is a proxy: it weighs every layer and head alike, while Tangram's per-head budgets keep
 different fractions per head. Accuracy is judged by the harness (``python -m tangram_sglang.eval``).
@@ -34,6 +36,8 @@ from typing import Any
 import numpy as np
 
 from tangram_sglang.errors import ConfigError
+
+ORACLE = "kvzip (oracle)"  # the oracle's own entry in later_answer_kept_share
 
 
 def topk_recall(oracle: np.ndarray, scores: np.ndarray, keep: float) -> float:
@@ -63,6 +67,45 @@ def topk_recall(oracle: np.ndarray, scores: np.ndarray, keep: float) -> float:
     b = np.argpartition(-scores.reshape(-1, m), k - 1, axis=-1)[:, :k]
     hits = [np.intersect1d(x, y).size for x, y in zip(a, b, strict=True)]
     return float(np.mean(hits) / k)
+
+
+def kept_share(scores: np.ndarray, positions: list[int], keep: float) -> float:
+    """Share of (leading index, position) pairs whose position is in that index's top-k.
+
+    Args:
+        scores: float ``[..., m]`` (per layer and KV head).
+        positions: token indices into the last axis (e.g. an answer span).
+        keep: kept fraction in (0, 1]; ``k = max(1, round(keep * m))``.
+
+    Returns:
+        Mean over leading indices and ``positions`` of "kept", in [0, 1]; NaN without positions.
+    """
+    if not positions:
+        return float("nan")
+    m = scores.shape[-1]
+    k = max(1, round(keep * m))
+    flat = scores.reshape(-1, m)
+    top = np.argpartition(-flat, k - 1, axis=-1)[:, :k]
+    kept = np.zeros(flat.shape, bool)
+    np.put_along_axis(kept, top, True, axis=-1)
+    return float(kept[:, positions].mean())
+
+
+def answer_positions(tokenizer: Any, ids: list[int], answers: tuple[str, ...]) -> list[int]:
+    """Token indices of the first gold answer found verbatim in the decoded ``ids`` ([] if none).
+
+    Tokens are decoded one by one and joined, so character offsets map back to tokens.
+    """
+    pieces = [tokenizer.decode([t]) for t in ids]
+    starts = np.cumsum([0] + [len(p) for p in pieces])
+    text = "".join(pieces)
+    for answer in answers:
+        at = text.find(answer)
+        if answer and at >= 0:
+            first = int(np.searchsorted(starts, at, side="right")) - 1
+            end = int(np.searchsorted(starts, at + len(answer), side="left"))
+            return list(range(first, max(end, first + 1)))
+    return []
 
 
 def kvzip_scores(model: Any, context_ids: list[int]) -> tuple[np.ndarray, int]:
@@ -136,17 +179,29 @@ def recall_report(
     observers = {name: ScoreObserver(model, s) for name, s in judged.items()}
     samples = build_samples("multiturn-squad", tok, num_samples, lengths, seed=seed)
     sums = {keep: dict.fromkeys(observers, 0.0) for keep in keeps}
+    shares: dict[float, dict[str, list[float]]] = {
+        keep: {name: [] for name in [*observers, ORACLE]} for keep in keeps
+    }
     per_sample = []
     for sample in samples:
         ids = conversation_ids(sample, tok).context_ids
         oracle, head = kvzip_scores(model, ids)
+        later = [
+            p - head
+            for turn in sample.turns[1:]
+            for p in answer_positions(tok, ids, turn.answers)
+            if p >= head
+        ]
         row: dict[str, Any] = {"sample": sample.sample_id, "tokens": len(ids), "recall": {}}
-        for name, observer in observers.items():
-            scores = observer.scores(ids)[..., head:]
-            for keep in keeps:
+        all_scores = {name: o.scores(ids)[..., head:] for name, o in observers.items()}
+        for keep in keeps:
+            for name, scores in all_scores.items():
                 value = topk_recall(oracle[..., head:], scores, keep)
                 row["recall"].setdefault(str(keep), {})[name] = round(value, 4)
                 sums[keep][name] += value
+            for name, scores in [*all_scores.items(), (ORACLE, oracle[..., head:])]:
+                if later:
+                    shares[keep][name].append(kept_share(scores, later, keep))
         per_sample.append(row)
         print(f"[scorer_recall] {row}", file=sys.stderr, flush=True)
     settings = {
@@ -162,7 +217,16 @@ def recall_report(
         str(keep): {name: round(total / len(samples), 4) for name, total in by.items()}
         for keep, by in sums.items()
     }
-    return {"settings": settings, "recall": recall, "per_sample": per_sample}
+    answers = {
+        str(keep): {name: round(float(np.mean(v)), 4) if v else None for name, v in by.items()}
+        for keep, by in shares.items()
+    }
+    return {
+        "settings": settings,
+        "recall": recall,
+        "later_answer_kept_share": answers,
+        "per_sample": per_sample,
+    }
 
 
 def _floats(text: str, flag: str) -> tuple[float, ...]:
@@ -204,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.output:
         with open(args.output, "w") as fh:
             fh.write(text + "\n")
-    print(json.dumps(report["recall"], indent=1))
+    print(json.dumps({k: report[k] for k in ("recall", "later_answer_kept_share")}, indent=1))
     return 0
 
 

@@ -10,7 +10,12 @@ import pytest
 import torch
 
 from tangram_sglang.errors import ConfigError
-from tangram_sglang.eval.scorer_recall import kvzip_scores, topk_recall
+from tangram_sglang.eval.scorer_recall import (
+    answer_positions,
+    kept_share,
+    kvzip_scores,
+    topk_recall,
+)
 
 
 def test_recall_is_one_for_the_oracle_and_about_keep_for_a_random_ranking():
@@ -28,6 +33,22 @@ def test_recall_refuses_mismatched_shapes_and_bad_fractions():
     for keep in (0.0, 1.5, float("nan")):
         with pytest.raises(ConfigError, match="keep="):
             topk_recall(np.zeros(5), np.zeros(5), keep)
+
+
+def test_kept_share_counts_the_heads_whose_top_k_holds_each_position():
+    scores = np.array([[5.0, 4.0, 1.0, 0.0], [0.0, 1.0, 4.0, 5.0]])  # two heads, k = 2
+    assert kept_share(scores, [0], 0.5) == 0.5  # head 0 keeps token 0, head 1 does not
+    assert kept_share(scores, [0, 3], 0.5) == 0.5
+    assert kept_share(scores, [1, 2], 1.0) == 1.0
+    assert np.isnan(kept_share(scores, [], 0.5))
+
+
+def test_answer_positions_find_the_answer_tokens(smollm2):
+    _, tok = smollm2
+    ids = tok("The capital of Italy is Rome, and Paris is in France.")["input_ids"]
+    found = answer_positions(tok, ids, ("Lisbon", "Paris"))  # the first answer found counts
+    assert tok.decode([ids[i] for i in found]).strip() == "Paris"
+    assert answer_positions(tok, ids, ("Lisbon",)) == []
 
 
 @pytest.fixture(scope="module")
