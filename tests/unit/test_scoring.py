@@ -7,9 +7,11 @@ import torch
 
 from tangram_sglang.errors import ConfigError
 from tangram_sglang.scoring import (
+    RopeShift,
     SnapKVScorer,
     adaptive_select,
     available_scorers,
+    bind_rope,
     get_scorer,
     pyramid_layer_budget,
     register_scorer,
@@ -189,7 +191,8 @@ def test_registry_rejects_empty_and_duplicate_names():
 def test_scorers_run_on_half_precision_inputs():
     q, k = torch.randn(4, 8, D, dtype=torch.bfloat16), torch.randn(2, 30, D, dtype=torch.bfloat16)
     for name in available_scorers():
-        scores = get_scorer(name, obs_window=8).score(q, k, 0.25)
+        scorer = bind_rope(get_scorer(name, obs_window=8), RopeShift.standard(D))
+        scores = scorer.score(q, k, 0.25)
         assert scores.dtype == torch.float32 and scores.shape == (2, 30)
 
 
