@@ -4,8 +4,9 @@ SGLang's own ``ReqToTokenPool`` and ``TokenToKVPoolAllocator`` hold the logical 
 test plays the scheduler's part (match, lock, slot allocation, finish/abort) and the backend's
 (``TangramState.allocate_extend`` / ``allocate_decode``) for requests whose tokens extend earlier
 conversations (so matches, forks, duplicates and node splits happen). After every step:
-  - pages: used pages == pages held by tree nodes + pages owned by running rows (every page
-    has exactly one owner; ``TANGRAM_DEBUG``-style invariants run inside TangramMemory);
+  - pages: used pages == the pages tree nodes hold or running rows read (none is lost; a row
+    may read a page no node holds any more: an in-flight cell the tree dropped as a duplicate;
+    ``TANGRAM_DEBUG``-style invariants run inside TangramMemory);
   - token slots: free + evictable + protected + slots owned by running rows == all slots
     (SGLang's idle self-check relies on this);
   - every boundary node's chain builds a PrefixMatch whose lengths match its pages;
@@ -167,10 +168,23 @@ class RadixLifecycle(RuleBasedStateMachine):
 
     # ---- invariants ----------------------------------------------------------------------------
     @invariant()
-    def pages_have_one_owner(self):
-        own = sum(self.memory.row_usage(r).own_pages for r in self.running)
+    def every_used_page_has_a_holder(self):
+        """Used pages are exactly those a tree node holds or a running row reads: a row's own
+        pages, its matched prefix, and cells it hung on the tree in flight that the tree then
+        dropped as duplicates (the row keeps its reference until it ends)."""
         used = self.memory.allocator.num_usable_pages - self.memory.allocator.num_free()
-        assert used == self.tree.stats()["pages_held"] + own
+        held = set()
+        for node in self.tree._boundaries.values():
+            for ids in value_of(node).segment.pages:
+                held.update(ids.tolist())
+        assert len(held) == self.tree.stats()["pages_held"]
+        read = set()
+        for row in self.running:
+            for g in range(self.memory.num_head_groups):
+                read.update(self.memory.group_pages(row, g).tolist())
+        own = sum(self.memory.row_usage(r).own_pages for r in self.running)
+        assert own <= len(read - held)  # a row's own pages are no node's
+        assert used == len(held | read)
         scan = sum(value_of(n).num_pages for n in self.tree._boundaries.values())
         assert self.tree.held_pages == scan  # the running count, each shared page once
 
