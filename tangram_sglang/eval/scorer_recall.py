@@ -30,12 +30,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from tangram_sglang.errors import ConfigError
+from tangram_sglang.errors import ConfigError, TangramError
 
 ORACLE = "kvzip (oracle)"  # the oracle's own entry in later_answer_kept_share
 
@@ -165,14 +167,21 @@ def recall_report(
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from tangram_sglang.calibrate.observe import ScoreObserver
-    from tangram_sglang.eval.tasks import build_samples, conversation_ids
+    from tangram_sglang.eval.tasks import build_samples, check_sizes, conversation_ids
     from tangram_sglang.models import model_path as resolve
     from tangram_sglang.scoring import get_scorer
 
-    path = str(resolve(model_path)) if "/" not in model_path else model_path
+    # every check before the model loads: a bad flag must not cost a load
+    check_sizes(("multiturn-squad",), num_samples, lengths, (0.5,), 3)
     for keep in keeps:
-        topk_recall(np.zeros(2), np.zeros(2), keep)  # validates before the model loads
+        topk_recall(np.zeros(2), np.zeros(2), keep)
     judged = {name: get_scorer(name) for name in scorers}
+    path = str(resolve(model_path)) if "/" not in model_path else model_path
+    if not Path(path, "config.json").is_file():
+        raise ConfigError(
+            f"--model-path {model_path}: no config.json there; give an HF model folder or an "
+            "embedded model name (smollm2, qwen2.5-0.5b)"
+        )
     tok = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     model = model.eval()
@@ -229,6 +238,13 @@ def recall_report(
     }
 
 
+def _check_writable(path: Path) -> None:
+    """``--output``'s folder exists and takes files (checked before the run, not after it)."""
+    folder = path.parent if str(path.parent) else Path(".")
+    if not folder.is_dir() or not os.access(folder, os.W_OK):
+        raise ConfigError(f"--output {path}: folder {folder} does not exist or is not writable")
+
+
 def _floats(text: str, flag: str) -> tuple[float, ...]:
     try:
         return tuple(float(x) for x in text.split(",") if x.strip())
@@ -252,6 +268,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output", help="write the JSON here too")
     args = parser.parse_args(argv)
     try:
+        if args.output:
+            _check_writable(Path(args.output))
         lengths = tuple(int(x) for x in _floats(args.lengths, "--lengths"))
         report = recall_report(
             args.model_path,
@@ -261,7 +279,7 @@ def main(argv: list[str] | None = None) -> int:
             tuple(s for s in args.scorers.split(",") if s),
             seed=args.seed,
         )
-    except ConfigError as err:
+    except TangramError as err:  # ConfigError, ModelError (an unknown embedded model), ...
         print(f"scorer_recall: {err}", file=sys.stderr)
         return 2
     text = json.dumps(report, indent=1)

@@ -70,3 +70,30 @@ def test_kvzip_scores_cover_the_context_after_the_template_head(smollm2):
     assert scores.shape == (cfg.num_hidden_layers, cfg.num_key_value_heads, len(ids))
     assert 0 < head < len(ids)
     assert np.all(scores[..., head:] > 0) and np.all(scores[..., head:] <= 1)
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--keep", "0"], "keep=0.0 must be in (0, 1]"),
+        (["--keep", "abc"], "--keep 'abc'"),
+        (["--num-samples", "0"], "--num-samples must be >= 1"),
+        (["--lengths", "10"], "--lengths must be token counts > 64"),
+        (["--scorers", "nope"], "scorer 'nope' is not registered"),
+        (["--output", "/nonexistent/recall.json"], "folder /nonexistent does not exist"),
+        (["--model-path", "nosuch"], "unknown embedded model 'nosuch'"),
+    ],
+)
+def test_bad_flags_stop_before_the_model_loads(argv, message, capsys):
+    from tangram_sglang.eval.scorer_recall import main
+
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err and "Loading weights" not in err
+
+
+def test_a_folder_without_a_model_is_named(tmp_path, capsys):
+    from tangram_sglang.eval.scorer_recall import main
+
+    assert main(["--model-path", str(tmp_path)]) == 2
+    assert f"--model-path {tmp_path}: no config.json there" in capsys.readouterr().err
