@@ -98,24 +98,49 @@ def tangram_state_of(model_runner: ModelRunner) -> TangramState:
 
 
 def model_rope(model: torch.nn.Module) -> RopeShift:
-    """The served model's RoPE frequencies, from its first rotary embedding module (start-up).
+    """The served model's RoPE frequencies, from its attention layers' rotary embeddings.
 
     SGLang's rotary embeddings keep a ``cos_sin_cache`` (``[max_positions, rotary_dim]``, cos
-    then sin) and ``is_neox_style``; position 1's row gives each frequency.
+    then sin) and ``is_neox_style``; position 1's row gives each frequency. A cache kept in
+    half precision (SGLang casts it to the model dtype off CUDA) is recomputed in float32 with
+    the module's own ``_compute_cos_sin_cache``. Vision towers are skipped.
 
     Raises:
-        ConfigError: the model has no such module (the scorer needs RoPE).
+        ConfigError: no rotary embedding, a layout other than one ``cos | sin`` block, or
+            layers with different RoPE (e.g. local and global layers): kvzip-replay binds one.
     """
-    for module in model.modules():
+    found = []
+    for name, module in model.named_modules():
         cache = getattr(module, "cos_sin_cache", None)
-        if isinstance(cache, torch.Tensor) and cache.dim() == 2 and cache.shape[0] > 1:
-            rope = RopeShift.from_cos_sin_row(cache[1], getattr(module, "is_neox_style", True))
-            check_rope_span(rope, int(cache.shape[0]))
-            return rope
-    raise ConfigError(
-        f"scorer kvzip-replay needs the model's RoPE, but {type(model).__name__} has no rotary "
-        "embedding with a cos_sin_cache; serve it with --tangram-scorer kvzip-lite"
-    )
+        if not isinstance(cache, torch.Tensor) or "vision" in name or "visual" in name:
+            continue
+        rotary_dim = int(getattr(module, "rotary_dim", cache.shape[-1]))
+        if cache.dim() != 2 or cache.shape[0] < 2 or cache.shape[1] != rotary_dim:
+            raise ConfigError(
+                f"scorer kvzip-replay: {name} ({type(module).__name__}) has a cos_sin_cache of "
+                f"shape {list(cache.shape)}, not [positions, rotary_dim={rotary_dim}]; serve "
+                "this model with --tangram-scorer kvzip-lite"
+            )
+        if cache.dtype != torch.float32 and hasattr(module, "_compute_cos_sin_cache"):
+            cache = module._compute_cos_sin_cache().float()
+        rope = RopeShift.from_cos_sin_row(cache[1], getattr(module, "is_neox_style", True))
+        check_rope_span(rope, int(getattr(module, "head_size", 2 * rope.inv_freq.numel())))
+        found.append((name, rope))
+    if not found:
+        raise ConfigError(
+            f"scorer kvzip-replay needs the model's RoPE, but {type(model).__name__} has no "
+            "rotary embedding with a cos_sin_cache; serve it with --tangram-scorer kvzip-lite"
+        )
+    name0, rope = found[0]
+    for name, other in found[1:]:
+        same = other.neox == rope.neox and other.inv_freq.shape == rope.inv_freq.shape
+        if not same or not torch.allclose(other.inv_freq, rope.inv_freq, rtol=1e-4, atol=1e-7):
+            raise ConfigError(
+                f"scorer kvzip-replay binds one RoPE, but {name0} and {name} use different "
+                "ones (local and global layers?); serve this model with --tangram-scorer "
+                "kvzip-lite"
+            )
+    return rope
 
 
 class TangramAttnBackend(AttentionBackend):

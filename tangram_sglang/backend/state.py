@@ -106,7 +106,8 @@ def build_scorer(profile: BudgetProfile) -> Scorer:
     """
     options = dict(profile.provenance.get("scorer_options") or {})
     probe = get_scorer(profile.scorer)
-    known = set(getattr(type(probe), "__dataclass_fields__", {})) - {"name"}
+    fields = getattr(type(probe), "__dataclass_fields__", {})
+    known = {k for k, f in fields.items() if k != "name" and not f.metadata.get("runtime")}
     return get_scorer(profile.scorer, **{k: v for k, v in options.items() if k in known})
 
 

@@ -96,7 +96,9 @@ def kept_share(scores: np.ndarray, positions: list[int], keep: float) -> float:
 def answer_positions(tokenizer: Any, ids: list[int], answers: tuple[str, ...]) -> list[int]:
     """Token indices of the first gold answer found verbatim in the decoded ``ids`` ([] if none).
 
-    Tokens are decoded one by one and joined, so character offsets map back to tokens.
+    Tokens are decoded one by one and joined, so character offsets map back to tokens. Limits:
+    the first occurrence counts (a short answer may also occur in another document), and a
+    character split across byte-level tokens decodes as U+FFFD, so such answers are not found.
     """
     pieces = [tokenizer.decode([t]) for t in ids]
     starts = np.cumsum([0] + [len(p) for p in pieces])

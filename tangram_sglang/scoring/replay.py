@@ -29,7 +29,6 @@ them from its rotary embedding at start-up and calibration from the HF model
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -48,7 +47,7 @@ from tangram_sglang.scoring.snapkv import SnapKVScorer, check_window_options, re
 DEFAULT_GAP_TOKENS = 8  # tokens of KVzip's repeat prompt between the context and its replay
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, eq=False)
 class RopeShift:
     """Rotate post-RoPE vectors by more positions: RoPE with the model's frequencies.
 
@@ -61,6 +60,7 @@ class RopeShift:
 
     inv_freq: torch.Tensor
     neox: bool = True
+    _on_device: dict = field(default_factory=dict, repr=False)  # device -> float64 inv_freq
 
     @classmethod
     def from_cos_sin_row(cls, row: torch.Tensor, neox: bool) -> RopeShift:
@@ -85,7 +85,10 @@ class RopeShift:
         Dimensions past ``rotary_dim`` (partial rotary) are returned unchanged.
         """
         half = self.inv_freq.numel()
-        angle = self.inv_freq.to(x.device, torch.float64) * float(shift)
+        freq = self._on_device.get(x.device)
+        if freq is None:  # one copy per device, not one per call (a host copy would sync)
+            freq = self._on_device.setdefault(x.device, self.inv_freq.to(x.device, torch.float64))
+        angle = freq * float(shift)
         cos, sin = torch.cos(angle).float(), torch.sin(angle).float()
         x = x.float()
         rot, rest = x[..., : 2 * half], x[..., 2 * half :]
@@ -223,18 +226,20 @@ def rope_from_hf(model: Any) -> RopeShift:
     return RopeShift(inv_freq.detach().float().cpu(), neox=True)
 
 
-def check_rope_span(rope: RopeShift, max_positions: int) -> None:
-    """Refuse frequencies that do not look like RoPE's (NaN, or above pi rad per position).
+def check_rope_span(rope: RopeShift, head_dim: int) -> None:
+    """Refuse frequencies that are not a RoPE's: each in [0, 1] rad per position (``base **
+    (-2i / d)`` and its scaled variants) and at most ``head_dim / 2`` of them.
 
     Raises:
-        ConfigError: naming the bad frequency.
+        ConfigError: naming the first bad frequency or the sizes.
     """
     freq = rope.inv_freq
-    bad = ~torch.isfinite(freq) | (freq.abs() > math.pi)
-    if bool(bad.any()) or max_positions < 1:
+    bad = ~torch.isfinite(freq) | (freq < 0) | (freq > 1.0 + 1e-6)
+    if bool(bad.any()) or 2 * freq.numel() > head_dim:
+        first = freq[bad][0].item() if bool(bad.any()) else None
         raise ConfigError(
-            f"RoPE frequencies {freq.tolist()[:4]}... (max positions {max_positions}) are not a "
-            "rotary embedding's; scorer kvzip-replay cannot use them (use kvzip-lite)"
+            f"RoPE frequencies ({freq.numel()} for head_dim {head_dim}, first bad: {first}) "
+            "are not a rotary embedding's; scorer kvzip-replay cannot use them (use kvzip-lite)"
         )
 
 

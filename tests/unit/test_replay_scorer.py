@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from sglang.srt.runtime_context import get_context
 
 from tangram_sglang.calibrate.cli import scorer_options
 from tangram_sglang.errors import ConfigError
@@ -23,6 +24,7 @@ from tangram_sglang.scoring import (
     needs_rope,
     rope_from_hf,
 )
+from tangram_sglang.scoring.replay import check_rope_span
 
 
 @pytest.fixture(scope="module")
@@ -114,3 +116,66 @@ def test_the_standard_rope_is_roformers_and_matches_smollm2s_base(smollm2):
     torch.testing.assert_close(
         RopeShift.standard(dim, theta).inv_freq, rope_from_hf(smollm2).inv_freq
     )
+
+
+def _sglang_rope(cls_name: str, head: int, base: float, dtype=torch.bfloat16, **scaling):
+    """SGLang's own rotary module with its own ``_compute_cos_sin_cache``, cast to ``dtype``
+    as SGLang casts it off CUDA (built without ``__init__``, which needs a GPU kernel here)."""
+    from sglang.srt.layers.rotary_embedding import rope_variant
+    from sglang.srt.layers.rotary_embedding.base import RotaryEmbedding
+    from sglang.srt.runtime_context import get_context
+
+    cls = getattr(rope_variant, cls_name, None) or RotaryEmbedding
+    with get_context().override_server_args():  # the scheduler's published settings
+        module = cls.__new__(cls)
+        torch.nn.Module.__init__(module)
+        module.head_size, module.rotary_dim, module.base = head, head, base
+        module.max_position_embeddings, module.is_neox_style, module.dtype = 4096, True, dtype
+        for key, value in scaling.items():
+            setattr(module, key, value)
+        module.cos_sin_cache = module._compute_cos_sin_cache().to(dtype)
+    return module
+
+
+def _served(*ropes, names=None):
+    model = torch.nn.Module()
+    for i, rope in enumerate(ropes):
+        model.add_module((names or [f"layer{j}" for j in range(len(ropes))])[i], rope)
+    return model
+
+
+def _model_rope(model):
+    """``model_rope`` as the server calls it: with its settings published."""
+    from sglang.srt.runtime_context import get_context
+
+    from tangram_sglang.backend.attention_backend import model_rope
+
+    with get_context().override_server_args():
+        return model_rope(model)
+
+
+def test_the_server_reads_float32_frequencies_from_a_bf16_rope_cache():
+    plain = _sglang_rope("RotaryEmbedding", 128, 500000.0)
+    got = _model_rope(_served(plain, _sglang_rope("RotaryEmbedding", 128, 500000.0)))
+    torch.testing.assert_close(got.inv_freq, RopeShift.standard(128, 500000.0).inv_freq)
+    llama3 = dict(
+        scaling_factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, orig_max_position=8192
+    )
+    scaled = _sglang_rope("Llama3RotaryEmbedding", 128, 500000.0, **llama3)
+    with get_context().override_server_args():
+        want = scaled._compute_inv_freq(500000.0).float()  # Llama-3's scaled frequencies
+    torch.testing.assert_close(_model_rope(_served(scaled)).inv_freq, want, rtol=1e-5, atol=1e-9)
+
+
+def test_the_server_refuses_mixed_ropes_and_models_without_one_and_skips_vision_towers():
+    local, global_ = (_sglang_rope("RotaryEmbedding", 64, b) for b in (10000.0, 1000000.0))
+    with pytest.raises(ConfigError, match="different ones"):
+        _model_rope(_served(local, global_))
+    with pytest.raises(ConfigError, match="no rotary embedding"):
+        _model_rope(torch.nn.Linear(2, 2))
+    got = _model_rope(_served(local, global_, names=["vision_tower", "layer0"]))
+    torch.testing.assert_close(got.inv_freq, RopeShift.standard(64, 1000000.0).inv_freq)
+    with pytest.raises(ConfigError, match="not a rotary embedding's"):
+        check_rope_span(RopeShift(torch.tensor([0.5, -0.1])), 8)
+    with pytest.raises(ConfigError, match="not a rotary embedding's"):
+        check_rope_span(RopeShift(torch.ones(8)), 8)  # 8 frequencies need head_dim 16
