@@ -182,8 +182,12 @@ class RadixLifecycle(RuleBasedStateMachine):
         for row in self.running:
             for g in range(self.memory.num_head_groups):
                 read.update(self.memory.group_pages(row, g).tolist())
-        own = sum(self.memory.row_usage(r).own_pages for r in self.running)
-        assert own <= len(read - held)  # a row's own pages are no node's
+        owned = set()
+        for row in self.running:  # a row's own pages are no node's and no other row's
+            own = set(self.memory._entries(row, own=True).tolist())
+            assert len(own) == self.memory.row_usage(row).own_pages
+            assert not own & held and not own & owned
+            owned |= own
         assert used == len(held | read)
         scan = sum(value_of(n).num_pages for n in self.tree._boundaries.values())
         assert self.tree.held_pages == scan  # the running count, each shared page once
