@@ -70,7 +70,7 @@ from tangram_sglang.mem.reservation import (
     segment_kept_lens,
 )
 from tangram_sglang.profile import BudgetProfile
-from tangram_sglang.scoring.base import Scorer, get_scorer
+from tangram_sglang.scoring.base import Scorer, get_scorer, option_names
 
 logger = logging.getLogger(__name__)
 
@@ -106,8 +106,7 @@ def build_scorer(profile: BudgetProfile) -> Scorer:
     """
     options = dict(profile.provenance.get("scorer_options") or {})
     probe = get_scorer(profile.scorer)
-    fields = getattr(type(probe), "__dataclass_fields__", {})
-    known = {k for k, f in fields.items() if k != "name" and not f.metadata.get("runtime")}
+    known = set(option_names(probe))
     return get_scorer(profile.scorer, **{k: v for k, v in options.items() if k in known})
 
 

@@ -285,15 +285,10 @@ def build_scorer(args: argparse.Namespace):
 
 
 def scorer_options(scorer) -> dict:
-    """The scorer's dataclass options (all fields but ``name`` and the model-bound ones, such as
-    kvzip-replay's RoPE), JSON-ready."""
-    from dataclasses import fields
+    """The scorer's profile options (``scoring.base.option_names``), JSON-ready."""
+    from tangram_sglang.scoring.base import option_names
 
-    return {
-        f.name: getattr(scorer, f.name)
-        for f in fields(scorer)
-        if f.name != "name" and not f.metadata.get("runtime")
-    }
+    return {name: getattr(scorer, name) for name in option_names(scorer)}
 
 
 def check_grouping(args: argparse.Namespace, num_kv_heads: int) -> None:

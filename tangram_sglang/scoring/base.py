@@ -64,6 +64,13 @@ ScorerFactory = Callable[..., Scorer]
 _REGISTRY: dict[str, ScorerFactory] = {}
 
 
+def option_names(scorer: object) -> tuple[str, ...]:
+    """A scorer's profile options: its dataclass fields but ``name`` and the model-bound ones
+    (field metadata ``runtime``, e.g. kvzip-replay's RoPE), which no profile stores."""
+    fields = getattr(type(scorer), "__dataclass_fields__", {})
+    return tuple(k for k, f in fields.items() if k != "name" and not f.metadata.get("runtime"))
+
+
 def register_scorer(name: str, factory: ScorerFactory) -> None:
     """Register a scorer factory under ``name`` (called at import time of each scorer file).
 

@@ -48,6 +48,45 @@ DEFAULT_LOCAL_BAND = 32  # a query i counts for token j only when i - j >= this 
 DEFAULT_QUERY_BLOCK = 256  # queries per matmul block (bounds the temporary)
 
 
+def check_int_options(scorer: object, names: tuple[str, ...]) -> None:
+    """Each option in ``names`` is a plain int (not a bool).
+
+    Raises:
+        ConfigError: naming the option and where it comes from.
+    """
+    for name in names:
+        value = getattr(scorer, name)
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise ConfigError(
+                f"{name}={value!r} must be an integer (a profile's provenance "
+                "scorer_options or a --obs-window / --kernel-size flag)"
+            )
+
+
+def check_heads(q_obs: torch.Tensor, k_seg: torch.Tensor) -> None:
+    """``q_obs`` ``[..., H_q, w, D]`` and ``k_seg`` ``[..., H_kv, n, D]`` fit (GQA, same D).
+
+    Raises:
+        ConfigError: naming both shapes.
+    """
+    if q_obs.shape[-3] % k_seg.shape[-3] or q_obs.shape[-1] != k_seg.shape[-1]:
+        raise ConfigError(
+            f"q_obs {list(q_obs.shape)} and k_seg {list(k_seg.shape)} do not fit: "
+            "num_qo_heads must be a multiple of num_kv_heads and head_dim must match"
+        )
+
+
+def evenly_spaced_slots(w: int, max_queries: int) -> list[int]:
+    """Which of ``w`` queries are scored (host ints, ascending, the last included).
+
+    All ``w`` when ``max_queries`` is 0 or >= w, else ``max_queries`` evenly spaced slots.
+    """
+    if max_queries == 0 or max_queries >= w:
+        return list(range(w))
+    step = w / max_queries
+    return sorted(w - 1 - math.floor(i * step) for i in range(max_queries))
+
+
 @dataclass(frozen=True, slots=True)
 class KVzipLiteScorer:
     """Query-agnostic scorer: max attention from the segment's own later queries (same pass).
@@ -76,13 +115,7 @@ class KVzipLiteScorer:
 
     def __post_init__(self) -> None:
         ints = ("obs_window", "max_queries", "local_band", "kernel_size", "query_block")
-        for field in ints:
-            value = getattr(self, field)
-            if not isinstance(value, int) or isinstance(value, bool):
-                raise ConfigError(
-                    f"{field}={value!r} must be an integer (a profile's provenance "
-                    "scorer_options or a --obs-window / --kernel-size flag)"
-                )
+        check_int_options(self, ints)
         check_window_options(self.obs_window, self.kernel_size, self.pooling, self.gqa_reduce)
         if self.max_queries < 0 or self.local_band < 0 or self.query_block < 1:
             raise ConfigError(
@@ -91,14 +124,8 @@ class KVzipLiteScorer:
             )
 
     def query_slots(self, w: int) -> list[int]:
-        """Which of the ``w`` queries are scored (host ints, ascending, the last included).
-
-        All ``w`` when ``max_queries`` is 0 or >= w, else ``max_queries`` evenly spaced slots.
-        """
-        if self.max_queries == 0 or self.max_queries >= w:
-            return list(range(w))
-        step = w / self.max_queries
-        return sorted(w - 1 - math.floor(i * step) for i in range(self.max_queries))
+        """Which of the ``w`` queries are scored: :func:`evenly_spaced_slots`."""
+        return evenly_spaced_slots(w, self.max_queries)
 
     def score(
         self,
@@ -130,13 +157,9 @@ class KVzipLiteScorer:
         Raises:
             ConfigError: head counts or head dims that do not fit together.
         """
+        check_heads(q_obs, k_seg)
         num_qo_heads, num_kv_heads = q_obs.shape[-3], k_seg.shape[-3]
         dim = k_seg.shape[-1]
-        if num_qo_heads % num_kv_heads or q_obs.shape[-1] != dim:
-            raise ConfigError(
-                f"q_obs {list(q_obs.shape)} and k_seg {list(k_seg.shape)} do not fit: "
-                "num_qo_heads must be a multiple of num_kv_heads and head_dim must match"
-            )
         n = k_seg.shape[-2]
         w = min(q_obs.shape[-2], n)
         lead = q_obs.shape[:-3]

@@ -40,7 +40,9 @@ from tangram_sglang.scoring.kvzip_lite import (
     ALL_QUERIES,
     DEFAULT_MAX_QUERIES,
     DEFAULT_QUERY_BLOCK,
-    KVzipLiteScorer,
+    check_heads,
+    check_int_options,
+    evenly_spaced_slots,
 )
 from tangram_sglang.scoring.snapkv import SnapKVScorer, check_window_options, reduce_gqa
 
@@ -130,13 +132,7 @@ class ReplayScorer:
 
     def __post_init__(self) -> None:
         ints = ("obs_window", "max_queries", "gap_tokens", "kernel_size", "query_block")
-        for name in ints:
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool):
-                raise ConfigError(
-                    f"{name}={value!r} must be an integer (a profile's provenance "
-                    "scorer_options or a --obs-window / --kernel-size flag)"
-                )
+        check_int_options(self, ints)
         check_window_options(self.obs_window, self.kernel_size, self.pooling, self.gqa_reduce)
         if self.max_queries < 0 or self.gap_tokens < 0 or self.query_block < 1:
             raise ConfigError(
@@ -173,25 +169,23 @@ class ReplayScorer:
                 "model's rotary embedding (models with RoPE only); use --tangram-scorer "
                 "kvzip-lite for a model without one"
             )
+        check_heads(q_obs, k_seg)
         num_qo_heads, num_kv_heads = q_obs.shape[-3], k_seg.shape[-3]
         dim, n = k_seg.shape[-1], k_seg.shape[-2]
-        if num_qo_heads % num_kv_heads or q_obs.shape[-1] != dim:
-            raise ConfigError(
-                f"q_obs {list(q_obs.shape)} and k_seg {list(k_seg.shape)} do not fit: "
-                "num_qo_heads must be a multiple of num_kv_heads and head_dim must match"
-            )
         w = min(q_obs.shape[-2], n)
-        slots = KVzipLiteScorer(max_queries=self.max_queries).query_slots(w)
         offset = q_obs.shape[-2] - w
+        slots = [offset + i for i in evenly_spaced_slots(w, self.max_queries)]
+        if len(slots) < q_obs.shape[-2]:  # a subset: one gather (a full set is used as it is)
+            q_obs = q_obs.index_select(-2, torch.tensor(slots, device=q_obs.device))
+        # every chosen query moved to its replay position at once: n + c positions later
+        queries = self.rope.rotate(q_obs, n + self.gap_tokens) * sm_scale
         lead = q_obs.shape[:-3]
         group = num_qo_heads // num_kv_heads
         keys_t = k_seg.float().transpose(-1, -2)  # [..., H_kv, D, n]
         best = torch.zeros(*lead, num_qo_heads, n, device=k_seg.device)
-        shift = n + self.gap_tokens
         for first in range(0, len(slots), self.query_block):
             block = slots[first : first + self.query_block]
-            idx = torch.tensor([offset + i for i in block], device=k_seg.device)
-            q = self.rope.rotate(q_obs.index_select(-2, idx), shift) * sm_scale
+            q = queries[..., first : first + len(block), :]
             q = q.reshape(*lead, num_kv_heads, group * len(block), dim)  # GQA folded in
             probs = torch.softmax(torch.matmul(q, keys_t), dim=-1)
             probs = probs.view(*lead, num_qo_heads, len(block), n)
