@@ -40,6 +40,7 @@ import numpy as np
 from tangram_sglang.errors import ConfigError, TangramError
 
 ORACLE = "kvzip (oracle)"  # the oracle's own entry in later_answer_kept_share
+REPLAY_MARGIN_TOKENS = 512  # chat template, instructions and KVzip's repeat prompt (tokens)
 
 
 def topk_recall(oracle: np.ndarray, scores: np.ndarray, keep: float) -> float:
@@ -166,7 +167,7 @@ def recall_report(
         ConfigError: an unknown scorer, bad sizes, or the data package is missing.
     """
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     from tangram_sglang.calibrate.observe import ScoreObserver
     from tangram_sglang.eval.tasks import build_samples, check_sizes, conversation_ids
@@ -183,6 +184,13 @@ def recall_report(
         raise ConfigError(
             f"--model-path {model_path}: no config.json there; give an HF model folder or an "
             "embedded model name (smollm2, qwen2.5-0.5b)"
+        )
+    context = getattr(AutoConfig.from_pretrained(path), "max_position_embeddings", None)
+    if context and 2 * max(lengths) + REPLAY_MARGIN_TOKENS > context:
+        raise ConfigError(
+            f"--lengths {max(lengths)}: KVzip re-reads the context after it, so 2 x length + "
+            f"{REPLAY_MARGIN_TOKENS} tokens must fit the model's {context}-token context; use "
+            f"lengths up to {(context - REPLAY_MARGIN_TOKENS) // 2}"
         )
     tok = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
@@ -242,16 +250,21 @@ def recall_report(
 
 def _check_writable(path: Path) -> None:
     """``--output``'s folder exists and takes files (checked before the run, not after it)."""
+    if path.is_dir():
+        raise ConfigError(f"--output {path} is a folder; give a file path, e.g. {path}/recall.json")
     folder = path.parent if str(path.parent) else Path(".")
     if not folder.is_dir() or not os.access(folder, os.W_OK):
         raise ConfigError(f"--output {path}: folder {folder} does not exist or is not writable")
 
 
-def _floats(text: str, flag: str) -> tuple[float, ...]:
+def _floats(text: str, flag: str, example: str) -> tuple[float, ...]:
     try:
-        return tuple(float(x) for x in text.split(",") if x.strip())
+        values = tuple(float(x) for x in text.split(",") if x.strip())
     except ValueError:
-        raise ConfigError(f"{flag} {text!r}: give comma-separated numbers, e.g. 0.25,0.5") from None
+        values = ()
+    if not values:
+        raise ConfigError(f"{flag} {text!r}: give comma-separated numbers, e.g. {example}")
+    return values
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -272,13 +285,16 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.output:
             _check_writable(Path(args.output))
-        lengths = tuple(int(x) for x in _floats(args.lengths, "--lengths"))
+        lengths = tuple(int(x) for x in _floats(args.lengths, "--lengths", "1024,2048"))
+        scorers = tuple(x.strip() for x in args.scorers.split(",") if x.strip())
+        if not scorers:
+            raise ConfigError(f"--scorers {args.scorers!r}: name at least one, e.g. kvzip-lite")
         report = recall_report(
             args.model_path,
             args.num_samples,
             lengths,
-            _floats(args.keep, "--keep"),
-            tuple(s for s in args.scorers.split(",") if s),
+            _floats(args.keep, "--keep", "0.25,0.5"),
+            scorers,
             seed=args.seed,
         )
     except TangramError as err:  # ConfigError, ModelError (an unknown embedded model), ...

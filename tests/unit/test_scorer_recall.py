@@ -82,6 +82,10 @@ def test_kvzip_scores_cover_the_context_after_the_template_head(smollm2):
         (["--scorers", "nope"], "scorer 'nope' is not registered"),
         (["--output", "/nonexistent/recall.json"], "folder /nonexistent does not exist"),
         (["--model-path", "nosuch"], "unknown embedded model 'nosuch'"),
+        (["--output", "/tmp"], "--output /tmp is a folder"),
+        (["--scorers", ","], "name at least one"),
+        (["--keep", ",,"], "--keep ',,'"),
+        (["--model-path", "smollm2", "--lengths", "9000"], "must fit the model's 8192-token"),
     ],
 )
 def test_bad_flags_stop_before_the_model_loads(argv, message, capsys):
