@@ -40,6 +40,7 @@ import numpy as np
 from tangram_sglang.errors import ConfigError, TangramError
 
 ORACLE = "kvzip (oracle)"  # the oracle's own entry in later_answer_kept_share
+ORACLE_PROFILE = "kvzip-lite"  # whose shipped budgets the oracle's scores are judged under
 REPLAY_MARGIN_TOKENS = 512  # chat template, instructions and KVzip's repeat prompt (tokens)
 
 
@@ -92,6 +93,96 @@ def kept_share(scores: np.ndarray, positions: list[int], keep: float) -> float:
     kept = np.zeros(flat.shape, bool)
     np.put_along_axis(kept, top, True, axis=-1)
     return float(kept[:, positions].mean())
+
+
+def kept_share_budgets(
+    scores: np.ndarray, positions: list[int], budgets: np.ndarray, sink: int, window: int
+) -> float:
+    """Like :func:`kept_share`, with one kept length per leading index, as a server keeps.
+
+    Each leading index keeps its first ``sink`` and last ``window`` positions and the top
+    ``budgets - sink - window`` of the rest by ``scores`` (Tangram's segment selection).
+
+    Args:
+        scores: float ``[L, H, m]``.
+        positions: token indices into the last axis.
+        budgets: int ``[L, H]`` kept lengths (tokens, each in ``[0, m]``).
+        sink: always-kept first positions (tokens).
+        window: always-kept last positions (tokens).
+
+    Returns:
+        Mean over ``(l, h)`` and ``positions`` of "kept", in [0, 1]; NaN without positions.
+    """
+    if not positions:
+        return float("nan")
+    m = scores.shape[-1]
+    flat = scores.reshape(-1, m).astype(np.float64, copy=True)
+    flat[:, : min(sink, m)] = np.inf
+    flat[:, max(m - window, 0) :] = np.inf
+    order = np.argsort(-flat, axis=-1, kind="stable")
+    rank = np.empty_like(order)
+    np.put_along_axis(rank, order, np.arange(m)[None, :].repeat(len(flat), 0), axis=-1)
+    kept = rank < np.asarray(budgets).reshape(-1, 1)
+    return float(kept[:, positions].mean())
+
+
+def kept_share_global(scores: np.ndarray, positions: list[int], total: int) -> float:
+    """Share kept when one request's ``total`` kept pairs go to its top scores over every head.
+
+    A per-request allocation (KVzip's non-uniform budget): the top ``total`` entries of
+    ``scores`` over all leading indices and positions together, so a head whose scores are
+    high keeps more of this context.
+
+    Args:
+        scores: float ``[..., m]``.
+        positions: token indices into the last axis.
+        total: kept (index, position) pairs, in ``[1, scores.size]``.
+
+    Returns:
+        Mean over leading indices and ``positions`` of "kept"; NaN without positions.
+    """
+    if not positions:
+        return float("nan")
+    m = scores.shape[-1]
+    flat = scores.reshape(-1)
+    top = np.argpartition(-flat, total - 1)[:total]
+    kept = np.zeros(flat.shape, bool)
+    kept[top] = True
+    return float(kept.reshape(-1, m)[:, positions].mean())
+
+
+def shipped_profile(config: Any, scorer: str, keep: float) -> Any:
+    """The shipped profile calibrated for this model with ``scorer`` at target ``keep``, or None.
+
+    Args:
+        config: the model's transformers config.
+        scorer: a Tangram scorer name.
+        keep: the profile's target ratio.
+    """
+    from tangram_sglang.integration.profile_loader import find_shipped_profile
+    from tangram_sglang.profile import BudgetProfile, ModelIdentity
+
+    try:
+        path = find_shipped_profile(
+            ModelIdentity.from_hf_config(config), scorer=scorer, target_ratio=keep
+        )
+    except ConfigError:
+        return None
+    profile = BudgetProfile.load(path)
+    return profile if abs(profile.target_ratio - keep) < 1e-9 else None
+
+
+def profile_budgets(profile: Any, m: int) -> np.ndarray:
+    """Kept lengths int64 ``[L, H]`` that ``profile`` gives one ``m``-token segment: each head
+    keeps its group's ratio (:func:`tangram_sglang.profile.kept_len`), as the server does.
+    """
+    from tangram_sglang.profile import kept_len
+
+    per_head = profile.group_ratios[profile.grouping.cluster_of]
+    lengths = [
+        kept_len(m, float(r), profile.sink_tokens, profile.recent_window) for r in per_head.flat
+    ]
+    return np.asarray(lengths, np.int64).reshape(per_head.shape)
 
 
 def answer_positions(tokenizer: Any, ids: list[int], answers: tuple[str, ...]) -> list[int]:
@@ -192,6 +283,13 @@ def recall_report(
             f"{REPLAY_MARGIN_TOKENS} tokens must fit the model's {context}-token context; use "
             f"lengths up to {(context - REPLAY_MARGIN_TOKENS) // 2}"
         )
+    config = AutoConfig.from_pretrained(path)
+    # the oracle's scores under the default scorer's budgets: what KVzip ranking would keep there
+    profiles = {
+        (name, keep): shipped_profile(config, name, keep)
+        for name in {*scorers, ORACLE_PROFILE}
+        for keep in keeps
+    }
     tok = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     model = model.eval()
@@ -201,6 +299,7 @@ def recall_report(
     shares: dict[float, dict[str, list[float]]] = {
         keep: {name: [] for name in [*observers, ORACLE]} for keep in keeps
     }
+    allocation: dict[float, dict[str, dict[str, list[float]]]] = {keep: {} for keep in keeps}
     per_sample = []
     for sample in samples:
         ids = conversation_ids(sample, tok).context_ids
@@ -221,6 +320,13 @@ def recall_report(
             for name, scores in [*all_scores.items(), (ORACLE, oracle[..., head:])]:
                 if later:
                     shares[keep][name].append(kept_share(scores, later, keep))
+                    _allocation_shares(
+                        allocation[keep].setdefault(name, {}),
+                        profiles[(ORACLE_PROFILE if name == ORACLE else name, keep)],
+                        scores,
+                        later,
+                        keep,
+                    )
         per_sample.append(row)
         print(f"[scorer_recall] {row}", file=sys.stderr, flush=True)
     settings = {
@@ -240,12 +346,51 @@ def recall_report(
         str(keep): {name: round(float(np.mean(v)), 4) if v else None for name, v in by.items()}
         for keep, by in shares.items()
     }
+    by_allocation = {
+        str(keep): {
+            name: {what: round(float(np.mean(v)), 4) for what, v in kinds.items()}
+            for name, kinds in by.items()
+        }
+        for keep, by in allocation.items()
+    }
     return {
         "settings": settings,
         "recall": recall,
         "later_answer_kept_share": answers,
+        "later_answer_kept_share_by_allocation": by_allocation,
         "per_sample": per_sample,
     }
+
+
+def _allocation_shares(
+    into: dict[str, dict[str, list[float]]],
+    profile: Any,
+    scores: np.ndarray,
+    later: list[int],
+    keep: float,
+) -> None:
+    """Appends one sample's later-answer shares under several allocations of its memory.
+
+    ``uniform``: every head keeps ``keep * m``; ``global``: the same total, spent on the
+    request's top scores over all heads (:func:`kept_share_global`); and with a shipped
+    ``profile`` at ``keep``: ``profile``, the profile's per-head budgets
+    (:func:`kept_share_budgets`), ``profile_global``, the profile's total spent per request, and
+    ``profile_kept_fraction``, that total over ``L * H * m``.
+    """
+    m = scores.shape[-1]
+    total = max(1, round(keep * m)) * (scores.size // m)
+    into.setdefault("uniform", []).append(kept_share(scores, later, keep))
+    into.setdefault("global", []).append(kept_share_global(scores, later, total))
+    if profile is None:
+        return
+    budgets = profile_budgets(profile, m)
+    into.setdefault("profile", []).append(
+        kept_share_budgets(scores, later, budgets, profile.sink_tokens, profile.recent_window)
+    )
+    into.setdefault("profile_global", []).append(
+        kept_share_global(scores, later, int(budgets.sum()))
+    )
+    into.setdefault("profile_kept_fraction", []).append(float(budgets.sum()) / scores.size)
 
 
 def _check_writable(path: Path) -> None:
@@ -304,7 +449,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.output:
         with open(args.output, "w") as fh:
             fh.write(text + "\n")
-    print(json.dumps({k: report[k] for k in ("recall", "later_answer_kept_share")}, indent=1))
+    keys = ("recall", "later_answer_kept_share", "later_answer_kept_share_by_allocation")
+    print(json.dumps({k: report[k] for k in keys}, indent=1))
     return 0
 
 
