@@ -13,7 +13,11 @@ from tangram_sglang.errors import ConfigError
 from tangram_sglang.eval.scorer_recall import (
     answer_positions,
     kept_share,
+    kept_share_budgets,
+    kept_share_global,
     kvzip_scores,
+    profile_budgets,
+    shipped_profile,
     topk_recall,
 )
 
@@ -41,6 +45,44 @@ def test_kept_share_counts_the_heads_whose_top_k_holds_each_position():
     assert kept_share(scores, [0, 3], 0.5) == 0.5
     assert kept_share(scores, [1, 2], 1.0) == 1.0
     assert np.isnan(kept_share(scores, [], 0.5))
+
+
+def test_budgets_keep_sinks_and_window_then_each_heads_own_top_scores():
+    scores = np.array([[[9.0, 1.0, 8.0, 2.0, 7.0, 0.0]], [[0.0, 9.0, 1.0, 8.0, 2.0, 0.5]]])
+    budgets = np.array([[3], [4]])  # [L=2, H=1]; sink 1, window 1
+    # layer 0 keeps 0 (sink), 5 (window), then its best middle token 2; layer 1 keeps 0, 5, 1, 3
+    assert kept_share_budgets(scores, [2], budgets, 1, 1) == 0.5
+    assert kept_share_budgets(scores, [0, 5], budgets, 1, 1) == 1.0
+    assert kept_share_budgets(scores, [3], budgets, 1, 1) == 0.5
+    assert kept_share_budgets(scores, [4], budgets, 1, 1) == 0.0
+    assert np.isnan(kept_share_budgets(scores, [], budgets, 1, 1))
+
+
+def test_a_global_allocation_spends_the_total_on_the_requests_top_scores():
+    scores = np.array([[1.0, 2.0, 3.0, 4.0], [10.0, 20.0, 30.0, 40.0]])  # head 1 scores higher
+    # a total of 4 goes to head 1 only: position 0 is kept by one head of two
+    assert kept_share_global(scores, [0], 4) == 0.5
+    assert kept_share_global(scores, [3], 4) == 0.5
+    assert kept_share(scores, [3], 0.5) == 1.0  # uniform: both heads keep their best 2
+    assert kept_share_global(scores, [0, 1, 2, 3], 8) == 1.0
+
+
+def test_profile_budgets_follow_the_shipped_profile_groups(smollm2_path):
+    from transformers import AutoConfig
+
+    from tangram_sglang.profile import kept_len
+
+    config = AutoConfig.from_pretrained(smollm2_path)
+    profile = shipped_profile(config, "kvzip-lite", 0.25)
+    assert profile is not None and profile.target_ratio == 0.25
+    assert shipped_profile(config, "kvzip-lite", 0.3) is None  # no profile at that target
+    budgets = profile_budgets(profile, 1000)
+    assert budgets.shape == profile.ratio.shape
+    layer, head = 3, 1
+    ratio = profile.group_ratios[profile.grouping.cluster_of[layer, head]]
+    expect = kept_len(1000, float(ratio), profile.sink_tokens, profile.recent_window)
+    assert budgets[layer, head] == expect
+    assert (budgets >= profile.sink_tokens + profile.recent_window).all()
 
 
 def test_answer_positions_find_the_answer_tokens(smollm2):
