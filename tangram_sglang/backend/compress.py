@@ -7,14 +7,17 @@ with the kv-write kernel. Per request and KV head h of the layer the head keeps
 ``k_g = kept_len(n, group_ratio[g])`` tokens (g = its head group), its OWN top ``k_g`` by score.
 
 Cost (per layer): segments are scored in length buckets (next power of two of n, at least
-:data:`MIN_BUCKET` tokens), each bucket as ONE padded batch whatever its segments' lengths, so an
-extend batch costs O(#buckets) launches (about 40 per bucket, a batch has 1-4 buckets) instead
-of one pass per run of equal lengths (4,098 top-level aten ops per layer for 64 distinct
-ShareGPT-like lengths before, benchmarks/RESULTS.md). A batch with no more runs of equal
-lengths than buckets (one prefill chunk, or many segments of one length) skips the padding:
-one scorer call per run. Every head is selected with one stable sort whatever its ``k_g``, with
-no host synchronisation. Segments every head keeps
-whole (``k_g = n``, e.g. under ``--tangram-min-compress-tokens``) are not scored.
+:data:`MIN_BUCKET` tokens), each bucket as ONE padded batch whatever its segments' lengths, and
+smaller buckets merge into the longest while the padded batch stays under
+:data:`MAX_PADDED_TOKENS` (:func:`_merge_buckets`): the selection is host-bound (about 40 small
+launches per padded batch, about 1 ms per layer on an H200 host, benchmarks/RESULTS.md), so an
+extend batch of mixed lengths costs the launches of one padded batch, not of one per bucket or
+per run of equal lengths (4,098 top-level aten ops per layer for 64 distinct ShareGPT-like
+lengths before the buckets). A batch with no more runs of equal lengths than padded batches (one
+prefill chunk, or many segments of one length) skips the padding: one scorer call per run.
+Every head is selected with one stable sort whatever its ``k_g``, with no host
+synchronisation. Segments every head keeps whole (``k_g = n``, e.g. under
+``--tangram-min-compress-tokens``) are not scored.
 
 Padded layout of a bucket of ``b`` segments, ``N`` = the bucket length, ``W`` = the widest
 observation window in it (``w_i = min(obs_window, n_i)``)::
@@ -50,6 +53,9 @@ from tangram_sglang.scoring.select import priority_key, select_kept
 from tangram_sglang.scoring.snapkv import SnapKVScorer, reduce_gqa
 
 MIN_BUCKET = 64  # tokens: the shortest bucket (shorter segments share it)
+# tokens: the most a merged padded batch holds (b * N); its window logits are b * N * Hq * W
+# float32 (256 MiB for Llama-3.1-8B's 32 query heads and a 32-token window)
+MAX_PADDED_TOKENS = 65_536
 _PLAN_CACHE_SIZE = 16  # batch plans kept (one per batch shape and whole/scored split)
 
 
@@ -270,13 +276,14 @@ def _batch_plan(
         whole_fill = torch.from_numpy(fill[:, None, :]).to(device)
     rows = np.nonzero(scored)[0]
     size = _bucket_sizes(lengths[rows])
+    groups = _merge_buckets(size)
     runs = _runs(rows, lengths)
     buckets = []
-    if snapkv and len(runs) > np.unique(size).size:
+    if snapkv and len(runs) > len(groups):
         runs = []
         buckets = [
-            _make_bucket(rows[size == n], int(n), starts, lengths, windows, device)
-            for n in np.unique(size)
+            _make_bucket(rows[members], int(n), starts, lengths, windows, device)
+            for n, members in groups
         ]
     plan = _Plan(whole_rows, whole_fill, buckets, runs)
     if len(_PLANS) >= _PLAN_CACHE_SIZE:
@@ -288,6 +295,33 @@ def _batch_plan(
 def _bucket_sizes(lengths: np.ndarray) -> np.ndarray:
     """Bucket length (tokens) of each segment length: the next power of two, >= MIN_BUCKET."""
     return np.maximum(MIN_BUCKET, 1 << np.ceil(np.log2(np.maximum(lengths, 1))).astype(np.int64))
+
+
+def _merge_buckets(size: np.ndarray) -> list[tuple[int, np.ndarray]]:
+    """Groups of segments scored as one padded batch: ``(N, members)``, longest first.
+
+    Each launch of the selection costs about the same host time whatever its size (about 20 us
+    on an H200 host, some 40 launches per padded batch), while the padded window attention is
+    small (``W`` queries per segment). So smaller power-of-two buckets are merged into the
+    longest one as long as the padded batch holds at most :data:`MAX_PADDED_TOKENS` tokens
+    (``b * N``); a bucket alone may exceed it.
+
+    Args:
+        size: int64 ``[r]`` bucket length of each scored segment (:func:`_bucket_sizes`).
+
+    Returns:
+        ``[(N, members)]``: the padded length (tokens) and a bool ``[r]`` mask of its segments.
+    """
+    groups: list[tuple[int, np.ndarray]] = []
+    for n in np.unique(size)[::-1]:
+        members = size == n
+        if groups:
+            top, held = groups[-1]
+            if (held.sum() + members.sum()) * top <= MAX_PADDED_TOKENS:
+                groups[-1] = (top, held | members)
+                continue
+        groups.append((int(n), members))
+    return groups
 
 
 def _runs(rows: np.ndarray, lengths: np.ndarray) -> list[tuple[int, int]]:

@@ -171,3 +171,45 @@ def test_a_scorer_of_its_own_runs_per_run_of_equal_lengths():
     got = batch_kept_indices(Reversed(), q, k, lse, bounds, kept, 0.3, 1, 1)
     assert torch.equal(got, want)
     assert got[0, 0, :3].tolist() == [0, 1, 19]  # sink, best score, recent
+
+
+def test_mixed_buckets_merge_into_one_padded_batch_under_the_cap(monkeypatch):
+    """Lengths over five power-of-two buckets cost the launches of one padded batch (was one
+    padded batch per bucket: about 40 launches each, the selection being host-bound)."""
+    from tangram_sglang.backend import compress
+
+    scorer = SnapKVScorer(obs_window=8, kernel_size=5)
+
+    def run(lengths):
+        q, k, lse, bounds = _batch(lengths, 3)
+        kept = [[max(n // 4, 1)] * H_KV for n in lengths]
+        call = lambda: batch_kept_indices(scorer, q, k, lse, bounds, kept, 0.3, 2, 4)  # noqa: E731
+        got = call()  # the plan is built (and cached) on the first layer of a batch
+        want = reference_kept_indices(scorer, q, k, lse, bounds, kept, 0.3, 2, 4)
+        assert torch.equal(got, want)
+        return _top_level_aten_ops(call)
+
+    one_bucket = run([70, 100, 90, 120])  # bucket 128
+    spread = [70, 200, 300, 600, 1000, 90, 510, 130]  # buckets 128, 256, 512, 1024
+    merged = run(spread)
+    assert merged == one_bucket
+    assert compress._merge_buckets(compress._bucket_sizes(np.array(spread)))[0][0] == 1024
+    # under a small cap the buckets stay apart: more launches, the same kept tokens
+    monkeypatch.setattr(compress, "MAX_PADDED_TOKENS", 1024)
+    compress._PLANS.clear()
+    assert run(spread) > merged
+
+
+def test_merge_buckets_keeps_each_padded_batch_under_the_cap(monkeypatch):
+    from tangram_sglang.backend import compress
+
+    monkeypatch.setattr(compress, "MAX_PADDED_TOKENS", 4096)
+    size = np.array([1024, 1024, 512, 256, 256, 128, 2048, 2048, 2048])
+    groups = compress._merge_buckets(size)
+    covered = np.zeros(size.size, int)
+    for n, members in groups:
+        covered += members
+        assert (size[members] <= n).all()
+        assert members.sum() * n <= 4096 or np.unique(size[members]).size == 1
+    assert (covered == 1).all()  # every segment in exactly one padded batch
+    assert [n for n, _ in groups] == [2048, 1024, 256]  # 2048 x3 alone; 1024+512; 256+128
