@@ -2,8 +2,8 @@
 
 Runs per layer inside ``TangramAttnBackend.forward_extend``, after the extend attention (whose
 ``lse`` normalises the observation-window scores over history + segment) and before the kept-KV
-write. Torch ops and, for SnapKV-family buckets on CUDA, one Triton kernel
-(``kernels.window_scores``); no sglang import: the backend hands plain tensors in and writes
+write. Torch ops (and, opt-in, one Triton kernel for SnapKV-family buckets:
+``kernels.window_scores``); no sglang import: the backend hands plain tensors in and writes
 the result with the kv-write kernel. Per request and KV head h of the layer the head keeps
 ``k_g = kept_len(n, group_ratio[g])`` tokens (g = its head group), its OWN top ``k_g`` by score.
 
@@ -59,7 +59,7 @@ MIN_BUCKET = 64  # tokens: the shortest bucket (shorter segments share it)
 # tokens: the most a merged padded batch holds (b * N); its window logits are b * N * Hq * W
 # float32 (256 MiB for Llama-3.1-8B's 32 query heads and a 32-token window)
 MAX_PADDED_TOKENS = 65_536
-_PLAN_CACHE_SIZE = 16  # batch plans kept (one per batch shape and whole/scored split)
+_PLAN_CACHE_SIZE = 16  # batch plans kept (per batch shape and scored rows; whole fills apart)
 
 
 def kept_from_ranks(key: torch.Tensor, kept: torch.Tensor, max_k: int) -> torch.Tensor:
@@ -125,7 +125,7 @@ def batch_kept_indices(
     sink_tokens: int,
     recent_window: int,
     kept_per_head_dev: torch.Tensor | None = None,
-    window_kernel: bool | None = None,
+    window_kernel: bool = False,
 ) -> torch.Tensor:
     """Kept token indices of every request of an extend batch, per KV head (per layer).
 
@@ -143,7 +143,8 @@ def batch_kept_indices(
             once per batch); None = copied here (one host-to-device copy).
         window_kernel: score SnapKV-family buckets with the Triton kernel
             (``kernels.window_scores``: one launch in place of about 20) and put every scored
-            segment in a padded bucket; None = where it runs (CUDA, a power-of-two head dim).
+            segment in a padded bucket. Off by default until an H200 run shows it faster and
+            selecting the reference's tokens at the served shapes (benchmarks/RESULTS.md).
 
     Returns:
         int64 ``[bs, H_kv, max_k]`` (``kept_idx`` of the kv-write kernel): head h of request i
@@ -176,9 +177,7 @@ def batch_kept_indices(
     scored = nonempty & ~whole
     windows = (scorer.obs_window, sink_tokens, recent_window)
     snapkv = isinstance(scorer, SnapKVScorer)
-    if window_kernel is None:
-        window_kernel = snapkv and q.is_cuda and window_scores_supported(q, k_new)
-    window_kernel = window_kernel and snapkv
+    window_kernel = window_kernel and snapkv and window_scores_supported(q, k_new)
     plan = _batch_plan(bounds, whole, scored, snapkv, windows, out.shape[-1], device, window_kernel)
     if plan.whole_rows is not None:
         out[plan.whole_rows] = plan.whole_fill
@@ -250,8 +249,8 @@ def _batch_plan(
     device: torch.device,
     always_buckets: bool = False,
 ) -> _Plan:
-    """The device index tensors of a batch; cached per (bounds, masks, scorer kind, windows,
-    width, device).
+    """The device index tensors of a batch: the scored part cached per (bounds, scored rows,
+    scorer kind, windows, device), the whole rows per (bounds, whole rows, width, device).
 
     ``windows`` = (scorer's observation window, sink tokens, recent window), in tokens. Every
     layer of a batch asks for the same plan (layers differ only when their head groups make a
@@ -265,44 +264,57 @@ def _batch_plan(
     20), and so are many segments of one length. With ``always_buckets`` (the window kernel,
     which reads keys in place, so padding costs no copies) every scored request goes in a bucket.
     """
-    cache_key = (
-        tuple(bounds),
-        whole.tobytes(),
-        scored.tobytes(),
-        snapkv,
-        windows,
-        max_k,
-        str(device),
-        always_buckets,
-    )
-    plan = _PLANS.get(cache_key)
-    if plan is not None:
-        return plan
     starts = np.asarray(bounds[:-1], np.int64)
     lengths = np.diff(np.asarray(bounds, np.int64))
     whole_rows = whole_fill = None
     if whole.any():
+        whole_rows, whole_fill = _whole_fill(bounds, whole, lengths, max_k, device)
+    # The scored part does not depend on the widths (max_k) or on which requests are whole,
+    # which differ from layer to layer with the head groups' ratios: every layer of a batch
+    # shares it, however many distinct widths the batch's layers have.
+    cache_key = (tuple(bounds), scored.tobytes(), snapkv, windows, str(device), always_buckets)
+    part = _PLANS.get(cache_key)
+    if part is None:
+        rows = np.nonzero(scored)[0]
+        size = _bucket_sizes(lengths[rows])
+        groups = _merge_buckets(size)
+        runs = _runs(rows, lengths)
+        buckets = []
+        if snapkv and (len(runs) > len(groups) or (always_buckets and rows.size)):
+            runs = []
+            buckets = [
+                _make_bucket(rows[members], int(n), starts, lengths, windows, device)
+                for n, members in groups
+            ]
+        part = _Plan(None, None, buckets, runs)
+        _remember(_PLANS, cache_key, part)
+    return _Plan(whole_rows, whole_fill, part.buckets, part.runs)
+
+
+_WHOLE: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _whole_fill(
+    bounds: list[int], whole: np.ndarray, lengths: np.ndarray, max_k: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """int64 ``[r]`` rows every head keeps whole and their ``[r, 1, max_k]`` indices
+    ``0 .. n - 1, then 0``; cached per (bounds, whole rows, width, device)."""
+    key = (tuple(bounds), whole.tobytes(), max_k, str(device))
+    hit = _WHOLE.get(key)
+    if hit is None:
         rows = np.nonzero(whole)[0]
         cols = np.arange(max_k)
         fill = np.where(cols[None, :] < lengths[rows, None], cols[None, :], 0)
-        whole_rows = torch.from_numpy(rows).to(device)
-        whole_fill = torch.from_numpy(fill[:, None, :]).to(device)
-    rows = np.nonzero(scored)[0]
-    size = _bucket_sizes(lengths[rows])
-    groups = _merge_buckets(size)
-    runs = _runs(rows, lengths)
-    buckets = []
-    if snapkv and (len(runs) > len(groups) or (always_buckets and rows.size)):
-        runs = []
-        buckets = [
-            _make_bucket(rows[members], int(n), starts, lengths, windows, device)
-            for n, members in groups
-        ]
-    plan = _Plan(whole_rows, whole_fill, buckets, runs)
-    if len(_PLANS) >= _PLAN_CACHE_SIZE:
-        _PLANS.pop(next(iter(_PLANS)))
-    _PLANS[cache_key] = plan
-    return plan
+        hit = (torch.from_numpy(rows).to(device), torch.from_numpy(fill[:, None, :]).to(device))
+        _remember(_WHOLE, key, hit)
+    return hit
+
+
+def _remember(cache: dict, key: tuple, value: object) -> None:
+    """Insert into a bounded FIFO cache (:data:`_PLAN_CACHE_SIZE` entries)."""
+    if len(cache) >= _PLAN_CACHE_SIZE:
+        cache.pop(next(iter(cache)))
+    cache[key] = value
 
 
 def _bucket_sizes(lengths: np.ndarray) -> np.ndarray:

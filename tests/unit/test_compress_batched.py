@@ -213,3 +213,25 @@ def test_merge_buckets_keeps_each_padded_batch_under_the_cap(monkeypatch):
         assert members.sum() * n <= 4096 or np.unique(size[members]).size == 1
     assert (covered == 1).all()  # every segment in exactly one padded batch
     assert [n for n, _ in groups] == [2048, 1024, 256]  # 2048 x3 alone; 1024+512; 256+128
+
+
+def test_layers_with_different_widths_share_one_bucket_plan(monkeypatch):
+    """Each layer's head groups give other kept counts (another ``max_k``, other whole rows):
+    the padded buckets are still built once per batch, not once per layer."""
+    from tangram_sglang.backend import compress
+
+    built = []
+    make = compress._make_bucket
+    monkeypatch.setattr(compress, "_make_bucket", lambda *a: built.append(1) or make(*a))
+    compress._PLANS.clear()
+    scorer = SnapKVScorer(obs_window=8, kernel_size=5)
+    lengths = [70, 200, 90, 130, 300, 64]
+    q, k, lse, bounds = _batch(lengths, 4)
+    for layer in range(40):  # more layers than the plan cache holds entries
+        kept = [[max(1, n // (2 + layer % 20))] * H_KV for n in lengths]
+        if layer % 2:
+            kept[0] = [lengths[0]] * H_KV  # request 0 whole in this layer's groups
+        got = batch_kept_indices(scorer, q, k, lse, bounds, kept, 0.3, 2, 4)
+        want = reference_kept_indices(scorer, q, k, lse, bounds, kept, 0.3, 2, 4)
+        assert torch.equal(got, want)
+    assert len(built) == 2  # one bucket plan with request 0 scored, one without it
