@@ -82,6 +82,9 @@ def test_budgets_keep_exactly_what_select_kept_keeps_row_by_row():
                     share = kept_share_budgets(scores, [pos], one, sink, window)
                     got = share * scores[..., 0].size  # this row's 0/1 "kept"
                     assert round(got) == (pos in want), (row, k, sink, window, pos)
+    # float32, as select_kept compares: 1 + 1e-9 ties with 1, so the lower index wins
+    close = np.array([[[1.0, 1.0 + 1e-9]]])
+    assert kept_share_budgets(close, [0], np.array([[1]]), 0, 0) == 1.0
 
 
 def test_budgets_must_match_the_scores_heads_and_fit_the_segment():
