@@ -2,8 +2,9 @@
 
 Runs per layer inside ``TangramAttnBackend.forward_extend``, after the extend attention (whose
 ``lse`` normalises the observation-window scores over history + segment) and before the kept-KV
-write. Pure torch, no sglang import: the backend hands plain tensors in and writes the result
-with the kv-write kernel. Per request and KV head h of the layer the head keeps
+write. Torch ops and, for SnapKV-family buckets on CUDA, one Triton kernel
+(``kernels.window_scores``); no sglang import: the backend hands plain tensors in and writes
+the result with the kv-write kernel. Per request and KV head h of the layer the head keeps
 ``k_g = kept_len(n, group_ratio[g])`` tokens (g = its head group), its OWN top ``k_g`` by score.
 
 Cost (per layer): segments are scored in length buckets (next power of two of n, at least
@@ -48,6 +49,8 @@ import numpy as np
 import torch
 
 from tangram_sglang.errors import KernelError
+from tangram_sglang.kernels.window_scores import supported as window_scores_supported
+from tangram_sglang.kernels.window_scores import window_scores
 from tangram_sglang.scoring.base import Scorer
 from tangram_sglang.scoring.select import priority_key, select_kept
 from tangram_sglang.scoring.snapkv import SnapKVScorer, reduce_gqa
@@ -122,6 +125,7 @@ def batch_kept_indices(
     sink_tokens: int,
     recent_window: int,
     kept_per_head_dev: torch.Tensor | None = None,
+    window_kernel: bool | None = None,
 ) -> torch.Tensor:
     """Kept token indices of every request of an extend batch, per KV head (per layer).
 
@@ -137,6 +141,9 @@ def batch_kept_indices(
         sink_tokens, recent_window: the profile's always-kept tokens.
         kept_per_head_dev: the same counts as int64 on ``q``'s device (the backend builds it
             once per batch); None = copied here (one host-to-device copy).
+        window_kernel: score SnapKV-family buckets with the Triton kernel
+            (``kernels.window_scores``: one launch in place of about 20) and put every scored
+            segment in a padded bucket; None = where it runs (CUDA, a power-of-two head dim).
 
     Returns:
         int64 ``[bs, H_kv, max_k]`` (``kept_idx`` of the kv-write kernel): head h of request i
@@ -169,7 +176,10 @@ def batch_kept_indices(
     scored = nonempty & ~whole
     windows = (scorer.obs_window, sink_tokens, recent_window)
     snapkv = isinstance(scorer, SnapKVScorer)
-    plan = _batch_plan(bounds, whole, scored, snapkv, windows, out.shape[-1], device)
+    if window_kernel is None:
+        window_kernel = snapkv and q.is_cuda and window_scores_supported(q, k_new)
+    window_kernel = window_kernel and snapkv
+    plan = _batch_plan(bounds, whole, scored, snapkv, windows, out.shape[-1], device, window_kernel)
     if plan.whole_rows is not None:
         out[plan.whole_rows] = plan.whole_fill
     if plan.runs:  # one scorer call per run of equal lengths
@@ -189,7 +199,7 @@ def batch_kept_indices(
         )
     for bucket in plan.buckets:
         kept_dev = kept_per_head_dev.index_select(0, bucket.rows)
-        key = _bucket_key(scorer, q, k_new, lse, bucket, sm_scale)
+        key = _bucket_key(scorer, q, k_new, lse, bucket, sm_scale, window_kernel)
         width = int(kept_host[bucket.rows_host].max())
         idx = kept_from_ranks(key, kept_dev, width) - bucket.offset.view(-1, 1, 1)
         cols = torch.arange(width, device=device)
@@ -238,6 +248,7 @@ def _batch_plan(
     windows: tuple[int, int, int],
     max_k: int,
     device: torch.device,
+    always_buckets: bool = False,
 ) -> _Plan:
     """The device index tensors of a batch; cached per (bounds, masks, scorer kind, windows,
     width, device).
@@ -251,7 +262,8 @@ def _batch_plan(
     bucket it never reads) and only when the batch has more runs of equal lengths than buckets.
     Otherwise the plan lists the runs: one long segment (a prefill chunk) is cheaper as one
     scorer call (H200, 1 x 8,192 tokens, per layer: 1.59 vs 2.06 ms, benchmarks/RESULTS.md issue
-    20), and so are many segments of one length.
+    20), and so are many segments of one length. With ``always_buckets`` (the window kernel,
+    which reads keys in place, so padding costs no copies) every scored request goes in a bucket.
     """
     cache_key = (
         tuple(bounds),
@@ -261,6 +273,7 @@ def _batch_plan(
         windows,
         max_k,
         str(device),
+        always_buckets,
     )
     plan = _PLANS.get(cache_key)
     if plan is not None:
@@ -279,7 +292,7 @@ def _batch_plan(
     groups = _merge_buckets(size)
     runs = _runs(rows, lengths)
     buckets = []
-    if snapkv and len(runs) > len(groups):
+    if snapkv and (len(runs) > len(groups) or (always_buckets and rows.size)):
         runs = []
         buckets = [
             _make_bucket(rows[members], int(n), starts, lengths, windows, device)
@@ -389,8 +402,29 @@ def _bucket_key(
     lse: torch.Tensor,
     b: _Bucket,
     sm_scale: float,
+    window_kernel: bool = False,
 ) -> torch.Tensor:
     """float32 ``[b, H_kv, N]`` priority keys of a bucket (SnapKV scores, padded layout)."""
+    if window_kernel:  # the window attention below, in one launch (kernels.window_scores)
+        attn = window_scores(q, k, lse, b.tokens, b.queries, b.query_scale, b.context, sm_scale)
+    else:
+        attn = _window_attention(q, k, lse, b, sm_scale)
+    scores = reduce_gqa(scorer.pool(attn), k.shape[1], scorer.gqa_reduce)  # [b, H_kv, N]
+    # The window scores above the segment's context (kvpress: max + 1; NaN if any is NaN).
+    ctx = b.context.unsqueeze(1)
+    top = scores.masked_fill(~ctx, float("-inf")).amax(dim=(1, 2)) + 1.0  # [b]
+    top = top.masked_fill(top == float("-inf"), 0.0)  # no context: every token ties at 0
+    key = torch.where(ctx, scores, top.view(-1, 1, 1))
+    # NaN ranks below every score but above pad (-inf), so a pad is never kept instead.
+    key = torch.nan_to_num(key, nan=-torch.finfo(torch.float32).max)
+    key = key.masked_fill(b.protected.unsqueeze(1), float("inf"))
+    return key.masked_fill(~b.key_valid.unsqueeze(1), float("-inf"))
+
+
+def _window_attention(
+    q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, b: _Bucket, sm_scale: float
+) -> torch.Tensor:
+    """float32 ``[b, H_q, N]`` mean window attention per context token (torch ops)."""
     num_kv_heads, dim = k.shape[1], k.shape[2]
     num_qo_heads = q.shape[1]
     bsz, width, length = b.queries.shape[0], b.window, b.length
@@ -409,17 +443,7 @@ def _bucket_key(
     # Mean over each segment's own window queries (weights 1 / w_i), then 0 past its context
     # (the per-segment path pools the context alone, with zero padding).
     attn = torch.matmul(b.query_scale.view(bsz, 1, 1, width), logits).squeeze(2)  # [b, Hq, N]
-    attn = torch.where(b.context.unsqueeze(1), attn, 0.0)
-    scores = reduce_gqa(scorer.pool(attn), k.shape[1], scorer.gqa_reduce)  # [b, H_kv, N]
-    # The window scores above the segment's context (kvpress: max + 1; NaN if any is NaN).
-    ctx = b.context.unsqueeze(1)
-    top = scores.masked_fill(~ctx, float("-inf")).amax(dim=(1, 2)) + 1.0  # [b]
-    top = top.masked_fill(top == float("-inf"), 0.0)  # no context: every token ties at 0
-    key = torch.where(ctx, scores, top.view(-1, 1, 1))
-    # NaN ranks below every score but above pad (-inf), so a pad is never kept instead.
-    key = torch.nan_to_num(key, nan=-torch.finfo(torch.float32).max)
-    key = key.masked_fill(b.protected.unsqueeze(1), float("inf"))
-    return key.masked_fill(~b.key_valid.unsqueeze(1), float("-inf"))
+    return torch.where(b.context.unsqueeze(1), attn, 0.0)
 
 
 def _score_runs(

@@ -1,0 +1,97 @@
+"""Triton observation-window scores (``kernels.window_scores``) against the torch bucket path.
+
+On CPU the kernel runs through ``TRITON_INTERPRET=1`` (tests/kernels/conftest.py); on a GPU the
+same tests run compiled. The oracle is ``backend.compress``'s torch path and
+``reference_kept_indices`` (one scorer call per request).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from tangram_sglang.backend import compress
+from tangram_sglang.backend.compress import batch_kept_indices, reference_kept_indices
+from tangram_sglang.errors import KernelError
+from tangram_sglang.kernels.window_scores import window_scores
+from tangram_sglang.scoring import get_scorer
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+GQA, H_KV, D = 2, 2, 16
+
+
+def _batch(lengths, seed, dtype=torch.float32):
+    gen = torch.Generator().manual_seed(seed)
+    total = sum(lengths)
+    q = torch.randn(total, GQA * H_KV, D, generator=gen).to(DEVICE, dtype)
+    k = torch.randn(total, H_KV, D, generator=gen).to(DEVICE, dtype)
+    lse = (torch.randn(total, GQA * H_KV, generator=gen).abs() + 3.0).to(DEVICE)
+    bounds = np.concatenate([[0], np.cumsum(lengths)]).tolist()
+    return q, k, lse, bounds
+
+
+def _bucket(lengths, window):
+    lengths = np.asarray(lengths, np.int64)
+    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
+    size = int(compress._bucket_sizes(lengths).max())
+    rows = np.arange(lengths.size)
+    return compress._make_bucket(rows, size, starts, lengths, (window, 2, 4), torch.device(DEVICE))
+
+
+@pytest.mark.parametrize("lengths", [[70], [70, 100, 33, 128], [20, 5, 90], [300, 64, 65]])
+@pytest.mark.parametrize("window", [8, 32])
+def test_window_scores_equal_the_torch_bucket_path(lengths, window):
+    q, k, lse, _ = _batch(lengths, window)
+    b = _bucket(lengths, window)
+    got = window_scores(q, k, lse, b.tokens, b.queries, b.query_scale, b.context, 0.3)
+    # the torch path's attention, as compress._bucket_key computes it before pooling
+    bsz, width, length = b.queries.shape[0], b.window, b.length
+    q_obs = q[b.queries].float().permute(0, 2, 1, 3).reshape(bsz, H_KV, -1, D)
+    logits = torch.matmul(q_obs, k[b.tokens].float().permute(0, 2, 3, 1)) * 0.3
+    logits = logits.view(bsz, GQA * H_KV, width, length)
+    lse_obs = torch.where(b.query_valid, lse[b.queries].float().transpose(1, 2), 0.0)
+    probs = (logits - lse_obs.unsqueeze(-1)).masked_fill(b.masked, float("-inf")).exp()
+    want = torch.matmul(b.query_scale.view(bsz, 1, 1, width), probs).squeeze(2)
+    want = torch.where(b.context.unsqueeze(1), want, 0.0)
+    assert got.shape == want.shape == (bsz, GQA * H_KV, length)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
+    assert (got[~b.context.unsqueeze(1).expand_as(got)] == 0).all()
+
+
+@pytest.mark.parametrize("scorer_name", ["snapkv", "ada-snapkv"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_selection_with_the_kernel_equals_the_reference(scorer_name, dtype):
+    """The whole batched selection through the kernel keeps the reference's tokens."""
+    scorer = get_scorer(scorer_name)
+    lengths = [70, 200, 33, 130, 0, 257, 90, 64]
+    q, k, lse, bounds = _batch(lengths, 7, dtype)
+    rng = np.random.default_rng(1)
+    kept = [[int(rng.integers(1, n + 1)) if n else 1 for _ in range(H_KV)] for n in lengths]
+    want = reference_kept_indices(scorer, q, k, lse, bounds, kept, 0.3, 4, 8)
+    compress._PLANS.clear()
+    got = batch_kept_indices(scorer, q, k, lse, bounds, kept, 0.3, 4, 8, window_kernel=True)
+    assert torch.equal(got, want)
+
+
+def test_a_window_slot_with_scale_zero_adds_nothing_even_where_exp_overflows():
+    lengths = [40, 10]
+    q, k, lse, _ = _batch(lengths, 3)
+    b = _bucket(lengths, 32)  # row 1 has 10 tokens: 22 of its 32 slots unused (scale 0)
+    lse_bad = lse.clone()
+    lse_bad[0] = -1e4  # token 0 is the index of row 1's unused slots: exp would overflow
+    got = window_scores(q, k, lse_bad, b.tokens, b.queries, b.query_scale, b.context, 0.3)
+    assert torch.isfinite(got).all()
+
+
+def test_bad_shapes_are_named():
+    q, k, lse, _ = _batch([40], 0)
+    b = _bucket([40], 8)
+    with pytest.raises(KernelError, match="lse"):
+        window_scores(q, k, lse[:, :1], b.tokens, b.queries, b.query_scale, b.context, 0.3)
+    with pytest.raises(KernelError, match="head_dim"):
+        window_scores(
+            q[..., :12], k[..., :12], lse, b.tokens, b.queries, b.query_scale, b.context, 0.3
+        )
+    with pytest.raises(KernelError, match="context"):
+        window_scores(q, k, lse, b.tokens, b.queries, b.query_scale, b.context.int(), 0.3)
