@@ -22,6 +22,22 @@ context after the chat template's head, which KVzip does not score). A random ra
 of questions 2+ (found verbatim in the context), the share of (layer, KV head) whose top-k
 holds them, for each scorer and the oracle (chance: ``keep``).
 
+``later_answer_kept_share_by_allocation``: the same share, ``{keep: {scorer: {key: mean}}}``,
+under several ways to spend the memory (the oracle judged under the shipped ``kvzip-lite``
+profile's budgets):
+
+* ``uniform``: every (layer, KV head) keeps ``keep * m`` tokens, its own top scores;
+* ``global``: the same total, spent on the request's top scores over all heads together;
+* ``profile``: each head keeps the shipped profile's budget for an ``m``-token segment
+  (sinks and the recent window first, as the server selects), at the profile's kept fraction;
+* ``profile_global``: the profile's total spent on the request's top scores over all heads;
+* ``profile_kept_fraction``: that total over ``L * H * m`` (``profile`` and ``profile_global``
+  are measured at this fraction, not exactly at ``keep``).
+
+The ``profile`` keys are present only where a profile for that scorer ships at target ``keep``
+(a line on stderr names each one that does not). Each ``per_sample`` row holds the sample's own
+shares under ``"allocation"`` so their spread can be read.
+
 Recall is a proxy: it weighs every layer and head alike, while Tangram's per-head budgets keep
 different fractions per head. Accuracy is judged by the harness (``python -m tangram_sglang.eval``).
 """
@@ -33,11 +49,14 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from tangram_sglang.errors import ConfigError, TangramError
+
+if TYPE_CHECKING:
+    from tangram_sglang.profile import BudgetProfile
 
 ORACLE = "kvzip (oracle)"  # the oracle's own entry in later_answer_kept_share
 ORACLE_PROFILE = "kvzip-lite"  # whose shipped budgets the oracle's scores are judged under
@@ -98,31 +117,53 @@ def kept_share(scores: np.ndarray, positions: list[int], keep: float) -> float:
 def kept_share_budgets(
     scores: np.ndarray, positions: list[int], budgets: np.ndarray, sink: int, window: int
 ) -> float:
-    """Like :func:`kept_share`, with one kept length per leading index, as a server keeps.
+    """Like :func:`kept_share`, with one kept length per (layer, KV head), as a server keeps.
 
-    Each leading index keeps its first ``sink`` and last ``window`` positions and the top
-    ``budgets - sink - window`` of the rest by ``scores`` (Tangram's segment selection).
+    Each (layer, KV head) keeps the same token set as
+    :func:`tangram_sglang.scoring.select.select_kept` with ``k = budgets[l, h]``: its first
+    ``sink`` and last ``window`` positions, then its top ``budgets - sink - window`` of the rest by
+    ``scores``. Scores are compared in float32, as ``select_kept``'s ``priority_key`` does:
+    ties break towards the lower index (a stable sort); NaN scores rank last (as -inf, below
+    an infinite score, which counts as the largest finite float32 of its sign). When a budget
+    is smaller than the protected set, the sinks are kept first, then the oldest window
+    tokens. A budget of 0 keeps nothing (``select_kept`` itself refuses ``k = 0``).
 
     Args:
-        scores: float ``[L, H, m]``.
+        scores: float ``[L, H, m]`` (layers, KV heads, tokens).
         positions: token indices into the last axis.
         budgets: int ``[L, H]`` kept lengths (tokens, each in ``[0, m]``).
-        sink: always-kept first positions (tokens).
-        window: always-kept last positions (tokens).
+        sink: always-kept first positions (tokens, >= 0).
+        window: always-kept last positions (tokens, >= 0).
 
     Returns:
         Mean over ``(l, h)`` and ``positions`` of "kept", in [0, 1]; NaN without positions.
+
+    Raises:
+        ConfigError: ``budgets``' shape is not ``scores``' leading shape ``[L, H]``, or a
+            budget is outside ``[0, m]``.
     """
+    scores, budgets = np.asarray(scores), np.asarray(budgets)
+    m = scores.shape[-1]
+    if budgets.shape != scores.shape[:-1]:
+        raise ConfigError(
+            f"budgets {budgets.shape} must have scores' leading shape {scores.shape[:-1]} "
+            "(one kept length per layer and KV head)"
+        )
+    if budgets.size and (budgets.min() < 0 or budgets.max() > m):
+        raise ConfigError(
+            f"budgets must be kept lengths in [0, m={m}] tokens; got "
+            f"[{budgets.min()}, {budgets.max()}]"
+        )
     if not positions:
         return float("nan")
-    m = scores.shape[-1]
-    flat = scores.reshape(-1, m).astype(np.float64, copy=True)
+    # as select_kept's priority_key: float32, NaN -> -inf, +-inf -> the largest finite values
+    flat = np.nan_to_num(scores.reshape(-1, m).astype(np.float32), nan=-np.inf)
     flat[:, : min(sink, m)] = np.inf
     flat[:, max(m - window, 0) :] = np.inf
     order = np.argsort(-flat, axis=-1, kind="stable")
     rank = np.empty_like(order)
     np.put_along_axis(rank, order, np.arange(m)[None, :].repeat(len(flat), 0), axis=-1)
-    kept = rank < np.asarray(budgets).reshape(-1, 1)
+    kept = rank < budgets.reshape(-1, 1)
     return float(kept[:, positions].mean())
 
 
@@ -131,7 +172,9 @@ def kept_share_global(scores: np.ndarray, positions: list[int], total: int) -> f
 
     A per-request allocation (KVzip's non-uniform budget): the top ``total`` entries of
     ``scores`` over all leading indices and positions together, so a head whose scores are
-    high keeps more of this context.
+    high keeps more of this context. Ties at the cut break arbitrarily (``np.argpartition``);
+    a head may keep 0 tokens; no sinks or recent window are reserved. It is thus an optimistic
+    upper bound for what a per-request allocation of ``total`` tokens could keep.
 
     Args:
         scores: float ``[..., m]``.
@@ -140,7 +183,15 @@ def kept_share_global(scores: np.ndarray, positions: list[int], total: int) -> f
 
     Returns:
         Mean over leading indices and ``positions`` of "kept"; NaN without positions.
+
+    Raises:
+        ConfigError: ``total`` outside ``[1, scores.size]``.
     """
+    scores = np.asarray(scores)
+    if not 1 <= total <= scores.size:
+        raise ConfigError(
+            f"total={total} must be in [1, scores.size={scores.size}] (kept (head, token) pairs)"
+        )
     if not positions:
         return float("nan")
     m = scores.shape[-1]
@@ -151,13 +202,18 @@ def kept_share_global(scores: np.ndarray, positions: list[int], total: int) -> f
     return float(kept.reshape(-1, m)[:, positions].mean())
 
 
-def shipped_profile(config: Any, scorer: str, keep: float) -> Any:
+def shipped_profile(config: Any, scorer: str, keep: float) -> BudgetProfile | None:
     """The shipped profile calibrated for this model with ``scorer`` at target ``keep``, or None.
 
     Args:
         config: the model's transformers config.
         scorer: a Tangram scorer name.
         keep: the profile's target ratio.
+
+    Returns:
+        The profile (``calibration/*/*.json``, as the server finds it) whose scorer is
+        ``scorer`` and whose target ratio is ``keep``; None when none ships for this model,
+        scorer and target (the nearest other target does not count).
     """
     from tangram_sglang.integration.profile_loader import find_shipped_profile
     from tangram_sglang.profile import BudgetProfile, ModelIdentity
@@ -172,17 +228,27 @@ def shipped_profile(config: Any, scorer: str, keep: float) -> Any:
     return profile if abs(profile.target_ratio - keep) < 1e-9 else None
 
 
-def profile_budgets(profile: Any, m: int) -> np.ndarray:
-    """Kept lengths int64 ``[L, H]`` that ``profile`` gives one ``m``-token segment: each head
-    keeps its group's ratio (:func:`tangram_sglang.profile.kept_len`), as the server does.
-    """
-    from tangram_sglang.profile import kept_len
+def profile_budgets(profile: BudgetProfile, m: int) -> np.ndarray:
+    """Kept lengths per (layer, KV head) that ``profile`` gives one ``m``-token segment.
 
-    per_head = profile.group_ratios[profile.grouping.cluster_of]
-    lengths = [
-        kept_len(m, float(r), profile.sink_tokens, profile.recent_window) for r in per_head.flat
-    ]
-    return np.asarray(lengths, np.int64).reshape(per_head.shape)
+    The server's own formula: each head keeps its head group's
+    :meth:`tangram_sglang.profile.BudgetProfile.group_kept_array` (``kept_len`` with the
+    profile's sinks and recent window).
+
+    Not modelled: ``m`` here excludes the chat template's head (KVzip does not score it), so the
+    sinks land on the first document tokens, where the server's land on the template; the
+    server's ``--tangram-min-compress-tokens`` is not applied (the profile's own value is, 0 as
+    shipped), and the prompt is one segment, not the server's chunked-prefill or grid segments.
+    At 1k-2k tokens these move the budgets by about 1%.
+
+    Args:
+        profile: a loaded budget profile (e.g. :func:`shipped_profile`).
+        m: scored tokens of the segment (tokens, >= 0).
+
+    Returns:
+        int64 ``[num_layers, num_kv_heads]`` kept lengths (tokens, each in ``[min(m, 1), m]``).
+    """
+    return profile.group_kept_array(m)[profile.grouping.cluster_of]
 
 
 def answer_positions(tokenizer: Any, ids: list[int], answers: tuple[str, ...]) -> list[int]:
@@ -252,7 +318,14 @@ def recall_report(
     """Recall of KVzip's top-k per scorer and kept fraction (see the module docstring).
 
     Returns:
-        ``{"settings": ..., "recall": {keep: {scorer: mean}}, "per_sample": [...]}``.
+        ``{"settings": ..., "recall": {keep: {scorer: mean}}, "later_answer_kept_share":
+        {keep: {scorer: mean}}, "later_answer_kept_share_by_allocation": {keep: {scorer:
+        {key: mean}}}, "per_sample": [...]}``. The allocation keys: ``uniform`` and ``global``
+        at ``keep``; ``profile`` (the shipped profile's per-head budgets) and ``profile_global``
+        (its total over all heads) at the profile's kept fraction, reported as
+        ``profile_kept_fraction`` (module docstring). Each ``per_sample`` row: ``sample``,
+        ``tokens``, ``recall`` and ``allocation`` (``{keep: {scorer: {key: share}}}``, this
+        sample's shares; absent for a sample without a later answer found).
 
     Raises:
         ConfigError: an unknown scorer, bad sizes, or the data package is missing.
@@ -290,6 +363,15 @@ def recall_report(
         for name in {*scorers, ORACLE_PROFILE}
         for keep in keeps
     }
+    for (name, keep), profile in sorted(profiles.items()):
+        if profile is None:
+            whose = "its" if name in scorers else "the oracle's"
+            print(
+                f"[scorer_recall] no shipped {name} profile at target {keep}: "
+                f"{whose} profile columns are left out",
+                file=sys.stderr,
+                flush=True,
+            )
     tok = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     model = model.eval()
@@ -320,13 +402,18 @@ def recall_report(
             for name, scores in [*all_scores.items(), (ORACLE, oracle[..., head:])]:
                 if later:
                     shares[keep][name].append(kept_share(scores, later, keep))
-                    _allocation_shares(
-                        allocation[keep].setdefault(name, {}),
+                    one = _allocation_shares(
                         profiles[(ORACLE_PROFILE if name == ORACLE else name, keep)],
                         scores,
                         later,
                         keep,
                     )
+                    into = allocation[keep].setdefault(name, {})
+                    for what, value in one.items():
+                        into.setdefault(what, []).append(value)
+                    row.setdefault("allocation", {}).setdefault(str(keep), {})[name] = {
+                        what: round(value, 4) for what, value in one.items()
+                    }
         per_sample.append(row)
         print(f"[scorer_recall] {row}", file=sys.stderr, flush=True)
     settings = {
@@ -363,34 +450,42 @@ def recall_report(
 
 
 def _allocation_shares(
-    into: dict[str, dict[str, list[float]]],
-    profile: Any,
+    profile: BudgetProfile | None,
     scores: np.ndarray,
     later: list[int],
     keep: float,
-) -> None:
-    """Appends one sample's later-answer shares under several allocations of its memory.
+) -> dict[str, float]:
+    """One sample's later-answer kept shares under several allocations of its memory.
 
-    ``uniform``: every head keeps ``keep * m``; ``global``: the same total, spent on the
-    request's top scores over all heads (:func:`kept_share_global`); and with a shipped
-    ``profile`` at ``keep``: ``profile``, the profile's per-head budgets
-    (:func:`kept_share_budgets`), ``profile_global``, the profile's total spent per request, and
-    ``profile_kept_fraction``, that total over ``L * H * m``.
+    Args:
+        profile: the shipped profile for this scorer at target ``keep``, or None.
+        scores: float ``[L, H, m]`` (layers, KV heads, scored tokens).
+        later: the later answers' token indices into the last axis (non-empty).
+        keep: kept fraction in (0, 1].
+
+    Returns:
+        ``uniform``: every head keeps ``keep * m`` (:func:`kept_share`); ``global``: the same
+        total, spent on the request's top scores over all heads (:func:`kept_share_global`);
+        and with a ``profile``: ``profile``, the profile's per-head budgets
+        (:func:`profile_budgets`, :func:`kept_share_budgets`), ``profile_global``, exactly the
+        profile's total spent per request, and ``profile_kept_fraction``, that total over
+        ``L * H * m`` (the fraction the two profile keys are measured at).
     """
     m = scores.shape[-1]
     total = max(1, round(keep * m)) * (scores.size // m)
-    into.setdefault("uniform", []).append(kept_share(scores, later, keep))
-    into.setdefault("global", []).append(kept_share_global(scores, later, total))
+    out = {
+        "uniform": kept_share(scores, later, keep),
+        "global": kept_share_global(scores, later, total),
+    }
     if profile is None:
-        return
+        return out
     budgets = profile_budgets(profile, m)
-    into.setdefault("profile", []).append(
-        kept_share_budgets(scores, later, budgets, profile.sink_tokens, profile.recent_window)
+    out["profile"] = kept_share_budgets(
+        scores, later, budgets, profile.sink_tokens, profile.recent_window
     )
-    into.setdefault("profile_global", []).append(
-        kept_share_global(scores, later, int(budgets.sum()))
-    )
-    into.setdefault("profile_kept_fraction", []).append(float(budgets.sum()) / scores.size)
+    out["profile_global"] = kept_share_global(scores, later, int(budgets.sum()))
+    out["profile_kept_fraction"] = float(budgets.sum()) / scores.size
+    return out
 
 
 def _check_writable(path: Path) -> None:
