@@ -110,7 +110,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="cut samples here (default: the model's context, at most 8192)",
     )
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    p.add_argument(
+        "--device",
+        default=None,
+        help="cpu, cuda or cuda:N (default: cuda when a CUDA GPU is found, else cpu)",
+    )
     p.add_argument(
         "--cache-dir",
         default=None,
@@ -158,6 +162,7 @@ def calibrate(args: argparse.Namespace, command: str) -> BudgetProfile:
     from tangram_sglang.errors import ConfigError
 
     check_args(args)  # before the model loads: a bad flag must not cost a calibration run
+    device = resolve_device(args.device, torch.cuda.device_count())
     t_start = time.perf_counter()
     path = resolve_model_path(args.model_path)
     config = AutoConfig.from_pretrained(path)
@@ -170,7 +175,6 @@ def calibrate(args: argparse.Namespace, command: str) -> BudgetProfile:
     samples = load_samples(
         args.dataset, tok, args.num_samples, args.min_tokens, max_tokens, args.seed
     )
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device).eval()
     scorer = build_scorer(args)
     observer = ScoreObserver(model, scorer)
@@ -259,6 +263,37 @@ def check_args(args: argparse.Namespace) -> None:
     _check_output(Path(args.output))
 
 
+def resolve_device(device: str | None, cuda_count: int) -> str:
+    """The torch device ``--device`` names, checked against the GPUs found (no model loaded).
+
+    Args:
+        device: ``--device`` as given: ``cpu``, ``cuda``, ``cuda:N``, or None (cuda when a
+            CUDA GPU is found, else cpu).
+        cuda_count: CUDA GPUs visible (``torch.cuda.device_count()``; 0 without a driver).
+
+    Raises:
+        ConfigError: an unknown device name (lists the valid ones), or a CUDA device that this
+            machine does not have (says to use ``--device cpu``, or which indices exist).
+    """
+    from tangram_sglang.errors import ConfigError
+
+    if device is None:
+        return "cuda" if cuda_count > 0 else "cpu"
+    name, _, index = device.partition(":")
+    if device == "cpu":
+        return device
+    if name != "cuda" or (index and not index.isdigit()):
+        raise ConfigError(f"--device {device!r} is not a device; use one of cpu, cuda, cuda:N")
+    if cuda_count == 0:
+        raise ConfigError(f"--device {device}: no CUDA GPU found; use --device cpu")
+    if index and int(index) >= cuda_count:
+        raise ConfigError(
+            f"--device {device}: only {cuda_count} CUDA GPU(s) found (cuda:0 to "
+            f"cuda:{cuda_count - 1}); pick one of those, or --device cpu"
+        )
+    return device
+
+
 WINDOWED_ALLOCATIONS = ("pyramid", "duo")  # allocations that read the scorer's obs_window
 
 
@@ -312,19 +347,47 @@ def check_grouping(args: argparse.Namespace, num_kv_heads: int) -> None:
 
 
 def _check_output(out: Path) -> None:
-    """The profile can be created at ``out`` (its nearest existing folder is writable)."""
+    """The profile can be written at ``out``, tried for real before any work is done.
+
+    Creates the missing parent folders (as ``BudgetProfile.save`` will), writes and removes the
+    temp file that ``save`` writes, then removes the folders it created: a later bad flag leaves
+    nothing behind. ``os.access`` alone is not enough (root passes it for ``/proc``).
+
+    Raises:
+        ConfigError: ``out`` is a folder, a parent is a file, or the folder cannot be created
+            or written; names ``--output`` and the reason.
+    """
     from tangram_sglang.errors import ConfigError
 
     if out.is_dir():
         raise ConfigError(f"--output {out} is a folder; give a .json file path")
     parent = out.parent
-    while not parent.exists():
+    missing = []
+    while not parent.exists() and parent != parent.parent:
+        missing.append(parent)
         parent = parent.parent
-    if not parent.is_dir() or not os.access(parent, os.W_OK):
+    if not parent.is_dir():
         raise ConfigError(
             f"--output {out}: cannot create it ({parent} is not a writable folder); "
             "choose another path"
         )
+    probe = out.with_suffix(out.suffix + ".tmp")  # the temp file BudgetProfile.save writes
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as exc:
+        reason = exc.strerror or str(exc)
+        raise ConfigError(
+            f"--output {out}: cannot write there ({reason}: {exc.filename or out.parent}); "
+            "choose another path"
+        ) from None
+    finally:
+        for folder in missing:  # innermost first
+            try:
+                folder.rmdir()
+            except OSError:
+                break
 
 
 def _observe_all(args, samples, observer, cache: Path, allocation: str):

@@ -10,9 +10,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tangram_sglang.calibrate.cli import _check_output, resolve_device
 from tangram_sglang.calibrate.cli import main as calibrate_main
 from tangram_sglang.calibrate.observe import ScoreObserver
 from tangram_sglang.calibrate.show import main as show_main
+from tangram_sglang.errors import ConfigError
 from tangram_sglang.profile import BudgetProfile, ModelIdentity
 from tangram_sglang.scoring import SnapKVScorer
 
@@ -154,6 +156,8 @@ def test_show_rejects_a_bad_profile(tmp_path, capsys):
         (["--obs-window", "0"], "obs_window=0 must be >= 1"),
         (["--output", "{tmp}/file.txt/p.json"], "is not a writable folder"),
         (["--output", "{tmp}"], "is a folder"),
+        (["--device", "gpu"], "--device 'gpu' is not a device; use one of cpu, cuda, cuda:N"),
+        (["--device", "cuda:x"], "--device 'cuda:x' is not a device"),
     ],
     ids=lambda v: " ".join(v) if isinstance(v, list) else None,
 )
@@ -165,6 +169,54 @@ def test_bad_flags_are_reported_before_the_model_is_looked_up(tmp_path, capsys, 
     assert calibrate_main([*args, *(a.format(tmp=tmp_path) for a in extra)]) == 2
     err = capsys.readouterr().err
     assert message in err and "--model-path" not in err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without a CUDA GPU")
+@pytest.mark.parametrize("device", ["cuda", "cuda:1"])
+def test_cuda_without_a_gpu_is_refused_before_the_model_loads(
+    smollm2_path, tmp_path, capsys, device
+):
+    """Used to load the model, then die in ``.to(device)`` with a 34-line traceback."""
+    out = tmp_path / "p.json"
+    args = ["--model-path", str(smollm2_path), "--scorer", "snapkv", "--target-ratio", "0.25"]
+    assert calibrate_main([*args, "--output", str(out), "--device", device]) == 2
+    err = capsys.readouterr().err
+    assert err == f"error: --device {device}: no CUDA GPU found; use --device cpu\n"
+    assert not out.exists()
+
+
+def test_resolve_device_checks_names_and_gpu_counts():
+    assert resolve_device(None, 0) == "cpu"
+    assert resolve_device(None, 2) == "cuda"
+    assert resolve_device("cpu", 0) == "cpu"
+    assert resolve_device("cuda:1", 2) == "cuda:1"
+    with pytest.raises(ConfigError, match="no CUDA GPU found; use --device cpu"):
+        resolve_device("cuda", 0)
+    with pytest.raises(ConfigError, match=r"only 2 CUDA GPU\(s\) found \(cuda:0 to cuda:1\)"):
+        resolve_device("cuda:2", 2)
+    with pytest.raises(ConfigError, match="use one of cpu, cuda, cuda:N"):
+        resolve_device("GPU", 1)
+
+
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux /proc")
+def test_unwritable_output_is_refused_before_the_model_loads(tmp_path, capsys):
+    """``/proc`` passes ``os.access(W_OK)`` for root; the profile write used to fail only after
+    the whole calibration."""
+    args = ["--model-path", str(tmp_path / "no-model"), "--scorer", "snapkv"]
+    args += ["--target-ratio", "0.25", "--output", "/proc/nu/x.json"]
+    assert calibrate_main(args) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --output /proc/nu/x.json: cannot write there (")
+    assert "--model-path" not in err and len(err.splitlines()) == 1
+
+
+def test_output_check_leaves_no_folder_and_save_creates_it(tmp_path):
+    out = tmp_path / "my-profiles" / "sub" / "p.json"
+    _check_output(out)  # a missing parent is fine: BudgetProfile.save creates it
+    assert not (tmp_path / "my-profiles").exists()
+    (tmp_path / "kept").mkdir()
+    _check_output(tmp_path / "kept" / "p.json")
+    assert list((tmp_path / "kept").iterdir()) == []
 
 
 @pytest.mark.parametrize(
