@@ -50,21 +50,26 @@ _VERSIONED = (
 
 def build_parser() -> argparse.ArgumentParser:
     """The CLI's argument parser (documented flags, defaults in ``--help``)."""
-    from tangram_sglang.calibrate.observe import ALLOCATIONS
+    from tangram_sglang.calibrate.observe import ALLOCATIONS, DEFAULT_ALLOCATION
 
     p = argparse.ArgumentParser(
         prog=PROG,
         description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=_DefaultsOnceFormatter,
     )
     p.add_argument(
         "--model-path",
         required=True,
         help="HF model folder, or an embedded model name (smollm2, qwen2.5-0.5b)",
     )
-    p.add_argument("--scorer", required=True, choices=SCORERS)
+    p.add_argument(
+        "--scorer",
+        required=True,
+        choices=SCORERS,
+        help="KV compression method whose per-head budgets are measured (the profile's scorer)",
+    )
     p.add_argument("--target-ratio", type=float, required=True, help="kept fraction in (0, 1]")
-    p.add_argument("--num-samples", type=int, default=50)
+    p.add_argument("--num-samples", type=int, default=50, help="text samples to observe")
     p.add_argument(
         "--dataset",
         default="sharegpt",
@@ -76,7 +81,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=4,
         help="H_p, KV heads per head group (with --scope per_layer: a divisor of the KV heads)",
     )
-    p.add_argument("--scope", choices=SCOPES, default="global")
+    p.add_argument(
+        "--scope",
+        choices=SCOPES,
+        default="global",
+        help="head groups within one layer (per_layer) or across layers (global)",
+    )
     p.add_argument("--output", required=True, help="profile JSON to write")
     p.add_argument("--alpha", type=float, default=2.0, help="r = mean + alpha * std")
     p.add_argument("--floor", type=float, default=0.01, help="smallest ratio")
@@ -84,11 +94,23 @@ def build_parser() -> argparse.ArgumentParser:
         "--allocation",
         choices=ALLOCATIONS,
         default=None,
-        help="dynamic allocation observed (default: the scorer's own, see observe.py)",
+        help="dynamic allocation observed (default: the scorer's own; "
+        + ", ".join(f"{scorer}: {alloc}" for scorer, alloc in DEFAULT_ALLOCATION.items())
+        + ")",
     )
     p.add_argument("--alpha-safeguard", type=float, default=0.2, help="AdaKV per-head floor")
-    p.add_argument("--sink-tokens", type=int, default=4)
-    p.add_argument("--recent-window", type=int, default=32)
+    p.add_argument(
+        "--sink-tokens",
+        type=int,
+        default=4,
+        help="first tokens of a sample always kept, outside the budget (tokens)",
+    )
+    p.add_argument(
+        "--recent-window",
+        type=int,
+        default=32,
+        help="last tokens of a sample always kept, outside the budget (tokens)",
+    )
     p.add_argument(
         "--obs-window",
         type=int,
@@ -102,14 +124,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="pooling kernel (default: 5 for the SnapKV family, 1 for kvzip-lite)",
     )
-    p.add_argument("--min-tokens", type=int, default=1024)
+    p.add_argument("--min-tokens", type=int, default=1024, help="shortest sample used (tokens)")
     p.add_argument(
         "--max-tokens",
         type=int,
         default=None,
-        help="cut samples here (default: the model's context, at most 8192)",
+        help="longer samples are cut here (tokens; default: the model's context, at most 8192)",
     )
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="sample selection seed")
     p.add_argument(
         "--device",
         default=None,
@@ -122,6 +144,19 @@ def build_parser() -> argparse.ArgumentParser:
         "~/.cache/tangram_sglang/calibrate)",
     )
     return p
+
+
+class _DefaultsOnceFormatter(argparse.HelpFormatter):
+    """Appends ``(default: X)`` to a flag's help once: not on required flags, not on a None
+    default, not where the help already says its default in words."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if action.required or action.default in (None, argparse.SUPPRESS) or "default" in text:
+            return text
+        if not action.option_strings or isinstance(action.default, bool):
+            return text
+        return f"{text} (default: %(default)s)"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tangram_sglang.calibrate.cli import _check_output, resolve_device
+from tangram_sglang.calibrate.cli import _check_output, build_parser, resolve_device
 from tangram_sglang.calibrate.cli import main as calibrate_main
 from tangram_sglang.calibrate.observe import ScoreObserver
 from tangram_sglang.calibrate.show import main as show_main
@@ -169,6 +169,21 @@ def test_bad_flags_are_reported_before_the_model_is_looked_up(tmp_path, capsys, 
     assert calibrate_main([*args, *(a.format(tmp=tmp_path) for a in extra)]) == 2
     err = capsys.readouterr().err
     assert message in err and "--model-path" not in err
+
+
+def test_help_gives_every_flag_a_text_and_its_default_once():
+    """--help used to print "(default: ... see observe.py) (default: None)" and a
+    "(default: None)" on required flags (ArgumentDefaultsHelpFormatter over hand-written text)."""
+    parser = build_parser()
+    text = parser.format_help()
+    assert "(default: None)" not in text and "observe.py" not in text
+    for action in parser._actions:
+        if action.dest == "help":
+            continue
+        assert action.help, f"{action.option_strings} has no help"
+        shown = parser._get_formatter()._expand_help(action)
+        assert shown.count("default") == (0 if action.required else 1), (action.dest, shown)
+    assert "(default: 50)" in text and "(tokens) (default: 4)" in text
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without a CUDA GPU")
