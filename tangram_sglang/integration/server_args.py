@@ -23,7 +23,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Callable
+import os
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -190,6 +191,7 @@ def check_flags(server_args: Any) -> None:
                 f"{rule.flag} {value!r} cannot be combined with --tangram: {rule.reason}. "
                 f"Drop {rule.flag} or drop --tangram."
             )
+    check_cpu_engine(server_args, ENVIRON)
     profile_loader.check_scorer_name(config_from_server_args(server_args).scorer)
     has_attention, has_radix = registered_backends()
     if has_attention:
@@ -200,6 +202,34 @@ def check_flags(server_args: Any) -> None:
         _check_model_kind(ModelConfig.from_server_args(server_args))  # not cached on purpose
         force_milestone_settings(server_args, has_radix)
     select_tangram_backends(server_args)
+
+
+CPU_SERVING_DOC = "docs/reference.md#cpu-serving-development-and-ci"
+ENVIRON: Mapping[str, str] = os.environ  # the environment the server's processes inherit
+
+
+def check_cpu_engine(server_args: Any, environ: Mapping[str, str]) -> None:
+    """Refuse ``--device cpu`` unless SGLang's CPU engine is on (``SGLANG_USE_CPU_ENGINE=1``).
+
+    Without it SGLang 0.5.17 starts, then its scheduler dies in model code (the rotary
+    embedding imports ``vllm``) and the launcher exits 137. SGLang reads the variable as the
+    exact string ``"1"`` (``sglang.srt.utils.common.is_cpu``); the scheduler inherits it.
+
+    Args:
+        server_args: SGLang's ``ServerArgs`` (reads ``device``).
+        environ: the environment the server starts with (:data:`ENVIRON`: ``os.environ``).
+
+    Raises:
+        ConfigError: ``--device cpu`` without ``SGLANG_USE_CPU_ENGINE=1``; names the variable,
+            the ``sgl_kernel`` stand-in and the docs section.
+    """
+    if str(server_args.device) != "cpu" or environ.get("SGLANG_USE_CPU_ENGINE") == "1":
+        return
+    raise ConfigError(
+        "--device cpu needs SGLang's CPU engine: start the server with SGLANG_USE_CPU_ENGINE=1 "
+        "PYTHONPATH=tangram_sglang/cpu_standin (and --dtype float32), see "
+        f"{CPU_SERVING_DOC}; without it the scheduler dies in model code (No module named 'vllm')"
+    )
 
 
 def _refuse_options_without_tangram(server_args: Any) -> None:

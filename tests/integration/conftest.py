@@ -7,6 +7,7 @@ pytest process pays it once.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -19,6 +20,17 @@ from tangram_sglang.profile import ModelIdentity
 
 REPO = Path(__file__).resolve().parents[2]
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+
+
+@pytest.fixture(autouse=True)
+def cpu_engine_environ(monkeypatch):
+    """These tests build a CPU server's ServerArgs in this process, where SGLang's CPU engine
+    is off (turning it on here would need the sgl_kernel stand-in imported into pytest): the
+    check that ``--device cpu`` comes with ``SGLANG_USE_CPU_ENGINE=1`` sees the environment a
+    CPU server is launched with. ``test_server_args`` tests that check on the real one."""
+    from tangram_sglang.integration import server_args
+
+    monkeypatch.setattr(server_args, "ENVIRON", {**os.environ, "SGLANG_USE_CPU_ENGINE": "1"})
 
 
 @pytest.fixture(scope="session")

@@ -20,13 +20,16 @@ from tangram_sglang.errors import ConfigError, ProfileError
 from tangram_sglang.integration import plugin
 from tangram_sglang.integration.hook_targets import HOOKS, REGISTRATIONS
 from tangram_sglang.integration.server_args import (
+    CPU_SERVING_DOC,
     INCOMPATIBLE_FLAGS,
     SUMMARY_STASH,
+    check_cpu_engine,
     profile_from_server_args,
     rank_profile_from_server_args,
     summary_from_server_args,
 )
 from tangram_sglang.profile import BudgetProfile, ModelIdentity
+from tangram_sglang.serving import cpu_env
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -179,6 +182,34 @@ def test_stock_args_unchanged(patched_sglang, smollm2_path):
     assert not hasattr(args, "_tangram_profile_json")
 
 
+@pytest.mark.parametrize(
+    "env", [{}, {"SGLANG_USE_CPU_ENGINE": "0"}, {"SGLANG_USE_CPU_ENGINE": "true"}]
+)
+def test_device_cpu_without_the_cpu_engine_is_refused(env):
+    """It used to start, then the scheduler died in model code (No module named 'vllm')."""
+    with pytest.raises(ConfigError) as info:
+        check_cpu_engine(SimpleNamespace(device="cpu"), env)
+    message = str(info.value)
+    assert message.startswith("--device cpu needs SGLang's CPU engine")
+    assert (
+        "SGLANG_USE_CPU_ENGINE=1" in message and "PYTHONPATH=tangram_sglang/cpu_standin" in message
+    )
+    anchor = CPU_SERVING_DOC.split("#")[1]
+    assert "\n### CPU serving (development and CI)\n" in (REPO / "docs/reference.md").read_text()
+    assert anchor == "cpu-serving-development-and-ci"
+    check_cpu_engine(SimpleNamespace(device="cpu"), {"SGLANG_USE_CPU_ENGINE": "1"})
+    check_cpu_engine(SimpleNamespace(device="cuda"), env)
+
+
+def test_tangram_server_args_check_the_cpu_engine(patched_sglang, smollm2_path, monkeypatch):
+    from tangram_sglang.integration import server_args
+
+    monkeypatch.delenv("SGLANG_USE_CPU_ENGINE", raising=False)
+    monkeypatch.setattr(server_args, "ENVIRON", os.environ)  # the conftest's CPU launch env off
+    with pytest.raises(ConfigError, match="--device cpu needs SGLang's CPU engine"):
+        make_args(patched_sglang, smollm2_path, None)
+
+
 @pytest.mark.parametrize("rule", INCOMPATIBLE_FLAGS, ids=lambda rule: rule.flag)
 def test_incompatible_flag_rejected(patched_sglang, smollm2_path, smollm2_profile, rule):
     value = BAD_VALUES.get(rule.field, True)
@@ -302,7 +333,7 @@ def test_plugin_left_out_by_sglang_plugins_stops_startup(
         f"prepare_server_args(['--model-path', {str(smollm2_path)!r}, '--device', 'cpu', "
         f"'--tangram', '--tangram-profile', {smollm2_profile!r}])\n"
     )
-    env = {**os.environ, "SGLANG_PLUGINS": "smg-zmq"}
+    env = cpu_env({**os.environ, "SGLANG_PLUGINS": "smg-zmq"})  # as a CPU server starts
     result = subprocess.run(
         [sys.executable, "-c", code],
         env=env,
