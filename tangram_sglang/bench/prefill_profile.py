@@ -41,6 +41,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from tangram_sglang.errors import ConfigError, TangramError
@@ -48,20 +49,38 @@ from tangram_sglang.errors import ConfigError, TangramError
 
 @dataclass(frozen=True, slots=True)
 class Case:
-    """B requests of N new tokens, each after H history tokens (0 = a fresh prefill)."""
+    """B requests of N new tokens, each after H history tokens (0 = a fresh prefill).
+
+    With ``min_tokens`` < N the requests have mixed lengths (ShareGPT-like prefill batches):
+    drawn uniformly from ``[min_tokens, N]`` by a generator seeded from the case, so every run
+    and every scorer gets the same lengths.
+    """
 
     batch: int
     new_tokens: int
     history: int = 0
+    min_tokens: int | None = None
 
     @property
     def label(self) -> str:
         tail = f"+{self.history}" if self.history else ""
-        return f"{self.batch}x{self.new_tokens}{tail}"
+        low = self.min_tokens
+        size = f"{low}-{self.new_tokens}" if low is not None else f"{self.new_tokens}"
+        return f"{self.batch}x{size}{tail}"
+
+    @property
+    def lengths(self) -> list[int]:
+        """New tokens of each request (tokens; the largest is ``new_tokens`` when mixed)."""
+        if self.min_tokens is None:
+            return [self.new_tokens] * self.batch
+        rng = np.random.default_rng([self.batch, self.min_tokens, self.new_tokens])
+        drawn = rng.integers(self.min_tokens, self.new_tokens + 1, self.batch)
+        drawn[0] = self.new_tokens  # the widest request is always there
+        return [int(n) for n in drawn]
 
 
 def parse_cases(text: str) -> list[Case]:
-    """``"1x8192,64x384+16384"`` -> cases.
+    """``"1x8192,64x384+16384,16x300-1500"`` -> cases (``BxLO-HI``: mixed lengths).
 
     Raises:
         ConfigError: a malformed or non-positive entry.
@@ -71,11 +90,19 @@ def parse_cases(text: str) -> list[Case]:
         try:
             size, _, hist = part.partition("+")
             b, n = size.split("x")
-            case = Case(int(b), int(n), int(hist or 0))
+            low, dash, high = n.partition("-")
+            case = Case(int(b), int(high if dash else low), int(hist or 0))
+            if dash:
+                case = Case(case.batch, case.new_tokens, case.history, int(low))
         except ValueError:
-            raise ConfigError(f"--cases entry {part!r}: use BxN or BxN+H, e.g. 1x8192") from None
+            raise ConfigError(
+                f"--cases entry {part!r}: use BxN, BxN+H or BxLO-HI (mixed lengths), e.g. "
+                "1x8192 or 16x300-1500"
+            ) from None
         if case.batch < 1 or case.new_tokens < 1 or case.history < 0:
             raise ConfigError(f"--cases entry {part!r}: B, N >= 1 and H >= 0")
+        if case.min_tokens is not None and not 1 <= case.min_tokens <= case.new_tokens:
+            raise ConfigError(f"--cases entry {part!r}: mixed lengths need 1 <= LO <= HI")
         cases.append(case)
     if not cases:
         raise ConfigError("--cases is empty; e.g. 1x8192,64x384+16384")
@@ -156,10 +183,11 @@ def _stock_extend(profile, case: Case, q, k, v, sm_scale: float):
         return None
     m, dev = profile.model, q.device
     hist, n, bs = case.history, case.new_tokens, case.batch
+    lengths = torch.tensor([0, *case.lengths], device=dev, dtype=torch.int32)
     pool_tokens = bs * (hist + n) + 1
     kb = torch.randn(pool_tokens, m.num_kv_heads, m.head_dim, device=dev).bfloat16()
     vb = torch.randn_like(kb)
-    qo = torch.arange(0, bs + 1, device=dev, dtype=torch.int32) * n
+    qo = torch.cumsum(lengths, 0, dtype=torch.int32)
     kv_indptr = torch.arange(0, bs + 1, device=dev, dtype=torch.int32) * hist
     kv_idx = torch.randperm(pool_tokens - 1, device=dev)[: bs * hist].to(torch.int64) + 1
     o = torch.empty_like(q)
@@ -199,7 +227,7 @@ def profile_case(
         for lid in range(layers):
             extend_layer(kernels, state, meta, qh, kh, vh, lid, sm_scale)
         del qh, kh, vh
-    lens, prefix = [case.new_tokens] * case.batch, [case.history] * case.batch
+    lens, prefix = case.lengths, [case.history] * case.batch
     plan = state.allocate_extend(rows, lens, prefix)
     meta = md.extend_metadata(
         rows,
@@ -210,7 +238,7 @@ def profile_case(
         start_lens=plan.start_lens,
         hist_len=torch.zeros_like(state.memory.table.group_len),
     )
-    q, k, v = _qkv(profile, case.batch * case.new_tokens, device, 2)
+    q, k, v = _qkv(profile, sum(lens), device, 2)
     mem, table = state.memory, state.memory.table
     pools = (mem.kv_pool.k_pool, mem.kv_pool.v_pool)
 
@@ -291,7 +319,7 @@ def profile_case(
 
     res: dict[str, Any] = {
         "case": case.label,
-        "tokens": case.batch * case.new_tokens,
+        "tokens": sum(case.lengths),
         "select_equals_reference": res_same,
     }
     stages = (
