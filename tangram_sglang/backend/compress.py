@@ -42,6 +42,7 @@ docs/contracts.md (scorer interface, kept-KV write); SnapKV (arXiv 2404.14469) Â
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -55,6 +56,8 @@ from tangram_sglang.scoring.base import Scorer
 from tangram_sglang.scoring.select import priority_key, select_kept
 from tangram_sglang.scoring.snapkv import SnapKVScorer, reduce_gqa
 
+# experimental: score SnapKV-family buckets with kernels.window_scores (server environment)
+WINDOW_KERNEL = os.environ.get("TANGRAM_WINDOW_KERNEL") == "1"
 MIN_BUCKET = 64  # tokens: the shortest bucket (shorter segments share it)
 # tokens: the most a merged padded batch holds (b * N); its window logits are b * N * Hq * W
 # float32 (256 MiB for Llama-3.1-8B's 32 query heads and a 32-token window)
@@ -125,7 +128,7 @@ def batch_kept_indices(
     sink_tokens: int,
     recent_window: int,
     kept_per_head_dev: torch.Tensor | None = None,
-    window_kernel: bool = False,
+    window_kernel: bool | None = None,
 ) -> torch.Tensor:
     """Kept token indices of every request of an extend batch, per KV head (per layer).
 
@@ -143,8 +146,9 @@ def batch_kept_indices(
             once per batch); None = copied here (one host-to-device copy).
         window_kernel: score SnapKV-family buckets with the Triton kernel
             (``kernels.window_scores``: one launch in place of about 20) and put every scored
-            segment in a padded bucket. Off by default until an H200 run shows it faster and
-            selecting the reference's tokens at the served shapes (benchmarks/RESULTS.md).
+            segment in a padded bucket. None = :data:`WINDOW_KERNEL` (off unless
+            ``TANGRAM_WINDOW_KERNEL=1``, until an H200 run shows it faster and selecting the
+            reference's tokens at the served shapes: benchmarks/RESULTS.md).
 
     Returns:
         int64 ``[bs, H_kv, max_k]`` (``kept_idx`` of the kv-write kernel): head h of request i
@@ -177,6 +181,8 @@ def batch_kept_indices(
     scored = nonempty & ~whole
     windows = (scorer.obs_window, sink_tokens, recent_window)
     snapkv = isinstance(scorer, SnapKVScorer)
+    if window_kernel is None:
+        window_kernel = WINDOW_KERNEL
     window_kernel = window_kernel and snapkv and window_scores_supported(q, k_new)
     plan = _batch_plan(bounds, whole, scored, snapkv, windows, out.shape[-1], device, window_kernel)
     if plan.whole_rows is not None:

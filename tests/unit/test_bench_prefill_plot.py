@@ -18,7 +18,19 @@ def test_parse_cases_with_and_without_history():
     assert Case(64, 384, 16384).label == "64x384+16384" and Case(2, 8).label == "2x8"
 
 
-@pytest.mark.parametrize("bad", ["", "8192", "0x10", "2x10+-1", "ax3"])
+def test_mixed_length_cases_draw_the_same_lengths_every_run():
+    (case,) = parse_cases("16x300-1500+128")
+    assert case == Case(16, 1500, 128, 300) and case.label == "16x300-1500+128"
+    lengths = case.lengths
+    assert lengths == Case(16, 1500, 128, 300).lengths  # seeded from the case
+    assert len(lengths) == 16 and max(lengths) == 1500 and min(lengths) >= 300
+    assert len(set(lengths)) > 8  # mixed, as a ShareGPT prefill batch
+    assert Case(4, 64).lengths == [64] * 4
+
+
+@pytest.mark.parametrize(
+    "bad", ["", "8192", "0x10", "2x10+-1", "ax3", "4x500-300", "4x0-10", "4x-5"]
+)
 def test_parse_cases_rejects_bad_entries(bad):
     with pytest.raises(ConfigError, match="--cases"):
         parse_cases(bad)
