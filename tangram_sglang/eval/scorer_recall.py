@@ -497,14 +497,68 @@ def _check_writable(path: Path) -> None:
         raise ConfigError(f"--output {path}: folder {folder} does not exist or is not writable")
 
 
+def _items(text: str, flag: str, example: str) -> tuple[str, ...]:
+    """The comma-separated items of ``flag``'s value, stripped; an empty item is refused.
+
+    Raises:
+        ConfigError: no item at all, or an empty one (``0.25,,0.5``), naming ``flag``.
+    """
+    items = tuple(x.strip() for x in text.split(","))
+    if not any(items):
+        raise ConfigError(f"{flag} {text!r}: name at least one, e.g. {example}")
+    if not all(items):
+        pos = items.index("") + 1
+        raise ConfigError(f"{flag} {text!r}: item {pos} is empty; e.g. {example}")
+    return items
+
+
 def _floats(text: str, flag: str, example: str) -> tuple[float, ...]:
+    """The comma-separated numbers of ``flag``'s value (every item a number).
+
+    Raises:
+        ConfigError: an empty or non-numeric item, naming ``flag`` and an example.
+    """
+    items = _items(text, flag, example)
     try:
-        values = tuple(float(x) for x in text.split(",") if x.strip())
+        return tuple(float(x) for x in items)
     except ValueError:
-        values = ()
-    if not values:
-        raise ConfigError(f"{flag} {text!r}: give comma-separated numbers, e.g. {example}")
-    return values
+        raise ConfigError(
+            f"{flag} {text!r}: give comma-separated numbers, e.g. {example}"
+        ) from None
+
+
+def _keeps(text: str) -> tuple[float, ...]:
+    """``--keep``: kept fractions, each in (0, 1].
+
+    Raises:
+        ConfigError: a bad list or a fraction outside (0, 1], naming ``--keep``.
+    """
+    keeps = _floats(text, "--keep", "0.25,0.5")
+    for keep in keeps:
+        if not 0.0 < keep <= 1.0:
+            raise ConfigError(
+                f"--keep {text!r}: {keep} must be in (0, 1] (a kept fraction), e.g. 0.25,0.5"
+            )
+    return keeps
+
+
+def _scorers(text: str) -> tuple[str, ...]:
+    """``--scorers``: registered scorer names.
+
+    Raises:
+        ConfigError: an empty item or an unregistered name, naming ``--scorers`` and the
+            registered ones.
+    """
+    from tangram_sglang.scoring import available_scorers
+
+    names = _items(text, "--scorers", "kvzip-lite,snapkv")
+    for name in names:
+        if name not in available_scorers():
+            raise ConfigError(
+                f"--scorers {text!r}: scorer {name!r} is not registered; registered: "
+                f"{', '.join(available_scorers())}"
+            )
+    return names
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -526,14 +580,12 @@ def main(argv: list[str] | None = None) -> int:
         if args.output:
             _check_writable(Path(args.output))
         lengths = tuple(int(x) for x in _floats(args.lengths, "--lengths", "1024,2048"))
-        scorers = tuple(x.strip() for x in args.scorers.split(",") if x.strip())
-        if not scorers:
-            raise ConfigError(f"--scorers {args.scorers!r}: name at least one, e.g. kvzip-lite")
+        keeps, scorers = _keeps(args.keep), _scorers(args.scorers)
         report = recall_report(
             args.model_path,
             args.num_samples,
             lengths,
-            _floats(args.keep, "--keep", "0.25,0.5"),
+            keeps,
             scorers,
             seed=args.seed,
         )

@@ -222,11 +222,16 @@ def test_kvzip_scores_cover_the_context_after_the_template_head(smollm2):
 @pytest.mark.parametrize(
     "argv, message",
     [
-        (["--keep", "0"], "keep=0.0 must be in (0, 1]"),
+        (["--keep", "0"], "--keep '0': 0.0 must be in (0, 1] (a kept fraction)"),
+        (["--keep", "0.25,1.5"], "--keep '0.25,1.5': 1.5 must be in (0, 1]"),
+        (["--keep", "0.25,,0.5"], "--keep '0.25,,0.5': item 2 is empty"),
+        (["--keep", "0.25,"], "--keep '0.25,': item 2 is empty"),
+        (["--scorers", "snapkv,,kvzip-lite"], "--scorers 'snapkv,,kvzip-lite': item 2 is empty"),
+        (["--lengths", "1024,,2048"], "--lengths '1024,,2048': item 2 is empty"),
         (["--keep", "abc"], "--keep 'abc'"),
         (["--num-samples", "0"], "--num-samples must be >= 1"),
         (["--lengths", "10"], "--lengths must be token counts > 64"),
-        (["--scorers", "nope"], "scorer 'nope' is not registered"),
+        (["--scorers", "nope"], "--scorers 'nope': scorer 'nope' is not registered; registered:"),
         (["--output", "/nonexistent/recall.json"], "folder /nonexistent does not exist"),
         (["--model-path", "nosuch"], "unknown embedded model 'nosuch'"),
         (["--output", "/tmp"], "--output /tmp is a folder"),
