@@ -2,9 +2,9 @@
 # device_select.sh -- runs on an H200 machine after `source scripts/device_setup.sh`: what the
 # prefill selection (scorer + per-head top-k) costs on ShareGPT-like mixed-length batches, for
 # both synthetic 8B profiles (ada-snapkv, the benchmarks' default, and kvzip-lite, the shipped
-# default scorer of real models), with the observation-window kernel off and on
-# (TANGRAM_WINDOW_KERNEL), then ShareGPT 64 x 4 with the kvzip-lite profile against stock
-# triton. About 8 minutes. Results in $R (prefill-<scorer>-<kernel>.json/.txt, mt-*.json).
+# default scorer of real models), with the scoring kernels off and on (TANGRAM_SCORE_KERNEL:
+# SnapKV's window mean, kvzip-lite's query max), then ShareGPT 64 x 4 with the kvzip-lite
+# profile against stock triton. About 8 minutes. Results in $R (prefill-<scorer>-<kernel>.json/.txt, mt-*.json).
 #   setsid nohup bash scripts/device_select.sh > /tmp/sel.log 2>&1 &
 set -u
 R=${R:-/tmp/sel}
@@ -13,9 +13,8 @@ CASES=${CASES:-64x1024,8x4096,16x600,16x300-1500,64x100-1500,64x256+1024}
 SYN=$PWD/calibration/synthetic
 for scorer in ada-snapkv kvzip-lite; do
   for kernel in 0 1; do
-    if [ "$scorer" = kvzip-lite ] && [ "$kernel" = 1 ]; then continue; fi  # SnapKV family only
     echo "$(date -u +%T) prefill $scorer kernel=$kernel" >> "$R/progress"
-    TANGRAM_WINDOW_KERNEL=$kernel timeout 300 python3 -m tangram_sglang.bench.prefill_profile \
+    TANGRAM_SCORE_KERNEL=$kernel timeout 300 python3 -m tangram_sglang.bench.prefill_profile \
       --profile "$SYN/llama3.1-8b-$scorer-r0.25.json" --target-ratio 0.25 --cases "$CASES" \
       --json "$R/prefill-$scorer-$kernel.json" > "$R/prefill-$scorer-$kernel.txt" 2>&1
     tail -8 "$R/prefill-$scorer-$kernel.txt" >> "$R/progress"

@@ -216,6 +216,13 @@ def server_banner(info: dict) -> list[str]:
             f"Tangram profile {t.get('profile_path')}: mean kept ratio {ratio:.3f}, "
             f"{groups} head groups"
         )
+        target = t.get("profile_target_ratio")
+        if isinstance(target, (int, float)) and ratio > target:
+            lines.append(
+                f"  (calibrated at {target:g}: each KV head keeps its mean need + 2 std over the "
+                "calibration samples, so no request runs short; each segment's sinks and last "
+                "window tokens, and segments too short to score, are kept on top)"
+            )
     return lines
 
 
@@ -279,7 +286,8 @@ def run_demo(args: argparse.Namespace) -> int:
     folder = model_path(args.model)
     server_args = demo_server_args(args.full_kv, args.device, args.profile)
     print(f"model: {folder}")
-    print(f"starting SGLang {' '.join(server_args)} (about a minute on CPU) ...", flush=True)
+    shown = " ".join(["SGLang", *server_args])
+    print(f"starting {shown} (about a minute on CPU) ...", flush=True)
     with SGLangServer(folder, server_args, device=args.device, log_path=args.log) as server:
         info = server.server_info()
         print("\n".join(server_banner(info)))
@@ -291,6 +299,11 @@ def run_demo(args: argparse.Namespace) -> int:
             on_turn=TurnReporter(server, per_token),
         )
     print("\nserver stopped")
+    if not args.full_kv:
+        print(
+            f"(to tell the model's own mistakes from compression's, run the same chat on stock "
+            f"SGLang: python -m tangram_sglang.demo --model {args.model} --full-kv)"
+        )
     return 0
 
 

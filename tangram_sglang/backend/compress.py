@@ -2,10 +2,11 @@
 
 Runs per layer inside ``TangramAttnBackend.forward_extend``, after the extend attention (whose
 ``lse`` normalises the observation-window scores over history + segment) and before the kept-KV
-write. Torch ops (and, opt-in, one Triton kernel for SnapKV-family buckets:
-``kernels.window_scores``); no sglang import: the backend hands plain tensors in and writes
-the result with the kv-write kernel. Per request and KV head h of the layer the head keeps
-``k_g = kept_len(n, group_ratio[g])`` tokens (g = its head group), its OWN top ``k_g`` by score.
+write. Torch ops (and, opt-in, one Triton kernel per padded bucket for SnapKV-family scorers
+and kvzip-lite: ``kernels.window_scores``); no sglang import: the backend hands plain tensors
+in and writes the result with the kv-write kernel. Per request and KV head h of the layer the
+head keeps ``k_g = kept_len(n, group_ratio[g])`` tokens (g = its head group), its OWN top
+``k_g`` by score.
 
 Cost (per layer): segments are scored in length buckets (next power of two of n, at least
 :data:`MIN_BUCKET` tokens), each bucket as ONE padded batch whatever its segments' lengths, and
@@ -50,14 +51,15 @@ import numpy as np
 import torch
 
 from tangram_sglang.errors import KernelError
+from tangram_sglang.kernels.window_scores import query_max_scores, window_scores
 from tangram_sglang.kernels.window_scores import supported as window_scores_supported
-from tangram_sglang.kernels.window_scores import window_scores
 from tangram_sglang.scoring.base import Scorer
+from tangram_sglang.scoring.kvzip_lite import KVzipLiteScorer
 from tangram_sglang.scoring.select import priority_key, select_kept
 from tangram_sglang.scoring.snapkv import SnapKVScorer, reduce_gqa
 
-# experimental: score SnapKV-family buckets with kernels.window_scores (server environment)
-WINDOW_KERNEL = os.environ.get("TANGRAM_WINDOW_KERNEL") == "1"
+# experimental: score buckets with kernels.window_scores (SnapKV family, kvzip-lite); server env
+SCORE_KERNEL = os.environ.get("TANGRAM_SCORE_KERNEL") == "1"
 MIN_BUCKET = 64  # tokens: the shortest bucket (shorter segments share it)
 # tokens: the most a merged padded batch holds (b * N); its window logits are b * N * Hq * W
 # float32 (256 MiB for Llama-3.1-8B's 32 query heads and a 32-token window)
@@ -144,10 +146,11 @@ def batch_kept_indices(
         sink_tokens, recent_window: the profile's always-kept tokens.
         kept_per_head_dev: the same counts as int64 on ``q``'s device (the backend builds it
             once per batch); None = copied here (one host-to-device copy).
-        window_kernel: score SnapKV-family buckets with the Triton kernel
-            (``kernels.window_scores``: one launch in place of about 20) and put every scored
-            segment in a padded bucket. None = :data:`WINDOW_KERNEL` (off unless
-            ``TANGRAM_WINDOW_KERNEL=1``, until an H200 run shows it faster and selecting the
+        window_kernel: score with the Triton kernels of ``kernels.window_scores`` and put every
+            scored segment in a padded bucket: SnapKV-family scorers' window mean (one launch in
+            place of about 20) and kvzip-lite's query max (one launch per padded batch in place
+            of one scorer call per segment). None = :data:`SCORE_KERNEL` (off unless
+            ``TANGRAM_SCORE_KERNEL=1``, until an H200 run shows it faster and selecting the
             reference's tokens at the served shapes: benchmarks/RESULTS.md).
 
     Returns:
@@ -182,9 +185,21 @@ def batch_kept_indices(
     windows = (scorer.obs_window, sink_tokens, recent_window)
     snapkv = isinstance(scorer, SnapKVScorer)
     if window_kernel is None:
-        window_kernel = WINDOW_KERNEL
-    window_kernel = window_kernel and snapkv and window_scores_supported(q, k_new)
-    plan = _batch_plan(bounds, whole, scored, snapkv, windows, out.shape[-1], device, window_kernel)
+        window_kernel = SCORE_KERNEL
+    window_kernel = window_kernel and window_scores_supported(q, k_new)
+    query_max = window_kernel and type(scorer) is KVzipLiteScorer
+    window_kernel = window_kernel and snapkv
+    plan = _batch_plan(
+        bounds,
+        whole,
+        scored,
+        snapkv,
+        windows,
+        out.shape[-1],
+        device,
+        window_kernel,
+        scorer if query_max else None,
+    )
     if plan.whole_rows is not None:
         out[plan.whole_rows] = plan.whole_fill
     if plan.runs:  # one scorer call per run of equal lengths
@@ -204,7 +219,10 @@ def batch_kept_indices(
         )
     for bucket in plan.buckets:
         kept_dev = kept_per_head_dev.index_select(0, bucket.rows)
-        key = _bucket_key(scorer, q, k_new, lse, bucket, sm_scale, window_kernel)
+        if bucket.query_pos is not None:
+            key = _query_bucket_key(scorer, q, k_new, lse, bucket, sm_scale)
+        else:
+            key = _bucket_key(scorer, q, k_new, lse, bucket, sm_scale, window_kernel)
         width = int(kept_host[bucket.rows_host].max())
         idx = kept_from_ranks(key, kept_dev, width) - bucket.offset.view(-1, 1, 1)
         cols = torch.arange(width, device=device)
@@ -227,9 +245,12 @@ class _Bucket:
     key_valid: torch.Tensor  # bool [b, N]: position holds a token of the segment
     context: torch.Tensor  # bool [b, N]: a token before the segment's window (pooled, ranked)
     query_scale: torch.Tensor  # float32 [b, W]: 1 / w_i on valid query slots, 0 elsewhere
-    query_valid: torch.Tensor  # bool [b, 1, W]: the query slot is one of the segment's window
-    masked: torch.Tensor  # bool [b, 1, W, N]: pairs of an unused query slot or a pad key
+    query_valid: torch.Tensor | None  # bool [b, 1, W]: the slot is one of the segment's window
+    masked: torch.Tensor | None  # bool [b, 1, W, N]: pairs of an unused query slot or a pad key
     protected: torch.Tensor  # bool [b, N]: sinks (at off_i) and the recent window
+    # kvzip-lite buckets (kernels.window_scores.query_max_scores) only: int64 [b, W], the padded
+    # position of each scored query slot, -1 for unused slots; ``queries`` then holds the slots
+    query_pos: torch.Tensor | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -254,6 +275,7 @@ def _batch_plan(
     max_k: int,
     device: torch.device,
     always_buckets: bool = False,
+    query_scorer: KVzipLiteScorer | None = None,
 ) -> _Plan:
     """The device index tensors of a batch: the scored part cached per (bounds, scored rows,
     scorer kind, windows, device), the whole rows per (bounds, whole rows, width, device).
@@ -269,6 +291,8 @@ def _batch_plan(
     scorer call (H200, 1 x 8,192 tokens, per layer: 1.59 vs 2.06 ms, benchmarks/RESULTS.md issue
     20), and so are many segments of one length. With ``always_buckets`` (the window kernel,
     which reads keys in place, so padding costs no copies) every scored request goes in a bucket.
+    With ``query_scorer`` (kvzip-lite, with the query-max kernel) every scored request goes in a
+    bucket of that scorer's query slots (:func:`_make_query_bucket`).
     """
     starts = np.asarray(bounds[:-1], np.int64)
     lengths = np.diff(np.asarray(bounds, np.int64))
@@ -278,7 +302,16 @@ def _batch_plan(
     # The scored part does not depend on the widths (max_k) or on which requests are whole,
     # which differ from layer to layer with the head groups' ratios: every layer of a batch
     # shares it, however many distinct widths the batch's layers have.
-    cache_key = (tuple(bounds), scored.tobytes(), snapkv, windows, str(device), always_buckets)
+    slots = None if query_scorer is None else (query_scorer.obs_window, query_scorer.max_queries)
+    cache_key = (
+        tuple(bounds),
+        scored.tobytes(),
+        snapkv,
+        windows,
+        str(device),
+        always_buckets,
+        slots,
+    )
     part = _PLANS.get(cache_key)
     if part is None:
         rows = np.nonzero(scored)[0]
@@ -286,7 +319,15 @@ def _batch_plan(
         groups = _merge_buckets(size)
         runs = _runs(rows, lengths)
         buckets = []
-        if snapkv and (len(runs) > len(groups) or (always_buckets and rows.size)):
+        if query_scorer is not None and rows.size:
+            runs = []
+            buckets = [
+                _make_query_bucket(
+                    rows[members], int(n), starts, lengths, query_scorer, windows, device
+                )
+                for n, members in groups
+            ]
+        elif snapkv and (len(runs) > len(groups) or (always_buckets and rows.size)):
             runs = []
             buckets = [
                 _make_bucket(rows[members], int(n), starts, lengths, windows, device)
@@ -411,6 +452,76 @@ def _make_bucket(
         query_valid=up(q_valid[:, None, :]),
         masked=up(~(q_valid[:, None, :, None] & key_valid[:, None, None, :])),
     )
+
+
+def _make_query_bucket(
+    rows: np.ndarray,
+    length: int,
+    starts: np.ndarray,
+    lengths: np.ndarray,
+    scorer: KVzipLiteScorer,
+    windows: tuple[int, int, int],
+    device: torch.device,
+) -> _Bucket:
+    """A padded bucket for kvzip-lite: each row's scored query slots (``scorer.query_slots``
+    of its last ``min(obs_window, n)`` queries) and their padded positions, right-aligned as
+    :func:`_make_bucket`; every real token is scored."""
+    _, sink_tokens, recent_window = windows
+    n = lengths[rows]
+    off = length - n
+    pos = np.arange(length)
+    key_valid = pos[None, :] >= off[:, None]
+    tokens = np.where(key_valid, starts[rows, None] + pos[None, :] - off[:, None], 0)
+    per_row = []
+    for n_i in n.tolist():
+        w = min(scorer.obs_window, n_i)
+        per_row.append([n_i - w + i for i in scorer.query_slots(w)])
+    width = max(len(p) for p in per_row)
+    position = np.full((len(rows), width), -1, np.int64)  # within the segment
+    for i, p in enumerate(per_row):
+        position[i, : len(p)] = p
+    used = position >= 0
+    queries = np.where(used, starts[rows, None] + position, 0)
+    query_pos = np.where(used, off[:, None] + position, -1)
+    rel = pos[None, :] - off[:, None]
+    protected = key_valid & ((rel < sink_tokens) | (pos >= length - recent_window)[None, :])
+    up = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(device)  # noqa: E731
+    return _Bucket(
+        rows=up(rows),
+        rows_host=rows,
+        length=length,
+        window=width,
+        tokens=up(tokens),
+        queries=up(queries),
+        offset=up(off),
+        key_valid=up(key_valid),
+        context=up(key_valid),
+        query_scale=up(used.astype(np.float32)),
+        protected=up(protected),
+        query_valid=None,
+        masked=None,
+        query_pos=up(query_pos),
+    )
+
+
+def _query_bucket_key(
+    scorer: KVzipLiteScorer,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    lse: torch.Tensor,
+    b: _Bucket,
+    sm_scale: float,
+) -> torch.Tensor:
+    """float32 ``[b, H_kv, N]`` priority keys of a kvzip-lite bucket (padded layout)."""
+    attn = query_max_scores(
+        q, k, lse, b.tokens, b.queries, b.query_pos, b.key_valid, sm_scale, scorer.local_band
+    )
+    pool = SnapKVScorer(kernel_size=scorer.kernel_size, pooling=scorer.pooling).pool
+    scores = reduce_gqa(pool(attn), k.shape[1], scorer.gqa_reduce)  # [b, H_kv, N]
+    # NaN ranks below every score but above pad (-inf), so a pad is never kept instead.
+    key = torch.nan_to_num(scores, nan=-torch.finfo(torch.float32).max)
+    key = key.masked_fill(b.protected.unsqueeze(1), float("inf"))
+    return key.masked_fill(~b.key_valid.unsqueeze(1), float("-inf"))
 
 
 def _bucket_key(

@@ -189,3 +189,153 @@ def window_scores(
         num_warps=NUM_WARPS,
     )
     return out
+
+
+@triton.jit
+def _query_max_kernel(
+    q_ptr,
+    k_ptr,
+    lse_ptr,
+    tokens_ptr,
+    queries_ptr,
+    query_pos_ptr,
+    key_valid_ptr,
+    out_ptr,
+    stride_q_t,
+    stride_q_h,
+    stride_k_t,
+    stride_k_h,
+    stride_lse_t,
+    sm_scale,
+    N,
+    M,
+    band,
+    NUM_QO_HEADS: tl.constexpr,
+    GQA: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+):
+    """One (bucket row, block of BLOCK_N padded positions, query head): max over queries."""
+    row = tl.program_id(0)
+    block = tl.program_id(1)
+    head = tl.program_id(2)
+    kv_head = head // GQA
+    offs_n = block * BLOCK_N + tl.arange(0, BLOCK_N)
+    in_row = offs_n < N
+    valid = tl.load(key_valid_ptr + row * N + offs_n, mask=in_row, other=0) != 0
+    token = tl.load(tokens_ptr + row * N + offs_n, mask=in_row, other=0)
+    offs_d = tl.arange(0, HEAD_DIM)
+    keys = tl.load(
+        k_ptr + token[:, None] * stride_k_t + kv_head * stride_k_h + offs_d[None, :],
+        mask=valid[:, None],
+        other=0.0,
+    ).to(tl.float32)  # [BLOCK_N, D]
+    best = tl.full([BLOCK_N], float("-inf"), dtype=tl.float32)
+    for first in range(0, M, BLOCK_M):
+        offs_m = first + tl.arange(0, BLOCK_M)
+        position = tl.load(query_pos_ptr + row * M + offs_m, mask=offs_m < M, other=-1)
+        used = position >= 0
+        query = tl.load(queries_ptr + row * M + offs_m, mask=used, other=0)
+        q = tl.load(
+            q_ptr + query[:, None] * stride_q_t + head * stride_q_h + offs_d[None, :],
+            mask=used[:, None],
+            other=0.0,
+        ).to(tl.float32)  # [BLOCK_M, D]
+        lse = tl.load(lse_ptr + query * stride_lse_t + head, mask=used, other=0.0)
+        logits = tl.dot(q * sm_scale, tl.trans(keys), input_precision="ieee") - lse[:, None]
+        counted = used[:, None] & ((position[:, None] - offs_n[None, :]) >= band)
+        logits = tl.where(counted, logits, float("-inf"))
+        best = tl.maximum(best, tl.max(logits, axis=0))
+    out = tl.where(valid, tl.exp(best), 0.0)
+    tl.store(out_ptr + (row * NUM_QO_HEADS + head) * N + offs_n, out, mask=in_row)
+
+
+def query_max_scores(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    lse: torch.Tensor,
+    tokens: torch.Tensor,
+    queries: torch.Tensor,
+    query_pos: torch.Tensor,
+    key_valid: torch.Tensor,
+    sm_scale: float,
+    band: int,
+) -> torch.Tensor:
+    """KVzip-lite's per-token score of a padded bucket: the largest attention any later query pays.
+
+    For bucket row ``r``, query head ``h`` and padded position ``p`` of a real token::
+
+        out[r, h, p] = exp(max_j (sm_scale * q[queries[r, j], h] . k[tokens[r, p], h // gqa]
+                                  - lse[queries[r, j], h]))
+                       over the query slots j with query_pos[r, j] - p >= band
+
+    and 0 where no slot counts or ``p`` is padding. Equals ``scoring.kvzip_lite.KVzipLiteScorer``
+    before its pooling and GQA reduction (source: KVzip, arXiv 2505.23416, §3.2).
+
+    Args:
+        q: ``[num_tokens, H_q, D]`` the batch's new queries (post-RoPE).
+        k: ``[num_tokens, H_kv, D]`` the batch's new keys (post-RoPE), same dtype.
+        lse: float32 ``[num_tokens, H_q]`` extend-attention log-sum-exp.
+        tokens: int64 ``[b, N]`` batch token index of each padded position.
+        queries: int64 ``[b, M]`` batch token index of each scored query slot.
+        query_pos: int64 ``[b, M]`` padded position of each slot's query (-1: unused slot).
+        key_valid: bool ``[b, N]``: the position holds a token of the row's segment.
+        sm_scale: softmax scale of the layer.
+        band: a query counts for a key only ``band`` or more positions later (tokens).
+
+    Returns:
+        float32 ``[b, H_q, N]`` in [0, 1].
+
+    Raises:
+        KernelError: shapes, dtypes or devices that do not fit (host checks, no sync).
+    """
+    device = q.device
+    num_tokens, num_qo_heads, dim = q.shape
+    num_kv_heads = k.shape[1]
+    if not supported(q, k):
+        raise KernelError(
+            f"query_max_scores: head_dim {dim} must be a power of two >= 16, H_q {num_qo_heads} "
+            f"a multiple of H_kv {num_kv_heads}, on CUDA (or TRITON_INTERPRET=1)"
+        )
+    bsz, length = tokens.shape
+    slots = queries.shape[1]
+    _checks.check_tensor("q", q, (None, num_qo_heads, dim), _checks.KV_DTYPES, device)
+    _checks.check_tensor("k", k, (num_tokens, num_kv_heads, dim), (q.dtype,), device)
+    _checks.check_tensor("lse", lse, (num_tokens, num_qo_heads), (torch.float32,), device)
+    _checks.check_tensor("tokens", tokens, (bsz, length), (torch.int64,), device)
+    _checks.check_tensor("queries", queries, (bsz, slots), (torch.int64,), device)
+    _checks.check_tensor("query_pos", query_pos, (bsz, slots), (torch.int64,), device)
+    _checks.check_tensor("key_valid", key_valid, (bsz, length), (torch.bool,), device)
+    out = torch.empty(bsz, num_qo_heads, length, dtype=torch.float32, device=device)
+    if bsz == 0 or length == 0:
+        return out
+    if slots == 0:
+        return out.zero_()
+    grid = (bsz, triton.cdiv(length, BLOCK_N), num_qo_heads)
+    _query_max_kernel[grid](
+        q,
+        k,
+        lse,
+        tokens.contiguous(),
+        queries.contiguous(),
+        query_pos.contiguous(),
+        key_valid.contiguous().view(torch.uint8),
+        out,
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        lse.stride(0),
+        float(sm_scale),
+        length,
+        slots,
+        int(band),
+        NUM_QO_HEADS=num_qo_heads,
+        GQA=num_qo_heads // num_kv_heads,
+        HEAD_DIM=dim,
+        BLOCK_N=BLOCK_N,
+        BLOCK_M=max(16, min(32, triton.next_power_of_2(slots))),
+        num_warps=NUM_WARPS,
+    )
+    return out

@@ -14,8 +14,9 @@ import torch
 from tangram_sglang.backend import compress
 from tangram_sglang.backend.compress import batch_kept_indices, reference_kept_indices
 from tangram_sglang.errors import KernelError
-from tangram_sglang.kernels.window_scores import window_scores
+from tangram_sglang.kernels.window_scores import query_max_scores, window_scores
 from tangram_sglang.scoring import get_scorer
+from tangram_sglang.scoring.kvzip_lite import KVzipLiteScorer
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 GQA, H_KV, D = 2, 2, 16
@@ -95,3 +96,54 @@ def test_bad_shapes_are_named():
         )
     with pytest.raises(KernelError, match="context"):
         window_scores(q, k, lse, b.tokens, b.queries, b.query_scale, b.context.int(), 0.3)
+
+
+@pytest.mark.parametrize(
+    "scorer",
+    [
+        KVzipLiteScorer(max_queries=24, local_band=8),
+        KVzipLiteScorer(max_queries=0, local_band=0, kernel_size=3, pooling="max"),
+        KVzipLiteScorer(
+            max_queries=16, local_band=4, kernel_size=5, pooling="avg", gqa_reduce="mean"
+        ),
+    ],
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kvzip_lite_selection_with_the_kernel_equals_the_reference(scorer, dtype):
+    """Mixed lengths (one under the band, one under the slot bound) in query-max buckets."""
+    lengths = [70, 200, 6, 33, 0, 130, 64]
+    q, k, lse, bounds = _batch(lengths, 11, dtype)
+    rng = np.random.default_rng(2)
+    kept = [[int(rng.integers(1, n + 1)) if n else 1 for _ in range(H_KV)] for n in lengths]
+    want = reference_kept_indices(scorer, q, k, lse, bounds, kept, 0.3, 2, 5)
+    compress._PLANS.clear()
+    got = batch_kept_indices(scorer, q, k, lse, bounds, kept, 0.3, 2, 5, window_kernel=True)
+    assert torch.equal(got, want)
+    plans = list(compress._PLANS.values())
+    assert plans and all(b.query_pos is not None for p in plans for b in p.buckets)
+
+
+def test_query_max_scores_equal_the_scorer_on_one_segment():
+    n = 90
+    q, k, lse, _ = _batch([n], 5)
+    scorer = KVzipLiteScorer(max_queries=20, local_band=6)
+    lengths = np.array([n])
+    bucket = compress._make_query_bucket(
+        np.array([0]), 128, np.array([0]), lengths, scorer, (1 << 30, 2, 4), torch.device(DEVICE)
+    )
+    got = query_max_scores(
+        q, k, lse, bucket.tokens, bucket.queries, bucket.query_pos, bucket.key_valid, 0.3, 6
+    )
+    assert got.shape == (1, GQA * H_KV, 128)
+    assert (got[..., : 128 - n] == 0).all()  # padding
+    # the scorer without its GQA reduction: one query head per KV head (gqa 1)
+    one = KVzipLiteScorer(max_queries=20, local_band=6, gqa_reduce="max")
+    for head in range(GQA * H_KV):
+        kv = head // GQA
+        want = one.score(
+            q[:, head : head + 1].transpose(0, 1)[None],
+            k[:, kv : kv + 1].transpose(0, 1)[None],
+            0.3,
+            lse_obs=lse[:, head : head + 1].transpose(0, 1)[None],
+        )[0, 0]
+        torch.testing.assert_close(got[0, head, 128 - n :], want, rtol=1e-5, atol=1e-7)

@@ -33,6 +33,9 @@ def test_banner_names_the_profile_only_for_a_tangram_server():
         "tangram": {"profile_path": "p.json", "mean_kept_ratio": 0.31, "num_head_groups": 14},
     }
     assert server_banner(info)[1] == "Tangram profile p.json: mean kept ratio 0.310, 14 head groups"
+    assert len(server_banner(info)) == 2  # no calibration target reported: no note
+    info["tangram"]["profile_target_ratio"] = 0.25  # the kept mean above the target: explained
+    assert server_banner(info)[2].startswith("  (calibrated at 0.25: each KV head keeps its mean")
 
 
 def test_a_profile_with_full_kv_is_refused_before_any_server(capsys):
