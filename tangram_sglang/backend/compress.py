@@ -61,9 +61,12 @@ from tangram_sglang.scoring.snapkv import SnapKVScorer, reduce_gqa
 # experimental: score buckets with kernels.window_scores (SnapKV family, kvzip-lite); server env
 SCORE_KERNEL = os.environ.get("TANGRAM_SCORE_KERNEL") == "1"
 MIN_BUCKET = 64  # tokens: the shortest bucket (shorter segments share it)
-# tokens: the most a merged padded batch holds (b * N); its window logits are b * N * Hq * W
-# float32 (256 MiB for Llama-3.1-8B's 32 query heads and a 32-token window)
+# tokens: the most a merged padded batch holds (b * N). The torch path's peak for it is about
+# three times its window logits (b * N * Hq * W float32: 256 MiB for Llama-3.1-8B's 32 query
+# heads and a 32-token window), i.e. ~768 MiB with the float32 copy of the keys and the
+# product's contiguous copy: what a single 64 x 1,024 bucket of equal lengths already took.
 MAX_PADDED_TOKENS = 65_536
+MAX_MERGE_SPREAD = 8  # a bucket merges into one at most this many times longer
 _PLAN_CACHE_SIZE = 16  # batch plans kept (per batch shape and scored rows; whole fills apart)
 
 
@@ -376,7 +379,8 @@ def _merge_buckets(size: np.ndarray) -> list[tuple[int, np.ndarray]]:
     on an H200 host, some 40 launches per padded batch), while the padded window attention is
     small (``W`` queries per segment). So smaller power-of-two buckets are merged into the
     longest one as long as the padded batch holds at most :data:`MAX_PADDED_TOKENS` tokens
-    (``b * N``); a bucket alone may exceed it.
+    (``b * N``) and the smaller bucket is at least ``N / MAX_MERGE_SPREAD`` long (so a long
+    prefill chunk does not pad many short turns to its length); a bucket alone may exceed it.
 
     Args:
         size: int64 ``[r]`` bucket length of each scored segment (:func:`_bucket_sizes`).
@@ -389,7 +393,8 @@ def _merge_buckets(size: np.ndarray) -> list[tuple[int, np.ndarray]]:
         members = size == n
         if groups:
             top, held = groups[-1]
-            if (held.sum() + members.sum()) * top <= MAX_PADDED_TOKENS:
+            fits = (held.sum() + members.sum()) * top <= MAX_PADDED_TOKENS
+            if fits and n * MAX_MERGE_SPREAD >= top:
                 groups[-1] = (top, held | members)
                 continue
         groups.append((int(n), members))

@@ -246,7 +246,7 @@ def _query_max_kernel(
         logits = tl.dot(q * sm_scale, tl.trans(keys), input_precision="ieee") - lse[:, None]
         counted = used[:, None] & ((position[:, None] - offs_n[None, :]) >= band)
         logits = tl.where(counted, logits, float("-inf"))
-        best = tl.maximum(best, tl.max(logits, axis=0))
+        best = tl.maximum(best, tl.max(logits, axis=0), propagate_nan=tl.PropagateNan.ALL)
     out = tl.where(valid, tl.exp(best), 0.0)
     tl.store(out_ptr + (row * NUM_QO_HEADS + head) * N + offs_n, out, mask=in_row)
 

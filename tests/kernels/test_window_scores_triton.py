@@ -41,7 +41,7 @@ def _bucket(lengths, window):
 
 
 @pytest.mark.parametrize("lengths", [[70], [70, 100, 33, 128], [20, 5, 90], [300, 64, 65]])
-@pytest.mark.parametrize("window", [8, 32])
+@pytest.mark.parametrize("window", [8, 32, 100])  # 100: several blocks of window queries
 def test_window_scores_equal_the_torch_bucket_path(lengths, window):
     q, k, lse, _ = _batch(lengths, window)
     b = _bucket(lengths, window)
@@ -147,3 +147,17 @@ def test_query_max_scores_equal_the_scorer_on_one_segment():
             lse_obs=lse[:, head : head + 1].transpose(0, 1)[None],
         )[0, 0]
         torch.testing.assert_close(got[0, head, 128 - n :], want, rtol=1e-5, atol=1e-7)
+
+
+def test_window_scores_at_llama_head_shapes():
+    """head_dim 128 and GQA 4 (the served 8B shapes), bfloat16, against the torch path."""
+    gen = torch.Generator().manual_seed(9)
+    lengths, hq, hkv, dim = [150, 90, 200], 8, 2, 128
+    total = sum(lengths)
+    q = torch.randn(total, hq, dim, generator=gen).to(DEVICE, torch.bfloat16)
+    k = torch.randn(total, hkv, dim, generator=gen).to(DEVICE, torch.bfloat16)
+    lse = (torch.randn(total, hq, generator=gen).abs() + 6.0).to(DEVICE)
+    b = _bucket(lengths, 32)
+    got = window_scores(q, k, lse, b.tokens, b.queries, b.query_scale, b.context, 0.088)
+    want = compress._window_attention(q, k, lse, b, 0.088)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)

@@ -213,6 +213,10 @@ def test_merge_buckets_keeps_each_padded_batch_under_the_cap(monkeypatch):
         assert members.sum() * n <= 4096 or np.unique(size[members]).size == 1
     assert (covered == 1).all()  # every segment in exactly one padded batch
     assert [n for n, _ in groups] == [2048, 1024, 256]  # 2048 x3 alone; 1024+512; 256+128
+    # a long chunk does not pad short turns to its length (at most MAX_MERGE_SPREAD x)
+    monkeypatch.setattr(compress, "MAX_PADDED_TOKENS", 1 << 20)
+    spread = compress._merge_buckets(np.array([8192, 1024, 512, 128, 64]))
+    assert [n for n, _ in spread] == [8192, 512]  # 8192+1024; 512+128+64
 
 
 def test_layers_with_different_widths_share_one_bucket_plan(monkeypatch):
@@ -235,3 +239,35 @@ def test_layers_with_different_widths_share_one_bucket_plan(monkeypatch):
         want = reference_kept_indices(scorer, q, k, lse, bounds, kept, 0.3, 2, 4)
         assert torch.equal(got, want)
     assert len(built) == 2  # one bucket plan with request 0 scored, one without it
+
+
+def test_the_plan_cache_tells_scorers_and_their_query_slots_apart():
+    """Several scorers over the same batch, cache kept between them: each keeps its own tokens
+    (a plan built for one scorer's kind or query slots must not serve another)."""
+    from tangram_sglang.backend import compress
+    from tangram_sglang.scoring.kvzip_lite import KVzipLiteScorer
+
+    lengths = [70, 200, 90, 130, 300, 64]
+    gen = torch.Generator().manual_seed(6)
+    q = torch.randn(sum(lengths), GQA * H_KV, 16, generator=gen)  # head_dim 16: the kernels run
+    k = torch.randn(sum(lengths), H_KV, 16, generator=gen)
+    lse = torch.randn(sum(lengths), GQA * H_KV, generator=gen).abs() + 3.0
+    bounds = np.concatenate([[0], np.cumsum(lengths)]).tolist()
+    kept = [[max(1, n // 3)] * H_KV for n in lengths]
+    compress._PLANS.clear()
+    scorers = [
+        SnapKVScorer(obs_window=8, kernel_size=5),
+        KVzipLiteScorer(max_queries=16, local_band=4),
+        KVzipLiteScorer(max_queries=40, local_band=4),
+        SnapKVScorer(obs_window=16, kernel_size=1),
+    ]
+    for _ in range(2):
+        for scorer in scorers:
+            for kernel in (False, True):
+                got = batch_kept_indices(
+                    scorer, q, k, lse, bounds, kept, 0.3, 2, 4, window_kernel=kernel
+                )
+                want = reference_kept_indices(scorer, q, k, lse, bounds, kept, 0.3, 2, 4)
+                assert torch.equal(got, want), (scorer, kernel)
+    if compress.window_scores_supported(q, k):  # CPU: TRITON_INTERPRET=1 (tests/conftest.py)
+        assert any(b.query_pos is not None for p in compress._PLANS.values() for b in p.buckets)
