@@ -43,6 +43,7 @@ docs/contracts.md (scorer interface, kept-KV write); SnapKV (arXiv 2404.14469) Â
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -58,6 +59,7 @@ from tangram_sglang.scoring.kvzip_lite import KVzipLiteScorer
 from tangram_sglang.scoring.select import priority_key, select_kept
 from tangram_sglang.scoring.snapkv import SnapKVScorer, reduce_gqa
 
+logger = logging.getLogger(__name__)
 # experimental: score buckets with kernels.window_scores (SnapKV family, kvzip-lite); server env
 SCORE_KERNEL = os.environ.get("TANGRAM_SCORE_KERNEL") == "1"
 MIN_BUCKET = 64  # tokens: the shortest bucket (shorter segments share it)
@@ -189,7 +191,9 @@ def batch_kept_indices(
     snapkv = isinstance(scorer, SnapKVScorer)
     if window_kernel is None:
         window_kernel = SCORE_KERNEL
-    window_kernel = window_kernel and window_scores_supported(q, k_new)
+    if window_kernel and not window_scores_supported(q, k_new):
+        _warn_unsupported(q, k_new)
+        window_kernel = False
     query_max = window_kernel and type(scorer) is KVzipLiteScorer
     window_kernel = window_kernel and snapkv
     plan = _batch_plan(
@@ -232,6 +236,22 @@ def batch_kept_indices(
         idx = torch.where(cols < kept_dev.unsqueeze(-1), idx, 0)
         out[bucket.rows, :, :width] = idx
     return out
+
+
+_warned: set[tuple] = set()
+
+
+def _warn_unsupported(q: torch.Tensor, k: torch.Tensor) -> None:
+    """Log once per shape that the scoring kernels were asked for but cannot run here."""
+    key = (q.device.type, q.shape[-1], q.shape[1], k.shape[1])
+    if key not in _warned:
+        _warned.add(key)
+        logger.warning(
+            "Tangram: TANGRAM_SCORE_KERNEL asks for the scoring kernels, but they need CUDA (or "
+            "TRITON_INTERPRET=1), a power-of-two head_dim >= 16 and H_q a multiple of H_kv "
+            "(device %s, head_dim %d, H_q %d, H_kv %d): scoring with torch ops",
+            *key,
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -333,7 +353,9 @@ def _batch_plan(
         elif snapkv and (len(runs) > len(groups) or (always_buckets and rows.size)):
             runs = []
             buckets = [
-                _make_bucket(rows[members], int(n), starts, lengths, windows, device)
+                _make_bucket(
+                    rows[members], int(n), starts, lengths, windows, device, not always_buckets
+                )
                 for n, members in groups
             ]
         part = _Plan(None, None, buckets, runs)
@@ -425,7 +447,10 @@ def _make_bucket(
     lengths: np.ndarray,
     windows: tuple[int, int, int],
     device: torch.device,
+    torch_masks: bool = True,
 ) -> _Bucket:
+    """A padded SnapKV bucket (layout: the module docstring); ``torch_masks=False`` leaves out
+    the ``[b, 1, W, N]`` mask and the query-slot mask that only the torch path reads."""
     obs_window, sink_tokens, recent_window = windows
     n = lengths[rows]
     w = np.minimum(obs_window, n)
@@ -454,8 +479,10 @@ def _make_bucket(
         context=up(context),
         query_scale=up(scale),
         protected=up(protected),
-        query_valid=up(q_valid[:, None, :]),
-        masked=up(~(q_valid[:, None, :, None] & key_valid[:, None, None, :])),
+        query_valid=up(q_valid[:, None, :]) if torch_masks else None,
+        masked=up(~(q_valid[:, None, :, None] & key_valid[:, None, None, :]))
+        if torch_masks
+        else None,
     )
 
 

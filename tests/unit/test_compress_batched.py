@@ -271,3 +271,20 @@ def test_the_plan_cache_tells_scorers_and_their_query_slots_apart():
                 assert torch.equal(got, want), (scorer, kernel)
     if compress.window_scores_supported(q, k):  # CPU: TRITON_INTERPRET=1 (tests/conftest.py)
         assert any(b.query_pos is not None for p in compress._PLANS.values() for b in p.buckets)
+
+
+def test_scoring_kernels_asked_for_where_they_cannot_run_say_so_once(caplog):
+    """head_dim 8 (no tl.dot): the torch path runs, and one warning says why."""
+    from tangram_sglang.backend import compress
+
+    compress._warned.clear()
+    scorer = SnapKVScorer(obs_window=4, kernel_size=1)
+    q, k, lse, bounds = _batch([40, 50, 70], 0)
+    kept = [[10, 12, 9], [5, 50, 20], [30, 30, 30]]
+    want = reference_kept_indices(scorer, q, k, lse, bounds, kept, 0.3, 1, 1)
+    with caplog.at_level("WARNING", logger="tangram_sglang.backend.compress"):
+        for _ in range(3):
+            got = batch_kept_indices(scorer, q, k, lse, bounds, kept, 0.3, 1, 1, window_kernel=True)
+            assert torch.equal(got, want)
+    warned = [r for r in caplog.records if "TANGRAM_SCORE_KERNEL" in r.getMessage()]
+    assert len(warned) == 1 and "head_dim 8" in warned[0].getMessage()
