@@ -440,6 +440,27 @@ def _runs(rows: np.ndarray, lengths: np.ndarray) -> list[tuple[int, int]]:
     return runs
 
 
+def _padded_rows(
+    rows: np.ndarray,
+    length: int,
+    starts: np.ndarray,
+    lengths: np.ndarray,
+    sink_tokens: int,
+    recent_window: int,
+) -> tuple[np.ndarray, ...]:
+    """The right-aligned layout of a bucket's rows (module docstring), host arrays:
+    ``n`` [b] lengths, ``off`` [b] first real position, ``pos`` [N], ``key_valid`` [b, N],
+    ``tokens`` [b, N] batch token index (0 on pad), ``protected`` [b, N] sinks and window."""
+    n = lengths[rows]
+    off = length - n
+    pos = np.arange(length)
+    key_valid = pos[None, :] >= off[:, None]
+    tokens = np.where(key_valid, starts[rows, None] + pos[None, :] - off[:, None], 0)
+    rel = pos[None, :] - off[:, None]  # token index within the segment
+    protected = key_valid & ((rel < sink_tokens) | (pos >= length - recent_window)[None, :])
+    return n, off, pos, key_valid, tokens, protected
+
+
 def _make_bucket(
     rows: np.ndarray,
     length: int,
@@ -452,20 +473,16 @@ def _make_bucket(
     """A padded SnapKV bucket (layout: the module docstring); ``torch_masks=False`` leaves out
     the ``[b, 1, W, N]`` mask and the query-slot mask that only the torch path reads."""
     obs_window, sink_tokens, recent_window = windows
-    n = lengths[rows]
+    n, off, pos, key_valid, tokens, protected = _padded_rows(
+        rows, length, starts, lengths, sink_tokens, recent_window
+    )
     w = np.minimum(obs_window, n)
     width = int(w.max())
-    off = length - n
-    pos = np.arange(length)
-    key_valid = pos[None, :] >= off[:, None]
-    tokens = np.where(key_valid, starts[rows, None] + pos[None, :] - off[:, None], 0)
     slot = np.arange(width)
     q_valid = slot[None, :] >= (width - w)[:, None]
     queries = np.where(q_valid, starts[rows, None] + n[:, None] - width + slot[None, :], 0)
     context = key_valid & (pos[None, :] < (length - w)[:, None])
     scale = np.where(q_valid, 1.0 / w[:, None], 0.0).astype(np.float32)
-    rel = pos[None, :] - off[:, None]  # token index within the segment
-    protected = key_valid & ((rel < sink_tokens) | (pos >= length - recent_window)[None, :])
     up = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(device)  # noqa: E731
     return _Bucket(
         rows=up(rows),
@@ -499,11 +516,9 @@ def _make_query_bucket(
     of its last ``min(obs_window, n)`` queries) and their padded positions, right-aligned as
     :func:`_make_bucket`; every real token is scored."""
     _, sink_tokens, recent_window = windows
-    n = lengths[rows]
-    off = length - n
-    pos = np.arange(length)
-    key_valid = pos[None, :] >= off[:, None]
-    tokens = np.where(key_valid, starts[rows, None] + pos[None, :] - off[:, None], 0)
+    n, off, _, key_valid, tokens, protected = _padded_rows(
+        rows, length, starts, lengths, sink_tokens, recent_window
+    )
     per_row = []
     for n_i in n.tolist():
         w = min(scorer.obs_window, n_i)
@@ -515,8 +530,6 @@ def _make_query_bucket(
     used = position >= 0
     queries = np.where(used, starts[rows, None] + position, 0)
     query_pos = np.where(used, off[:, None] + position, -1)
-    rel = pos[None, :] - off[:, None]
-    protected = key_valid & ((rel < sink_tokens) | (pos >= length - recent_window)[None, :])
     up = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(device)  # noqa: E731
     return _Bucket(
         rows=up(rows),

@@ -26,6 +26,8 @@ window in blocks of ``BLOCK_W`` queries; logits are never written to memory.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -35,6 +37,35 @@ from tangram_sglang.kernels import _checks
 
 BLOCK_N = 64  # keys per program
 NUM_WARPS = 4
+
+
+@triton.jit
+def _key_block(
+    k_ptr,
+    tokens_ptr,
+    scored_ptr,
+    stride_k_t,
+    stride_k_h,
+    row,
+    block,
+    kv_head,
+    N,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """A row's BLOCK_N padded positions: (offsets, in the row, scored, float32 keys [BLOCK_N, D]
+    gathered through ``tokens``, 0 where not scored)."""
+    offs_n = block * BLOCK_N + tl.arange(0, BLOCK_N)
+    in_row = offs_n < N
+    scored = tl.load(scored_ptr + row * N + offs_n, mask=in_row, other=0) != 0
+    token = tl.load(tokens_ptr + row * N + offs_n, mask=in_row, other=0)
+    offs_d = tl.arange(0, HEAD_DIM)
+    keys = tl.load(
+        k_ptr + token[:, None] * stride_k_t + kv_head * stride_k_h + offs_d[None, :],
+        mask=scored[:, None],
+        other=0.0,
+    ).to(tl.float32)
+    return offs_n, in_row, scored, keys
 
 
 @triton.jit
@@ -65,17 +96,20 @@ def _window_scores_kernel(
     row = tl.program_id(0)
     block = tl.program_id(1)
     head = tl.program_id(2)
-    kv_head = head // GQA
-    offs_n = block * BLOCK_N + tl.arange(0, BLOCK_N)
-    in_row = offs_n < N
-    context = tl.load(context_ptr + row * N + offs_n, mask=in_row, other=0) != 0
-    token = tl.load(tokens_ptr + row * N + offs_n, mask=in_row, other=0)
+    offs_n, in_row, context, keys = _key_block(
+        k_ptr,
+        tokens_ptr,
+        context_ptr,
+        stride_k_t,
+        stride_k_h,
+        row,
+        block,
+        head // GQA,
+        N,
+        HEAD_DIM,
+        BLOCK_N,
+    )
     offs_d = tl.arange(0, HEAD_DIM)
-    keys = tl.load(
-        k_ptr + token[:, None] * stride_k_t + kv_head * stride_k_h + offs_d[None, :],
-        mask=context[:, None],
-        other=0.0,
-    ).to(tl.float32)  # [BLOCK_N, D]
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
     for first in range(0, W, BLOCK_W):
         offs_w = first + tl.arange(0, BLOCK_W)
@@ -99,8 +133,6 @@ def _window_scores_kernel(
 def supported(q: torch.Tensor, k: torch.Tensor) -> bool:
     """Whether :func:`window_scores` takes these shapes: a head dim that is a power of two
     >= 16 (``tl.dot``), query heads a multiple of KV heads, a CUDA device or the interpreter."""
-    import os
-
     dim = q.shape[-1]
     return (
         (q.is_cuda or os.environ.get("TRITON_INTERPRET") == "1")
@@ -109,6 +141,38 @@ def supported(q: torch.Tensor, k: torch.Tensor) -> bool:
         and k.shape[-1] == dim
         and q.shape[1] % k.shape[1] == 0
     )
+
+
+def _check_bucket(
+    caller: str,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    lse: torch.Tensor,
+    tokens: torch.Tensor,
+    queries: torch.Tensor,
+    scored: tuple[str, torch.Tensor],
+) -> None:
+    """Host checks shared by the launchers: q/k/lse of the batch, the bucket's int64 ``tokens``
+    ``[b, N]`` and ``queries`` ``[b, W]``, and its bool ``[b, N]`` mask of scored positions.
+
+    Raises:
+        KernelError: naming the argument (and ``caller``) that does not fit.
+    """
+    device = q.device
+    num_tokens, num_qo_heads, dim = q.shape
+    num_kv_heads = k.shape[1]
+    if not supported(q, k):
+        raise KernelError(
+            f"{caller}: head_dim {dim} must be a power of two >= 16, H_q {num_qo_heads} a "
+            f"multiple of H_kv {num_kv_heads}, on CUDA (or TRITON_INTERPRET=1); use the torch path"
+        )
+    bsz, length = tokens.shape
+    _checks.check_tensor("q", q, (None, num_qo_heads, dim), _checks.KV_DTYPES, device)
+    _checks.check_tensor("k", k, (num_tokens, num_kv_heads, dim), (q.dtype,), device)
+    _checks.check_tensor("lse", lse, (num_tokens, num_qo_heads), (torch.float32,), device)
+    _checks.check_tensor("tokens", tokens, (bsz, length), (torch.int64,), device)
+    _checks.check_tensor("queries", queries, (bsz, None), (torch.int64,), device)
+    _checks.check_tensor(scored[0], scored[1], (bsz, length), (torch.bool,), device)
 
 
 def window_scores(
@@ -140,26 +204,12 @@ def window_scores(
     Raises:
         KernelError: shapes, dtypes or devices that do not fit (host checks, no sync).
     """
-    device = q.device
-    num_tokens, num_qo_heads, dim = q.shape
-    num_kv_heads = k.shape[1]
-    if not supported(q, k):
-        raise KernelError(
-            f"window_scores: head_dim {dim} must be a power of two >= 16, H_q {num_qo_heads} a "
-            f"multiple of H_kv {num_kv_heads}, on CUDA (or TRITON_INTERPRET=1); use the torch path"
-        )
+    _check_bucket("window_scores", q, k, lse, tokens, queries, ("context", context))
+    _checks.check_tensor("query_scale", query_scale, queries.shape, (torch.float32,), q.device)
     bsz, length = tokens.shape
     width = queries.shape[1]
-    _checks.check_tensor("q", q, (None, num_qo_heads, dim), _checks.KV_DTYPES, device)
-    _checks.check_tensor("k", k, (num_tokens, num_kv_heads, dim), (q.dtype,), device)
-    _checks.check_tensor("lse", lse, (num_tokens, num_qo_heads), (torch.float32,), device)
-    _checks.check_tensor("tokens", tokens, (bsz, length), (torch.int64,), device)
-    _checks.check_tensor("queries", queries, (bsz, width), (torch.int64,), device)
-    _checks.check_tensor("query_scale", query_scale, (bsz, width), (torch.float32,), device)
-    _checks.check_tensor("context", context, (bsz, length), (torch.bool,), device)
-    if q.stride(-1) != 1 or k.stride(-1) != 1:
-        raise KernelError("window_scores: q and k need a contiguous head dim")
-    out = torch.empty(bsz, num_qo_heads, length, dtype=torch.float32, device=device)
+    num_qo_heads = q.shape[1]
+    out = torch.empty(bsz, num_qo_heads, length, dtype=torch.float32, device=q.device)
     if bsz == 0 or length == 0 or width == 0:
         return out.zero_()
     block_w = max(16, min(64, triton.next_power_of_2(width)))
@@ -182,8 +232,8 @@ def window_scores(
         length,
         width,
         NUM_QO_HEADS=num_qo_heads,
-        GQA=num_qo_heads // num_kv_heads,
-        HEAD_DIM=dim,
+        GQA=num_qo_heads // k.shape[1],
+        HEAD_DIM=q.shape[2],
         BLOCK_N=BLOCK_N,
         BLOCK_W=block_w,
         num_warps=NUM_WARPS,
@@ -220,17 +270,20 @@ def _query_max_kernel(
     row = tl.program_id(0)
     block = tl.program_id(1)
     head = tl.program_id(2)
-    kv_head = head // GQA
-    offs_n = block * BLOCK_N + tl.arange(0, BLOCK_N)
-    in_row = offs_n < N
-    valid = tl.load(key_valid_ptr + row * N + offs_n, mask=in_row, other=0) != 0
-    token = tl.load(tokens_ptr + row * N + offs_n, mask=in_row, other=0)
+    offs_n, in_row, valid, keys = _key_block(
+        k_ptr,
+        tokens_ptr,
+        key_valid_ptr,
+        stride_k_t,
+        stride_k_h,
+        row,
+        block,
+        head // GQA,
+        N,
+        HEAD_DIM,
+        BLOCK_N,
+    )
     offs_d = tl.arange(0, HEAD_DIM)
-    keys = tl.load(
-        k_ptr + token[:, None] * stride_k_t + kv_head * stride_k_h + offs_d[None, :],
-        mask=valid[:, None],
-        other=0.0,
-    ).to(tl.float32)  # [BLOCK_N, D]
     best = tl.full([BLOCK_N], float("-inf"), dtype=tl.float32)
     for first in range(0, M, BLOCK_M):
         offs_m = first + tl.arange(0, BLOCK_M)
@@ -290,24 +343,12 @@ def query_max_scores(
     Raises:
         KernelError: shapes, dtypes or devices that do not fit (host checks, no sync).
     """
-    device = q.device
-    num_tokens, num_qo_heads, dim = q.shape
-    num_kv_heads = k.shape[1]
-    if not supported(q, k):
-        raise KernelError(
-            f"query_max_scores: head_dim {dim} must be a power of two >= 16, H_q {num_qo_heads} "
-            f"a multiple of H_kv {num_kv_heads}, on CUDA (or TRITON_INTERPRET=1)"
-        )
+    _check_bucket("query_max_scores", q, k, lse, tokens, queries, ("key_valid", key_valid))
+    _checks.check_tensor("query_pos", query_pos, queries.shape, (torch.int64,), q.device)
     bsz, length = tokens.shape
     slots = queries.shape[1]
-    _checks.check_tensor("q", q, (None, num_qo_heads, dim), _checks.KV_DTYPES, device)
-    _checks.check_tensor("k", k, (num_tokens, num_kv_heads, dim), (q.dtype,), device)
-    _checks.check_tensor("lse", lse, (num_tokens, num_qo_heads), (torch.float32,), device)
-    _checks.check_tensor("tokens", tokens, (bsz, length), (torch.int64,), device)
-    _checks.check_tensor("queries", queries, (bsz, slots), (torch.int64,), device)
-    _checks.check_tensor("query_pos", query_pos, (bsz, slots), (torch.int64,), device)
-    _checks.check_tensor("key_valid", key_valid, (bsz, length), (torch.bool,), device)
-    out = torch.empty(bsz, num_qo_heads, length, dtype=torch.float32, device=device)
+    num_qo_heads = q.shape[1]
+    out = torch.empty(bsz, num_qo_heads, length, dtype=torch.float32, device=q.device)
     if bsz == 0 or length == 0:
         return out
     if slots == 0:
@@ -332,8 +373,8 @@ def query_max_scores(
         slots,
         int(band),
         NUM_QO_HEADS=num_qo_heads,
-        GQA=num_qo_heads // num_kv_heads,
-        HEAD_DIM=dim,
+        GQA=num_qo_heads // k.shape[1],
+        HEAD_DIM=q.shape[2],
         BLOCK_N=BLOCK_N,
         BLOCK_M=max(16, min(32, triton.next_power_of_2(slots))),
         num_warps=NUM_WARPS,

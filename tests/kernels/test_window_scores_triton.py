@@ -64,14 +64,19 @@ def test_window_scores_equal_the_torch_bucket_path(lengths, window):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_selection_with_the_kernel_equals_the_reference(scorer_name, dtype):
     """The whole batched selection through the kernel keeps the reference's tokens."""
-    scorer = get_scorer(scorer_name)
-    lengths = [70, 200, 33, 130, 0, 257, 90, 64]
-    q, k, lse, bounds = _batch(lengths, 7, dtype)
-    rng = np.random.default_rng(1)
+    _assert_kernel_selection(
+        get_scorer(scorer_name), [70, 200, 33, 130, 0, 257, 90, 64], dtype, 7, 1
+    )
+
+
+def _assert_kernel_selection(scorer, lengths, dtype, data_seed, rng_seed, sink=4, recent=8):
+    """The batched selection through the kernels keeps the reference's tokens."""
+    q, k, lse, bounds = _batch(lengths, data_seed, dtype)
+    rng = np.random.default_rng(rng_seed)
     kept = [[int(rng.integers(1, n + 1)) if n else 1 for _ in range(H_KV)] for n in lengths]
-    want = reference_kept_indices(scorer, q, k, lse, bounds, kept, 0.3, 4, 8)
+    want = reference_kept_indices(scorer, q, k, lse, bounds, kept, 0.3, sink, recent)
     compress._PLANS.clear()
-    got = batch_kept_indices(scorer, q, k, lse, bounds, kept, 0.3, 4, 8, window_kernel=True)
+    got = batch_kept_indices(scorer, q, k, lse, bounds, kept, 0.3, sink, recent, window_kernel=True)
     assert torch.equal(got, want)
 
 
@@ -111,14 +116,7 @@ def test_bad_shapes_are_named():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_kvzip_lite_selection_with_the_kernel_equals_the_reference(scorer, dtype):
     """Mixed lengths (one under the band, one under the slot bound) in query-max buckets."""
-    lengths = [70, 200, 6, 33, 0, 130, 64]
-    q, k, lse, bounds = _batch(lengths, 11, dtype)
-    rng = np.random.default_rng(2)
-    kept = [[int(rng.integers(1, n + 1)) if n else 1 for _ in range(H_KV)] for n in lengths]
-    want = reference_kept_indices(scorer, q, k, lse, bounds, kept, 0.3, 2, 5)
-    compress._PLANS.clear()
-    got = batch_kept_indices(scorer, q, k, lse, bounds, kept, 0.3, 2, 5, window_kernel=True)
-    assert torch.equal(got, want)
+    _assert_kernel_selection(scorer, [70, 200, 6, 33, 0, 130, 64], dtype, 11, 2, sink=2, recent=5)
     plans = list(compress._PLANS.values())
     assert plans and all(b.query_pos is not None for p in plans for b in p.buckets)
 
