@@ -8,15 +8,16 @@ in and writes the result with the kv-write kernel. Per request and KV head h of 
 head keeps ``k_g = kept_len(n, group_ratio[g])`` tokens (g = its head group), its OWN top
 ``k_g`` by score.
 
-Cost (per layer): segments are scored in length buckets (next power of two of n, at least
-:data:`MIN_BUCKET` tokens), each bucket as ONE padded batch whatever its segments' lengths, and
-smaller buckets merge into the longest while the padded batch stays under
-:data:`MAX_PADDED_TOKENS` (:func:`_merge_buckets`): the selection is host-bound (about 40 small
-launches per padded batch, about 1 ms per layer on an H200 host, benchmarks/RESULTS.md), so an
-extend batch of mixed lengths costs the launches of one padded batch, not of one per bucket or
-per run of equal lengths (4,098 top-level aten ops per layer for 64 distinct ShareGPT-like
-lengths before the buckets). A batch with no more runs of equal lengths than padded batches (one
-prefill chunk, or many segments of one length) skips the padding: one scorer call per run.
+Cost (per layer): segments (SnapKV family and kvzip-lite) are scored in length buckets (next
+power of two of n, at least :data:`MIN_BUCKET` tokens), each bucket as ONE padded batch whatever
+its segments' lengths, and smaller buckets merge into the longest while the padded batch stays
+under :data:`MAX_PADDED_TOKENS` (:func:`_merge_buckets`): the selection is host-bound (about 40
+small launches per padded batch, about 1 ms per layer on an H200 host, benchmarks/RESULTS.md),
+so an extend batch of mixed lengths costs the launches of one padded batch, not of one per
+bucket or per run of equal lengths (4,098 top-level aten ops per layer for 64 distinct
+ShareGPT-like lengths before the buckets; kvzip-lite 2,526 for 16). A batch with no more runs
+of equal lengths than padded batches (one prefill chunk, or many segments of one length) skips
+the padding: one scorer call per run. Other scorers run per run of equal lengths.
 Every head is selected with one stable sort whatever its ``k_g``, with no host
 synchronisation. Segments every head keeps whole (``k_g = n``, e.g. under
 ``--tangram-min-compress-tokens``) are not scored.
@@ -69,6 +70,10 @@ MIN_BUCKET = 64  # tokens: the shortest bucket (shorter segments share it)
 # product's contiguous copy: what a single 64 x 1,024 bucket of equal lengths already took.
 MAX_PADDED_TOKENS = 65_536
 MAX_MERGE_SPREAD = 8  # a bucket merges into one at most this many times longer
+# float32 elements of one kvzip-lite logits block of a padded bucket ([b, H_q, m, N], 512 MiB):
+# the query slots are scored in blocks of m = this / (b * H_q * N) (the per-segment scorer's
+# temporary on a 16k-token chunk is the same size: H_q * query_block * n)
+MAX_QUERY_BLOCK_FLOATS = 1 << 27
 _PLAN_CACHE_SIZE = 16  # batch plans kept (per batch shape and scored rows; whole fills apart)
 
 
@@ -154,7 +159,7 @@ def batch_kept_indices(
         window_kernel: score with the Triton kernels of ``kernels.window_scores`` and put every
             scored segment in a padded bucket: SnapKV-family scorers' window mean (one launch in
             place of about 20) and kvzip-lite's query max (one launch per padded batch in place
-            of one scorer call per segment). None = :data:`SCORE_KERNEL` (off unless
+            of about 12 torch ops per block of query slots). None = :data:`SCORE_KERNEL` (off unless
             ``TANGRAM_SCORE_KERNEL=1``, until an H200 run shows it faster and selecting the
             reference's tokens at the served shapes: benchmarks/RESULTS.md).
 
@@ -194,8 +199,8 @@ def batch_kept_indices(
     if window_kernel and not window_scores_supported(q, k_new):
         _warn_unsupported(q, k_new)
         window_kernel = False
-    query_max = window_kernel and type(scorer) is KVzipLiteScorer
-    window_kernel = window_kernel and snapkv
+    kvzip = type(scorer) is KVzipLiteScorer
+    window_kernel = window_kernel and (snapkv or kvzip)
     plan = _batch_plan(
         bounds,
         whole,
@@ -205,7 +210,7 @@ def batch_kept_indices(
         out.shape[-1],
         device,
         window_kernel,
-        scorer if query_max else None,
+        scorer if kvzip else None,
     )
     if plan.whole_rows is not None:
         out[plan.whole_rows] = plan.whole_fill
@@ -227,7 +232,7 @@ def batch_kept_indices(
     for bucket in plan.buckets:
         kept_dev = kept_per_head_dev.index_select(0, bucket.rows)
         if bucket.query_pos is not None:
-            key = _query_bucket_key(scorer, q, k_new, lse, bucket, sm_scale)
+            key = _query_bucket_key(scorer, q, k_new, lse, bucket, sm_scale, window_kernel)
         else:
             key = _bucket_key(scorer, q, k_new, lse, bucket, sm_scale, window_kernel)
         width = int(kept_host[bucket.rows_host].max())
@@ -307,15 +312,15 @@ def _batch_plan(
     layer of a batch asks for the same plan (layers differ only when their head groups make a
     different set of requests whole), so its tensors are uploaded once per batch, not per layer.
 
-    The scored requests go in length buckets only for a SnapKV-family scorer (``snapkv``;
-    another scorer, e.g. kvzip-lite with every query, would get a ``[b, 1, n, N]`` mask per
-    bucket it never reads) and only when the batch has more runs of equal lengths than buckets.
-    Otherwise the plan lists the runs: one long segment (a prefill chunk) is cheaper as one
-    scorer call (H200, 1 x 8,192 tokens, per layer: 1.59 vs 2.06 ms, benchmarks/RESULTS.md issue
-    20), and so are many segments of one length. With ``always_buckets`` (the window kernel,
-    which reads keys in place, so padding costs no copies) every scored request goes in a bucket.
-    With ``query_scorer`` (kvzip-lite, with the query-max kernel) every scored request goes in a
-    bucket of that scorer's query slots (:func:`_make_query_bucket`).
+    The scored requests go in length buckets only for a SnapKV-family scorer (``snapkv``) or
+    kvzip-lite (``query_scorer``: buckets of that scorer's query slots,
+    :func:`_make_query_bucket`), and only when the batch has more runs of equal lengths than
+    buckets; another scorer runs per run of equal lengths. Otherwise the plan lists the runs: one
+    long segment (a prefill chunk) is cheaper as one scorer call (H200, 1 x 8,192 tokens, per
+    layer: 1.59 vs 2.06 ms, benchmarks/RESULTS.md issue 20; kvzip-lite's own call also skips
+    the keys no query of a block sees), and so are many segments of one length. With
+    ``always_buckets`` (the scoring kernels, which read keys in place, so padding costs no
+    copies) every scored request goes in a bucket.
     """
     starts = np.asarray(bounds[:-1], np.int64)
     lengths = np.diff(np.asarray(bounds, np.int64))
@@ -342,7 +347,8 @@ def _batch_plan(
         groups = _merge_buckets(size)
         runs = _runs(rows, lengths)
         buckets = []
-        if query_scorer is not None and rows.size:
+        bucketed = len(runs) > len(groups) or (always_buckets and rows.size)
+        if query_scorer is not None and bucketed:
             runs = []
             buckets = [
                 _make_query_bucket(
@@ -350,7 +356,7 @@ def _batch_plan(
                 )
                 for n, members in groups
             ]
-        elif snapkv and (len(runs) > len(groups) or (always_buckets and rows.size)):
+        elif snapkv and bucketed:
             runs = []
             buckets = [
                 _make_bucket(
@@ -514,7 +520,12 @@ def _make_query_bucket(
 ) -> _Bucket:
     """A padded bucket for kvzip-lite: each row's scored query slots (``scorer.query_slots``
     of its last ``min(obs_window, n)`` queries) and their padded positions, right-aligned as
-    :func:`_make_bucket`; every real token is scored."""
+    :func:`_make_bucket`; every real token is scored.
+
+    The slots are right-aligned too (a row's last query in slot ``W - 1``), so slot j of every
+    row sits at padded position ``<= N - W + j`` (``=`` where every query is scored): the keys
+    a block of slots can count end at the same position for every row, as in one causal
+    segment (:func:`_query_max_attention` and the kernel skip the rest)."""
     _, sink_tokens, recent_window = windows
     n, off, _, key_valid, tokens, protected = _padded_rows(
         rows, length, starts, lengths, sink_tokens, recent_window
@@ -526,7 +537,7 @@ def _make_query_bucket(
     width = max(len(p) for p in per_row)
     position = np.full((len(rows), width), -1, np.int64)  # within the segment
     for i, p in enumerate(per_row):
-        position[i, : len(p)] = p
+        position[i, width - len(p) :] = p
     used = position >= 0
     queries = np.where(used, starts[rows, None] + position, 0)
     query_pos = np.where(used, off[:, None] + position, -1)
@@ -556,11 +567,16 @@ def _query_bucket_key(
     lse: torch.Tensor,
     b: _Bucket,
     sm_scale: float,
+    kernel: bool = False,
 ) -> torch.Tensor:
-    """float32 ``[b, H_kv, N]`` priority keys of a kvzip-lite bucket (padded layout)."""
-    attn = query_max_scores(
-        q, k, lse, b.tokens, b.queries, b.query_pos, b.key_valid, sm_scale, scorer.local_band
-    )
+    """float32 ``[b, H_kv, N]`` priority keys of a kvzip-lite bucket (padded layout); the
+    query max by ``kernels.window_scores.query_max_scores`` (``kernel``) or torch ops."""
+    if kernel:
+        attn = query_max_scores(
+            q, k, lse, b.tokens, b.queries, b.query_pos, b.key_valid, sm_scale, scorer.local_band
+        )
+    else:
+        attn = _query_max_attention(q, k, lse, b, sm_scale, scorer.local_band)
     pool = SnapKVScorer(kernel_size=scorer.kernel_size, pooling=scorer.pooling).pool
     scores = reduce_gqa(pool(attn), k.shape[1], scorer.gqa_reduce)  # [b, H_kv, N]
     # NaN ranks below every score but above pad (-inf), so a pad is never kept instead.
@@ -618,6 +634,48 @@ def _window_attention(
     # (the per-segment path pools the context alone, with zero padding).
     attn = torch.matmul(b.query_scale.view(bsz, 1, 1, width), logits).squeeze(2)  # [b, Hq, N]
     return torch.where(b.context.unsqueeze(1), attn, 0.0)
+
+
+def _query_max_attention(
+    q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, b: _Bucket, sm_scale: float, band: int
+) -> torch.Tensor:
+    """float32 ``[b, H_q, N]``: kvzip-lite's query max of a padded bucket with torch ops.
+
+    The same values as ``kernels.window_scores.query_max_scores`` (its docstring has the
+    formula): ``exp(max_j(sm_scale * q_j . k_p - lse_j))`` over the bucket row's query slots j
+    at padded position ``query_pos[j] >= p + band``, 0 where none counts or ``p`` is a pad. The
+    slots go in blocks of at most :data:`MAX_QUERY_BLOCK_FLOATS` logits, each block as one
+    product with the ``-lse`` folded in (a ``-lse`` column on q, a row of ones on k, as
+    ``KVzipLiteScorer.score``): about 12 launches per block whatever the bucket's lengths. Slot
+    j sits at position ``<= N - W + j`` (:func:`_make_query_bucket`), so a block of slots
+    ``[j0, j1)`` counts no key at or past ``N - W + j1 - band``: those are not computed (the
+    causal half of the product, when every query is scored).
+    """
+    num_kv_heads, dim = k.shape[1], k.shape[2]
+    num_qo_heads = q.shape[1]
+    bsz, length = b.tokens.shape
+    slots = b.queries.shape[1]
+    k_pad = k[b.tokens].float().permute(0, 2, 3, 1)  # [b, H_kv, D, N]
+    k_aug = torch.cat([k_pad, k_pad.new_ones(bsz, num_kv_heads, 1, length)], dim=2)
+    key_pos = torch.arange(length, device=k.device)
+    pad = ~b.key_valid.view(bsz, 1, 1, length)
+    best = torch.full((bsz, num_qo_heads, length), float("-inf"), device=k.device)
+    step = max(1, MAX_QUERY_BLOCK_FLOATS // max(1, bsz * num_qo_heads * length))
+    for first in range(0, slots, step):
+        end = min(first + step, slots)
+        hi = min(length, length - slots + end - band)  # keys >= hi: no slot of the block counts
+        if hi <= 0:
+            continue
+        tok = b.queries[:, first:end]  # [b, m]
+        q_blk = q[tok].float().mul_(sm_scale)  # [b, m, H_q, D]
+        q_aug = torch.cat([q_blk, lse[tok].float().neg_().unsqueeze(-1)], dim=-1)
+        q_aug = q_aug.transpose(1, 2).reshape(bsz, num_kv_heads, -1, dim + 1)  # GQA folded
+        logits = torch.matmul(q_aug, k_aug[..., :hi]).view(bsz, num_qo_heads, end - first, hi)
+        # unused slots (query_pos -1) see no key; pad keys sit before every real query
+        early = b.query_pos[:, first:end, None] - key_pos[:hi] < band  # [b, m, hi]
+        logits.masked_fill_(early.unsqueeze(1) | pad[..., :hi], float("-inf"))
+        torch.maximum(best[..., :hi], logits.amax(dim=2), out=best[..., :hi])
+    return best.exp_()
 
 
 def _score_runs(

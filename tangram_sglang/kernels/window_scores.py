@@ -285,7 +285,10 @@ def _query_max_kernel(
     )
     offs_d = tl.arange(0, HEAD_DIM)
     best = tl.full([BLOCK_N], float("-inf"), dtype=tl.float32)
-    for first in range(0, M, BLOCK_M):
+    # slot j sits at position <= N - M + j (right-aligned slots): slots before
+    # block * BLOCK_N + band - (N - M) count none of this block's keys
+    skip = tl.maximum(block * BLOCK_N + band - (N - M), 0)
+    for first in range(skip // BLOCK_M * BLOCK_M, M, BLOCK_M):
         offs_m = first + tl.arange(0, BLOCK_M)
         position = tl.load(query_pos_ptr + row * M + offs_m, mask=offs_m < M, other=-1)
         used = position >= 0
@@ -332,7 +335,10 @@ def query_max_scores(
         lse: float32 ``[num_tokens, H_q]`` extend-attention log-sum-exp.
         tokens: int64 ``[b, N]`` batch token index of each padded position.
         queries: int64 ``[b, M]`` batch token index of each scored query slot.
-        query_pos: int64 ``[b, M]`` padded position of each slot's query (-1: unused slot).
+        query_pos: int64 ``[b, M]`` padded position of each slot's query (-1: unused slot),
+            at most ``N - M + j`` in slot j (slots right-aligned, ascending, as
+            ``backend.compress._make_query_bucket`` builds them: the kernel skips the slots that
+            bound says count none of a key block; not checked, it would need a sync).
         key_valid: bool ``[b, N]``: the position holds a token of the row's segment.
         sm_scale: softmax scale of the layer.
         band: a query counts for a key only ``band`` or more positions later (tokens).

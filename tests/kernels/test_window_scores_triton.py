@@ -147,6 +147,32 @@ def test_query_max_scores_equal_the_scorer_on_one_segment():
         torch.testing.assert_close(got[0, head, 128 - n :], want, rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.parametrize(("max_queries", "band"), [(0, 0), (0, 8), (24, 4)])
+def test_query_max_scores_equal_the_torch_path_on_a_mixed_bucket(max_queries, band):
+    """Every value of a mixed bucket of several key blocks (the kernel skips the slots that
+    count none of a block; the torch path skips the keys no block of slots counts)."""
+    lengths = [300, 70, 200, 33, 257]
+    q, k, lse, bounds = _batch(lengths, 7)
+    scorer = KVzipLiteScorer(max_queries=max_queries, local_band=band)
+    starts = np.asarray(bounds[:-1])
+    bucket = compress._make_query_bucket(
+        np.arange(len(lengths)),
+        512,
+        starts,
+        np.asarray(lengths),
+        scorer,
+        (1 << 30, 2, 4),
+        torch.device(DEVICE),
+    )
+    got = query_max_scores(
+        q, k, lse, bucket.tokens, bucket.queries, bucket.query_pos, bucket.key_valid, 0.3, band
+    )
+    want = compress._query_max_attention(q, k, lse, bucket, 0.3, band)
+    assert got.shape == want.shape == (len(lengths), GQA * H_KV, 512)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
+    assert (want > 0).float().mean() > 0.3  # most real tokens are counted by some query
+
+
 def test_window_scores_at_llama_head_shapes():
     """head_dim 128 and GQA 4 (the served 8B shapes), bfloat16, against the torch path."""
     gen = torch.Generator().manual_seed(9)

@@ -155,6 +155,85 @@ def test_launches_per_layer_depend_on_buckets_not_on_batch_size():
     assert one == same <= few
 
 
+@pytest.mark.parametrize(
+    ("max_queries", "band", "kernel", "pooling", "gqa_reduce", "sink", "recent"),
+    [
+        (16, 8, 1, "max", "max", 2, 3),
+        (0, 0, 3, "max", "max", 0, 1),
+        (40, 4, 5, "avg", "mean", 4, 32),
+    ],
+)
+def test_kvzip_lite_mixed_lengths_in_padded_buckets_equal_the_reference(
+    max_queries, band, kernel, pooling, gqa_reduce, sink, recent
+):
+    """The shipped default scorer on a mixed batch, torch ops (no kernel): padded query-slot
+    buckets (segments under the band and under the slot bound among them) keep the oracle's
+    tokens, and the plan holds buckets, not one scorer call per length."""
+    from tangram_sglang.backend import compress
+    from tangram_sglang.scoring.kvzip_lite import KVzipLiteScorer
+
+    rng = np.random.default_rng(max_queries + band)
+    lengths = [70, 5, 130, 0, 64, 65, 300, 12, 129, 257, 40, 90]
+    scorer = KVzipLiteScorer(
+        max_queries=max_queries,
+        local_band=band,
+        kernel_size=kernel,
+        pooling=pooling,
+        gqa_reduce=gqa_reduce,
+        query_block=7,
+    )
+    q, k, lse, bounds = _batch(lengths, band)
+    kept = [[int(rng.integers(1, n + 1)) if n else 1 for _ in range(H_KV)] for n in lengths]
+    compress._PLANS.clear()
+    want = reference_kept_indices(scorer, q, k, lse, bounds, kept, 0.3, sink, recent)
+    got = batch_kept_indices(
+        scorer, q, k, lse, bounds, kept, 0.3, sink, recent, window_kernel=False
+    )
+    assert torch.equal(got, want)
+    buckets = [b for plan in compress._PLANS.values() for b in plan.buckets]
+    assert buckets and all(b.query_pos is not None for b in buckets)
+
+
+def test_kvzip_lite_query_blocks_bound_the_temporary(monkeypatch):
+    """Query slots scored a few at a time (a tiny block bound): the same tokens."""
+    from tangram_sglang.backend import compress
+    from tangram_sglang.scoring.kvzip_lite import KVzipLiteScorer
+
+    scorer = KVzipLiteScorer(max_queries=24, local_band=4)
+    lengths = [70, 130, 90, 200, 33]
+    q, k, lse, bounds = _batch(lengths, 4)
+    kept = [[max(1, n // 4)] * H_KV for n in lengths]
+    want = batch_kept_indices(scorer, q, k, lse, bounds, kept, 0.3, 1, 2, window_kernel=False)
+    monkeypatch.setattr(compress, "MAX_QUERY_BLOCK_FLOATS", len(lengths) * GQA * H_KV * 256 * 3)
+    got = batch_kept_indices(scorer, q, k, lse, bounds, kept, 0.3, 1, 2, window_kernel=False)
+    assert torch.equal(got, want)
+    assert torch.equal(got, reference_kept_indices(scorer, q, k, lse, bounds, kept, 0.3, 1, 2))
+
+
+def test_kvzip_lite_launches_per_layer_do_not_grow_with_distinct_lengths():
+    """kvzip-lite (the default scorer of the shipped real-model profiles) on 16 or 64 distinct
+    lengths: the same op count per layer, a small multiple of one padded batch (was one scorer
+    call per length: 2,526 top-level aten ops for 16 mixed turns, benchmarks/RESULTS.md)."""
+    from tangram_sglang.scoring.kvzip_lite import KVzipLiteScorer
+
+    scorer = KVzipLiteScorer(max_queries=32, local_band=4)
+    rng = np.random.default_rng(1)
+
+    def ops(lengths):
+        q, k, lse, bounds = _batch(lengths, 1)
+        kept = [[max(n // 4, 1)] * H_KV for n in lengths]
+        dev = torch.tensor(kept, dtype=torch.int64)
+        call = lambda: batch_kept_indices(  # noqa: E731
+            scorer, q, k, lse, bounds, kept, 0.3, 2, 4, dev, window_kernel=False
+        )
+        call()
+        return _top_level_aten_ops(call)
+
+    few = ops(rng.permutation(np.arange(65, 257))[:16].tolist())
+    many = ops(rng.permutation(np.arange(65, 257))[:64].tolist())
+    assert few == many < 100
+
+
 def test_a_scorer_of_its_own_runs_per_run_of_equal_lengths():
     """A Scorer that is not SnapKV-based still works (one scorer call per run)."""
 
