@@ -279,6 +279,9 @@ class _Bucket:
     # kvzip-lite buckets (kernels.window_scores.query_max_scores) only: int64 [b, W], the padded
     # position of each scored query slot, -1 for unused slots; ``queries`` then holds the slots
     query_pos: torch.Tensor | None = None
+    # and on the host, rows by descending slot count: int64 [b] used slots, int64 [b] off_i
+    slot_count: np.ndarray | None = None
+    offset_host: np.ndarray | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -525,16 +528,20 @@ def _make_query_bucket(
     The slots are right-aligned too (a row's last query in slot ``W - 1``), so slot j of every
     row sits at padded position ``<= N - W + j`` (``=`` where every query is scored): the keys
     a block of slots can count end at the same position for every row, as in one causal
-    segment (:func:`_query_max_attention` and the kernel skip the rest)."""
+    segment (:func:`_query_max_attention` and the kernel skip the rest). The rows go by
+    descending slot count, so the rows a block of slots uses are a prefix of the bucket."""
     _, sink_tokens, recent_window = windows
-    n, off, _, key_valid, tokens, protected = _padded_rows(
-        rows, length, starts, lengths, sink_tokens, recent_window
-    )
-    per_row = []
-    for n_i in n.tolist():
+    per_row = []  # positions within the segment of each row's scored queries
+    for n_i in lengths[rows].tolist():
         w = min(scorer.obs_window, n_i)
         per_row.append([n_i - w + i for i in scorer.query_slots(w)])
-    width = max(len(p) for p in per_row)
+    count = np.array([len(p) for p in per_row], np.int64)
+    order = np.argsort(-count, kind="stable")
+    rows, count, per_row = rows[order], count[order], [per_row[i] for i in order]
+    _, off, _, key_valid, tokens, protected = _padded_rows(
+        rows, length, starts, lengths, sink_tokens, recent_window
+    )
+    width = int(count[0])
     position = np.full((len(rows), width), -1, np.int64)  # within the segment
     for i, p in enumerate(per_row):
         position[i, width - len(p) :] = p
@@ -557,6 +564,8 @@ def _make_query_bucket(
         query_valid=None,
         masked=None,
         query_pos=up(query_pos),
+        slot_count=count,
+        offset_host=off,
     )
 
 
@@ -648,8 +657,9 @@ def _query_max_attention(
     product with the ``-lse`` folded in (a ``-lse`` column on q, a row of ones on k, as
     ``KVzipLiteScorer.score``): about 12 launches per block whatever the bucket's lengths. Slot
     j sits at position ``<= N - W + j`` (:func:`_make_query_bucket`), so a block of slots
-    ``[j0, j1)`` counts no key at or past ``N - W + j1 - band``: those are not computed (the
-    causal half of the product, when every query is scored).
+    ``[j0, j1)`` counts no key at or past ``N - W + j1 - band``, and only the rows with a slot
+    in it take part (a prefix: rows by descending slot count), from the first real key of the
+    longest of them: the rest is not computed (host ints, no sync).
     """
     num_kv_heads, dim = k.shape[1], k.shape[2]
     num_qo_heads = q.shape[1]
@@ -664,17 +674,21 @@ def _query_max_attention(
     for first in range(0, slots, step):
         end = min(first + step, slots)
         hi = min(length, length - slots + end - band)  # keys >= hi: no slot of the block counts
-        if hi <= 0:
+        rows = int(np.count_nonzero(b.slot_count > slots - end))  # rows with a slot here
+        lo = int(b.offset_host[:rows].min()) if rows else hi  # keys < lo: pads of those rows
+        if hi <= lo:
             continue
-        tok = b.queries[:, first:end]  # [b, m]
-        q_blk = q[tok].float().mul_(sm_scale)  # [b, m, H_q, D]
+        tok = b.queries[:rows, first:end]  # [r, m]
+        q_blk = q[tok].float().mul_(sm_scale)  # [r, m, H_q, D]
         q_aug = torch.cat([q_blk, lse[tok].float().neg_().unsqueeze(-1)], dim=-1)
-        q_aug = q_aug.transpose(1, 2).reshape(bsz, num_kv_heads, -1, dim + 1)  # GQA folded
-        logits = torch.matmul(q_aug, k_aug[..., :hi]).view(bsz, num_qo_heads, end - first, hi)
+        q_aug = q_aug.transpose(1, 2).reshape(rows, num_kv_heads, -1, dim + 1)  # GQA folded
+        logits = torch.matmul(q_aug, k_aug[:rows, ..., lo:hi])
+        logits = logits.view(rows, num_qo_heads, end - first, hi - lo)
         # unused slots (query_pos -1) see no key; pad keys sit before every real query
-        early = b.query_pos[:, first:end, None] - key_pos[:hi] < band  # [b, m, hi]
-        logits.masked_fill_(early.unsqueeze(1) | pad[..., :hi], float("-inf"))
-        torch.maximum(best[..., :hi], logits.amax(dim=2), out=best[..., :hi])
+        early = b.query_pos[:rows, first:end, None] - key_pos[lo:hi] < band  # [r, m, hi - lo]
+        logits.masked_fill_(early.unsqueeze(1) | pad[:rows, ..., lo:hi], float("-inf"))
+        seen = best[:rows, :, lo:hi]
+        torch.maximum(seen, logits.amax(dim=2), out=seen)
     return best.exp_()
 
 
