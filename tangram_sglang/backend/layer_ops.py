@@ -21,7 +21,7 @@ import torch
 from tangram_sglang.backend import metadata as md
 from tangram_sglang.backend.compress import batch_kept_indices
 from tangram_sglang.backend.state import TangramState
-from tangram_sglang.config import decode_plan
+from tangram_sglang.config import decode_plan, prefill_attention
 from tangram_sglang.kernels import reference
 
 
@@ -43,8 +43,10 @@ class ReferenceKernels:
         coh,
         sm_scale,
         max_extend_len,
+        meta=None,
     ):
-        """``(out [T, H_q, D], lse float32 [T, H_q])`` of one extend layer."""
+        """``(out [T, H_q, D], lse float32 [T, H_q])`` of one extend layer (``meta``, the
+        batch's extend plan, is read by :class:`TritonKernels` only)."""
         return reference.extend_reference(
             q, k, v, qo_indptr, k_pool, v_pool, page_table, group_len, rows, goh, coh, sm_scale
         )
@@ -80,6 +82,8 @@ class TritonKernels(ReferenceKernels):
         plan: the decode split plan, ``"table"`` (the static AOT table, default) or
             ``"lengths"`` (fitted to each row's kept lengths in the kernel);
             :func:`config.decode_plan`.
+        prefill: who computes the new tokens' causal attention, ``"triton"`` (Tangram's extend
+            kernel, default) or ``"flashinfer"`` (:func:`config.prefill_attention`).
     """
 
     def __init__(
@@ -88,6 +92,7 @@ class TritonKernels(ReferenceKernels):
         max_batch_size: int,
         device: torch.device,
         plan: str = "table",
+        prefill: str = "triton",
     ) -> None:
         from tangram_sglang.kernels.decode_attention import decode_scratch
         from tangram_sglang.kernels.split_table import build_split_tables
@@ -106,6 +111,14 @@ class TritonKernels(ReferenceKernels):
         self.mid_o, self.mid_lse = decode_scratch(
             max_batch_size, m.num_qo_heads, self.tables.scratch_splits, m.head_dim, device
         )
+        self.new_tokens = None
+        self._planned: md.TangramForwardMetadata | None = (
+            None  # the batch new_tokens is planned for
+        )
+        if prefill == "flashinfer":
+            from tangram_sglang.kernels.new_token_attention import FlashInferNewTokens
+
+            self.new_tokens = FlashInferNewTokens(device)
 
     def extend(
         self,
@@ -122,29 +135,44 @@ class TritonKernels(ReferenceKernels):
         coh,
         sm_scale,
         max_extend_len,
+        meta=None,
     ):
-        """``(out, lse)`` from ``kernels.extend_attention.ragged_extend_attention``."""
+        """``(out, lse)`` from ``kernels.extend_attention.ragged_extend_attention``, or, under
+        ``prefill="flashinfer"`` with the batch's plan ``meta``, the new tokens through
+        FlashInfer (planned on the batch's first layer) and the history only when
+        ``meta.any_history`` (``kernels.new_token_attention.split_extend``)."""
         from tangram_sglang.kernels.extend_attention import ragged_extend_attention
+        from tangram_sglang.kernels.new_token_attention import split_extend
 
-        out = torch.empty_like(q)
-        lse = torch.empty(q.shape[0], q.shape[1], dtype=torch.float32, device=q.device)
-        return ragged_extend_attention(
-            q,
-            k,
-            v,
-            qo_indptr,
-            k_pool,
-            v_pool,
-            page_table,
-            group_len,
-            rows,
-            goh,
-            coh,
-            sm_scale,
-            out,
-            lse,
-            max_extend_len,
-        )
+        def fused(new_tokens: bool = True):
+            out = torch.empty_like(q)
+            lse = torch.empty(q.shape[0], q.shape[1], dtype=torch.float32, device=q.device)
+            return ragged_extend_attention(
+                q,
+                k,
+                v,
+                qo_indptr,
+                k_pool,
+                v_pool,
+                page_table,
+                group_len,
+                rows,
+                goh,
+                coh,
+                sm_scale,
+                out,
+                lse,
+                max_extend_len,
+                new_tokens=new_tokens,
+            )
+
+        if self.new_tokens is None or meta is None:
+            return fused()
+        if self._planned is not meta:
+            self.new_tokens.plan(meta.bounds, q.shape[1], k.shape[1], q.shape[2], q.dtype)
+            self._planned = meta
+        history = (lambda: fused(new_tokens=False)) if meta.any_history else None
+        return split_extend(self.new_tokens, history, q, k, v, sm_scale)
 
     def kv_write(self, *args) -> None:
         """``kernels.kv_write.write_kept_kv`` (one launch per layer)."""
@@ -187,14 +215,15 @@ class TritonKernels(ReferenceKernels):
 def kernels_for(device: torch.device, state: TangramState, max_batch_size: int) -> ReferenceKernels:
     """Triton kernels on CUDA, the torch reference elsewhere (start-up).
 
-    Reads ``TANGRAM_DECODE_PLAN`` once (:func:`config.decode_plan`; checked on every device).
+    Reads ``TANGRAM_DECODE_PLAN`` and ``TANGRAM_PREFILL_ATTENTION`` once
+    (:func:`config.decode_plan`, :func:`config.prefill_attention`; checked on every device).
 
     Raises:
-        ConfigError: a bad ``TANGRAM_DECODE_PLAN``.
+        ConfigError: a bad ``TANGRAM_DECODE_PLAN`` or ``TANGRAM_PREFILL_ATTENTION``.
     """
-    plan = decode_plan()
+    plan, prefill = decode_plan(), prefill_attention()
     if device.type == "cuda":
-        return TritonKernels(state, max_batch_size, device, plan)
+        return TritonKernels(state, max_batch_size, device, plan, prefill)
     return ReferenceKernels()
 
 
@@ -242,6 +271,7 @@ def extend_layer(
         coh,
         sm_scale,
         meta.max_extend_len,
+        meta=meta,
     )
     profile = state.profile
     kept_host, kept_dev = meta.layer_kept(layer_id, profile.grouping.cluster_of[layer_id])

@@ -82,6 +82,9 @@ class TangramForwardMetadata:
     # extend: int32 [rows, G] lengths before the segment at the batch's rows (None: the live
     # group_len is the history, as when the lengths advance after the forward)
     hist_len: torch.Tensor | None = None
+    # extend: False when the host knows no request of the batch has history (start_lens all 0),
+    # so the history part of a split extend (kernels.new_token_attention) is not launched
+    any_history: bool = True
 
     @property
     def batch_size(self) -> int:
@@ -172,6 +175,7 @@ def extend_metadata(
         kept_heads_host=heads_host,
         kept_heads=heads,
         hist_len=hist_len,
+        any_history=start_lens is None or bool(np.any(start_lens)),
     )
 
 

@@ -260,6 +260,7 @@ def profile_case(
             state.column_of_head[lid],
             sm_scale,
             meta.max_extend_len,
+            meta=meta,
         )
 
     _, lse = ext(0)

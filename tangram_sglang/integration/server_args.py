@@ -28,7 +28,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from tangram_sglang.config import TangramConfig, decode_plan, segment_grid
+from tangram_sglang.config import TangramConfig, decode_plan, prefill_attention, segment_grid
 from tangram_sglang.errors import ConfigError
 from tangram_sglang.integration import profile_loader
 from tangram_sglang.profile import BudgetProfile, ModelIdentity
@@ -328,7 +328,9 @@ def check_model(server_args: Any) -> None:
             ``--tp-size`` not dividing the KV heads or head groups that would cross TP ranks,
             ``TANGRAM_GRID_SEGMENTS`` not 0/1 or on with chunked prefill off
             (:func:`tangram_sglang.config.segment_grid`), ``TANGRAM_DECODE_PLAN`` not
-            ``lengths``/``table`` (:func:`tangram_sglang.config.decode_plan`), scorer options of
+            ``lengths``/``table`` (:func:`tangram_sglang.config.decode_plan`),
+            ``TANGRAM_PREFILL_ATTENTION`` not ``triton``/``flashinfer``
+            (:func:`tangram_sglang.config.prefill_attention`), scorer options of
             the profile that the scorer refuses, or the Tangram plugin not active in this process.
         ProfileError: profile file missing, corrupt or made for another model.
     """
@@ -345,6 +347,7 @@ def check_model(server_args: Any) -> None:
     # the start here, in one line, not in a scheduler process after the weights are loaded.
     segment_grid(int(server_args.chunked_prefill_size or 0))
     decode_plan()  # TANGRAM_DECODE_PLAN, likewise read again by each scheduler's kernels
+    prefill_attention()  # TANGRAM_PREFILL_ATTENTION, likewise
     build_scorer(profile)  # the profile's scorer options, checked before any scheduler starts
     ensure_active()
     summary = profile_loader.profile_summary(profile, config)

@@ -84,6 +84,7 @@ def _extend_kernel(
     BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
+    NEW_TOKENS: tl.constexpr,
 ):
     """One (request, query head, block of BLOCK_M new tokens)."""
     b = tl.program_id(0)
@@ -138,23 +139,27 @@ def _extend_kernel(
     )
 
     # Phase 2: transient new tokens, causal (key j visible to query i iff j <= i); keys past
-    # this block's last query are never visible, so the sweep stops there.
-    new_end = tl.minimum(num_new, (m_block + 1) * BLOCK_M)
-    kn_base = k_new_ptr + head * stride_kn_h
-    vn_base = v_new_ptr + head * stride_kn_h
-    for j0 in range(0, new_end, BLOCK_N):
-        offs_j = j0 + offs_n
-        mask_j = offs_j < num_new
-        tok_j = (tok_start + offs_j).to(tl.int64)
-        kv_off = tok_j[:, None] * stride_kn_t + offs_d[None, :]
-        k = tl.load(kn_base + kv_off, mask=mask_j[:, None], other=0.0)
-        v = tl.load(vn_base + kv_off, mask=mask_j[:, None], other=0.0)
-        qk = mma(q, tl.trans(k), DOT_PRECISION, UPCAST_DOT) * sm_scale_log2
-        visible = (offs_j[None, :] <= offs_m[:, None]) & mask_j[None, :]
-        qk = tl.where(visible, qk, float("-inf"))
-        m_i, l_i, acc = online_softmax_step(qk, v, m_i, l_i, acc, DOT_PRECISION, UPCAST_DOT)
+    # this block's last query are never visible, so the sweep stops there. Skipped without
+    # NEW_TOKENS (history only).
+    if NEW_TOKENS:
+        new_end = tl.minimum(num_new, (m_block + 1) * BLOCK_M)
+        kn_base = k_new_ptr + head * stride_kn_h
+        vn_base = v_new_ptr + head * stride_kn_h
+        for j0 in range(0, new_end, BLOCK_N):
+            offs_j = j0 + offs_n
+            mask_j = offs_j < num_new
+            tok_j = (tok_start + offs_j).to(tl.int64)
+            kv_off = tok_j[:, None] * stride_kn_t + offs_d[None, :]
+            k = tl.load(kn_base + kv_off, mask=mask_j[:, None], other=0.0)
+            v = tl.load(vn_base + kv_off, mask=mask_j[:, None], other=0.0)
+            qk = mma(q, tl.trans(k), DOT_PRECISION, UPCAST_DOT) * sm_scale_log2
+            visible = (offs_j[None, :] <= offs_m[:, None]) & mask_j[None, :]
+            qk = tl.where(visible, qk, float("-inf"))
+            m_i, l_i, acc = online_softmax_step(qk, v, m_i, l_i, acc, DOT_PRECISION, UPCAST_DOT)
 
-    # Every valid query sees at least itself, so l_i > 0; padding rows are not stored.
+    # With the new tokens every valid query sees at least itself, so l_i > 0; history only, a
+    # query of a request without history sees nothing: output 0, LSE -inf (m_i). Padding rows
+    # are not stored.
     safe_l = tl.where(l_i > 0.0, l_i, 1.0)
     out = acc / safe_l[:, None]
     lse = (m_i + tl.log2(safe_l)) * LN2  # log2-domain LSE -> natural log
@@ -182,6 +187,7 @@ def ragged_extend_attention(
     out: torch.Tensor,
     lse: torch.Tensor,
     max_extend_len: int | None = None,
+    new_tokens: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Extend attention of one layer (per layer, per extend batch).
 
@@ -199,6 +205,9 @@ def ragged_extend_attention(
         lse: float32 ``[num_tokens, num_qo_heads]``, natural-log normaliser, written in place.
         max_extend_len: the largest ``qo_indptr[i + 1] - qo_indptr[i]`` (tokens); read from
             ``qo_indptr`` (one host sync) when None.
+        new_tokens: attend to the causal new tokens too (default); False = the history only
+            (``kernels.new_token_attention.split_extend`` adds the new tokens' part by LSE):
+            a query without history then gets output 0 and LSE ``-inf``.
 
     Returns:
         ``(out, lse)``: every token of every request written.
@@ -271,6 +280,7 @@ def ragged_extend_attention(
         BLOCK_N=block_n,
         DOT_PRECISION=dot_precision(q.dtype),
         UPCAST_DOT=interpreted(),
+        NEW_TOKENS=bool(new_tokens),
         num_warps=num_warps,
         num_stages=NUM_STAGES,
     )

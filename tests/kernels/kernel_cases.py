@@ -135,3 +135,18 @@ def random_lens(rows: int, num_groups: int, max_len: int, page_size: int, seed: 
     if flat.size > 2:
         flat[2] = page_size + 1 if page_size + 1 <= max_len else max_len
     return lens
+
+
+def extend_inputs(dtype, page_size, head_dim, extend_lens, gqa=2, num_kv_heads=2, seed=0):
+    """A random paged layer of 3 rows (histories 0-45 tokens, some 0) and an extend batch of
+    ``extend_lens`` new tokens at rows 2, 0, 1: ``(layer, q, k_new, v_new, qo_indptr, paging)``."""
+    lens = random_lens(3, 3, 45, page_size, seed)
+    layer = make_paged_layer(lens, num_kv_heads, 2, page_size, head_dim, dtype, seed)
+    req_rows = torch.tensor([2, 0, 1][: len(extend_lens)], dtype=torch.int32, device=DEVICE)
+    qo_indptr = torch.tensor(np.cumsum([0, *extend_lens]), dtype=torch.int32, device=DEVICE)
+    n = sum(extend_lens)
+    q = torch.randn(n, num_kv_heads * gqa, head_dim, device=DEVICE).to(dtype)
+    k_new = torch.randn(n, num_kv_heads, head_dim, device=DEVICE).to(dtype)
+    v_new = torch.randn(n, num_kv_heads, head_dim, device=DEVICE).to(dtype)
+    paging = layer.paging(req_rows)
+    return layer, q, k_new, v_new, qo_indptr, paging

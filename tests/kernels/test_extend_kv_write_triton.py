@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from kernel_cases import DEVICE, TOL, make_paged_layer, random_lens, rel_err
+from kernel_cases import DEVICE, TOL, extend_inputs, make_paged_layer, rel_err
 
 from tangram_sglang.errors import KernelError
 from tangram_sglang.kernels.extend_attention import ragged_extend_attention
@@ -13,19 +13,6 @@ from tangram_sglang.kernels.kv_write import write_kept_kv
 from tangram_sglang.kernels.reference import extend_reference, kv_write_reference
 
 DTYPE_IDS = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
-
-
-def extend_inputs(dtype, page_size, head_dim, extend_lens, gqa=2, num_kv_heads=2, seed=0):
-    lens = random_lens(3, 3, 45, page_size, seed)
-    layer = make_paged_layer(lens, num_kv_heads, 2, page_size, head_dim, dtype, seed)
-    req_rows = torch.tensor([2, 0, 1][: len(extend_lens)], dtype=torch.int32, device=DEVICE)
-    qo_indptr = torch.tensor(np.cumsum([0, *extend_lens]), dtype=torch.int32, device=DEVICE)
-    n = sum(extend_lens)
-    q = torch.randn(n, num_kv_heads * gqa, head_dim, device=DEVICE).to(dtype)
-    k_new = torch.randn(n, num_kv_heads, head_dim, device=DEVICE).to(dtype)
-    v_new = torch.randn(n, num_kv_heads, head_dim, device=DEVICE).to(dtype)
-    paging = layer.paging(req_rows)
-    return layer, q, k_new, v_new, qo_indptr, paging
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=DTYPE_IDS.get)

@@ -123,6 +123,24 @@ def test_state_lifecycle_pages_match_the_footprint_and_return():
     assert info["pages_free"] == info["pages_free_at_start"] and info["requests_released"] == 1
 
 
+def test_extend_plan_says_whether_any_request_has_history():
+    """``any_history``: from the host's start lengths (a later chunk has history, a first one
+    none); without them the live lengths are the history, so it must be assumed."""
+    state = make_state()
+    first = state.allocate_extend([1, 2], [9, 4], [0, 0])
+    hist = torch.zeros_like(state.memory.table.group_len)
+    meta = md.extend_metadata(
+        [1, 2], [9, 4], first.kept_lens, "cpu", start_lens=first.start_lens, hist_len=hist
+    )
+    assert not meta.any_history
+    later = state.allocate_extend([1, 3], [5, 6], [9, 0])  # row 1's second chunk, row 3 new
+    meta = md.extend_metadata(
+        [1, 3], [5, 6], later.kept_lens, "cpu", start_lens=later.start_lens, hist_len=hist
+    )
+    assert meta.any_history
+    assert md.extend_metadata([3], [6], later.kept_lens[1:], "cpu").any_history
+
+
 def test_reused_row_without_release_is_freed_first():
     state = make_state()
     start = state.memory.allocator.num_free()
@@ -146,6 +164,7 @@ def test_extend_then_decode_matches_attention_over_the_kept_tokens(ratio):
     )
     mem, goh, coh = state.memory, state.group_of_head[layer], state.column_of_head[layer]
     assert meta.hist_len[1].tolist() == [0, 0]  # the live lengths already include k_g
+    assert not meta.any_history  # a first segment: a split extend launches no history pass
     hist = (mem.kv_pool.k_pool, mem.kv_pool.v_pool, mem.table.page_table, meta.hist_len)
     pools = (mem.kv_pool.k_pool, mem.kv_pool.v_pool, mem.table.page_table, mem.table.group_len)
     out, lse = reference.extend_reference(

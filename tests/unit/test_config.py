@@ -15,9 +15,11 @@ from tangram_sglang.config import (
     DECODE_PLAN_ENV,
     DEFAULT_MIN_COMPRESS_TOKENS,
     DEFAULT_PAGE_SIZE,
+    PREFILL_ATTENTION_ENV,
     SCOPES,
     TangramConfig,
     decode_plan,
+    prefill_attention,
 )
 from tangram_sglang.errors import ConfigError, ProfileError
 from tangram_sglang.grouping import SCOPES as GROUPING_SCOPES
@@ -251,4 +253,21 @@ def test_decode_plan_env_defaults_to_the_table_and_rejects_other_values(monkeypa
     assert isinstance(kernels_for(torch.device("cpu"), None, 1), ReferenceKernels)
     monkeypatch.setenv(DECODE_PLAN_ENV, "static")
     with pytest.raises(ConfigError, match="TANGRAM_DECODE_PLAN='static'"):
+        kernels_for(torch.device("cpu"), None, 1)
+
+
+def test_prefill_attention_env_defaults_to_triton_and_rejects_other_values(monkeypatch):
+    assert prefill_attention({}) == "triton"
+    assert prefill_attention({PREFILL_ATTENTION_ENV: " "}) == "triton"
+    assert prefill_attention({PREFILL_ATTENTION_ENV: "FlashInfer"}) == "flashinfer"
+    with pytest.raises(
+        ConfigError, match=r"^TANGRAM_PREFILL_ATTENTION='fa3': use 'triton' .* 'flashinfer'"
+    ):
+        prefill_attention({PREFILL_ATTENTION_ENV: "fa3"})
+    from tangram_sglang.backend.layer_ops import ReferenceKernels, kernels_for
+
+    monkeypatch.setenv(PREFILL_ATTENTION_ENV, "flashinfer")  # CPU keeps the torch reference
+    assert isinstance(kernels_for(torch.device("cpu"), None, 1), ReferenceKernels)
+    monkeypatch.setenv(PREFILL_ATTENTION_ENV, "fa3")
+    with pytest.raises(ConfigError, match="TANGRAM_PREFILL_ATTENTION='fa3'"):
         kernels_for(torch.device("cpu"), None, 1)

@@ -1,0 +1,184 @@
+"""The new tokens' causal attention through FlashInfer's ragged prefill, merged by LSE.
+
+An extend segment's attention has two parts: the request's compressed history (ragged head-group
+pages: Tangram's own kernel, ``extend_attention.ragged_extend_attention``) and the segment's own
+new tokens, causal. The second part is plain ragged causal attention over contiguous
+``[T, H, D]`` tensors, exactly what FlashInfer's ``BatchPrefillWithRaggedKVCacheWrapper`` runs
+for stock SGLang's ``flashinfer`` backend (FA2/FA3 kernels, several times the throughput of a
+one-query-head-per-program Triton loop on long segments). So:
+
+* :class:`FlashInferNewTokens`: plan once per extend batch (host ``qo_indptr``, no device read),
+  run per layer: ``(out, lse)`` of the new tokens over themselves, causal;
+* :func:`causal_new_token_reference`: the same in torch (CPU, the tests' oracle);
+* :func:`merge_states`: two partial attentions over disjoint key sets into one (the LSE merge of
+  split-KV attention);
+* :func:`split_extend`: the new tokens' part, plus, only when some request has history, the
+  history part (Tangram's kernel with ``new_tokens=False``) merged in.
+
+LSE convention: natural log of ``sum_j exp(sm_scale * q . k_j)``, as Tangram's kernels write it
+and the scorers read it. FlashInfer's prefill wrappers return base-2 LSE (``log2 sum 2^(...)``);
+:class:`FlashInferNewTokens` converts (``* ln 2``).
+
+Source: FlashAttention-2 (Dao 2023) split-KV merge; SGLang 0.5.17
+``layers/attention/flashinfer_backend.py`` (ragged new tokens + paged prefix, merged by
+``merge_state``); FlashInfer 0.6 ``prefill.BatchPrefillWithRaggedKVCacheWrapper`` (plan/run).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Protocol
+
+import torch
+
+from tangram_sglang.errors import KernelError
+
+# FlashInfer's planner workspace (bytes): SGLang's default for its own flashinfer backend.
+WORKSPACE_BYTES = 256 * 1024 * 1024
+
+
+class NewTokenAttention(Protocol):
+    """The new tokens' causal attention of an extend batch (plan per batch, run per layer)."""
+
+    def plan(
+        self, bounds: Sequence[int], num_qo_heads: int, num_kv_heads: int, head_dim: int, dtype
+    ) -> None:
+        """Prepare for a batch whose request i owns tokens ``bounds[i]:bounds[i + 1]``."""
+
+    def run(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(out [T, H_q, D] q's dtype, lse float32 [T, H_q] natural log)`` of one layer."""
+
+
+def causal_new_token_reference(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bounds: Sequence[int], sm_scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Ragged causal attention of each request's new tokens over themselves (torch, float32).
+
+    Args:
+        q: ``[T, H_q, D]``; k, v: ``[T, H_kv, D]`` (post-RoPE; GQA: query head h reads KV head
+            ``h // (H_q // H_kv)``).
+        bounds: ``bs + 1`` host ints: request i owns tokens ``bounds[i]:bounds[i + 1]``.
+        sm_scale: softmax scale.
+
+    Returns:
+        ``(out, lse)``: out ``[T, H_q, D]`` in q's dtype; lse float32 ``[T, H_q]``, natural log.
+    """
+    num_qo_heads, num_kv_heads = q.shape[1], k.shape[1]
+    gqa = num_qo_heads // num_kv_heads
+    out = torch.empty_like(q)
+    lse = torch.empty(q.shape[0], num_qo_heads, dtype=torch.float32, device=q.device)
+    for start, end in zip(bounds[:-1], bounds[1:], strict=True):
+        n = end - start
+        if n == 0:
+            continue
+        qs = q[start:end].float().transpose(0, 1)  # [H_q, n, D]
+        ks = k[start:end].float().transpose(0, 1).repeat_interleave(gqa, 0)  # [H_q, n, D]
+        vs = v[start:end].float().transpose(0, 1).repeat_interleave(gqa, 0)
+        logits = torch.matmul(qs, ks.transpose(1, 2)) * sm_scale  # [H_q, n, n]
+        future = torch.ones(n, n, dtype=torch.bool, device=q.device).triu(1)
+        logits.masked_fill_(future, float("-inf"))
+        norm = torch.logsumexp(logits, dim=-1)  # [H_q, n]
+        out[start:end] = torch.matmul(torch.exp(logits - norm.unsqueeze(-1)), vs).transpose(0, 1)
+        lse[start:end] = norm.transpose(0, 1)
+    return out, lse
+
+
+class TorchNewTokens:
+    """:class:`NewTokenAttention` by :func:`causal_new_token_reference` (CPU and tests)."""
+
+    def __init__(self) -> None:
+        self.bounds: list[int] = []
+
+    def plan(self, bounds, num_qo_heads, num_kv_heads, head_dim, dtype) -> None:
+        """Keep the batch's bounds (host ints)."""
+        self.bounds = list(bounds)
+
+    def run(self, q, k, v, sm_scale):
+        """``(out, lse)`` of the planned batch (:func:`causal_new_token_reference`)."""
+        return causal_new_token_reference(q, k, v, self.bounds, sm_scale)
+
+
+class FlashInferNewTokens:
+    """:class:`NewTokenAttention` by FlashInfer's ragged prefill wrapper (CUDA).
+
+    Args:
+        device: a CUDA device.
+
+    Raises:
+        KernelError: flashinfer cannot be imported (the message names the fix).
+    """
+
+    def __init__(self, device) -> None:
+        try:
+            from flashinfer.prefill import BatchPrefillWithRaggedKVCacheWrapper
+        except ImportError as exc:  # pragma: no cover - sglang depends on flashinfer-python
+            raise KernelError(
+                "TANGRAM_PREFILL_ATTENTION=flashinfer needs the flashinfer-python package "
+                f"({exc}); install it or unset TANGRAM_PREFILL_ATTENTION"
+            ) from exc
+        workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+        self.wrapper = BatchPrefillWithRaggedKVCacheWrapper(workspace, "NHD")
+
+    def plan(self, bounds, num_qo_heads, num_kv_heads, head_dim, dtype) -> None:
+        """FlashInfer's plan for the batch, from a host ``qo_indptr`` (no device read)."""
+        indptr = torch.tensor(list(bounds), dtype=torch.int32)
+        self.wrapper.begin_forward(
+            indptr, indptr, num_qo_heads, num_kv_heads, head_dim, q_data_type=dtype
+        )
+
+    def run(self, q, k, v, sm_scale):
+        """``(out, lse)`` of one layer; FlashInfer's base-2 LSE turned into natural log."""
+        out, lse2 = self.wrapper.forward_return_lse(q, k, v, causal=True, sm_scale=sm_scale)
+        return out, lse2.mul_(math.log(2.0))
+
+
+def merge_states(
+    out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention over keys ``A + B`` from the attentions over ``A`` and over ``B``.
+
+    ``lse = log(e^lse_a + e^lse_b)``, ``out = e^(lse_a - lse) out_a + e^(lse_b - lse) out_b``
+    (FlashAttention-2's split-KV merge). A side with no key (``lse = -inf``, output 0) drops
+    out; both sides empty is not allowed (a new token always sees itself).
+
+    Args:
+        out_a, out_b: ``[T, H, D]`` same dtype; lse_a, lse_b: float32 ``[T, H]``, natural log.
+
+    Returns:
+        ``(out [T, H, D] in out_a's dtype, lse float32 [T, H])``.
+    """
+    lse = torch.logaddexp(lse_a, lse_b)
+    w_a = torch.exp(lse_a - lse).unsqueeze(-1)
+    w_b = torch.exp(lse_b - lse).unsqueeze(-1)
+    out = torch.addcmul(out_b.float() * w_b, out_a.float(), w_a)
+    return out.to(out_a.dtype), lse
+
+
+def split_extend(
+    new_tokens: NewTokenAttention,
+    history: Callable[[], tuple[torch.Tensor, torch.Tensor]] | None,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    sm_scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Extend attention as the new tokens' part (planned) plus, if given, the history's part.
+
+    Args:
+        new_tokens: a planned :class:`NewTokenAttention` for this batch.
+        history: ``None`` when no request of the batch has history, else a callable returning
+            the history part ``(out, lse)`` (``ragged_extend_attention(..., new_tokens=False)``).
+        q: ``[T, H_q, D]``; k, v: ``[T, H_kv, D]`` (post-RoPE, the pool's dtype).
+        sm_scale: softmax scale.
+
+    Returns:
+        ``(out, lse)`` as ``ragged_extend_attention`` (natural-log LSE over history + new).
+    """
+    out, lse = new_tokens.run(q, k, v, sm_scale)
+    if history is None:
+        return out, lse
+    out_h, lse_h = history()
+    return merge_states(out_h, lse_h, out, lse)
