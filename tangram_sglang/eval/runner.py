@@ -40,6 +40,7 @@ from tangram_sglang.eval.systems import (
     GRID_CELL_TOKENS,
     GRID_SYSTEMS,
     PRESS_SYSTEMS,
+    PROFILE_BUDGET_SYSTEMS,
     TANGRAM_SYSTEMS,
     KvpressRunner,
     ServerClient,
@@ -193,9 +194,10 @@ def run(cfg: RunConfig, log: Callable[[str], None] | None = None) -> dict[str, A
         for r in cfg.ratios
     }
     # each Tangram system's own profile (the Ada-SnapKV one above also sets the presses' budget)
+    # and of each press system whose per-head budgets come from a profile (kvzip-budgets)
     server_profiles = {
         (system, r): tangram_profile(shipped_profile(cfg.profile_dir, r, cfg.model_dir, sc), r)
-        for system, sc in TANGRAM_SYSTEMS.items()
+        for system, sc in (TANGRAM_SYSTEMS | PROFILE_BUDGET_SYSTEMS).items()
         if system in cfg.systems
         for r in cfg.ratios
     }
@@ -323,15 +325,19 @@ class _Context:
             n = len(conv.context_ids)
             kept = {r: tangram_kept_fraction(p, n) for r, p in self.profiles.items()}
             presses = {} if "full-hf" not in self.cfg.systems else {("full-hf", None): None}
+            fractions = {}  # (system, ratio) -> kept share of the context
             for system in PRESS_SYSTEMS:
                 if system in self.cfg.systems:
                     for r in self.cfg.ratios:
-                        presses[(system, r)] = KvpressRunner.make_press(system, 1 - kept[r])
+                        budgets = self.server_profiles.get((system, r))
+                        frac = kept[r] if budgets is None else tangram_kept_fraction(budgets, n)
+                        fractions[(system, r)] = frac
+                        presses[(system, r)] = KvpressRunner.make_press(system, 1 - frac, budgets)
             outs = runner.generate(
                 conv.context_ids, conv.turn_ids, presses, MAX_NEW_TOKENS[sample.task]
             )
             for (system, r), per_turn in outs.items():
-                frac = 1.0 if r is None else kept[r]
+                frac = 1.0 if r is None else fractions[(system, r)]
                 for turn, (ids, out) in enumerate(zip(conv.turn_ids, per_turn, strict=True)):
                     # the context's (compressed) cache is reused by construction: cached = n,
                     # except a query-aware turn 0 (its prompt is the compressed prefill: 0)

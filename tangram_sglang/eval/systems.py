@@ -23,6 +23,12 @@ whole first prompt is the compressed part (``tasks.for_protocol``), later turns 
   prefill, extra forwards of "Repeat the previous context." + the context score every KV pair by
   the largest attention a reconstruction query pays it; one budget over all layers and heads).
   It needs those extra forwards, so it gets its own prefill (:meth:`KvpressRunner._prefill_kvzip`).
+* ``kvzip-budgets``: KVzip's scores (the same reconstruction forwards) with Tangram's static
+  allocation: each KV head keeps its group's ``kept_len`` of the context from the shipped
+  ``kvzip-lite`` profile at the ratio, by KVzip's score, with Tangram's sinks and recent window
+  (:func:`profile_budget_kvzip_press`). Beside ``kvzip`` (one budget over every layer and head
+  per request) and ``tangram-kvzip-lite`` (same budgets, same-pass scores) it tells which of
+  the two, the scores or the allocation, a gap to KVzip comes from.
 * ``tangram-kvzip-lite``: the ``--tangram`` server with the shipped ``kvzip-lite`` profile (the
   same-pass query-agnostic scorer, ``scoring/kvzip_lite.py``), rescaled to the ratio.
 * ``tangram-kvzip-replay``: the same with the shipped ``kvzip-replay`` profile (the segment's
@@ -58,7 +64,9 @@ from tangram_sglang.errors import TangramError
 from tangram_sglang.mem.reservation import segment_kept_lens
 from tangram_sglang.profile import BudgetProfile
 
-PRESS_SYSTEMS = ("dynamic-ada-snapkv", "uniform-snapkv", "kvzip")
+PRESS_SYSTEMS = ("dynamic-ada-snapkv", "uniform-snapkv", "kvzip", "kvzip-budgets")
+# press systems whose per-head budgets come from a Tangram profile: system -> its scorer
+PROFILE_BUDGET_SYSTEMS = {"kvzip-budgets": "kvzip-lite"}
 # Tangram systems: system name -> the scorer of its shipped profile (``<scorer>-r<ratio>.json``)
 # Tangram systems on the segment grid (``TANGRAM_GRID_SEGMENTS=1``, cells of ``--grid-cell``
 # tokens): every whole cell is compressed on its own, before any question (query-agnostic).
@@ -175,9 +183,21 @@ class KvpressRunner:
         self.kept_per_head: dict[Any, list[list[int]]] = {}
 
     @staticmethod
-    def make_press(system: str, compression_ratio: float) -> Any:
-        """The kvpress press of one system at ``compression_ratio`` (share of KV removed)."""
+    def make_press(
+        system: str, compression_ratio: float, profile: BudgetProfile | None = None
+    ) -> Any:
+        """The kvpress press of one system at ``compression_ratio`` (share of KV removed);
+        ``profile``: the per-head budgets of a :data:`PROFILE_BUDGET_SYSTEMS` system.
+
+        Raises:
+            TangramError: an unknown system, or a budget system without its profile.
+        """
         import kvpress
+
+        if system in PROFILE_BUDGET_SYSTEMS:
+            if profile is None:
+                raise TangramError(f"press system {system!r} needs the profile of its budgets")
+            return profile_budget_kvzip_press(profile, compression_ratio)
 
         snap = kvpress.SnapKVPress(
             compression_ratio=compression_ratio,
@@ -375,8 +395,57 @@ class KvpressRunner:
 
 
 def _is_kvzip(press: Any) -> bool:
-    """Whether ``press`` is kvpress's ``KVzipPress`` (it needs its own prefill)."""
-    return type(press).__name__ == "KVzipPress"
+    """Whether ``press`` is kvpress's ``KVzipPress`` or a subclass (it needs its own prefill)."""
+    return any(cls.__name__ == "KVzipPress" for cls in type(press).__mro__)
+
+
+def profile_budget_kvzip_press(profile: BudgetProfile, compression_ratio: float) -> Any:
+    """kvpress's ``KVzipPress`` scores with a Tangram profile's static per-head budgets.
+
+    KVzip's reconstruction forwards score every (layer, KV head, token) of the context as usual;
+    then, instead of one top-k over all of them, KV head h of layer l keeps
+    ``profile.group_kept_array(n)[cluster_of[l][h]]`` tokens (``n`` = context tokens: the
+    footprint Tangram's server holds for that segment), chosen by
+    :func:`~tangram_sglang.scoring.select.select_kept` on KVzip's scores (the profile's sinks
+    and recent window kept first, as the server does).
+
+    Args:
+        profile: the budgets (a shipped profile rescaled to the ratio).
+        compression_ratio: kvpress's share removed, > 0 (KVzip runs its reconstruction only
+            then); the kept counts come from ``profile``, not from it.
+
+    Returns:
+        A ``KVzipPress`` instance whose ``compress_post`` applies the profile's budgets.
+
+    Source: kvpress 0.5.5 ``presses/kvzip_press.py`` (``compress_post``: evicted pairs go in
+    each attention module's ``masked_key_indices``); Tangram arXiv 2606.06302 §4.1.
+    """
+    import kvpress
+    import torch
+
+    from tangram_sglang.scoring.select import select_kept
+
+    class ProfileBudgetKVzipPress(kvpress.KVzipPress):
+        def compress_post(self, model: Any) -> None:
+            scores = self.score_val  # float [num_layers, bsz 1, H_kv, n]
+            num_kv_heads, n = scores.shape[2], scores.shape[3]
+            kept = profile.group_kept_array(n)[np.asarray(profile.grouping.cluster_of)]
+            for layer in model.model.layers:
+                module = layer.self_attn
+                lid = int(module.layer_idx)
+                evicted = torch.ones(num_kv_heads, n, dtype=torch.bool)
+                for head in range(num_kv_heads):
+                    idx = select_kept(
+                        scores[lid, 0, head : head + 1].float().cpu(),
+                        int(kept[lid, head]),
+                        profile.sink_tokens,
+                        profile.recent_window,
+                    )
+                    evicted[head, idx[0]] = False
+                heads, seq = evicted.nonzero(as_tuple=True)
+                module.masked_key_indices = (torch.zeros_like(heads), heads, seq)
+
+    return ProfileBudgetKVzipPress(compression_ratio=compression_ratio)
 
 
 def _kept_counts(num_heads: int, num_stored: int, masked: tuple | None) -> list[int]:

@@ -112,6 +112,34 @@ def test_kvzip_gets_its_own_prefill_and_answers_as_kvpress_does(setup):
     assert len({sum(per_layer) for per_layer in kept}) > 1  # layers keep different counts
 
 
+def test_kvzip_scores_with_profile_budgets_keep_each_heads_static_count(setup):
+    """``kvzip-budgets``: KVzip's reconstruction scores, but every KV head keeps its group's
+    ``kept_len`` of the context from a Tangram profile, sinks and recent window included."""
+    runner, conv = setup
+    profile = tangram_profile(BudgetProfile.load("calibration/smollm2/kvzip-lite-r0.25.json"), 0.5)
+    n = len(conv.context_ids)
+    frac = tangram_kept_fraction(profile, n)
+    press = KvpressRunner.make_press("kvzip-budgets", 1 - frac, profile)
+    presses = {"kvzip-budgets": press, "kvzip": KvpressRunner.make_press("kvzip", 1 - frac)}
+    runner.generate(conv.context_ids, conv.turn_ids, presses, 2)
+    kept = runner.kept_per_head["kvzip-budgets"]
+    group_kept = profile.group_kept_lens(n)
+    want = [[group_kept[g] for g in layer] for layer in profile.grouping.cluster_of.tolist()]
+    assert kept == want
+    total = sum(map(sum, kept))  # the same memory as KVzip's own allocation, spread otherwise
+    assert abs(sum(map(sum, runner.kept_per_head["kvzip"])) - total) <= len(kept) * len(kept[0])
+    assert runner.kept_per_head["kvzip"] != kept
+    assert len({k for layer in kept for k in layer}) > 1  # the profile's non-uniform budgets
+    attns = [layer.self_attn for layer in runner.model.model.layers]
+    mask = runner._prefill_kvzip(torch.tensor([conv.context_ids]), "again", press)[2]
+    for attn in attns:
+        attn.masked_key_indices = None
+    for *_, seq in mask.values():  # sinks and the recent window are never evicted
+        assert not ((seq < profile.sink_tokens) | (seq >= n - profile.recent_window)).any()
+    with pytest.raises(Exception, match="needs the profile"):
+        KvpressRunner.make_press("kvzip-budgets", 0.5)
+
+
 def test_a_turn_that_does_not_extend_the_context_is_refused(setup):
     from tangram_sglang.errors import TangramError
 
