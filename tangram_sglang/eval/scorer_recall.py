@@ -512,19 +512,19 @@ def _items(text: str, flag: str, example: str) -> tuple[str, ...]:
     return items
 
 
-def _floats(text: str, flag: str, example: str) -> tuple[float, ...]:
-    """The comma-separated numbers of ``flag``'s value (every item a number).
+def _numbers(text: str, flag: str, example: str, kind: type = float) -> tuple:
+    """The comma-separated numbers of ``flag``'s value, each parsed by ``kind`` (float or int:
+    ``1024.5`` is refused for an int, not truncated).
 
     Raises:
-        ConfigError: an empty or non-numeric item, naming ``flag`` and an example.
+        ConfigError: an empty or unparsable item, naming ``flag`` and an example.
     """
     items = _items(text, flag, example)
     try:
-        return tuple(float(x) for x in items)
+        return tuple(kind(x) for x in items)
     except ValueError:
-        raise ConfigError(
-            f"{flag} {text!r}: give comma-separated numbers, e.g. {example}"
-        ) from None
+        what = "integers" if kind is int else "numbers"
+        raise ConfigError(f"{flag} {text!r}: give comma-separated {what}, e.g. {example}") from None
 
 
 def _keeps(text: str) -> tuple[float, ...]:
@@ -533,7 +533,7 @@ def _keeps(text: str) -> tuple[float, ...]:
     Raises:
         ConfigError: a bad list or a fraction outside (0, 1], naming ``--keep``.
     """
-    keeps = _floats(text, "--keep", "0.25,0.5")
+    keeps = _numbers(text, "--keep", "0.25,0.5")
     for keep in keeps:
         if not 0.0 < keep <= 1.0:
             raise ConfigError(
@@ -579,7 +579,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.output:
             _check_writable(Path(args.output))
-        lengths = tuple(int(x) for x in _floats(args.lengths, "--lengths", "1024,2048"))
+        lengths = _numbers(args.lengths, "--lengths", "1024,2048", int)
         keeps, scorers = _keeps(args.keep), _scorers(args.scorers)
         report = recall_report(
             args.model_path,

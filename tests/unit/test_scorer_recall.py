@@ -231,6 +231,7 @@ def test_kvzip_scores_cover_the_context_after_the_template_head(smollm2):
         (["--keep", "abc"], "--keep 'abc'"),
         (["--num-samples", "0"], "--num-samples must be >= 1"),
         (["--lengths", "10"], "--lengths must be token counts > 64"),
+        (["--lengths", "1024.5"], "--lengths '1024.5': give comma-separated integers"),
         (["--scorers", "nope"], "--scorers 'nope': scorer 'nope' is not registered; registered:"),
         (["--output", "/nonexistent/recall.json"], "folder /nonexistent does not exist"),
         (["--model-path", "nosuch"], "unknown embedded model 'nosuch'"),
