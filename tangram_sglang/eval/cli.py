@@ -269,16 +269,18 @@ def _check_profiles(profile_dir: Path, systems: tuple[str, ...]) -> None:
     """The shipped profiles the run loads are in ``--profile-dir`` (before any model loads).
 
     ``ada-snapkv-r*.json`` always (it sets every compressed system's budget), and each selected
-    Tangram system's ``<scorer>-r*.json`` (``runner.TANGRAM_SYSTEMS``).
+    Tangram system's ``<scorer>-r*.json`` (``runner.TANGRAM_SYSTEMS``) or press system's whose
+    budgets come from a profile (``systems.PROFILE_BUDGET_SYSTEMS``: ``kvzip-budgets``).
 
     Raises:
         ConfigError: a missing profile, with the systems that need it and the fix.
     """
     from tangram_sglang.errors import ConfigError
     from tangram_sglang.eval.runner import TANGRAM_SYSTEMS
+    from tangram_sglang.eval.systems import PROFILE_BUDGET_SYSTEMS
 
     wanted = {"ada-snapkv": []}
-    for system, scorer in TANGRAM_SYSTEMS.items():
+    for system, scorer in (TANGRAM_SYSTEMS | PROFILE_BUDGET_SYSTEMS).items():
         if system in systems:
             wanted.setdefault(scorer, []).append(system)
     for scorer, users in wanted.items():

@@ -59,7 +59,8 @@ from tangram_sglang.serving import CUDA_STOCK_FLAGS
 
 MAX_NEW_TOKENS = {"needle": 28, "squad": 24, "multiturn-squad": 24}
 SYSTEMS = ("full", *TANGRAM_SYSTEMS, *PRESS_SYSTEMS, "full-hf")
-DEFAULT_SYSTEMS = tuple(s for s in SYSTEMS if s not in GRID_SYSTEMS)
+# by default neither the grid systems nor the diagnostic kvzip-budgets (a second KVzip prefill)
+DEFAULT_SYSTEMS = tuple(s for s in SYSTEMS if s not in GRID_SYSTEMS | PROFILE_BUDGET_SYSTEMS)
 STARTUP_S = 1800.0  # server start-up limit: minutes on a busy shared CPU
 CHUNKED_PREFILL_TOKENS = 16384  # > any prompt here: the whole prompt is one Tangram segment
 TEMPLATE_MARGIN = 1024  # tokens the chat template, questions and multi-turn history add at most

@@ -81,6 +81,8 @@ def test_a_missing_profile_of_a_selected_system_is_named_before_any_model(
 
     cfg = config_from_args(parse_args([*argv, "--systems", "full,tangram"]))
     assert cfg.systems == ("full", "tangram")
+    assert main([*argv, "--systems", "full,kvzip-budgets"]) == 2  # its budgets: kvzip-lite's
+    assert "no kvzip-lite-r*.json profile (kvzip-budgets's budget)" in capsys.readouterr().err
     empty = tmp_path / "empty"
     empty.mkdir()
     assert main(["--model", "smollm2", "--profile-dir", str(empty), "--systems", "full"]) == 2
