@@ -126,7 +126,7 @@ class FlashInferNewTokens:
         """FlashInfer's plan for the batch, from a host ``qo_indptr`` (no device read)."""
         indptr = torch.tensor(list(bounds), dtype=torch.int32)
         self.wrapper.begin_forward(
-            indptr, indptr, num_qo_heads, num_kv_heads, head_dim, q_data_type=dtype
+            indptr, indptr, num_qo_heads, num_kv_heads, head_dim, causal=True, q_data_type=dtype
         )
 
     def run(self, q, k, v, sm_scale):
