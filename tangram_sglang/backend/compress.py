@@ -72,7 +72,9 @@ MAX_PADDED_TOKENS = 65_536
 MAX_MERGE_SPREAD = 8  # a bucket merges into one at most this many times longer
 # float32 elements of one kvzip-lite logits block of a padded bucket ([b, H_q, m, N], 512 MiB):
 # the query slots are scored in blocks of m = this / (b * H_q * N) (the per-segment scorer's
-# temporary on a 16k-token chunk is the same size: H_q * query_block * n)
+# temporary on a 16k-token chunk is the same size: H_q * query_block * n); with the keys'
+# float32 copy ([b, H_kv, D + 1, N]) and the block's max, the path's peak stays under ~0.8 GiB
+# at MAX_PADDED_TOKENS on Llama-3.1-8B's shapes
 MAX_QUERY_BLOCK_FLOATS = 1 << 27
 _PLAN_CACHE_SIZE = 16  # batch plans kept (per batch shape and scored rows; whole fills apart)
 
@@ -276,8 +278,9 @@ class _Bucket:
     query_valid: torch.Tensor | None  # bool [b, 1, W]: the slot is one of the segment's window
     masked: torch.Tensor | None  # bool [b, 1, W, N]: pairs of an unused query slot or a pad key
     protected: torch.Tensor  # bool [b, N]: sinks (at off_i) and the recent window
-    # kvzip-lite buckets (kernels.window_scores.query_max_scores) only: int64 [b, W], the padded
-    # position of each scored query slot, -1 for unused slots; ``queries`` then holds the slots
+    # kvzip-lite buckets only (kernels.window_scores.query_max_scores, _query_max_attention):
+    # int64 [b, W], the padded position of each scored query slot, -1 for unused slots;
+    # ``queries`` then holds the slots
     query_pos: torch.Tensor | None = None
     # and on the host, rows by descending slot count: int64 [b] used slots, int64 [b] off_i
     slot_count: np.ndarray | None = None
@@ -531,21 +534,31 @@ def _make_query_bucket(
     segment (:func:`_query_max_attention` and the kernel skip the rest). The rows go by
     descending slot count, so the rows a block of slots uses are a prefix of the bucket."""
     _, sink_tokens, recent_window = windows
-    per_row = []  # positions within the segment of each row's scored queries
-    for n_i in lengths[rows].tolist():
-        w = min(scorer.obs_window, n_i)
-        per_row.append([n_i - w + i for i in scorer.query_slots(w)])
-    count = np.array([len(p) for p in per_row], np.int64)
+    n = lengths[rows]
+    w = np.minimum(scorer.obs_window, n)  # each row's last w queries, of which
+    limit = scorer.max_queries
+    count = w if limit == 0 else np.minimum(w, limit)  # count are scored
     order = np.argsort(-count, kind="stable")
-    rows, count, per_row = rows[order], count[order], [per_row[i] for i in order]
+    rows, n, w, count = rows[order], n[order], w[order], count[order]
     _, off, _, key_valid, tokens, protected = _padded_rows(
         rows, length, starts, lengths, sink_tokens, recent_window
     )
     width = int(count[0])
-    position = np.full((len(rows), width), -1, np.int64)  # within the segment
-    for i, p in enumerate(per_row):
-        position[i, width - len(p) :] = p
+    # slot j of a row holds its t-th scored query, t = j - (width - count): every query of the
+    # window when count = w, else scoring.kvzip_lite.evenly_spaced_slots in closed form
+    # (w - 1 - floor(i * w / max_queries) for i = count - 1 - t), the same float operations
+    t = np.arange(width)[None, :] - (width - count)[:, None]
+    step = (w / max(limit, 1))[:, None]  # evenly_spaced_slots' step, float64
+    spread = (w - 1)[:, None] - np.floor(((count - 1)[:, None] - t) * step)
+    in_window = np.where((count == w)[:, None], t, spread).astype(np.int64)
+    position = np.where(t >= 0, (n - w)[:, None] + in_window, -1)  # within the segment
     used = position >= 0
+    bound = length - width + np.arange(width)  # slot j sits at padded position <= this
+    if (used & (off[:, None] + position > bound[None, :])).any():
+        raise KernelError(
+            f"kvzip-lite bucket: a query slot past its right-aligned bound ({scorer}); the "
+            "kernels' causal skips would drop it"
+        )
     queries = np.where(used, starts[rows, None] + position, 0)
     query_pos = np.where(used, off[:, None] + position, -1)
     up = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(device)  # noqa: E731
@@ -665,8 +678,8 @@ def _query_max_attention(
     num_qo_heads = q.shape[1]
     bsz, length = b.tokens.shape
     slots = b.queries.shape[1]
-    k_pad = k[b.tokens].float().permute(0, 2, 3, 1)  # [b, H_kv, D, N]
-    k_aug = torch.cat([k_pad, k_pad.new_ones(bsz, num_kv_heads, 1, length)], dim=2)
+    k_aug = k.new_ones(bsz, num_kv_heads, dim + 1, length, dtype=torch.float32)
+    k_aug[:, :, :dim] = k[b.tokens].permute(0, 2, 3, 1)  # [b, H_kv, D, N] keys, a row of ones
     key_pos = torch.arange(length, device=k.device)
     pad = ~b.key_valid.view(bsz, 1, 1, length)
     best = torch.full((bsz, num_qo_heads, length), float("-inf"), device=k.device)

@@ -112,13 +112,11 @@ class TritonKernels(ReferenceKernels):
             max_batch_size, m.num_qo_heads, self.tables.scratch_splits, m.head_dim, device
         )
         self.new_tokens = None
-        self._planned: md.TangramForwardMetadata | None = (
-            None  # the batch new_tokens is planned for
-        )
+        self._planned = None  # the extend plan (metadata) new_tokens was last planned for
         if prefill == "flashinfer":
             from tangram_sglang.kernels.new_token_attention import FlashInferNewTokens
 
-            self.new_tokens = FlashInferNewTokens(device)
+            self.new_tokens = FlashInferNewTokens(device, state.memory.kv_pool.k_pool.dtype)
 
     def extend(
         self,

@@ -222,7 +222,7 @@ def markdown_table(rep: dict[str, Any]) -> str:
     """A RESULTS.md table: one row per (task, ratio), one column per system (points)."""
     systems = ["full", *TANGRAM_SYSTEMS, *GRID_SYSTEMS, "dynamic-ada-snapkv", "uniform-snapkv"]
     present = {s for by_ratio in rep["results"].values() for c in by_ratio.values() for s in c}
-    systems = [s for s in [*systems, "kvzip", "full-hf"] if s in present]
+    systems = [s for s in [*systems, "kvzip", "kvzip-budgets", "full-hf"] if s in present]
     lines = [
         f"| task | ratio | kept | {' | '.join(systems)} | n |",
         "|---|---|---|" + "---|" * len(systems) + "---|",

@@ -21,7 +21,8 @@ and the scorers read it. FlashInfer's prefill wrappers return base-2 LSE (``log2
 
 Source: FlashAttention-2 (Dao 2023) split-KV merge; SGLang 0.5.17
 ``layers/attention/flashinfer_backend.py`` (ragged new tokens + paged prefix, merged by
-``merge_state``); FlashInfer 0.6 ``prefill.BatchPrefillWithRaggedKVCacheWrapper`` (plan/run).
+``merge_state``); FlashInfer 0.6 ``prefill.BatchPrefillWithRaggedKVCacheWrapper``
+(``begin_forward`` / ``forward_return_lse``, the calls SGLang's backend makes).
 """
 
 from __future__ import annotations
@@ -32,10 +33,14 @@ from typing import Protocol
 
 import torch
 
-from tangram_sglang.errors import KernelError
+from tangram_sglang.errors import ConfigError, KernelError
 
-# FlashInfer's planner workspace (bytes): SGLang's default for its own flashinfer backend.
-WORKSPACE_BYTES = 256 * 1024 * 1024
+# FlashInfer's workspace (bytes): SGLang 0.5.17's default for its flashinfer backend
+# (SGLANG_FLASHINFER_WORKSPACE_SIZE, 384 MiB; it raises it to 512 MiB for Qwen2/Qwen3 models,
+# for the split-KV scratch of decode, which this path does not run).
+WORKSPACE_BYTES = 384 * 1024 * 1024
+# the dtypes FlashInfer's prefill kernels take
+FLASHINFER_DTYPES = (torch.float16, torch.bfloat16)
 
 
 class NewTokenAttention(Protocol):
@@ -106,12 +111,21 @@ class FlashInferNewTokens:
 
     Args:
         device: a CUDA device.
+        dtype: the model's (and KV pool's) dtype.
 
     Raises:
+        ConfigError: a dtype FlashInfer's prefill does not take (float32): the message names
+            ``TANGRAM_PREFILL_ATTENTION`` and the fix.
         KernelError: flashinfer cannot be imported (the message names the fix).
     """
 
-    def __init__(self, device) -> None:
+    def __init__(self, device, dtype: torch.dtype) -> None:
+        if dtype not in FLASHINFER_DTYPES:
+            raise ConfigError(
+                f"TANGRAM_PREFILL_ATTENTION=flashinfer runs FlashInfer's prefill, which takes "
+                f"float16 or bfloat16, not the model's {dtype}; pass --dtype bfloat16 or unset "
+                "TANGRAM_PREFILL_ATTENTION"
+            )
         try:
             from flashinfer.prefill import BatchPrefillWithRaggedKVCacheWrapper
         except ImportError as exc:  # pragma: no cover - sglang depends on flashinfer-python

@@ -20,6 +20,8 @@ Cost per layer and segment of ``n`` tokens: ``H_q * m * n * D`` multiply-adds wi
 min(n, max_queries)`` queries (SnapKV: ``m = w``), in blocks of :attr:`query_block` queries so the
 temporary stays ``H_q * query_block * n`` floats. With ``max_queries`` bounded, the cost is linear
 in n like SnapKV's; unbounded it is quadratic (the prefill's own attention cost, without ``V``).
+(The serving path scores a batch of mixed lengths in padded buckets, ``backend.compress``,
+whose slot blocks are bounded by its ``MAX_QUERY_BLOCK_FLOATS`` instead of ``query_block``.)
 
 Softmax normaliser: with ``lse_obs`` (the extend kernel's log-sum-exp over history + segment) a
 probability is ``exp(logit - lse)``, as the prefill computed it; without it (calibration on HF
@@ -101,7 +103,8 @@ class KVzipLiteScorer:
         kernel_size: 1-D pooling kernel over tokens (odd, 1 = none), as SnapKV's.
         pooling: ``"max"`` or ``"avg"`` for that pooling.
         gqa_reduce: ``"max"`` (KVzip) or ``"mean"`` over the query heads of a KV head.
-        query_block: queries per matmul block (>= 1); memory, not results.
+        query_block: queries per matmul block (>= 1) of :meth:`score`; memory, not results
+            (the padded batches of ``backend.compress`` bound their blocks by size instead).
     """
 
     obs_window: int = ALL_QUERIES

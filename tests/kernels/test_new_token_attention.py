@@ -123,3 +123,73 @@ def test_flashinfer_new_tokens_equal_the_reference_and_the_split_equals_the_fuse
     fused = _fused(q, k, v, qo_indptr, paging)
     assert rel_err(split[0], fused[0]) < TOL[torch.bfloat16]
     assert rel_err(split[1], fused[1]) < TOL[torch.bfloat16]
+
+
+def test_triton_kernels_split_extend_plans_once_per_batch_and_runs_history_when_needed(
+    monkeypatch,
+):
+    """``TritonKernels.extend`` with a new-token attention (the torch one standing in for
+    FlashInfer on CPU): planned on each batch's first layer only, the history pass run when
+    the plan says some request has history, and equal to the fused kernel either way."""
+    from types import SimpleNamespace
+
+    from tangram_sglang.backend import metadata as md
+    from tangram_sglang.backend.layer_ops import TritonKernels
+    from tangram_sglang.profile import BudgetProfile
+
+    monkeypatch.setattr(
+        torch.cuda, "get_device_properties", lambda d: SimpleNamespace(multi_processor_count=8)
+    )
+    profile = BudgetProfile.load("calibration/synthetic/llama3.1-8b-ada-snapkv-r0.25.json")
+    kernels = TritonKernels(SimpleNamespace(profile=profile), 4, torch.device("cpu"))
+    plans = []
+
+    class Counted(TorchNewTokens):
+        def plan(self, bounds, *args):
+            plans.append(list(bounds))
+            super().plan(bounds, *args)
+
+    kernels.new_tokens = Counted()
+
+    def meta_of(qo_indptr, req_rows, any_history):
+        bounds = qo_indptr.tolist()
+        return md.TangramForwardMetadata(
+            mode=md.EXTEND,
+            req_rows=req_rows,
+            qo_indptr=qo_indptr,
+            bounds=bounds,
+            kept_lens=None,
+            kept_count=None,
+            dest_page=None,
+            dest_slot=None,
+            max_extend_len=max(np.diff(bounds)),
+            any_history=any_history,
+        )
+
+    _, q, k, v, qo_indptr, paging = extend_inputs(torch.float32, 16, 64, [1, 70, 0], seed=4)
+    meta = meta_of(qo_indptr, paging[4], any_history=True)
+    want = _fused(q, k, v, qo_indptr, paging)
+    for _ in range(2):  # two layers of one batch
+        got = kernels.extend(q, k, v, qo_indptr, *paging, SCALE, meta.max_extend_len, meta=meta)
+        assert rel_err(got[0], want[0]) < TOL[torch.float32]
+        assert rel_err(got[1], want[1]) < TOL[torch.float32]
+    assert plans == [[0, 1, 71, 71]]
+    # a first turn (no history anywhere): one new-token pass, a new plan for the new batch
+    _, q, k, v, qo_indptr, paging = extend_inputs(torch.float32, 16, 64, [70, 1], seed=6)
+    empty = (*paging[:3], torch.zeros_like(paging[3]), *paging[4:])
+    meta = meta_of(qo_indptr, paging[4], any_history=False)
+    got = kernels.extend(q, k, v, qo_indptr, *empty, SCALE, meta.max_extend_len, meta=meta)
+    want = _fused(q, k, v, qo_indptr, empty)
+    assert rel_err(got[0], want[0]) < TOL[torch.float32]
+    assert rel_err(got[1], want[1]) < TOL[torch.float32]
+    assert plans == [[0, 1, 71, 71], [0, 70, 71]]
+
+
+def test_flashinfer_new_tokens_refuse_a_float32_model_with_the_fix():
+    from tangram_sglang.errors import ConfigError
+    from tangram_sglang.kernels.new_token_attention import FlashInferNewTokens
+
+    with pytest.raises(
+        ConfigError, match="TANGRAM_PREFILL_ATTENTION=flashinfer .* --dtype bfloat16"
+    ):
+        FlashInferNewTokens(torch.device("cpu"), torch.float32)

@@ -156,25 +156,27 @@ def test_launches_per_layer_depend_on_buckets_not_on_batch_size():
 
 
 @pytest.mark.parametrize(
-    ("max_queries", "band", "kernel", "pooling", "gqa_reduce", "sink", "recent"),
+    ("max_queries", "band", "window", "kernel", "pooling", "gqa_reduce", "sink", "recent"),
     [
-        (16, 8, 1, "max", "max", 2, 3),
-        (0, 0, 3, "max", "max", 0, 1),
-        (40, 4, 5, "avg", "mean", 4, 32),
+        (16, 8, 1 << 30, 1, "max", "max", 2, 3),
+        (0, 0, 1 << 30, 3, "max", "max", 0, 1),
+        (40, 4, 1 << 30, 5, "avg", "mean", 4, 32),
+        (24, 6, 50, 1, "max", "max", 2, 3),  # a window under some lengths
     ],
 )
 def test_kvzip_lite_mixed_lengths_in_padded_buckets_equal_the_reference(
-    max_queries, band, kernel, pooling, gqa_reduce, sink, recent
+    max_queries, band, window, kernel, pooling, gqa_reduce, sink, recent
 ):
     """The shipped default scorer on a mixed batch, torch ops (no kernel): padded query-slot
-    buckets (segments under the band and under the slot bound among them) keep the oracle's
-    tokens, and the plan holds buckets, not one scorer call per length."""
+    buckets (segments under the band, under the slot bound and under the window among them)
+    keep the oracle's tokens, and the plan holds buckets, not one scorer call per length."""
     from tangram_sglang.backend import compress
     from tangram_sglang.scoring.kvzip_lite import KVzipLiteScorer
 
     rng = np.random.default_rng(max_queries + band)
     lengths = [70, 5, 130, 0, 64, 65, 300, 12, 129, 257, 40, 90]
     scorer = KVzipLiteScorer(
+        obs_window=window,
         max_queries=max_queries,
         local_band=band,
         kernel_size=kernel,
@@ -194,20 +196,120 @@ def test_kvzip_lite_mixed_lengths_in_padded_buckets_equal_the_reference(
     assert buckets and all(b.query_pos is not None for b in buckets)
 
 
-def test_kvzip_lite_query_blocks_bound_the_temporary(monkeypatch):
-    """Query slots scored a few at a time (a tiny block bound): the same tokens."""
+@pytest.mark.parametrize("slots_per_block", [1, 3])
+def test_kvzip_lite_query_blocks_bound_the_temporary(monkeypatch, slots_per_block):
+    """Query slots scored a few at a time (a tiny block bound) over rows of different slot
+    counts (under and over the 24-slot bound): each block takes its own rows and keys, and
+    the kept tokens stay the reference's."""
     from tangram_sglang.backend import compress
     from tangram_sglang.scoring.kvzip_lite import KVzipLiteScorer
 
     scorer = KVzipLiteScorer(max_queries=24, local_band=4)
-    lengths = [70, 130, 90, 200, 33]
+    lengths = [70, 5, 130, 12, 300, 20]
     q, k, lse, bounds = _batch(lengths, 4)
     kept = [[max(1, n // 4)] * H_KV for n in lengths]
-    want = batch_kept_indices(scorer, q, k, lse, bounds, kept, 0.3, 1, 2, window_kernel=False)
-    monkeypatch.setattr(compress, "MAX_QUERY_BLOCK_FLOATS", len(lengths) * GQA * H_KV * 256 * 3)
+    compress._PLANS.clear()
+    want = reference_kept_indices(scorer, q, k, lse, bounds, kept, 0.3, 1, 2)
+    monkeypatch.setattr(compress, "MAX_QUERY_BLOCK_FLOATS", slots_per_block * GQA * H_KV * 512 * 6)
+    blocks = []
+    real = compress._query_max_attention
+
+    def counted(q, k, lse, b, sm_scale, band):
+        step = compress.MAX_QUERY_BLOCK_FLOATS // (b.tokens.shape[0] * q.shape[1] * b.length)
+        blocks.append(-(-b.queries.shape[1] // step))
+        return real(q, k, lse, b, sm_scale, band)
+
+    monkeypatch.setattr(compress, "_query_max_attention", counted)
     got = batch_kept_indices(scorer, q, k, lse, bounds, kept, 0.3, 1, 2, window_kernel=False)
     assert torch.equal(got, want)
-    assert torch.equal(got, reference_kept_indices(scorer, q, k, lse, bounds, kept, 0.3, 1, 2))
+    assert blocks and max(blocks) > 1
+
+
+@pytest.mark.parametrize(
+    ("window", "band", "slots_per_block"), [(50, 4, 1), (50, 0, 3), (1 << 30, 0, 2)]
+)
+def test_kvzip_lite_padded_scores_equal_the_scorer_row_by_row(
+    monkeypatch, window, band, slots_per_block
+):
+    """Every value of the torch path's query max (before pooling) equals the per-segment
+    scorer's on each row: rows of different slot counts, windows shorter than some rows, a few
+    slots per block (each block takes its own prefix of rows and its own keys)."""
+    from tangram_sglang.backend import compress
+    from tangram_sglang.scoring.kvzip_lite import KVzipLiteScorer
+
+    lengths = [70, 5, 130, 12, 300, 40]
+    q, k, lse, bounds = _batch(lengths, 9)
+    scorer = KVzipLiteScorer(obs_window=window, max_queries=24, local_band=band)
+    starts, n = np.asarray(bounds[:-1]), np.asarray(lengths)
+    bucket = compress._make_query_bucket(
+        np.arange(len(lengths)), 512, starts, n, scorer, (window, 2, 4), torch.device("cpu")
+    )
+    monkeypatch.setattr(compress, "MAX_QUERY_BLOCK_FLOATS", slots_per_block * GQA * H_KV * 512 * 6)
+    got = compress._query_max_attention(q, k, lse, bucket, 0.3, band)  # [b, H_q, N]
+    one = KVzipLiteScorer(obs_window=window, max_queries=24, local_band=band, gqa_reduce="max")
+    for r, row in enumerate(bucket.rows_host.tolist()):
+        start, end = bounds[row], bounds[row + 1]
+        w = min(window, end - start)
+        for head in range(GQA * H_KV):
+            kv = head // GQA
+            want = one.score(
+                q[end - w : end, head : head + 1].transpose(0, 1)[None],
+                k[start:end, kv : kv + 1].transpose(0, 1)[None],
+                0.3,
+                lse_obs=lse[end - w : end, head : head + 1].transpose(0, 1)[None],
+            )[0, 0]
+            torch.testing.assert_close(got[r, head, 512 - (end - start) :], want)
+            assert (got[r, head, : 512 - (end - start)] == 0).all()  # pads
+
+
+def test_kvzip_lite_bucket_slots_are_the_scorers_query_slots():
+    """The bucket's slots (built for the whole bucket at once) are each row's
+    ``scorer.query_slots`` of its last ``min(obs_window, n)`` queries, right-aligned, rows by
+    descending slot count: random lengths, windows and slot bounds (1,024 included)."""
+    from tangram_sglang.backend import compress
+    from tangram_sglang.scoring.kvzip_lite import KVzipLiteScorer
+
+    rng = np.random.default_rng(0)
+    for _ in range(150):
+        limit = int(rng.choice([0, 1, 3, 24, 1024, int(rng.integers(1, 200))]))
+        window = int(rng.choice([1 << 30, int(rng.integers(1, 300))]))
+        scorer = KVzipLiteScorer(obs_window=window, max_queries=limit)
+        lengths = rng.integers(1, 3000, int(rng.integers(1, 8)))
+        size = int(1 << int(np.ceil(np.log2(lengths.max()))))
+        starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
+        rows = np.arange(len(lengths))
+        bucket = compress._make_query_bucket(
+            rows, size, starts, lengths, scorer, (window, 0, 0), torch.device("cpu")
+        )
+        counts = []
+        for r, row in enumerate(bucket.rows_host.tolist()):
+            n = int(lengths[row])
+            w = min(window, n)
+            want = [n - w + i for i in scorer.query_slots(w)]
+            pos = bucket.query_pos[r].numpy()
+            assert (pos[: len(pos) - len(want)] == -1).all()  # right-aligned
+            assert (pos[len(pos) - len(want) :] - (size - n)).tolist() == want
+            counts.append(len(want))
+        assert counts == sorted(counts, reverse=True)
+
+
+def test_the_plan_cache_keeps_kvzip_lite_slot_bounds_apart():
+    """Two kvzip-lite scorers differing only in their slot bound over the same batch, cache
+    kept between them: each keeps its own reference's tokens."""
+    from tangram_sglang.backend import compress
+    from tangram_sglang.scoring.kvzip_lite import KVzipLiteScorer
+
+    lengths = [70, 200, 90, 130, 33]
+    q, k, lse, bounds = _batch(lengths, 8)
+    kept = [[max(1, n // 3)] * H_KV for n in lengths]
+    compress._PLANS.clear()
+    for _ in range(2):
+        for scorer in (KVzipLiteScorer(max_queries=16), KVzipLiteScorer(max_queries=0)):
+            want = reference_kept_indices(scorer, q, k, lse, bounds, kept, 0.3, 2, 4)
+            got = batch_kept_indices(
+                scorer, q, k, lse, bounds, kept, 0.3, 2, 4, window_kernel=False
+            )
+            assert torch.equal(got, want), scorer
 
 
 def test_kvzip_lite_launches_per_layer_do_not_grow_with_distinct_lengths():
