@@ -274,7 +274,7 @@ class _Bucket:
     offset: torch.Tensor  # int64 [b]: off_i = N - n_i, first real position
     key_valid: torch.Tensor  # bool [b, N]: position holds a token of the segment
     context: torch.Tensor  # bool [b, N]: a token before the segment's window (pooled, ranked)
-    query_scale: torch.Tensor  # float32 [b, W]: 1 / w_i on valid query slots, 0 elsewhere
+    query_scale: torch.Tensor | None  # float32 [b, W]: 1 / w_i on valid slots (SnapKV buckets)
     query_valid: torch.Tensor | None  # bool [b, 1, W]: the slot is one of the segment's window
     masked: torch.Tensor | None  # bool [b, 1, W, N]: pairs of an unused query slot or a pad key
     protected: torch.Tensor  # bool [b, N]: sinks (at off_i) and the recent window
@@ -562,6 +562,7 @@ def _make_query_bucket(
     queries = np.where(used, starts[rows, None] + position, 0)
     query_pos = np.where(used, off[:, None] + position, -1)
     up = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(device)  # noqa: E731
+    valid = up(key_valid)
     return _Bucket(
         rows=up(rows),
         rows_host=rows,
@@ -570,9 +571,9 @@ def _make_query_bucket(
         tokens=up(tokens),
         queries=up(queries),
         offset=up(off),
-        key_valid=up(key_valid),
-        context=up(key_valid),
-        query_scale=up(used.astype(np.float32)),
+        key_valid=valid,
+        context=valid,  # every real token is scored
+        query_scale=None,  # the window mean's weights: not read by the query max
         protected=up(protected),
         query_valid=None,
         masked=None,
