@@ -56,7 +56,7 @@ from tangram_sglang.errors import KernelError
 from tangram_sglang.kernels.window_scores import query_max_scores, window_scores
 from tangram_sglang.kernels.window_scores import supported as window_scores_supported
 from tangram_sglang.scoring.base import Scorer
-from tangram_sglang.scoring.kvzip_lite import KVzipLiteScorer
+from tangram_sglang.scoring.kvzip_lite import KVzipLiteScorer, slot_table
 from tangram_sglang.scoring.select import priority_key, select_kept
 from tangram_sglang.scoring.snapkv import SnapKVScorer, reduce_gqa
 
@@ -535,24 +535,16 @@ def _make_query_bucket(
     descending slot count, so the rows a block of slots uses are a prefix of the bucket."""
     _, sink_tokens, recent_window = windows
     n = lengths[rows]
-    w = np.minimum(scorer.obs_window, n)  # each row's last w queries, of which
-    limit = scorer.max_queries
-    count = w if limit == 0 else np.minimum(w, limit)  # count are scored
+    w = np.minimum(scorer.obs_window, n)  # each row's last w queries, some of them scored
+    count, in_window = slot_table(w, scorer.max_queries)  # right-aligned
     order = np.argsort(-count, kind="stable")
-    rows, n, w, count = rows[order], n[order], w[order], count[order]
+    rows, n, w, count, in_window = rows[order], n[order], w[order], count[order], in_window[order]
     _, off, _, key_valid, tokens, protected = _padded_rows(
         rows, length, starts, lengths, sink_tokens, recent_window
     )
     width = int(count[0])
-    # slot j of a row holds its t-th scored query, t = j - (width - count): every query of the
-    # window when count = w, else scoring.kvzip_lite.evenly_spaced_slots in closed form
-    # (w - 1 - floor(i * w / max_queries) for i = count - 1 - t), the same float operations
-    t = np.arange(width)[None, :] - (width - count)[:, None]
-    step = (w / max(limit, 1))[:, None]  # evenly_spaced_slots' step, float64
-    spread = (w - 1)[:, None] - np.floor(((count - 1)[:, None] - t) * step)
-    in_window = np.where((count == w)[:, None], t, spread).astype(np.int64)
-    position = np.where(t >= 0, (n - w)[:, None] + in_window, -1)  # within the segment
-    used = position >= 0
+    used = in_window >= 0
+    position = np.where(used, (n - w)[:, None] + in_window, -1)  # within the segment
     bound = length - width + np.arange(width)  # slot j sits at padded position <= this
     if (used & (off[:, None] + position > bound[None, :])).any():
         raise KernelError(

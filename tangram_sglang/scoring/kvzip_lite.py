@@ -35,9 +35,9 @@ oracle of ``tests/unit/test_kvzip_lite.py``.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from tangram_sglang.errors import ConfigError
@@ -81,12 +81,36 @@ def check_heads(q_obs: torch.Tensor, k_seg: torch.Tensor) -> None:
 def evenly_spaced_slots(w: int, max_queries: int) -> list[int]:
     """Which of ``w`` queries are scored (host ints, ascending, the last included).
 
-    All ``w`` when ``max_queries`` is 0 or >= w, else ``max_queries`` evenly spaced slots.
+    All ``w`` when ``max_queries`` is 0 or >= w, else ``max_queries`` evenly spaced slots
+    (:func:`slot_table` for one row).
     """
-    if max_queries == 0 or max_queries >= w:
-        return list(range(w))
-    step = w / max_queries
-    return sorted(w - 1 - math.floor(i * step) for i in range(max_queries))
+    count, table = slot_table(np.array([w], np.int64), max_queries)
+    return table[0, table.shape[1] - int(count[0]) :].tolist()
+
+
+def slot_table(w: np.ndarray, max_queries: int) -> tuple[np.ndarray, np.ndarray]:
+    """The scored queries of many rows at once, right-aligned: host arrays.
+
+    Row r scores ``count[r] = min(w[r], max_queries)`` of its ``w[r]`` queries (every one when
+    ``max_queries`` is 0): all of them, or ``w - 1 - floor(i * w / max_queries)`` for ``i`` in
+    ``[0, max_queries)`` (evenly spaced, the last included), ascending.
+
+    Args:
+        w: int64 ``[b]`` queries per row (>= 1).
+        max_queries: the scorer's bound (0 = none).
+
+    Returns:
+        ``(count, table)``: int64 ``[b]`` and int64 ``[b, max(count)]``: row r's scored query
+        indices (within its ``w``) ascending in its last ``count[r]`` columns, -1 before.
+    """
+    w = np.asarray(w, np.int64)
+    count = w if max_queries == 0 else np.minimum(w, max_queries)
+    width = int(count.max()) if count.size else 0
+    t = np.arange(width)[None, :] - (width - count)[:, None]  # t-th scored query of the row
+    step = (w / max(max_queries, 1))[:, None]  # float64, as i * (w / max_queries) one by one
+    spread = (w - 1)[:, None] - np.floor(((count - 1)[:, None] - t) * step)
+    table = np.where((count == w)[:, None], t, spread).astype(np.int64)
+    return count, np.where(t >= 0, table, -1)
 
 
 @dataclass(frozen=True, slots=True)

@@ -249,3 +249,18 @@ def test_serving_path_builds_no_snapkv_buckets():
         got, reference_kept_indices(scorer, q, k, lse, [0, n], [[40] * H_KV], 0.3, 2, 3)
     )
     assert compress._PLANS and all(not plan.buckets for plan in compress._PLANS.values())
+
+
+def test_evenly_spaced_slots_are_the_loop_form():
+    """The closed form (``slot_table``, one array per batch) equals the rule written as a loop:
+    every query under the bound, else ``w - 1 - floor(i * w / max_queries)``, ascending."""
+    from tangram_sglang.scoring.kvzip_lite import evenly_spaced_slots
+
+    def loop(w, bound):
+        if bound == 0 or bound >= w:
+            return list(range(w))
+        return sorted(w - 1 - math.floor(i * (w / bound)) for i in range(bound))
+
+    for bound in (0, 1, 3, 7, 24, 1024):
+        for w in [*range(1, 300), *range(1000, 20000, 997)]:
+            assert evenly_spaced_slots(w, bound) == loop(w, bound), (w, bound)
