@@ -177,9 +177,21 @@ class TurnReporter:
         self.server = server
         self.per_token_bytes = per_token_bytes
         self.before = (0, 0)
+        self.explained = False
 
     def __call__(self, i: int, turn: TurnResult) -> None:
-        self.before = report_turn(self.server, self.per_token_bytes, i, turn, self.before)
+        held, full = report_turn(self.server, self.per_token_bytes, i, turn, self.before)
+        if held - self.before[0] > full - self.before[1] and not self.explained:
+            print(SHORT_TURN_NOTE)
+            self.explained = True
+        self.before = (held, full)
+
+
+SHORT_TURN_NOTE = (
+    "(a turn shorter than --tangram-min-compress-tokens is kept whole, and each head group's "
+    "tokens fill whole pages, so a short turn holds about its full KV, a little more with the "
+    "pages' rounding; the saving comes from the long segments, here the first turn's notes)"
+)
 
 
 DEMO_MIN_COMPRESS_TOKENS = 128  # the demo's first turn (~250 tokens) is compressed
@@ -226,13 +238,40 @@ def server_banner(info: dict) -> list[str]:
     return lines
 
 
+DESCRIPTION = """\
+Start a real Tangram server (python -m sglang.launch_server --tangram) on an embedded model,
+hold a 3-turn chat with it through the OpenAI client, print each reply with the KV-cache memory
+the conversation holds against stock SGLang's full KV, then stop the server.
+The model is converted from its installed wheel on first use."""
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m tangram_sglang.demo", description=__doc__)
-    parser.add_argument("--model", default="smollm2", help="embedded model name")
-    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    from tangram_sglang.models import MODELS
+
+    parser = argparse.ArgumentParser(
+        prog="python -m tangram_sglang.demo",
+        description=DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "--model",
+        default="smollm2",
+        choices=sorted(MODELS),
+        help="embedded model (default: smollm2)",
+    )
+    parser.add_argument(
+        "--device",
+        default="cpu",
+        choices=["cpu", "cuda"],
+        help="where the server runs (default: cpu)",
+    )
     parser.add_argument("--full-kv", action="store_true", help="run stock SGLang (no --tangram)")
     parser.add_argument("--profile", help="Tangram budget profile (default: the shipped one)")
-    parser.add_argument("--log", default="/tmp/tangram-demo-server.log", help="server log file")
+    parser.add_argument(
+        "--log",
+        default="/tmp/tangram-demo-server.log",
+        help="server log file (default: /tmp/tangram-demo-server.log)",
+    )
     args = parser.parse_args(argv)
     try:
         return run_demo(args)
@@ -279,7 +318,7 @@ def run_demo(args: argparse.Namespace) -> int:
             BudgetProfile.load(args.profile)
         except ProfileError as exc:
             raise ProfileError(
-                f"--profile {args.profile}: {exc}; pass a profile JSON (the shipped ones are "
+                f"--profile: {exc}; pass a profile JSON (the shipped ones are "
                 "calibration/<model>/*.json), leave --profile out for the shipped default, or "
                 "calibrate one with python -m tangram_sglang.calibrate"
             ) from None
@@ -287,7 +326,7 @@ def run_demo(args: argparse.Namespace) -> int:
     server_args = demo_server_args(args.full_kv, args.device, args.profile)
     print(f"model: {folder}")
     shown = " ".join(["SGLang", *server_args])
-    print(f"starting {shown} (about a minute on CPU) ...", flush=True)
+    print(f"starting {shown} (about a minute on CPU; log {args.log}) ...", flush=True)
     with SGLangServer(folder, server_args, device=args.device, log_path=args.log) as server:
         info = server.server_info()
         print("\n".join(server_banner(info)))

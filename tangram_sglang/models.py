@@ -458,7 +458,11 @@ def _say(verbose: bool, msg: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m tangram_sglang.models", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="python -m tangram_sglang.models",
+        description=__doc__.replace("``", "`"),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     sub = parser.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("path", help="print the converted folder (converts on first use)")
     p.add_argument("name", help=f"one of: {', '.join(sorted(MODELS))}")

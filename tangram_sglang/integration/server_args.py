@@ -290,7 +290,8 @@ def force_milestone_settings(server_args: Any, has_radix: bool) -> None:
         )
     if not server_args.disable_prefill_cuda_graph:
         server_args.disable_prefill_cuda_graph = True
-        logger.info("Tangram: prefill CUDA graphs disabled (decode graphs stay on)")
+        if server_args.device in (None, "cuda"):  # CUDA graphs are a CUDA matter
+            logger.info("Tangram: prefill CUDA graphs disabled (decode graphs stay on)")
 
 
 def registered_backends() -> tuple[bool, bool]:

@@ -17,6 +17,7 @@ import requests
 
 from tangram_sglang.demo import (
     DEMO_TURNS,
+    SHORT_TURN_NOTE,
     TurnReporter,
     chat,
     demo_server_args,
@@ -39,3 +40,6 @@ def test_the_demo_chat_holds_less_than_full_kv_every_turn(servers, smollm2_path,
     assert all(s > 0 for s in saved), saved
     assert "Rome" in turns[1].reply, turns[1].reply
     assert turns[1].cached_tokens > 0  # turn 1's compressed history was reused, not recomputed
+    pairs = re.findall(r"this turn added ([\d.]+) MiB vs ([\d.]+) MiB full KV", out)
+    over = any(float(a) > float(b) for a, b in pairs)  # a short turn kept whole, pages rounded
+    assert (SHORT_TURN_NOTE in out) == over and out.count(SHORT_TURN_NOTE) <= 1

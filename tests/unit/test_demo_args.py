@@ -60,8 +60,18 @@ def test_a_missing_profile_names_the_flag_and_the_fix_before_any_server(capsys):
 
     assert main(["--profile", "/nonexistent/p.json"]) == 2
     err = capsys.readouterr().err
-    assert "--profile /nonexistent/p.json" in err and "profile file not found" in err
+    assert "--profile: /nonexistent/p.json: profile file not found" in err
+    assert err.count("/nonexistent/p.json") == 1  # the path once
     assert "python -m tangram_sglang.calibrate" in err
+
+
+def test_a_misspelt_model_lists_the_embedded_models(capsys):
+    from tangram_sglang.demo import main
+
+    with pytest.raises(SystemExit):
+        main(["--model", "smollm"])
+    err = capsys.readouterr().err
+    assert "invalid choice: 'smollm'" in err and "smollm2" in err and "qwen2.5-0.5b" in err
 
 
 def test_a_model_without_a_shipped_profile_is_refused_before_conversion(capsys):
