@@ -181,10 +181,15 @@ class TurnReporter:
 
     def __call__(self, i: int, turn: TurnResult) -> None:
         held, full = report_turn(self.server, self.per_token_bytes, i, turn, self.before)
-        if held - self.before[0] > full - self.before[1] and not self.explained:
-            print(SHORT_TURN_NOTE)
+        if not self.explained and _mib(held - self.before[0]) > _mib(full - self.before[1]):
+            print(SHORT_TURN_NOTE)  # once, when the printed figures show a turn over full KV
             self.explained = True
         self.before = (held, full)
+
+
+def _mib(num_bytes: int) -> float:
+    """Bytes as the report prints them (MiB, 2 decimals)."""
+    return round(num_bytes / 2**20, 2)
 
 
 SHORT_TURN_NOTE = (

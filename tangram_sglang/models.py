@@ -147,6 +147,21 @@ def model_path(name: str = "smollm2", verbose: bool = True) -> Path:
     return folder
 
 
+def embedded_folder(path_or_name: str, verbose: bool = True) -> Path | None:
+    """The converted folder of an embedded model named ``path_or_name``, or None for a folder.
+
+    A folder that exists wins over a name (``./smollm2`` is served as given); a name of
+    :data:`MODELS` is converted on first use (:func:`model_path`); anything else is None (an
+    HF id or a path the caller checks).
+
+    Raises:
+        ModelError: the model's wheels are not installed or the conversion failed.
+    """
+    if Path(path_or_name).is_dir() or path_or_name not in MODELS:
+        return None
+    return model_path(path_or_name, verbose)
+
+
 def verify(folder: Path) -> str | None:
     """Check a converted folder against its manifest; None when sound, else the problem."""
     manifest = folder / MANIFEST
@@ -460,7 +475,7 @@ def _say(verbose: bool, msg: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m tangram_sglang.models",
-        description=__doc__.replace("``", "`"),
+        description=(__doc__ or "").replace("``", "`"),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     sub = parser.add_subparsers(dest="cmd", required=True)

@@ -480,12 +480,13 @@ def _provenance(args, run: dict, scorer, samples, timing: dict, report: dict) ->
 
 def resolve_model_path(model: str) -> Path:
     """A folder as given, or an embedded model's converted folder (``models.model_path``)."""
-    from tangram_sglang.models import MODELS, model_path
+    from tangram_sglang.models import MODELS, embedded_folder
 
     if Path(model).is_dir():
         return Path(model)
-    if model in MODELS:
-        return model_path(model)
+    folder = embedded_folder(model)
+    if folder is not None:
+        return folder
     from tangram_sglang.errors import ConfigError
 
     raise ConfigError(

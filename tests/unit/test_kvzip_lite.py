@@ -253,7 +253,9 @@ def test_serving_path_builds_no_snapkv_buckets():
 
 def test_evenly_spaced_slots_are_the_loop_form():
     """The closed form (``slot_table``, one array per batch) equals the rule written as a loop:
-    every query under the bound, else ``w - 1 - floor(i * w / max_queries)``, ascending."""
+    every query under the bound, else ``w - 1 - floor(i * (w / max_queries))`` with a float64
+    quotient, ascending (bounds 14, 48, 100: cases where the float rounding differs from
+    integer division, e.g. w = 122, bound 14, i = 7: floor 60 not 61, slot 61 not 60)."""
     from tangram_sglang.scoring.kvzip_lite import evenly_spaced_slots
 
     def loop(w, bound):
@@ -261,6 +263,15 @@ def test_evenly_spaced_slots_are_the_loop_form():
             return list(range(w))
         return sorted(w - 1 - math.floor(i * (w / bound)) for i in range(bound))
 
-    for bound in (0, 1, 3, 7, 24, 1024):
+    from tangram_sglang.scoring.kvzip_lite import slot_table
+
+    for bound in (0, 1, 3, 7, 14, 24, 48, 100, 1024):
         for w in [*range(1, 300), *range(1000, 20000, 997)]:
             assert evenly_spaced_slots(w, bound) == loop(w, bound), (w, bound)
+        ws = np.arange(0, 300)  # the batched form, one row per w (0: a row scoring none)
+        count, table = slot_table(ws, bound)
+        for w, c, row in zip(ws.tolist(), count.tolist(), table, strict=True):
+            assert row[row.shape[0] - c :].tolist() == (loop(w, bound) if w else [])
+    assert 61 in evenly_spaced_slots(122, 14) and 60 not in evenly_spaced_slots(122, 14)
+    with pytest.raises(ConfigError, match="max_queries=-1"):
+        slot_table(np.array([5]), -1)
