@@ -335,7 +335,9 @@ def run_demo(args: argparse.Namespace) -> int:
     with SGLangServer(folder, server_args, device=args.device, log_path=args.log) as server:
         info = server.server_info()
         print("\n".join(server_banner(info)))
-        requests.post(f"{server.base_url}/flush_cache", timeout=60)  # drop the warm-up request
+        requests.post(
+            f"{server.base_url}/flush_cache", params={"timeout": 30}, timeout=60
+        )  # drop the warm-up request
         per_token = full_kv_bytes_per_token(folder, 4 if info.get("dtype") == "float32" else 2)
         chat(
             server.base_url,

@@ -226,7 +226,7 @@ async def measure(base_url: str, spec: WorkloadSpec, vocab: int, settings: LoadS
     conversations = make_conversations(spec)
     async with (
         aiohttp.ClientSession() as session,  # start cold: no prefix from earlier runs
-        session.post(f"{base_url}/flush_cache") as resp,
+        session.post(f"{base_url}/flush_cache", params={"timeout": 30}) as resp,
     ):
         await resp.read()
     settings = dataclasses.replace(
