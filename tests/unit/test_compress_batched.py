@@ -133,20 +133,25 @@ def _top_level_aten_ops(fn) -> int:
     return sum(1 for e in prof.events() if e.name.startswith("aten::") and e.cpu_parent is None)
 
 
+def _ops_per_layer(scorer, lengths, window_kernel=None) -> int:
+    """Top-level aten ops of one layer's selection (k_g = n / 4), its batch plan already built:
+    the plan is built (and cached) on the first layer of a batch, the others reuse it."""
+    q, k, lse, bounds = _batch(lengths, 1)
+    kept = [[max(n // 4, 1)] * H_KV for n in lengths]
+    dev = torch.tensor(kept, dtype=torch.int64)
+    call = lambda: batch_kept_indices(  # noqa: E731
+        scorer, q, k, lse, bounds, kept, 0.3, 2, 4, dev, window_kernel=window_kernel
+    )
+    call()
+    return _top_level_aten_ops(call)
+
+
 def test_launches_per_layer_depend_on_buckets_not_on_batch_size():
     """16 or 64 distinct lengths in the same buckets: the same op count (was one pass per
     distinct length: 4,098 top-level aten ops for 64 ShareGPT-like turns, benchmarks/RESULTS.md)."""
     scorer = SnapKVScorer(obs_window=8, kernel_size=5)
     rng = np.random.default_rng(0)
-
-    def ops(lengths):
-        q, k, lse, bounds = _batch(lengths, 1)
-        kept = [[max(n // 4, 1)] * H_KV for n in lengths]
-        dev = torch.tensor(kept, dtype=torch.int64)
-        call = lambda: batch_kept_indices(scorer, q, k, lse, bounds, kept, 0.3, 2, 4, dev)  # noqa: E731
-        call()  # the bucket plan is built (and cached) on the first layer of a batch
-        return _top_level_aten_ops(call)
-
+    ops = lambda lengths: _ops_per_layer(scorer, lengths)  # noqa: E731
     few = ops([70, 100, 150, 200] * 4)  # buckets 128 and 256
     many = ops(rng.permutation(np.arange(65, 257))[:64].tolist())  # 64 distinct, same buckets
     assert few == many
@@ -320,17 +325,7 @@ def test_kvzip_lite_launches_per_layer_do_not_grow_with_distinct_lengths():
 
     scorer = KVzipLiteScorer(max_queries=32, local_band=4)
     rng = np.random.default_rng(1)
-
-    def ops(lengths):
-        q, k, lse, bounds = _batch(lengths, 1)
-        kept = [[max(n // 4, 1)] * H_KV for n in lengths]
-        dev = torch.tensor(kept, dtype=torch.int64)
-        call = lambda: batch_kept_indices(  # noqa: E731
-            scorer, q, k, lse, bounds, kept, 0.3, 2, 4, dev, window_kernel=False
-        )
-        call()
-        return _top_level_aten_ops(call)
-
+    ops = lambda lengths: _ops_per_layer(scorer, lengths, window_kernel=False)  # noqa: E731
     few = ops(rng.permutation(np.arange(65, 257))[:16].tolist())
     many = ops(rng.permutation(np.arange(65, 257))[:64].tolist())
     assert few == many < 100
