@@ -1,33 +1,56 @@
 #!/usr/bin/env bash
 # device_select.sh -- runs on an H200 machine after `source scripts/device_setup.sh`: what the
-# prefill selection (scorer + per-head top-k) costs on ShareGPT-like mixed-length batches, for
-# both synthetic 8B profiles (ada-snapkv, the benchmarks' default, and kvzip-lite, the shipped
-# default scorer of real models), with the scoring kernels off and on (TANGRAM_SCORE_KERNEL:
-# SnapKV's window mean, kvzip-lite's query max), then ShareGPT 64 x 4 with the kvzip-lite
-# profile against stock triton; the new tokens' attention through FlashInfer
-# (TANGRAM_PREFILL_ATTENTION=flashinfer): GPU tests, per-layer cost, cliff-64 at full KV against
-# stock flashinfer. About 20 minutes. Results in $R (prefill-*.json/.txt, mt-*.json, cliff1/).
+# prefill selection (scorer + per-head top-k) costs on ShareGPT-like mixed-length batches and
+# what it does to ShareGPT traffic, then the new tokens' attention through FlashInfer
+# (TANGRAM_PREFILL_ATTENTION=flashinfer) at full KV on cliff-64. Most important first, so a run
+# cut short still answers the main question. About 25 minutes. Results in $R.
+#   1. bench.prefill_profile, kvzip-lite profile (the shipped default scorer of real models),
+#      scoring kernels off and on (TANGRAM_SCORE_KERNEL); the faster setting on 16x300-1500 is
+#      the one the servers below run (written to $R/score-kernel);
+#   2. the GPU tests of the scoring kernels and of the FlashInfer new-token attention;
+#   3. sharegpt:64x4: stock triton, Tangram 0.25 with the kvzip-lite profile, Tangram 0.25 with
+#      the ada-snapkv profile (the earlier runs' profile), side by side;
+#   4. cliff:64 at full KV: Tangram 1.0 with FlashInfer prefill against stock flashinfer;
+#   5. bench.prefill_profile for ada-snapkv (kernels off and on) and at ratio 1.0 with each
+#      prefill attention setting (per-layer extend cost).
 #   setsid nohup bash scripts/device_select.sh > /tmp/sel.log 2>&1 &
+# Env: R (result folder), CASES, SPLIT_CASES, SHAREGPT=0 / CLIFF1=0 skip parts 3 / 4.
 set -u
 R=${R:-/tmp/sel}
 mkdir -p "$R"
 CASES=${CASES:-64x1024,8x4096,16x600,16x300-1500,64x100-1500,64x256+1024}
 SYN=$PWD/calibration/synthetic
-for scorer in ada-snapkv kvzip-lite; do
-  for kernel in 0 1; do
-    echo "$(date -u +%T) prefill $scorer kernel=$kernel" >> "$R/progress"
-    TANGRAM_SCORE_KERNEL=$kernel timeout 300 python3 -m tangram_sglang.bench.prefill_profile \
-      --profile "$SYN/llama3.1-8b-$scorer-r0.25.json" --target-ratio 0.25 --cases "$CASES" \
-      --json "$R/prefill-$scorer-$kernel.json" > "$R/prefill-$scorer-$kernel.txt" 2>&1
-    tail -8 "$R/prefill-$scorer-$kernel.txt" >> "$R/progress"
-  done
-done
-# The new tokens' attention through FlashInfer's ragged prefill (TANGRAM_PREFILL_ATTENTION):
-# correctness on the GPU, then the per-layer extend cost at full KV against Tangram's kernel.
-echo "$(date -u +%T) prefill attention" >> "$R/progress"
-timeout 300 python3 -m pytest -q -m gpu tests/kernels/test_new_token_attention.py \
-  > "$R/gpu-new-tokens.txt" 2>&1
-tail -2 "$R/gpu-new-tokens.txt" >> "$R/progress"
+profile() { # scorer kernel
+  echo "$(date -u +%T) prefill $1 kernel=$2" >> "$R/progress"
+  TANGRAM_SCORE_KERNEL=$2 timeout 300 python3 -m tangram_sglang.bench.prefill_profile \
+    --profile "$SYN/llama3.1-8b-$1-r0.25.json" --target-ratio 0.25 --cases "$CASES" \
+    --json "$R/prefill-$1-$2.json" > "$R/prefill-$1-$2.txt" 2>&1
+  tail -8 "$R/prefill-$1-$2.txt" >> "$R/progress"
+}
+profile kvzip-lite 0
+profile kvzip-lite 1
+python3 scripts/pick_score_kernel.py "$R/prefill-kvzip-lite-0.json" "$R/prefill-kvzip-lite-1.json" \
+  16x300-1500 > "$R/score-kernel" 2>> "$R/progress" || echo 0 > "$R/score-kernel"
+export TANGRAM_SCORE_KERNEL
+TANGRAM_SCORE_KERNEL=$(cat "$R/score-kernel")
+echo "$(date -u +%T) servers run TANGRAM_SCORE_KERNEL=$TANGRAM_SCORE_KERNEL" >> "$R/progress"
+echo "$(date -u +%T) gpu tests" >> "$R/progress"
+timeout 300 python3 -m pytest -q tests/kernels/test_new_token_attention.py \
+  tests/kernels/test_window_scores_triton.py > "$R/gpu-tests.txt" 2>&1
+tail -2 "$R/gpu-tests.txt" >> "$R/progress"
+if [ "${SHAREGPT:-1}" = 1 ]; then
+  PROFILE=$SYN/llama3.1-8b-kvzip-lite-r0.25.json SYSTEMS="baseline tangram:0.25" \
+    WL=sharegpt:64x4 T=300 CAP_S=400 R=$R/sharegpt-kvzip-lite bash scripts/device_never_slower.sh
+  PROFILE=$SYN/llama3.1-8b-ada-snapkv-r0.25.json SYSTEMS="tangram:0.25" \
+    WL=sharegpt:64x4 T=300 CAP_S=400 R=$R/sharegpt-ada-snapkv bash scripts/device_never_slower.sh
+fi
+if [ "${CLIFF1:-1}" = 1 ]; then
+  TANGRAM_PREFILL_ATTENTION=flashinfer PROFILE=$SYN/llama3.1-8b-ada-snapkv-r0.25.json \
+    SYSTEMS="tangram:1.0 baseline-flashinfer" WL=cliff:64 WL1=cliff:64 T=300 CAP_S=420 \
+    R=$R/cliff1 bash scripts/device_never_slower.sh
+fi
+profile ada-snapkv 0
+profile ada-snapkv 1
 for pa in triton flashinfer; do
   TANGRAM_PREFILL_ATTENTION=$pa timeout 300 python3 -m tangram_sglang.bench.prefill_profile \
     --profile "$SYN/llama3.1-8b-ada-snapkv-r0.25.json" --target-ratio 1.0 \
@@ -35,15 +58,4 @@ for pa in triton flashinfer; do
     > "$R/prefill-split-$pa.txt" 2>&1
   tail -6 "$R/prefill-split-$pa.txt" >> "$R/progress"
 done
-if [ "${SHAREGPT:-1}" = 1 ]; then
-  PROFILE=$SYN/llama3.1-8b-kvzip-lite-r0.25.json SYSTEMS="tangram:0.25 baseline" \
-    WL=sharegpt:64x4 T=300 CAP_S=400 R=$R bash scripts/device_never_slower.sh
-fi
-# Cliff-64 at full KV: Tangram 1.0 with the new tokens through FlashInfer against stock
-# flashinfer (the better stock backend there), side by side (about 8 minutes; CLIFF1=0 skips).
-if [ "${CLIFF1:-1}" = 1 ]; then
-  TANGRAM_PREFILL_ATTENTION=flashinfer PROFILE=$SYN/llama3.1-8b-ada-snapkv-r0.25.json \
-    SYSTEMS="tangram:1.0 baseline-flashinfer" WL=cliff:64 WL1=cliff:64 T=300 CAP_S=420 \
-    R=$R/cliff1 bash scripts/device_never_slower.sh
-fi
 echo "$(date -u +%T) done" >> "$R/progress"

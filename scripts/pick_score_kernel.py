@@ -1,0 +1,40 @@
+"""Picks the faster ``TANGRAM_SCORE_KERNEL`` setting from two ``bench.prefill_profile`` runs.
+
+Usage: ``python scripts/pick_score_kernel.py OFF.json ON.json CASE`` prints ``1`` when the run
+with the scoring kernels on (``ON.json``) has a lower ``select_ms`` on ``CASE`` and kept the
+reference's tokens there (``select_rows_differing`` under 0.1%), else ``0``. Exits 2 with a
+message when a file lacks the case.
+"""
+
+import json
+import sys
+
+MAX_ROWS_DIFFERING = 1e-3
+
+
+def case_result(path: str, case: str) -> dict:
+    """The result of ``case`` in a ``bench.prefill_profile --json`` file; exits 2 if absent."""
+    with open(path) as fh:
+        for res in json.load(fh)["results"]:
+            if res["case"] == case:
+                return res
+    sys.exit(f"pick_score_kernel: {path} has no case {case!r}; run prefill_profile with it")
+
+
+def main() -> int:
+    if len(sys.argv) != 4:
+        sys.exit(__doc__)
+    off, on = (case_result(p, sys.argv[3]) for p in sys.argv[1:3])
+    faster = on["select_ms"] < off["select_ms"]
+    same = (on.get("select_rows_differing") or 0.0) < MAX_ROWS_DIFFERING
+    print(
+        f"{sys.argv[3]}: select_ms off {off['select_ms']:.3f}, on {on['select_ms']:.3f}, "
+        f"rows differing on {on.get('select_rows_differing')}",
+        file=sys.stderr,
+    )
+    print(1 if faster and same else 0)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
