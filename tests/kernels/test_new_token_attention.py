@@ -110,7 +110,7 @@ def test_flashinfer_new_tokens_equal_the_reference_and_the_split_equals_the_fuse
     _, q, k, v, qo_indptr, paging = extend_inputs(
         torch.bfloat16, 16, 128, lengths, gqa=4, num_kv_heads=2, seed=5
     )
-    new = FlashInferNewTokens(q.device)
+    new = FlashInferNewTokens(q.device, q.dtype)
     bounds = np.cumsum([0, *lengths]).tolist()
     new.plan(bounds, q.shape[1], k.shape[1], q.shape[2], q.dtype)
     out, lse = new.run(q, k, v, SCALE)
