@@ -105,6 +105,7 @@ class _Pacer:
 # no max_new_tokens: the logit bias of the one stop id, which ends a request right after its
 # min_new_tokens (exp(-100) against any other token's logit: never another token after that)
 STOP_BIAS = 100.0
+KEEPALIVE_S = 2.0  # below uvicorn's default keep-alive limit (5 s), see run_conversations
 
 
 def no_max_length(out_len: int, seed: int, client: int, round_index: int) -> int:
@@ -265,7 +266,10 @@ async def run_conversations(
                 barriers[r].set()
 
     timeout = aiohttp.ClientTimeout(total=None, sock_read=settings.timeout_s)
-    connector = aiohttp.TCPConnector(limit=0)
+    # Idle pooled connections close on the client's side first (2 s, uvicorn closes them after
+    # 5 s): a client waiting at a round barrier would otherwise reuse a connection the server
+    # has just closed and see ServerDisconnectedError.
+    connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=KEEPALIVE_S)
     async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
         tasks = [asyncio.create_task(client(i, c, session)) for i, c in enumerate(conversations)]
         _, pending = await asyncio.wait(tasks, timeout=settings.timeout_s)

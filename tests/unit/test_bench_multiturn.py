@@ -366,6 +366,17 @@ def test_no_max_tokens_requests_end_on_a_fixed_stop_subset():
     assert stop_token_ids(100, 1000) and len(stop_token_ids(100, 1)) == 100
 
 
+def test_client_drops_idle_connections_before_the_server_does():
+    """SGLang's HTTP server (uvicorn) closes a keep-alive connection idle for
+    SGLANG_TIMEOUT_KEEP_ALIVE seconds; a client waiting at a round barrier longer than that must
+    not reuse it (ServerDisconnectedError), so the client's pool gives idle connections up first."""
+    from sglang.srt.environ import envs
+
+    from tangram_sglang.bench.multiturn_client import KEEPALIVE_S
+
+    assert 0 < KEEPALIVE_S < envs.SGLANG_TIMEOUT_KEEP_ALIVE.get()
+
+
 def test_no_max_tokens_reaches_sglang_unset():
     """SGLang's own SamplingParams, built from the JSON body as /generate does: no 128 cap."""
     from sglang.srt.sampling.sampling_params import SamplingParams
