@@ -206,21 +206,24 @@ def segment_grid(chunk_tokens: int, environ: dict[str, str] | None = None) -> in
 
 # Environment switch of the extend attention's new-token part (read once per server, at start-up).
 PREFILL_ATTENTION_ENV = "TANGRAM_PREFILL_ATTENTION"
-PREFILL_ATTENTIONS = ("flashinfer", "triton")
+PREFILL_ATTENTIONS = ("auto", "flashinfer", "triton")
 
 
 def prefill_attention(environ: dict[str, str] | None = None) -> str:
-    """Who computes the new tokens' causal attention of an extend: ``"triton"`` or ``"flashinfer"``.
+    """Who computes an extend's attention: ``"auto"`` (default), ``"flashinfer"`` or ``"triton"``.
 
-    ``triton`` (default): Tangram's extend kernel, history and new tokens in one pass, the path
-    every GPU figure so far was measured with. ``flashinfer``: the new tokens through FlashInfer's
-    ragged prefill (stock SGLang's flashinfer kernels), the history through Tangram's kernel only
-    when a request of the batch has history, merged by LSE (``kernels.new_token_attention``);
-    CUDA only (CPU servers keep the torch reference). The default once an H200 A/B shows it
-    faster with the same outputs.
+    ``triton``: Tangram's extend kernel, history and new tokens in one pass. ``flashinfer``: the
+    new tokens' causal attention through FlashInfer's ragged prefill (stock SGLang's flashinfer
+    kernels), the history through Tangram's kernel only when a request of the batch has history,
+    merged by LSE (``kernels.new_token_attention``); refuses a model FlashInfer cannot run
+    (float32). ``auto``: per batch, the FlashInfer split when the new tokens' causal attention is
+    at least the attention to history (``metadata.new_tokens_dominate``: first turns, prompts
+    re-prefilled after eviction), Tangram's kernel otherwise, and Tangram's kernel everywhere
+    when FlashInfer cannot run the model's dtype. CUDA only: CPU servers keep the torch
+    reference whatever the value.
 
     Args:
-        environ: the environment to read (default ``os.environ``); unset or empty = ``triton``.
+        environ: the environment to read (default ``os.environ``); unset or empty = ``auto``.
 
     Returns:
         One of :data:`PREFILL_ATTENTIONS`.
@@ -231,11 +234,12 @@ def prefill_attention(environ: dict[str, str] | None = None) -> str:
     raw = (os.environ if environ is None else environ).get(PREFILL_ATTENTION_ENV, "")
     raw = raw.strip().lower()
     if raw == "":
-        return "triton"
+        return "auto"
     if raw not in PREFILL_ATTENTIONS:
         raise ConfigError(
-            f"{PREFILL_ATTENTION_ENV}={raw!r}: use 'triton' (Tangram's extend kernel, default) "
-            "or 'flashinfer' (the new tokens through FlashInfer's ragged prefill)"
+            f"{PREFILL_ATTENTION_ENV}={raw!r}: use 'auto' (default: FlashInfer for the new "
+            "tokens where they dominate the batch), 'flashinfer' (always) or 'triton' (Tangram's "
+            "extend kernel only)"
         )
     return raw
 

@@ -16,13 +16,18 @@ docs/contracts.md (kernel calling conventions).
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from tangram_sglang.backend import metadata as md
 from tangram_sglang.backend.compress import batch_kept_indices
 from tangram_sglang.backend.state import TangramState
 from tangram_sglang.config import decode_plan, prefill_attention
+from tangram_sglang.errors import KernelError
 from tangram_sglang.kernels import reference
+
+logger = logging.getLogger(__name__)
 
 
 class ReferenceKernels:
@@ -82,8 +87,15 @@ class TritonKernels(ReferenceKernels):
         plan: the decode split plan, ``"table"`` (the static AOT table, default) or
             ``"lengths"`` (fitted to each row's kept lengths in the kernel);
             :func:`config.decode_plan`.
-        prefill: who computes the new tokens' causal attention, ``"triton"`` (Tangram's extend
-            kernel, default) or ``"flashinfer"`` (:func:`config.prefill_attention`).
+        prefill: who computes an extend's attention (:func:`config.prefill_attention`):
+            ``"triton"`` (Tangram's extend kernel), ``"flashinfer"`` (the new tokens through
+            FlashInfer, every batch) or ``"auto"`` (FlashInfer for the batches whose new tokens
+            dominate, ``metadata.new_tokens_dominate``; Tangram's kernel everywhere for a pool
+            dtype FlashInfer does not run, logged).
+
+    Raises:
+        ConfigError: ``prefill="flashinfer"`` with a float32 pool.
+        KernelError: ``prefill="flashinfer"`` without the flashinfer package.
     """
 
     def __init__(
@@ -113,10 +125,30 @@ class TritonKernels(ReferenceKernels):
         )
         self.new_tokens = None
         self._planned = None  # the extend plan (metadata) new_tokens was last planned for
-        if prefill == "flashinfer":
-            from tangram_sglang.kernels.new_token_attention import FlashInferNewTokens
+        self.prefill = prefill
+        if prefill in ("auto", "flashinfer"):
+            from tangram_sglang.kernels.new_token_attention import (
+                FLASHINFER_DTYPES,
+                FlashInferNewTokens,
+            )
 
-            self.new_tokens = FlashInferNewTokens(device, state.memory.kv_pool.k_pool.dtype)
+            dtype = state.memory.kv_pool.k_pool.dtype
+            if prefill == "auto" and dtype not in FLASHINFER_DTYPES:
+                logger.info(
+                    "Tangram: extend attention through Tangram's kernel only (FlashInfer's "
+                    "prefill does not take %s)",
+                    dtype,
+                )
+                self.prefill = "triton"
+            elif prefill == "auto":
+                try:
+                    self.new_tokens = FlashInferNewTokens(device, dtype)
+                except KernelError as exc:  # no flashinfer package: the kernel SGLang ships
+                    logger.warning("Tangram: extend attention through Tangram's kernel (%s)", exc)
+                    self.prefill = "triton"
+            else:
+                self.new_tokens = FlashInferNewTokens(device, dtype)
+        logger.info("Tangram: extend attention %s (TANGRAM_PREFILL_ATTENTION)", self.prefill)
 
     def extend(
         self,
@@ -136,9 +168,10 @@ class TritonKernels(ReferenceKernels):
         meta=None,
     ):
         """``(out, lse)`` from ``kernels.extend_attention.ragged_extend_attention``, or, under
-        ``prefill="flashinfer"`` with the batch's plan ``meta``, the new tokens through
-        FlashInfer (planned on the batch's first layer) and the history only when
-        ``meta.any_history`` (``kernels.new_token_attention.split_extend``)."""
+        ``prefill="flashinfer"`` (or ``"auto"`` and ``meta.new_tokens_dominate``) with the
+        batch's plan ``meta``, the new tokens through FlashInfer (planned on the batch's first
+        layer) and the history only when ``meta.any_history``
+        (``kernels.new_token_attention.split_extend``)."""
         from tangram_sglang.kernels.extend_attention import ragged_extend_attention
         from tangram_sglang.kernels.new_token_attention import split_extend
 
@@ -165,6 +198,8 @@ class TritonKernels(ReferenceKernels):
             )
 
         if self.new_tokens is None or meta is None:
+            return fused()
+        if self.prefill == "auto" and not meta.new_tokens_dominate:
             return fused()
         if self._planned is not meta:
             self.new_tokens.plan(meta.bounds, q.shape[1], k.shape[1], q.shape[2], q.dtype)

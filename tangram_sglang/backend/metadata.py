@@ -85,6 +85,10 @@ class TangramForwardMetadata:
     # extend: False when the host knows no request of the batch has history (start_lens all 0),
     # so the history part of a split extend (kernels.new_token_attention) is not launched
     any_history: bool = True
+    # extend: True when the host knows the batch's causal attention among its new tokens is at
+    # least its attention to history (:func:`new_tokens_dominate`): TANGRAM_PREFILL_ATTENTION=auto
+    # then splits the extend (new tokens through FlashInfer), else runs Tangram's fused kernel
+    new_tokens_dominate: bool = False
 
     @property
     def batch_size(self) -> int:
@@ -176,7 +180,33 @@ def extend_metadata(
         kept_heads=heads,
         hist_len=hist_len,
         any_history=start_lens is None or bool(np.any(start_lens)),
+        new_tokens_dominate=start_lens is not None
+        and new_tokens_dominate(extend_lens, np.asarray(start_lens).reshape(kept.shape)),
     )
+
+
+def new_tokens_dominate(extend_lens: list[int] | np.ndarray, start_lens: np.ndarray) -> bool:
+    """Whether an extend batch's new tokens attend more among themselves than to history.
+
+    Counts query-key pairs per query head on the host: the new tokens' causal part
+    ``sum_i n_i (n_i + 1) / 2`` against the history part ``sum_i n_i * mean_g(h_ig)`` (each new
+    token reads its request's kept history; the head groups' lengths averaged, every group
+    holding the same number of KV heads). The split extend (``kernels.new_token_attention``)
+    runs the first part through FlashInfer, about 2.7x faster than Tangram's kernel on the H200,
+    and pays a second pass and a merge for the second (17% slower than the fused kernel on 64
+    turns of 128 tokens over 4,096-token histories, ``benchmarks/RESULTS.md``), so it is chosen
+    when the first part is at least the second; a batch without history always qualifies.
+
+    Args:
+        extend_lens: ``bs`` new tokens per request.
+        start_lens: int ``[bs, G]`` kept tokens per head group before the segment.
+
+    Returns:
+        True when the causal new-token pairs are at least the history pairs.
+    """
+    n = np.asarray(extend_lens, np.float64).reshape(-1)
+    hist = np.asarray(start_lens, np.float64).reshape(n.size, -1).mean(axis=1)
+    return bool(np.sum(n * (n + 1) / 2) >= np.sum(n * hist))
 
 
 def decode_destinations(
