@@ -3,7 +3,7 @@
 # prefill selection (scorer + per-head top-k) costs on ShareGPT-like mixed-length batches and
 # what it does to ShareGPT traffic, then the new tokens' attention through FlashInfer
 # (TANGRAM_PREFILL_ATTENTION=flashinfer) at full KV on cliff-64. Most important first, so a run
-# cut short still answers the main question. About 25 minutes. Results in $R.
+# cut short still answers the main question. About 30 minutes (parts 1-4 took 26). Results in $R.
 #   1. bench.prefill_profile, kvzip-lite profile (the shipped default scorer of real models),
 #      scoring kernels off and on (TANGRAM_SCORE_KERNEL); the faster setting on 16x300-1500 is
 #      the one the servers below run (written to $R/score-kernel);
@@ -54,7 +54,8 @@ profile ada-snapkv 1
 for pa in triton flashinfer; do
   TANGRAM_PREFILL_ATTENTION=$pa timeout 300 python3 -m tangram_sglang.bench.prefill_profile \
     --profile "$SYN/llama3.1-8b-ada-snapkv-r0.25.json" --target-ratio 1.0 \
-    --cases "${SPLIT_CASES:-1x8192,16x1024,64x128+4096}" --json "$R/prefill-split-$pa.json" \
+    --cases "${SPLIT_CASES:-1x8192,16x1024,64x128+4096,1x8192+8192,16x1024+1024}" \
+    --json "$R/prefill-split-$pa.json" \
     > "$R/prefill-split-$pa.txt" 2>&1
   tail -6 "$R/prefill-split-$pa.txt" >> "$R/progress"
 done

@@ -25,8 +25,11 @@ def main() -> int:
     if len(sys.argv) != 4:
         sys.exit(__doc__)
     off, on = (case_result(p, sys.argv[3]) for p in sys.argv[1:3])
+    differing = on.get("select_rows_differing")
+    if not isinstance(differing, (int, float)):
+        sys.exit(f"pick_score_kernel: {sys.argv[2]} has no select_rows_differing for {sys.argv[3]}")
     faster = on["select_ms"] < off["select_ms"]
-    same = (on.get("select_rows_differing") or 0.0) < MAX_ROWS_DIFFERING
+    same = differing < MAX_ROWS_DIFFERING
     print(
         f"{sys.argv[3]}: select_ms off {off['select_ms']:.3f}, on {on['select_ms']:.3f}, "
         f"rows differing on {on.get('select_rows_differing')}",

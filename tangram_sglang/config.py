@@ -210,20 +210,20 @@ PREFILL_ATTENTIONS = ("auto", "flashinfer", "triton")
 
 
 def prefill_attention(environ: dict[str, str] | None = None) -> str:
-    """Who computes an extend's attention: ``"auto"`` (default), ``"flashinfer"`` or ``"triton"``.
+    """Who computes an extend's attention: ``"triton"`` (default), ``"auto"`` or ``"flashinfer"``.
 
     ``triton``: Tangram's extend kernel, history and new tokens in one pass. ``flashinfer``: the
     new tokens' causal attention through FlashInfer's ragged prefill (stock SGLang's flashinfer
     kernels), the history through Tangram's kernel only when a request of the batch has history,
     merged by LSE (``kernels.new_token_attention``); refuses a model FlashInfer cannot run
-    (float32). ``auto``: per batch, the FlashInfer split when the new tokens' causal attention is
-    at least the attention to history (``metadata.new_tokens_dominate``: first turns, prompts
-    re-prefilled after eviction), Tangram's kernel otherwise, and Tangram's kernel everywhere
-    when FlashInfer cannot run the model's dtype. CUDA only: CPU servers keep the torch
-    reference whatever the value.
+    (float32). ``auto``: per batch, the FlashInfer split where it pays
+    (``metadata.split_pays``: a batch without history, or long new segments), Tangram's kernel
+    otherwise, and Tangram's kernel everywhere when FlashInfer cannot run the model's dtype. The
+    candidate default, once its GPU test and a side-by-side run pass (``benchmarks/RESULTS.md``).
+    CUDA only: CPU servers keep the torch reference whatever the value.
 
     Args:
-        environ: the environment to read (default ``os.environ``); unset or empty = ``auto``.
+        environ: the environment to read (default ``os.environ``); unset or empty = ``triton``.
 
     Returns:
         One of :data:`PREFILL_ATTENTIONS`.
@@ -232,16 +232,15 @@ def prefill_attention(environ: dict[str, str] | None = None) -> str:
         ConfigError: any other value.
     """
     raw = (os.environ if environ is None else environ).get(PREFILL_ATTENTION_ENV, "")
-    raw = raw.strip().lower()
-    if raw == "":
-        return "auto"
-    if raw not in PREFILL_ATTENTIONS:
+    value = raw.strip().lower()
+    if value == "":
+        return "triton"
+    if value not in PREFILL_ATTENTIONS:
         raise ConfigError(
-            f"{PREFILL_ATTENTION_ENV}={raw!r}: use 'auto' (default: FlashInfer for the new "
-            "tokens where they dominate the batch), 'flashinfer' (always) or 'triton' (Tangram's "
-            "extend kernel only)"
+            f"{PREFILL_ATTENTION_ENV}={raw!r}: use 'triton' (Tangram's extend kernel, default), "
+            "'auto' (FlashInfer for the new tokens where it pays) or 'flashinfer' (always)"
         )
-    return raw
+    return value
 
 
 # Environment switch of the decode kernel's split plan (read once per server, at start-up).

@@ -61,7 +61,8 @@ from tangram_sglang.scoring.select import priority_key, select_kept
 from tangram_sglang.scoring.snapkv import SnapKVScorer, reduce_gqa
 
 logger = logging.getLogger(__name__)
-# experimental: score buckets with kernels.window_scores (SnapKV family, kvzip-lite); server env
+# score buckets with kernels.window_scores (SnapKV family, kvzip-lite); server env. Off: the
+# kvzip-lite query-max kernel ran 5-13x slower than the torch path on the H200 (RESULTS.md)
 SCORE_KERNEL = os.environ.get("TANGRAM_SCORE_KERNEL") == "1"
 MIN_BUCKET = 64  # tokens: the shortest bucket (shorter segments share it)
 # tokens: the most a merged padded batch holds (b * N). The torch path's peak for it is about
@@ -162,8 +163,9 @@ def batch_kept_indices(
             scored segment in a padded bucket: SnapKV-family scorers' window mean (one launch in
             place of about 20) and kvzip-lite's query max (one launch per padded batch in place
             of about 12 torch ops per block of query slots). None = :data:`SCORE_KERNEL` (off unless
-            ``TANGRAM_SCORE_KERNEL=1``, until an H200 run shows it faster and selecting the
-            reference's tokens at the served shapes: benchmarks/RESULTS.md).
+            ``TANGRAM_SCORE_KERNEL=1``: on the H200 the kvzip-lite kernel kept the reference's
+            tokens but ran 5-13x slower than the torch path; the SnapKV-family kernel is
+            untimed since its plan-cache fix, benchmarks/RESULTS.md 2026-12-02).
 
     Returns:
         int64 ``[bs, H_kv, max_k]`` (``kept_idx`` of the kv-write kernel): head h of request i

@@ -89,9 +89,9 @@ class TritonKernels(ReferenceKernels):
             :func:`config.decode_plan`.
         prefill: who computes an extend's attention (:func:`config.prefill_attention`):
             ``"triton"`` (Tangram's extend kernel), ``"flashinfer"`` (the new tokens through
-            FlashInfer, every batch) or ``"auto"`` (FlashInfer for the batches whose new tokens
-            dominate, ``metadata.new_tokens_dominate``; Tangram's kernel everywhere for a pool
-            dtype FlashInfer does not run, logged).
+            FlashInfer, every batch) or ``"auto"`` (split where it pays, ``metadata.split_pays``;
+            Tangram's kernel everywhere for a pool dtype FlashInfer does not run or without the
+            flashinfer package, logged).
 
     Raises:
         ConfigError: ``prefill="flashinfer"`` with a float32 pool.
@@ -168,7 +168,7 @@ class TritonKernels(ReferenceKernels):
         meta=None,
     ):
         """``(out, lse)`` from ``kernels.extend_attention.ragged_extend_attention``, or, under
-        ``prefill="flashinfer"`` (or ``"auto"`` and ``meta.new_tokens_dominate``) with the
+        ``prefill="flashinfer"`` (or ``"auto"`` and ``meta.split_new_tokens``) with the
         batch's plan ``meta``, the new tokens through FlashInfer (planned on the batch's first
         layer) and the history only when ``meta.any_history``
         (``kernels.new_token_attention.split_extend``)."""
@@ -199,7 +199,7 @@ class TritonKernels(ReferenceKernels):
 
         if self.new_tokens is None or meta is None:
             return fused()
-        if self.prefill == "auto" and not meta.new_tokens_dominate:
+        if self.prefill == "auto" and not meta.split_new_tokens:
             return fused()
         if self._planned is not meta:
             self.new_tokens.plan(meta.bounds, q.shape[1], k.shape[1], q.shape[2], q.dtype)

@@ -85,10 +85,9 @@ class TangramForwardMetadata:
     # extend: False when the host knows no request of the batch has history (start_lens all 0),
     # so the history part of a split extend (kernels.new_token_attention) is not launched
     any_history: bool = True
-    # extend: True when the host knows the batch's causal attention among its new tokens is at
-    # least its attention to history (:func:`new_tokens_dominate`): TANGRAM_PREFILL_ATTENTION=auto
-    # then splits the extend (new tokens through FlashInfer), else runs Tangram's fused kernel
-    new_tokens_dominate: bool = False
+    # extend: whether TANGRAM_PREFILL_ATTENTION=auto splits this batch (new tokens through
+    # FlashInfer, history through Tangram's kernel, merged by LSE): :func:`split_pays`
+    split_new_tokens: bool = False
 
     @property
     def batch_size(self) -> int:
@@ -165,6 +164,7 @@ def extend_metadata(
     if start_lens is not None:
         hist_len.index_copy_(0, dev[0], dev[-1].to(torch.int32))
     bounds = bounds_arr.tolist()
+    any_history = start_lens is None or bool(np.any(start_lens))
     return TangramForwardMetadata(
         mode=EXTEND,
         req_rows=dev[0].to(torch.int32),
@@ -179,34 +179,43 @@ def extend_metadata(
         kept_heads_host=heads_host,
         kept_heads=heads,
         hist_len=hist_len,
-        any_history=start_lens is None or bool(np.any(start_lens)),
-        new_tokens_dominate=start_lens is not None
-        and new_tokens_dominate(extend_lens, np.asarray(start_lens).reshape(kept.shape)),
+        any_history=any_history,
+        split_new_tokens=split_pays(extend_lens, no_history=not any_history),
     )
 
 
-def new_tokens_dominate(extend_lens: list[int] | np.ndarray, start_lens: np.ndarray) -> bool:
-    """Whether an extend batch's new tokens attend more among themselves than to history.
+# Mean causal query-key pairs per new token above which the split extend pays for its second
+# pass and merge (see split_pays).
+SPLIT_MIN_CAUSAL_PAIRS_PER_TOKEN = 1024
 
-    Counts query-key pairs per query head on the host: the new tokens' causal part
-    ``sum_i n_i (n_i + 1) / 2`` against the history part ``sum_i n_i * mean_g(h_ig)`` (each new
-    token reads its request's kept history; the head groups' lengths averaged, every group
-    holding the same number of KV heads). The split extend (``kernels.new_token_attention``)
-    runs the first part through FlashInfer, about 2.7x faster than Tangram's kernel on the H200,
-    and pays a second pass and a merge for the second (17% slower than the fused kernel on 64
-    turns of 128 tokens over 4,096-token histories, ``benchmarks/RESULTS.md``), so it is chosen
-    when the first part is at least the second; a batch without history always qualifies.
+
+def split_pays(extend_lens: list[int] | np.ndarray, no_history: bool) -> bool:
+    """Whether an extend batch runs faster split (``kernels.new_token_attention``) than fused.
+
+    The split runs the new tokens' causal attention through FlashInfer and, when some request has
+    history, Tangram's kernel over the history only, then merges the two by LSE. The history
+    pass costs what the fused kernel spends on history, so the split pays when FlashInfer's
+    savings on the causal part exceed the second pass's fixed cost and the merge. Measured on the
+    H200 (Llama-3.1-8B shapes, ``benchmarks/RESULTS.md`` 2026-12-02): FlashInfer saves about
+    45-75 ps per causal query-key pair and query head (1 x 8,192 and 16 x 1,024 first turns:
+    2.43 -> 0.91 and 0.98 -> 0.34 ms per layer); the second pass and merge cost about 60 ns per
+    new token (64 turns of 128 tokens over 4,096-token histories: 2.66 -> 3.12 ms). Break-even:
+    about 800-1,300 causal pairs per new token, hence :data:`SPLIT_MIN_CAUSAL_PAIRS_PER_TOKEN`
+    (segments of about 2,000 tokens and more). A batch without history has no second pass and
+    always splits. A heuristic from three measured points: the cases between (``1x8192+8192``,
+    ``16x1024+1024``) are still to be measured.
 
     Args:
         extend_lens: ``bs`` new tokens per request.
-        start_lens: int ``[bs, G]`` kept tokens per head group before the segment.
+        no_history: True when the host knows no request of the batch has history.
 
     Returns:
-        True when the causal new-token pairs are at least the history pairs.
+        True to split.
     """
     n = np.asarray(extend_lens, np.float64).reshape(-1)
-    hist = np.asarray(start_lens, np.float64).reshape(n.size, -1).mean(axis=1)
-    return bool(np.sum(n * (n + 1) / 2) >= np.sum(n * hist))
+    if no_history:
+        return True
+    return bool(np.sum(n * (n + 1) / 2) >= SPLIT_MIN_CAUSAL_PAIRS_PER_TOKEN * np.sum(n))
 
 
 def decode_destinations(

@@ -353,7 +353,7 @@ def check_model(server_args: Any) -> None:
             ``TANGRAM_GRID_SEGMENTS`` not 0/1 or on with chunked prefill off
             (:func:`tangram_sglang.config.segment_grid`), ``TANGRAM_DECODE_PLAN`` not
             ``lengths``/``table`` (:func:`tangram_sglang.config.decode_plan`),
-            ``TANGRAM_PREFILL_ATTENTION`` not ``triton``/``flashinfer``
+            ``TANGRAM_PREFILL_ATTENTION`` not ``triton``/``auto``/``flashinfer``
             (:func:`tangram_sglang.config.prefill_attention`), scorer options of
             the profile that the scorer refuses, or the Tangram plugin not active in this process.
         ProfileError: profile file missing, corrupt or made for another model.

@@ -151,7 +151,7 @@ def test_triton_kernels_split_extend_plans_once_per_batch_and_runs_history_when_
 
     kernels.new_tokens = Counted()
 
-    def meta_of(qo_indptr, req_rows, any_history, new_tokens_dominate=False):
+    def meta_of(qo_indptr, req_rows, any_history, split_new_tokens=False):
         bounds = qo_indptr.tolist()
         return md.TangramForwardMetadata(
             mode=md.EXTEND,
@@ -164,7 +164,7 @@ def test_triton_kernels_split_extend_plans_once_per_batch_and_runs_history_when_
             dest_slot=None,
             max_extend_len=max(np.diff(bounds)),
             any_history=any_history,
-            new_tokens_dominate=new_tokens_dominate,
+            split_new_tokens=split_new_tokens,
         )
 
     _, q, k, v, qo_indptr, paging = extend_inputs(torch.float32, 16, 64, [1, 70, 0], seed=4)
@@ -184,34 +184,54 @@ def test_triton_kernels_split_extend_plans_once_per_batch_and_runs_history_when_
     assert rel_err(got[0], want[0]) < TOL[torch.float32]
     assert rel_err(got[1], want[1]) < TOL[torch.float32]
     assert plans == [[0, 1, 71, 71], [0, 70, 71]]
-    # auto: the fused kernel unless the plan says the new tokens dominate
+    # auto: the fused kernel unless the plan says the split pays
     kernels.prefill = "auto"
     _, q, k, v, qo_indptr, paging = extend_inputs(torch.float32, 16, 64, [3, 5], seed=7)
-    for dominate in (False, True):
-        meta = meta_of(qo_indptr, paging[4], True, new_tokens_dominate=dominate)
+    for split in (False, True):
+        meta = meta_of(qo_indptr, paging[4], True, split_new_tokens=split)
         got = kernels.extend(q, k, v, qo_indptr, *paging, SCALE, meta.max_extend_len, meta=meta)
         want = _fused(q, k, v, qo_indptr, paging)
         assert rel_err(got[0], want[0]) < TOL[torch.float32]
         assert rel_err(got[1], want[1]) < TOL[torch.float32]
-        assert plans[2:] == ([[0, 3, 8]] if dominate else [])
+        assert plans[2:] == ([[0, 3, 8]] if split else [])
 
 
-def test_auto_prefill_attention_keeps_tangrams_kernel_for_a_float32_pool(monkeypatch):
-    """FlashInfer's prefill takes no float32: auto runs Tangram's kernel (explicit flashinfer
-    refuses, the test above)."""
+def test_auto_prefill_attention_falls_back_to_tangrams_kernel_where_flashinfer_cannot_run(
+    monkeypatch,
+):
+    """``auto`` keeps Tangram's kernel for a float32 pool (FlashInfer's prefill takes none) and
+    without the flashinfer package; an explicit ``flashinfer`` refuses both with the fix."""
     from types import SimpleNamespace
 
     from tangram_sglang.backend.layer_ops import TritonKernels
+    from tangram_sglang.errors import ConfigError, KernelError
+    from tangram_sglang.kernels import new_token_attention
     from tangram_sglang.profile import BudgetProfile
 
     monkeypatch.setattr(
         torch.cuda, "get_device_properties", lambda d: SimpleNamespace(multi_processor_count=8)
     )
     profile = BudgetProfile.load("calibration/synthetic/llama3.1-8b-ada-snapkv-r0.25.json")
-    pool = SimpleNamespace(k_pool=torch.zeros(1, dtype=torch.float32))
-    state = SimpleNamespace(profile=profile, memory=SimpleNamespace(kv_pool=pool))
-    kernels = TritonKernels(state, 4, torch.device("cpu"), prefill="auto")
-    assert kernels.prefill == "triton" and kernels.new_tokens is None
+
+    def kernels(dtype, prefill):
+        pool = SimpleNamespace(k_pool=torch.zeros(1, dtype=dtype))
+        state = SimpleNamespace(profile=profile, memory=SimpleNamespace(kv_pool=pool))
+        return TritonKernels(state, 4, torch.device("cpu"), prefill=prefill)
+
+    k = kernels(torch.float32, "auto")
+    assert k.prefill == "triton" and k.new_tokens is None
+    with pytest.raises(ConfigError, match="TANGRAM_PREFILL_ATTENTION=flashinfer .* bfloat16"):
+        kernels(torch.float32, "flashinfer")
+
+    class Missing:
+        def __init__(self, device, dtype):
+            raise KernelError("TANGRAM_PREFILL_ATTENTION=flashinfer needs the flashinfer package")
+
+    monkeypatch.setattr(new_token_attention, "FlashInferNewTokens", Missing)
+    k = kernels(torch.bfloat16, "auto")
+    assert k.prefill == "triton" and k.new_tokens is None
+    with pytest.raises(KernelError, match="needs the flashinfer package"):
+        kernels(torch.bfloat16, "flashinfer")
 
 
 def test_flashinfer_new_tokens_refuse_a_float32_model_with_the_fix():

@@ -141,36 +141,37 @@ def test_extend_plan_says_whether_any_request_has_history():
     assert md.extend_metadata([3], [6], later.kept_lens[1:], "cpu").any_history
 
 
-def test_new_tokens_dominate_counts_causal_pairs_against_history_pairs():
-    """The rule TANGRAM_PREFILL_ATTENTION=auto splits by: sum n(n+1)/2 >= sum n * mean_g(h)."""
-    none = np.zeros((1, 2), np.int64)
-    assert md.new_tokens_dominate([8192], none)  # a first turn: no history pass at all
-    assert md.new_tokens_dominate([1], none)
-    # 64 turns of 128 tokens over 4,096 kept tokens: 8,256 causal pairs vs 524,288 per turn
-    assert not md.new_tokens_dominate([128] * 64, np.full((64, 2), 4096))
-    # the boundary: n = 7, mean history 4 -> 28 causal pairs vs 28 history pairs
-    assert md.new_tokens_dominate([7], np.array([[2, 6]]))
-    assert not md.new_tokens_dominate([7], np.array([[3, 6]]))
-    # a batch: one long first turn outweighs a short turn over a long history
-    assert md.new_tokens_dominate([2000, 10], np.array([[0, 0], [900, 1100]]))
-    assert not md.new_tokens_dominate([200, 10], np.array([[0, 0], [90000, 110000]]))
+def test_split_pays_without_history_or_for_long_new_segments():
+    """The rule TANGRAM_PREFILL_ATTENTION=auto splits by: no history, or a mean of at least
+    SPLIT_MIN_CAUSAL_PAIRS_PER_TOKEN causal pairs per new token (sum n(n+1)/2 >= C * sum n)."""
+    c = md.SPLIT_MIN_CAUSAL_PAIRS_PER_TOKEN
+    assert md.split_pays([8192], no_history=True)  # a first turn: no second pass at all
+    assert md.split_pays([1, 3], no_history=True)
+    assert not md.split_pays([128] * 64, no_history=False)  # short turns over histories
+    assert md.split_pays([8192], no_history=False)  # a long prompt's second chunk
+    n = 2 * c - 1  # the boundary: n (n + 1) / 2 == c * n
+    assert md.split_pays([n], no_history=False)
+    assert not md.split_pays([n - 1], no_history=False)
+    # a batch: one long segment outweighs many short ones, or does not
+    assert md.split_pays([8192, 10, 10], no_history=False)
+    assert not md.split_pays([2048] + [100] * 64, no_history=False)
 
 
-def test_extend_plan_says_whether_new_tokens_dominate():
-    """From the host's start lengths; without them the history is unknown: never."""
+def test_extend_plan_says_whether_to_split():
+    """From the host's start lengths; without them the history is unknown (assumed there)."""
     state = make_state()
     hist = torch.zeros_like(state.memory.table.group_len)
     first = state.allocate_extend([1, 2], [9, 4], [0, 0])
     meta = md.extend_metadata(
         [1, 2], [9, 4], first.kept_lens, "cpu", start_lens=first.start_lens, hist_len=hist
     )
-    assert meta.new_tokens_dominate
+    assert meta.split_new_tokens
     later = state.allocate_extend([1], [1], [9])  # one token over row 1's kept history
     meta = md.extend_metadata(
         [1], [1], later.kept_lens, "cpu", start_lens=later.start_lens, hist_len=hist
     )
-    assert later.start_lens.sum() > 1 and not meta.new_tokens_dominate
-    assert not md.extend_metadata([3], [6], later.kept_lens, "cpu").new_tokens_dominate
+    assert later.start_lens.sum() > 1 and not meta.split_new_tokens
+    assert not md.extend_metadata([3], [6], later.kept_lens, "cpu").split_new_tokens
 
 
 def test_reused_row_without_release_is_freed_first():

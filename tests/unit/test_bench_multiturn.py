@@ -366,15 +366,34 @@ def test_no_max_tokens_requests_end_on_a_fixed_stop_subset():
     assert stop_token_ids(100, 1000) and len(stop_token_ids(100, 1)) == 100
 
 
-def test_client_drops_idle_connections_before_the_server_does():
+def test_client_drops_idle_connections_before_the_server_does(monkeypatch):
     """SGLang's HTTP server (uvicorn) closes a keep-alive connection idle for
     SGLANG_TIMEOUT_KEEP_ALIVE seconds; a client waiting at a round barrier longer than that must
     not reuse it (ServerDisconnectedError), so the client's pool gives idle connections up first."""
+    import asyncio
+
+    import aiohttp
     from sglang.srt.environ import envs
 
-    from tangram_sglang.bench.multiturn_client import KEEPALIVE_S
+    from tangram_sglang.bench import multiturn_client as mc
 
-    assert 0 < KEEPALIVE_S < envs.SGLANG_TIMEOUT_KEEP_ALIVE.get()
+    assert 0 < mc.KEEPALIVE_S < envs.SGLANG_TIMEOUT_KEEP_ALIVE.get()
+    seen = []
+
+    class Recorded(aiohttp.TCPConnector):
+        def __init__(self, *args, **kwargs):
+            seen.append(kwargs)
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(aiohttp, "TCPConnector", Recorded)
+    from tangram_sglang.bench.multiturn_workloads import Conversation
+
+    # port 9 (discard) refuses: the one request ends as a recorded connection error
+    settings = mc.LoadSettings(timeout_s=5.0)
+    conv = [Conversation(rounds=((4, 2),))]
+    records, _ = asyncio.run(mc.run_conversations("http://127.0.0.1:9", conv, 32000, settings))
+    assert len(records) == 1 and records[0].error
+    assert seen == [{"limit": 0, "keepalive_timeout": mc.KEEPALIVE_S}]
 
 
 def test_no_max_tokens_reaches_sglang_unset():
