@@ -12,7 +12,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import shlex
 import sys
+import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -250,6 +253,17 @@ the conversation holds against stock SGLang's full KV, then stop the server.
 The model is converted from its installed wheel on first use."""
 
 
+def this_python() -> str:
+    """The running interpreter as a user would type it here: relative to the working folder
+    when inside it (``.venv/bin/python`` after ``make demo``), else its absolute path."""
+    path = os.path.relpath(sys.executable)
+    if path.startswith(".."):
+        path = sys.executable
+    elif os.sep not in path:
+        path = os.path.join(".", path)
+    return shlex.quote(path)
+
+
 def main(argv: list[str] | None = None) -> int:
     from tangram_sglang.models import MODELS
 
@@ -274,10 +288,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--profile", help="Tangram budget profile (default: the shipped one)")
     parser.add_argument(
         "--log",
-        default="/tmp/tangram-demo-server.log",
-        help="server log file (default: /tmp/tangram-demo-server.log)",
+        help="server log file (default: tangram-demo-server-PID.log in the temp folder, one per "
+        "run)",
     )
     args = parser.parse_args(argv)
+    if args.log is None:
+        args.log = os.path.join(tempfile.gettempdir(), f"tangram-demo-server-{os.getpid()}.log")
     try:
         return run_demo(args)
     except TangramError as exc:
@@ -348,7 +364,7 @@ def run_demo(args: argparse.Namespace) -> int:
     if not args.full_kv:
         print(
             f"(to tell the model's own mistakes from compression's, run the same chat on stock "
-            f"SGLang: python -m tangram_sglang.demo --model {args.model} --full-kv)"
+            f"SGLang: {this_python()} -m tangram_sglang.demo --model {args.model} --full-kv)"
         )
     return 0
 

@@ -82,3 +82,25 @@ def test_a_model_without_a_shipped_profile_is_refused_before_conversion(capsys):
     assert "--model qwen2.5-1.5b: no Tangram profile ships for it" in err
     assert "--profile PATH" in err and "--full-kv" in err
     assert "python -m tangram_sglang.calibrate --model-path qwen2.5-1.5b" in err
+
+
+def test_the_full_kv_hint_names_the_interpreter_that_runs_the_demo(tmp_path, monkeypatch):
+    """The closing hint must work when pasted: the demo's own interpreter (the project's venv
+    after ``make demo``), not a bare ``python`` that lacks the dependencies."""
+    import os
+    import shlex
+    import sys
+
+    from tangram_sglang.demo import this_python
+
+    venv = tmp_path / ".venv" / "bin"
+    venv.mkdir(parents=True)
+    monkeypatch.setattr(sys, "executable", str(venv / "python"))
+    monkeypatch.chdir(tmp_path)
+    assert this_python() == os.path.join(".venv", "bin", "python")
+    monkeypatch.chdir(venv)
+    assert this_python() == os.path.join(".", "python")
+    elsewhere = tmp_path / "other dir"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    assert this_python() == shlex.quote(str(venv / "python"))  # outside: the absolute path
