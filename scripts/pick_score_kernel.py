@@ -12,22 +12,32 @@ import sys
 MAX_ROWS_DIFFERING = 1e-3
 
 
+def fail(message: str) -> None:
+    """Print ``message`` to stderr and exit with status 2."""
+    print(f"pick_score_kernel: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
 def case_result(path: str, case: str) -> dict:
     """The result of ``case`` in a ``bench.prefill_profile --json`` file; exits 2 if absent."""
-    with open(path) as fh:
-        for res in json.load(fh)["results"]:
-            if res["case"] == case:
-                return res
-    sys.exit(f"pick_score_kernel: {path} has no case {case!r}; run prefill_profile with it")
+    try:
+        with open(path) as fh:
+            results = json.load(fh)["results"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        fail(f"{path}: not a bench.prefill_profile --json file ({exc!r})")
+    for res in results:
+        if res.get("case") == case:
+            return res
+    fail(f"{path} has no case {case!r}; run prefill_profile with it")
 
 
 def main() -> int:
     if len(sys.argv) != 4:
-        sys.exit(__doc__)
+        fail(__doc__)
     off, on = (case_result(p, sys.argv[3]) for p in sys.argv[1:3])
     differing = on.get("select_rows_differing")
     if not isinstance(differing, (int, float)):
-        sys.exit(f"pick_score_kernel: {sys.argv[2]} has no select_rows_differing for {sys.argv[3]}")
+        fail(f"{sys.argv[2]} has no select_rows_differing for {sys.argv[3]}")
     faster = on["select_ms"] < off["select_ms"]
     same = differing < MAX_ROWS_DIFFERING
     print(

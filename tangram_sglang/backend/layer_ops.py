@@ -144,7 +144,11 @@ class TritonKernels(ReferenceKernels):
                 try:
                     self.new_tokens = FlashInferNewTokens(device, dtype)
                 except KernelError as exc:  # no flashinfer package: the kernel SGLang ships
-                    logger.warning("Tangram: extend attention through Tangram's kernel (%s)", exc)
+                    logger.warning(
+                        "Tangram: TANGRAM_PREFILL_ATTENTION=auto runs Tangram's extend kernel "
+                        "only, FlashInfer's prefill is not available (%s)",
+                        exc,
+                    )
                     self.prefill = "triton"
             else:
                 self.new_tokens = FlashInferNewTokens(device, dtype)

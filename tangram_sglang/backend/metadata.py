@@ -197,13 +197,14 @@ def split_pays(extend_lens: list[int] | np.ndarray, no_history: bool) -> bool:
     pass costs what the fused kernel spends on history, so the split pays when FlashInfer's
     savings on the causal part exceed the second pass's fixed cost and the merge. Measured on the
     H200 (Llama-3.1-8B shapes, ``benchmarks/RESULTS.md`` 2026-12-02): FlashInfer saves about
-    45-75 ps per causal query-key pair and query head (1 x 8,192 and 16 x 1,024 first turns:
-    2.43 -> 0.91 and 0.98 -> 0.34 ms per layer); the second pass and merge cost about 60 ns per
-    new token (64 turns of 128 tokens over 4,096-token histories: 2.66 -> 3.12 ms). Break-even:
+    45-75 ps per causal query-key pair, all 32 query heads together (1 x 8,192 and 16 x 1,024
+    first turns: 2.43 -> 0.91 and 0.98 -> 0.34 ms per layer); the second pass and merge cost
+    about 60 ns per new token (64 turns of 128 tokens over 4,096-token histories: 2.66 -> 3.12
+    ms per layer). Break-even:
     about 800-1,300 causal pairs per new token, hence :data:`SPLIT_MIN_CAUSAL_PAIRS_PER_TOKEN`
     (segments of about 2,000 tokens and more). A batch without history has no second pass and
-    always splits. A heuristic from three measured points: the cases between (``1x8192+8192``,
-    ``16x1024+1024``) are still to be measured.
+    always splits. A heuristic from three measured points; the untested cases with history
+    (``1x8192+8192``, ``16x1024+1024``, ``4x2048+2048``) are in ``scripts/device_prefill_auto.sh``.
 
     Args:
         extend_lens: ``bs`` new tokens per request.
