@@ -11,10 +11,10 @@
 #   3. sharegpt:64x4: stock triton, Tangram 0.25 with the kvzip-lite profile, Tangram 0.25 with
 #      the ada-snapkv profile (the earlier runs' profile), side by side;
 #   4. cliff:64 at full KV: Tangram 1.0 with FlashInfer prefill against stock flashinfer;
-#   5. bench.prefill_profile for ada-snapkv (kernels off and on) and at ratio 1.0 with each
-#      prefill attention setting (per-layer extend cost).
+#   5. bench.prefill_profile for ada-snapkv (kernels off and on). The per-layer extend cost of
+#      each TANGRAM_PREFILL_ATTENTION setting is scripts/device_prefill_auto.sh's.
 #   setsid nohup bash scripts/device_select.sh > /tmp/sel.log 2>&1 &
-# Env: R (result folder), CASES, SPLIT_CASES, SHAREGPT=0 / CLIFF1=0 skip parts 3 / 4.
+# Env: R (result folder), CASES, SHAREGPT=0 / CLIFF1=0 skip parts 3 / 4.
 set -u
 R=${R:-/tmp/sel}
 mkdir -p "$R"
@@ -51,12 +51,4 @@ if [ "${CLIFF1:-1}" = 1 ]; then
 fi
 profile ada-snapkv 0
 profile ada-snapkv 1
-for pa in triton flashinfer; do
-  TANGRAM_PREFILL_ATTENTION=$pa timeout 300 python3 -m tangram_sglang.bench.prefill_profile \
-    --profile "$SYN/llama3.1-8b-ada-snapkv-r0.25.json" --target-ratio 1.0 \
-    --cases "${SPLIT_CASES:-1x8192,16x1024,64x128+4096,1x8192+8192,16x1024+1024}" \
-    --json "$R/prefill-split-$pa.json" \
-    > "$R/prefill-split-$pa.txt" 2>&1
-  tail -6 "$R/prefill-split-$pa.txt" >> "$R/progress"
-done
 echo "$(date -u +%T) done" >> "$R/progress"

@@ -21,7 +21,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import openai
-import requests
 
 from tangram_sglang.errors import ConfigError, ProfileError, TangramError
 from tangram_sglang.integration.profile_loader import CALIBRATION_DIR
@@ -351,9 +350,7 @@ def run_demo(args: argparse.Namespace) -> int:
     with SGLangServer(folder, server_args, device=args.device, log_path=args.log) as server:
         info = server.server_info()
         print("\n".join(server_banner(info)))
-        requests.post(
-            f"{server.base_url}/flush_cache", params={"timeout": 30}, timeout=60
-        )  # drop the warm-up request
+        server.flush_cache()  # drop the warm-up request
         per_token = full_kv_bytes_per_token(folder, 4 if info.get("dtype") == "float32" else 2)
         chat(
             server.base_url,

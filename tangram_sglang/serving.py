@@ -317,6 +317,19 @@ class SGLangServer:
         except FileNotFoundError:
             return "(no log)"
 
+    def flush_cache(self, wait_s: float = 30.0) -> requests.Response:
+        """``POST /flush_cache?timeout=wait_s``: free the radix tree's cached prefixes.
+
+        SGLang waits up to ``wait_s`` seconds for the scheduler to go idle (a request that just
+        answered may not be released yet), then flushes.
+
+        Returns:
+            The response (status 200 when flushed).
+        """
+        return requests.post(
+            f"{self.base_url}/flush_cache", params={"timeout": wait_s}, timeout=wait_s + 30
+        )
+
     def server_info(self) -> dict:
         """``GET /server_info`` as a dict."""
         return requests.get(f"{self.base_url}/server_info", timeout=30).json()

@@ -24,7 +24,7 @@ from tangram_sglang.backend import metadata as md
 from tangram_sglang.backend.compress import batch_kept_indices
 from tangram_sglang.backend.state import TangramState
 from tangram_sglang.config import decode_plan, prefill_attention
-from tangram_sglang.errors import KernelError
+from tangram_sglang.errors import ConfigError, KernelError
 from tangram_sglang.kernels import reference
 
 logger = logging.getLogger(__name__)
@@ -127,31 +127,15 @@ class TritonKernels(ReferenceKernels):
         self._planned = None  # the extend plan (metadata) new_tokens was last planned for
         self.prefill = prefill
         if prefill in ("auto", "flashinfer"):
-            from tangram_sglang.kernels.new_token_attention import (
-                FLASHINFER_DTYPES,
-                FlashInferNewTokens,
-            )
+            from tangram_sglang.kernels.new_token_attention import FlashInferNewTokens
 
-            dtype = state.memory.kv_pool.k_pool.dtype
-            if prefill == "auto" and dtype not in FLASHINFER_DTYPES:
-                logger.info(
-                    "Tangram: extend attention through Tangram's kernel only (FlashInfer's "
-                    "prefill does not take %s)",
-                    dtype,
-                )
+            try:
+                self.new_tokens = FlashInferNewTokens(device, state.memory.kv_pool.k_pool.dtype)
+            except (ConfigError, KernelError) as exc:  # float32, or no flashinfer package
+                if prefill == "flashinfer":
+                    raise
+                logger.info("Tangram: TANGRAM_PREFILL_ATTENTION=auto without FlashInfer (%s)", exc)
                 self.prefill = "triton"
-            elif prefill == "auto":
-                try:
-                    self.new_tokens = FlashInferNewTokens(device, dtype)
-                except KernelError as exc:  # no flashinfer package: the kernel SGLang ships
-                    logger.warning(
-                        "Tangram: TANGRAM_PREFILL_ATTENTION=auto runs Tangram's extend kernel "
-                        "only, FlashInfer's prefill is not available (%s)",
-                        exc,
-                    )
-                    self.prefill = "triton"
-            else:
-                self.new_tokens = FlashInferNewTokens(device, dtype)
         logger.info("Tangram: extend attention %s (TANGRAM_PREFILL_ATTENTION)", self.prefill)
 
     def extend(

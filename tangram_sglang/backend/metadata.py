@@ -213,9 +213,9 @@ def split_pays(extend_lens: list[int] | np.ndarray, no_history: bool) -> bool:
     Returns:
         True to split.
     """
-    n = np.asarray(extend_lens, np.float64).reshape(-1)
     if no_history:
         return True
+    n = np.asarray(extend_lens, np.float64).reshape(-1)
     return bool(np.sum(n * (n + 1) / 2) >= SPLIT_MIN_CAUSAL_PAIRS_PER_TOKEN * np.sum(n))
 
 

@@ -123,9 +123,7 @@ def test_chat_without_max_tokens_is_served(server):
 def test_a_chat_without_max_tokens_runs_to_its_cap_and_is_answered(server):
     """No max_tokens and no EOS: T is lowered to what the pool holds, and the request runs to
     exactly that many tokens (its last decode step included) and is answered."""
-    requests.post(
-        f"{server.base_url}/flush_cache", params={"timeout": 30}, timeout=60
-    ).raise_for_status()
+    server.flush_cache().raise_for_status()
     log_start = len(server.log_path.read_text())
     resp = chat(server, [{"role": "user", "content": "Count to ten."}], ignore_eos=True)
     assert resp.status_code == 200, resp.text
@@ -144,9 +142,7 @@ def test_bench_no_max_tokens_requests_end_at_their_length_or_the_cap(server, smo
     min_new_tokens is lowered with it (not a 400, and not an output held past the cap)."""
     from tangram_sglang.bench.multiturn_client import model_eos_ids, sampling_params
 
-    requests.post(
-        f"{server.base_url}/flush_cache", params={"timeout": 30}, timeout=60
-    ).raise_for_status()
+    server.flush_cache().raise_for_status()
     ids = list(range(1000, 1040))
     for length in (1, 150, 5000):
         log_start = len(server.log_path.read_text())
@@ -221,9 +217,7 @@ def scratch_fit_max_tokens(profile: BudgetProfile, prompt_len: int, pool_pages: 
 def test_turn_two_whose_cached_history_never_fits_gets_a_400(server, tokenizer):
     """Turn 1 (73 tokens, 16 out) is cached; turn 2 asks for the most max_tokens an empty table
     would hold: its own prefix path + copy-on-write pages make it never fit."""
-    requests.post(
-        f"{server.base_url}/flush_cache", params={"timeout": 30}, timeout=60
-    ).raise_for_status()
+    server.flush_cache().raise_for_status()
     turn1 = [int(i) for i in np.random.default_rng(0).integers(1000, 9000, 73)]
     first = generate(server, turn1, max_new_tokens=16, ignore_eos=True)
     assert first.status_code == 200, first.text
@@ -249,9 +243,7 @@ def upper_bound_pages(profile: BudgetProfile, prompt_len: int, tail: int) -> int
 def test_two_requests_that_fit_only_one_at_a_time_are_both_served(server):
     """Each prompt needs most of the pool (its later chunks counted uncompressed until they are
     compressed): the second waits in the queue and is served after the first."""
-    requests.post(
-        f"{server.base_url}/flush_cache", params={"timeout": 30}, timeout=60
-    ).raise_for_status()
+    server.flush_cache().raise_for_status()
     total = pool(server)["pages_total"]
     prompt_len, new_tokens = 440, 4
     need = upper_bound_pages(server_profile(server), prompt_len, new_tokens)
@@ -335,9 +327,7 @@ def test_grammar_constrained_requests_on_cpu_get_a_400(server):
 
 
 def test_every_page_returns_after_the_bad_requests(server):
-    requests.post(
-        f"{server.base_url}/flush_cache", params={"timeout": 30}, timeout=60
-    ).raise_for_status()
+    server.flush_cache().raise_for_status()
     state = pool(server)
     assert state["active_rows"] == 0 and state["pages_used"] == 0
     assert state["pages_free"] == state["pages_free_at_start"]

@@ -13,7 +13,6 @@ from __future__ import annotations
 import re
 
 import pytest
-import requests
 
 from tangram_sglang.demo import (
     DEMO_TURNS,
@@ -29,9 +28,7 @@ pytestmark = pytest.mark.e2e
 
 def test_the_demo_chat_holds_less_than_full_kv_every_turn(servers, smollm2_path, capsys):
     server = servers.get(demo_server_args(False, "cpu", None), "demo-tangram")
-    requests.post(
-        f"{server.base_url}/flush_cache", params={"timeout": 30}, timeout=60
-    ).raise_for_status()
+    server.flush_cache().raise_for_status()
     per_token = full_kv_bytes_per_token(smollm2_path, 4)  # the CPU engine serves float32
     turns = chat(server.base_url, DEMO_TURNS, on_turn=TurnReporter(server, per_token))
     out = capsys.readouterr().out

@@ -156,7 +156,7 @@ def wait_idle_and_flush(server: SGLangServer, timeout_s: float = 300.0) -> dict:
             break
         assert time.monotonic() < deadline, f"rows still active after {timeout_s} s: {state}"
         time.sleep(0.5)
-    resp = requests.post(f"{server.base_url}/flush_cache", params={"timeout": 30}, timeout=60)
+    resp = server.flush_cache()
     assert resp.status_code == 200, resp.text
     return server.server_info()["internal_states"][0]["tangram_pool"]
 

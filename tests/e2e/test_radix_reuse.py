@@ -80,7 +80,7 @@ def pool(server: SGLangServer) -> dict:
 
 
 def flush(server: SGLangServer) -> None:
-    resp = requests.post(f"{server.base_url}/flush_cache", params={"timeout": 30}, timeout=60)
+    resp = server.flush_cache()
     assert resp.status_code == 200, resp.text
 
 

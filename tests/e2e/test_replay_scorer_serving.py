@@ -38,9 +38,7 @@ def test_a_kvzip_replay_server_compresses_every_turn(servers, smollm2_path, caps
     info = requests.get(f"{server.base_url}/get_server_info", timeout=60).json()
     assert info["tangram"]["scorer"] == "kvzip-replay"
     assert info["tangram"]["profile_path"].endswith("smollm2/kvzip-replay-r0.25.json")
-    requests.post(
-        f"{server.base_url}/flush_cache", params={"timeout": 30}, timeout=60
-    ).raise_for_status()
+    server.flush_cache().raise_for_status()
     per_token = full_kv_bytes_per_token(smollm2_path, 4)  # the CPU engine serves float32
     turns = chat(server.base_url, DEMO_TURNS, on_turn=TurnReporter(server, per_token))
     saved = [int(x) for x in re.findall(r"full KV \(saved (-?\d+)%\)", capsys.readouterr().out)]

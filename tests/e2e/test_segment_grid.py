@@ -88,7 +88,7 @@ def chat(server: SGLangServer, messages: list[dict], max_tokens: int = 10) -> di
 
 
 def flush(server: SGLangServer) -> None:
-    resp = requests.post(f"{server.base_url}/flush_cache", params={"timeout": 30}, timeout=60)
+    resp = server.flush_cache()
     assert resp.status_code == 200, resp.text
 
 

@@ -74,7 +74,7 @@ def test_two_conversations_with_one_system_prompt_share_its_pages(server, smollm
     ]
     common = next(i for i, (a, b) in enumerate(zip(*ids, strict=False)) if a != b)
     assert common < 256 and len(ids[0]) < 256  # one segment kept whole
-    resp = requests.post(f"{server.base_url}/flush_cache", params={"timeout": 30}, timeout=60)
+    resp = server.flush_cache()
     assert resp.status_code == 200
     first = chat(server, QUESTIONS[0])
     after_one = pool(server)

@@ -274,7 +274,7 @@ def test_request_larger_than_the_pool_is_refused_and_the_server_stays_up(server0
 
 def flush_radix(server: SGLangServer) -> None:
     """``/flush_cache``: the radix tree frees the pages of finished turns (idle server)."""
-    resp = requests.post(f"{server.base_url}/flush_cache", params={"timeout": 30}, timeout=60)
+    resp = server.flush_cache()
     assert resp.status_code == 200, resp.text
 
 

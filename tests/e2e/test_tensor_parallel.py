@@ -79,9 +79,7 @@ def test_ratio_one_profile_at_tp3_is_token_identical_to_stock_tp3(
     ) as server:
         got, cached = greedy_chat(server.base_url, tokenizer)
         info = server.server_info()
-        requests.post(
-            f"{server.base_url}/flush_cache", params={"timeout": 30}, timeout=60
-        ).raise_for_status()
+        server.flush_cache().raise_for_status()
         pool = server.server_info()["internal_states"][0]["tangram_pool"]
     pages = {int(rank): int(n) for rank, n in POOL_LINE.findall(server.log_path.read_text())}
 
