@@ -61,10 +61,12 @@ from tangram_sglang.bench.multiturn_workloads import (
     WORKLOADS,
     WorkloadSpec,
     make_conversations,
+    warmup_conversations,
 )
 from tangram_sglang.errors import ConfigError, TangramError
 
 SCHEMA = "tangram-multiturn/1"
+WARMUP_SEED = 7919  # offsets the warm-up's token ids from the workload's
 GAUGES = (
     "sglang:num_running_reqs",
     "sglang:token_usage",
@@ -216,7 +218,9 @@ async def _poll_metrics(base_url: str, peaks: dict[str, float], stop: asyncio.Ev
 
 
 async def measure(base_url: str, spec: WorkloadSpec, vocab: int, settings: LoadSettings) -> dict:
-    """Run one workload on a running server (cache flushed first, token ids seeded by label).
+    """Run one workload on a running server: ``settings.warmup_clients`` warm-up conversations
+    (:func:`multiturn_workloads.warmup_conversations`, other token ids, not measured), the cache
+    flushed, then the workload (token ids seeded by label).
 
     Returns:
         Its metrics (:func:`summarize_run`).
@@ -224,6 +228,14 @@ async def measure(base_url: str, spec: WorkloadSpec, vocab: int, settings: LoadS
     import aiohttp
 
     conversations = make_conversations(spec)
+    warmup = warmup_conversations(conversations, settings.warmup_clients)
+    if warmup:
+        await run_conversations(
+            base_url,
+            warmup,
+            vocab,
+            dataclasses.replace(settings, seed=settings.seed + WARMUP_SEED, no_max_tokens=False),
+        )
     async with (
         aiohttp.ClientSession() as session,  # start cold: no prefix from earlier runs
         session.post(f"{base_url}/flush_cache", params={"timeout": 30}) as resp,
@@ -489,6 +501,7 @@ def run_system(name: str, flags: list[str], specs: list[WorkloadSpec], args, res
             args.seed,
             args.no_max_tokens,
             model_eos_ids(args.model_path),
+            args.warmup_clients,
         )
         for spec in specs:
             print(f"[multiturn] {name}: {spec.label} ...", flush=True)
@@ -614,6 +627,14 @@ def build_parser() -> argparse.ArgumentParser:
         "(min_new_tokens, then one stop id with a logit bias): the same lengths on every "
         "system (temperature 1)",
     )
+    p.add_argument(
+        "--warmup-clients",
+        type=int,
+        default=8,
+        help="before each workload, this many of its conversations (first 2 rounds, 8 tokens "
+        "out, other token ids) run unmeasured and the cache is flushed, so no system pays "
+        "its kernels' first-use compilation inside the timed run (0: none)",
+    )
     p.add_argument("--log-dir", default="/tmp/tangram-multiturn")
     p.add_argument(
         "--output",
@@ -716,6 +737,10 @@ def check_args(args: argparse.Namespace, systems: list, specs: list[WorkloadSpec
             raise ConfigError(f"{flag} {value}: must be > 0")
     if not specs:
         raise ConfigError("--workloads is empty; e.g. cliff:64,prefill:16x8192")
+    if not 0 <= args.warmup_clients <= MAX_CLIENTS:
+        raise ConfigError(
+            f"--warmup-clients {args.warmup_clients}: must be 0..{MAX_CLIENTS} (0: no warm-up)"
+        )
     if not 1 <= args.num_clients <= MAX_CLIENTS:
         raise ConfigError(f"--num-clients {args.num_clients}: must be 1..{MAX_CLIENTS}")
     for spec in specs:

@@ -50,6 +50,7 @@ class LoadSettings:
     seed: int = 0
     no_max_tokens: bool = False  # no max_new_tokens: geometric lengths (mean L), a stop id
     eos_ids: tuple[int, ...] = ()  # the model's EOS ids, held off in no-max requests
+    warmup_clients: int = 0  # unmeasured warm-up conversations before each workload
 
 
 STOP_SEED = 1234  # the stop-id subsets are the same for every system and run

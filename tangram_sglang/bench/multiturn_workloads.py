@@ -31,6 +31,7 @@ long context, multi-turn queries); issue 7 (cliff workload).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -92,6 +93,30 @@ class WorkloadSpec:
             return f"system-prompt{self.system_prompt_tokens}-{self.num_clients}x{self.num_rounds}"
         shared = "-shared" if self.shared_context and self.name == "long-context" else ""
         return f"{self.name}{shared}-{self.num_clients}x{self.num_rounds}"
+
+
+WARMUP_ROUNDS, WARMUP_OUTPUT = 2, 8  # warm-up conversations: rounds kept, tokens out per round
+
+
+def warmup_conversations(conversations: list[Conversation], num: int) -> list[Conversation]:
+    """The first ``num`` conversations cut to their first :data:`WARMUP_ROUNDS` rounds with
+    :data:`WARMUP_OUTPUT` output tokens each: the workload's own prompt lengths (a first turn
+    without history, a turn over history), so the server compiles and caches the prefill
+    kernels those shapes need before the timed run, as a deployed server has long since done.
+    SGLang's own start-up warm-up sends one short prompt, which Tangram keeps whole: no
+    scoring kernel runs until the first long prompt. ``num`` 0 gives none.
+
+    Raises:
+        ConfigError: ``num`` negative.
+    """
+    if num < 0:
+        raise ConfigError(f"--warmup-clients {num} is negative; use 0 for no warm-up")
+    return [
+        dataclasses.replace(
+            c, rounds=tuple((n, min(out, WARMUP_OUTPUT)) for n, out in c.rounds[:WARMUP_ROUNDS])
+        )
+        for c in conversations[:num]
+    ]
 
 
 def make_conversations(spec: WorkloadSpec) -> list[Conversation]:

@@ -506,3 +506,94 @@ def test_no_max_requests_hold_off_the_model_eos_ids(tmp_path):
     (stop,) = params["stop_token_ids"]
     assert params["logit_bias"] == {"2": -100.0, "7": -100.0, str(stop): 100.0}
     assert "logit_bias" not in sampling_params(64, 5000, False, None, (2, 7))
+
+
+def test_warmup_conversations_keep_the_workload_prompts_and_cut_rounds_and_outputs():
+    from tangram_sglang.bench.multiturn_workloads import (
+        WARMUP_OUTPUT,
+        WARMUP_ROUNDS,
+        warmup_conversations,
+    )
+
+    convs = make_conversations(WorkloadSpec("cliff", num_clients=12))
+    warm = warmup_conversations(convs, 8)
+    assert len(warm) == 8 and WARMUP_ROUNDS == 2
+    assert warm[0].rounds == ((16384, WARMUP_OUTPUT), (256, WARMUP_OUTPUT))
+    assert len(warmup_conversations(convs[:3], 8)) == 3  # never more than the workload has
+    assert warmup_conversations(convs, 0) == []
+    with pytest.raises(ConfigError, match="--warmup-clients -1 is negative"):
+        warmup_conversations(convs, -1)
+
+
+def test_bad_warmup_clients_flag_stops_before_any_server(tmp_path, capsys):
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "config.json").write_text('{"vocab_size": 5000}')
+    argv = ["--model-path", str(model), "--device", "cpu", "--systems", "baseline"]
+    out = tmp_path / "r.json"
+    assert mt.main([*argv, "--warmup-clients", "-2", "--output", str(out)]) == 2
+    assert "--warmup-clients -2: must be 0..10000" in capsys.readouterr().err
+    assert not out.exists()
+
+
+def test_measure_warms_up_unmeasured_then_flushes_then_runs_the_workload():
+    """Against a local HTTP endpoint that speaks /generate's streaming format: the warm-up's
+    requests come first (other token ids, 8 tokens out), then /flush_cache, then the workload;
+    only the workload's requests are in the result."""
+    import asyncio
+
+    from aiohttp import web
+
+    from tangram_sglang.bench.multiturn_client import LoadSettings
+
+    calls: list[tuple] = []
+
+    async def generate(request):
+        body = await request.json()
+        ids, n = body["input_ids"], body["sampling_params"]["max_new_tokens"]
+        calls.append(("generate", len(ids), n, tuple(ids[:4])))
+        resp = web.StreamResponse()
+        await resp.prepare(request)
+        meta = {"prompt_tokens": len(ids), "completion_tokens": n, "cached_tokens": 0}
+        chunk = {"output_ids": list(range(5, 5 + n)), "meta_info": meta}
+        await resp.write(f"data: {json.dumps(chunk)}\n\ndata: [DONE]\n\n".encode())
+        return resp
+
+    async def flush(request):
+        calls.append(("flush",))
+        return web.Response(text="ok")
+
+    async def metrics(request):
+        return web.Response(text="")
+
+    async def run():
+        app = web.Application()
+        app.add_routes(
+            [
+                web.post("/generate", generate),
+                web.post("/flush_cache", flush),
+                web.get("/metrics", metrics),
+            ]
+        )
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]
+        try:
+            spec = WorkloadSpec("short-chat", num_clients=3, num_rounds=3)
+            settings = LoadSettings(timeout_s=30.0, warmup_clients=2)
+            return await mt.measure(f"http://127.0.0.1:{port}", spec, 32000, settings)
+        finally:
+            await runner.cleanup()
+
+    result = asyncio.run(run())
+    flush_at = calls.index(("flush",))
+    warm, timed = calls[:flush_at], calls[flush_at + 1 :]
+    assert [c[1:3] for c in warm if c[1] == 1024] == [(1024, 8), (1024, 8)]  # 2 first turns
+    assert len(warm) == 4 and all(c[2] == 8 for c in warm)  # 2 clients x 2 rounds, 8 out
+    assert len(timed) == 9 and all(c[2] == 128 for c in timed)  # 3 clients x 3 rounds
+    firsts = {c[3] for c in warm if c[1] == 1024} & {c[3] for c in timed if c[1] == 1024}
+    assert not firsts  # the warm-up's token ids are not the workload's (no cache hit)
+    assert result["requests_ok"] == result["requests_planned"] == 9
+    assert result["output_tokens"] == 9 * 128
