@@ -7,7 +7,8 @@ input hidden state to log KVzip score, on some multi-turn SQuAD contexts, and ju
 held-out contexts by the recall of KVzip's top-k (the metric of eval.scorer_recall) and by the
 share of later answers' tokens kept, against kvzip-lite's same-pass scores. Three feature sets:
 the hidden state entering attention (Fast KVzip's input), the layer's pre-RoPE q, k and v
-projections concatenated (what an attention backend holds, RoPE undone), and k, v alone.
+projections concatenated (what an attention backend holds, RoPE undone), k, v alone, and
+|k|+v: the norm of each rotary pair of k (unchanged by RoPE, so no positions needed) with v.
 
 Usage (Qwen2.5-0.5B, float32, CPU; needs `python -m tangram_sglang.models install qwen2.5-0.5b`):
     python benchmarks/explore/kvzip_gate_probe.py N_TRAIN N_TEST LENGTH
@@ -30,6 +31,14 @@ from tangram_sglang.eval.scorer_recall import (
 from tangram_sglang.eval.tasks import build_samples, conversation_ids
 from tangram_sglang.models import model_path
 from tangram_sglang.scoring import get_scorer
+
+
+def pair_norms(k: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """``[n, H_kv * head_dim]`` keys -> ``[n, H_kv * head_dim / 2]``: the norm of each rotary
+    pair (i, i + head_dim / 2) of each head, which RoPE (a rotation of each pair) leaves
+    unchanged: the same features before and after RoPE, so a gate on them needs no positions."""
+    k = k.reshape(k.shape[0], -1, 2, head_dim // 2)
+    return k.pow(2).sum(2).sqrt().reshape(k.shape[0], -1)
 
 
 def main() -> int:
@@ -66,6 +75,7 @@ def main() -> int:
     for i, layer in enumerate(layers):
         for name in ("q_proj", "k_proj", "v_proj"):
             handles.append(getattr(layer.self_attn, name).register_forward_hook(proj_hook(name, i)))
+    head_dim = model.config.hidden_size // model.config.num_attention_heads
     lite = ScoreObserver(model, get_scorer("kvzip-lite"))
     samples = build_samples("multiturn-squad", tok, n_train + n_test, (length,), seed=0)
     data = []
@@ -85,6 +95,14 @@ def main() -> int:
             "q+k+v": np.stack(
                 [
                     torch.cat([proj[(n, i)] for n in ("q_proj", "k_proj", "v_proj")], -1)[
+                        head:
+                    ].numpy()
+                    for i in range(len(layers))
+                ]
+            ),
+            "|k|+v": np.stack(
+                [
+                    torch.cat([pair_norms(proj[("k_proj", i)], head_dim), proj[("v_proj", i)]], -1)[
                         head:
                     ].numpy()
                     for i in range(len(layers))
@@ -123,7 +141,7 @@ def main() -> int:
             ]
         )  # [L, H_kv, n]
 
-    names = ["hidden", "k+v", "q+k+v"]
+    names = ["hidden", "k+v", "q+k+v", "|k|+v"]
     fitted = {name: fit(name) for name in names}
     out = {"n_train": n_train, "n_test": n_test, "length": length, "keep": {}}
     for keep in (0.25, 0.5):
