@@ -47,7 +47,15 @@ from tangram_sglang.errors import ProfileError
 from tangram_sglang.grouping import HeadGrouping
 
 SCHEMA_VERSION = 1
-SCORERS = ("snapkv", "ada-snapkv", "pyramidkv", "duo", "kvzip-lite", "kvzip-replay")
+SCORERS = (
+    "snapkv",
+    "ada-snapkv",
+    "pyramidkv",
+    "duo",
+    "kvzip-lite",
+    "kvzip-replay",
+    "kvzip-gate",
+)
 # Guard against ratio * n landing a hair above an integer (0.3 * 10 = 3.0000000000000004).
 _CEIL_EPS = 1e-9
 MIN_RATIO = 1e-6  # smallest kept fraction a rescaled head may get (fraction of tokens)

@@ -56,6 +56,7 @@ from tangram_sglang.errors import KernelError
 from tangram_sglang.kernels.window_scores import query_max_scores, window_scores
 from tangram_sglang.kernels.window_scores import supported as window_scores_supported
 from tangram_sglang.scoring.base import Scorer
+from tangram_sglang.scoring.kvzip_gate import is_token_scorer
 from tangram_sglang.scoring.kvzip_lite import KVzipLiteScorer, slot_table
 from tangram_sglang.scoring.select import priority_key, select_kept
 from tangram_sglang.scoring.snapkv import SnapKVScorer, reduce_gqa
@@ -144,6 +145,8 @@ def batch_kept_indices(
     recent_window: int,
     kept_per_head_dev: torch.Tensor | None = None,
     window_kernel: bool | None = None,
+    v_new: torch.Tensor | None = None,
+    layer_id: int | None = None,
 ) -> torch.Tensor:
     """Kept token indices of every request of an extend batch, per KV head (per layer).
 
@@ -166,6 +169,10 @@ def batch_kept_indices(
             ``TANGRAM_SCORE_KERNEL=1``: on the H200 the kvzip-lite kernel kept the reference's
             tokens but ran 5-13x slower than the torch path; the SnapKV-family kernel is
             untimed since its plan-cache fix, benchmarks/RESULTS.md 2026-12-02).
+        v_new: ``[num_tokens, H_kv, D]`` new tokens' values; with ``layer_id``, required by a
+            token scorer (``kvzip-gate``: one ``token_scores`` call over the whole batch, then
+            the same buckets or runs as the SnapKV family, without queries).
+        layer_id: the layer's index (a token scorer's weights are per layer).
 
     Returns:
         int64 ``[bs, H_kv, max_k]`` (``kept_idx`` of the kv-write kernel): head h of request i
@@ -173,10 +180,17 @@ def batch_kept_indices(
         after. Identical to ``select_kept`` on each request's scores.
 
     Raises:
-        KernelError: a count outside ``[1, n]`` for a non-empty segment (host check).
+        KernelError: a count outside ``[1, n]`` for a non-empty segment (host check), or a
+            token scorer without ``v_new`` and ``layer_id``.
 
     Source: docs/contracts.md (``Scorer.score``, ``select_kept``).
     """
+    token = is_token_scorer(scorer)
+    if token and (v_new is None or layer_id is None):
+        raise KernelError(
+            f"batch_kept_indices: scorer {scorer.name!r} scores tokens from k and v per layer; "
+            "pass v_new and layer_id"
+        )
     kept_host = np.asarray(kept_per_head, np.int64).reshape(len(bounds) - 1, k_new.shape[1])
     bs, num_kv_heads = kept_host.shape
     max_k = int(kept_host.max()) if kept_host.size else 1
@@ -209,7 +223,7 @@ def batch_kept_indices(
         bounds,
         whole,
         scored,
-        snapkv,
+        snapkv or token,
         windows,
         out.shape[-1],
         device,
@@ -218,6 +232,9 @@ def batch_kept_indices(
     )
     if plan.whole_rows is not None:
         out[plan.whole_rows] = plan.whole_fill
+    tok = None  # a token scorer's [H_kv, num_tokens] scores of the whole batch
+    if token and (plan.runs or plan.buckets):
+        tok = scorer.token_scores(layer_id, k_new.transpose(0, 1), v_new.transpose(0, 1))
     if plan.runs:  # one scorer call per run of equal lengths
         _score_runs(
             out,
@@ -232,10 +249,13 @@ def batch_kept_indices(
             sm_scale,
             sink_tokens,
             recent_window,
+            tok,
         )
     for bucket in plan.buckets:
         kept_dev = kept_per_head_dev.index_select(0, bucket.rows)
-        if bucket.query_pos is not None:
+        if tok is not None:
+            key = _token_bucket_key(tok, bucket)
+        elif bucket.query_pos is not None:
             key = _query_bucket_key(scorer, q, k_new, lse, bucket, sm_scale, window_kernel)
         else:
             key = _bucket_key(scorer, q, k_new, lse, bucket, sm_scale, window_kernel)
@@ -496,7 +516,7 @@ def _make_bucket(
     q_valid = slot[None, :] >= (width - w)[:, None]
     queries = np.where(q_valid, starts[rows, None] + n[:, None] - width + slot[None, :], 0)
     context = key_valid & (pos[None, :] < (length - w)[:, None])
-    scale = np.where(q_valid, 1.0 / w[:, None], 0.0).astype(np.float32)
+    scale = np.where(q_valid, 1.0 / np.maximum(w, 1)[:, None], 0.0).astype(np.float32)
     up = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(device)  # noqa: E731
     return _Bucket(
         rows=up(rows),
@@ -598,6 +618,16 @@ def _query_bucket_key(
     scores = reduce_gqa(pool(attn), k.shape[1], scorer.gqa_reduce)  # [b, H_kv, N]
     # NaN ranks below every score but above pad (-inf), so a pad is never kept instead.
     key = torch.nan_to_num(scores, nan=-torch.finfo(torch.float32).max)
+    key = key.masked_fill(b.protected.unsqueeze(1), float("inf"))
+    return key.masked_fill(~b.key_valid.unsqueeze(1), float("-inf"))
+
+
+def _token_bucket_key(tok: torch.Tensor, b: _Bucket) -> torch.Tensor:
+    """float32 ``[b, H_kv, N]`` priority keys of a bucket from a token scorer's batch scores
+    ``tok`` (``[H_kv, num_tokens]``): gathered into the padded layout, sinks and the recent
+    window at +inf, NaN below every score, pads at -inf (as :func:`_bucket_key`)."""
+    key = tok[:, b.tokens].permute(1, 0, 2).float()  # [b, H_kv, N]
+    key = torch.nan_to_num(key, nan=-torch.finfo(torch.float32).max)
     key = key.masked_fill(b.protected.unsqueeze(1), float("inf"))
     return key.masked_fill(~b.key_valid.unsqueeze(1), float("-inf"))
 
@@ -713,13 +743,19 @@ def _score_runs(
     sm_scale: float,
     sink_tokens: int,
     recent_window: int,
+    tok: torch.Tensor | None = None,
 ) -> None:
-    """``runs`` (``[lo, hi)`` requests of equal length, :func:`_runs`): one scorer call each."""
+    """``runs`` (``[lo, hi)`` requests of equal length, :func:`_runs`): one scorer call each,
+    or, with a token scorer's batch scores ``tok`` (``[H_kv, num_tokens]``), a view of them."""
     lengths = np.diff(np.asarray(bounds, np.int64))
     for lo, hi in runs:
         n = int(lengths[lo])
         run_max = int(kept_host[lo:hi].max())
-        scores = _score_run(scorer, q, k, lse, bounds[lo], hi - lo, n, sm_scale)
+        if tok is not None:
+            run = tok[:, bounds[lo] : bounds[lo] + (hi - lo) * n]
+            scores = run.reshape(tok.shape[0], hi - lo, n).transpose(0, 1)  # [m, H_kv, n]
+        else:
+            scores = _score_run(scorer, q, k, lse, bounds[lo], hi - lo, n, sm_scale)
         key = priority_key(scores, sink_tokens, recent_window)
         out[lo:hi, :, :run_max] = kept_from_ranks(key, kept_dev[lo:hi], run_max)
 
@@ -734,6 +770,8 @@ def reference_kept_indices(
     sm_scale: float,
     sink_tokens: int,
     recent_window: int,
+    v_new: torch.Tensor | None = None,
+    layer_id: int | None = None,
 ) -> torch.Tensor:
     """:func:`batch_kept_indices` one request and one distinct ``k_g`` at a time (the oracle).
 
@@ -754,13 +792,18 @@ def reference_kept_indices(
         if int(kept_host[i].min()) == n:
             out[i, :, :n] = torch.arange(n, device=k_new.device)
             continue
-        w = min(scorer.obs_window, n)
-        scores = scorer.score(
-            q[end - w : end].transpose(0, 1),
-            k_new[start:end].transpose(0, 1),
-            sm_scale,
-            lse_obs=lse[end - w : end].transpose(0, 1),
-        )
+        if is_token_scorer(scorer):
+            scores = scorer.token_scores(
+                layer_id, k_new[start:end].transpose(0, 1), v_new[start:end].transpose(0, 1)
+            )
+        else:
+            w = min(scorer.obs_window, n)
+            scores = scorer.score(
+                q[end - w : end].transpose(0, 1),
+                k_new[start:end].transpose(0, 1),
+                sm_scale,
+                lse_obs=lse[end - w : end].transpose(0, 1),
+            )
         for k in sorted(set(kept_host[i].tolist())):
             heads = [h for h in range(num_kv_heads) if kept_host[i, h] == k]
             idx = torch.tensor(heads, device=k_new.device)

@@ -307,6 +307,8 @@ def extend_layer(
         profile.sink_tokens,
         profile.recent_window,
         kept_dev,
+        v_new=v3,
+        layer_id=layer_id,
     )
     kernels.kv_write(
         k3,

@@ -71,6 +71,7 @@ from tangram_sglang.mem.reservation import (
 )
 from tangram_sglang.profile import BudgetProfile
 from tangram_sglang.scoring.base import Scorer, get_scorer, option_names
+from tangram_sglang.scoring.kvzip_gate import is_token_scorer
 
 logger = logging.getLogger(__name__)
 
@@ -102,12 +103,17 @@ def build_scorer(profile: BudgetProfile) -> Scorer:
     """The profile's scorer with the options it was calibrated with (``provenance``).
 
     Raises:
-        ConfigError: unknown scorer or option.
+        ConfigError: unknown scorer or option, or a token scorer (``kvzip-gate``) whose weights
+            are missing or fit another model than the profile's.
     """
     options = dict(profile.provenance.get("scorer_options") or {})
     probe = get_scorer(profile.scorer)
     known = set(option_names(probe))
-    return get_scorer(profile.scorer, **{k: v for k, v in options.items() if k in known})
+    scorer = get_scorer(profile.scorer, **{k: v for k, v in options.items() if k in known})
+    if is_token_scorer(scorer):
+        m = profile.model
+        scorer.check_model(m.num_layers, m.num_kv_heads, m.head_dim)
+    return scorer
 
 
 def layer_maps(profile: BudgetProfile, device: torch.device | str) -> tuple[torch.Tensor, ...]:

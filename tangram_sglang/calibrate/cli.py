@@ -50,6 +50,7 @@ _VERSIONED = (
 
 def build_parser() -> argparse.ArgumentParser:
     """The CLI's argument parser (documented flags, defaults in ``--help``)."""
+    from tangram_sglang.calibrate.gate import DEFAULT_GATE_MAX_TOKENS, DEFAULT_GATE_SAMPLES
     from tangram_sglang.calibrate.observe import ALLOCATIONS, DEFAULT_ALLOCATION
 
     p = argparse.ArgumentParser(
@@ -124,6 +125,18 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="pooling kernel (default: 5 for the SnapKV family, 1 for kvzip-lite)",
     )
+    p.add_argument(
+        "--gate-samples",
+        type=int,
+        default=DEFAULT_GATE_SAMPLES,
+        help="kvzip-gate: calibration samples whose KVzip scores the gate is fitted on",
+    )
+    p.add_argument(
+        "--gate-max-tokens",
+        type=int,
+        default=DEFAULT_GATE_MAX_TOKENS,
+        help="kvzip-gate: tokens of each of those samples (KVzip's second forward is the cost)",
+    )
     p.add_argument("--min-tokens", type=int, default=1024, help="shortest sample used (tokens)")
     p.add_argument(
         "--max-tokens",
@@ -195,6 +208,7 @@ def calibrate(args: argparse.Namespace, command: str) -> BudgetProfile:
     from tangram_sglang.calibrate.fit import fit_ratios, stability_report
     from tangram_sglang.calibrate.observe import DEFAULT_ALLOCATION, ScoreObserver
     from tangram_sglang.errors import ConfigError
+    from tangram_sglang.scoring import get_scorer, is_token_scorer
 
     check_args(args)  # before the model loads: a bad flag must not cost a calibration run
     device = resolve_device(args.device, torch.cuda.device_count())
@@ -212,6 +226,15 @@ def calibrate(args: argparse.Namespace, command: str) -> BudgetProfile:
     )
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device).eval()
     scorer = build_scorer(args)
+    gate_fit = None
+    if is_token_scorer(scorer) and scorer.shape is None:  # kvzip-gate: fit its weights first
+        from tangram_sglang.calibrate.gate import fit_gate_weights
+
+        weights, gate_fit = fit_gate_weights(
+            model, samples, args.gate_samples, args.gate_max_tokens
+        )
+        rounded = np.vectorize(lambda x: float(f"{x:.6g}"))(weights.astype(np.float64))
+        scorer = get_scorer(args.scorer, weights=rounded.tolist())
     observer = ScoreObserver(model, scorer)
     allocation = args.allocation or DEFAULT_ALLOCATION[args.scorer]
     t_loaded = time.perf_counter()
@@ -245,7 +268,7 @@ def calibrate(args: argparse.Namespace, command: str) -> BudgetProfile:
         recent_window=args.recent_window,
         grouping=grouping,
         stats=CalibrationStats(fit.mean, fit.std, args.alpha, len(samples)),
-        provenance=_provenance(args, run, scorer, samples, timing, report),
+        provenance=_provenance(args, run, scorer, samples, timing, report, gate_fit),
     )
     try:
         profile.save(args.output)
@@ -275,6 +298,8 @@ def check_args(args: argparse.Namespace) -> None:
         "--sink-tokens": (args.sink_tokens, 0),
         "--recent-window": (args.recent_window, 0),
         "--page-group-size": (args.page_group_size, 1),
+        "--gate-samples": (args.gate_samples, 1),
+        "--gate-max-tokens": (args.gate_max_tokens, 64),
     }
     for flag, (value, low) in counts.items():
         if value < low:
@@ -451,10 +476,14 @@ def _observe_all(args, samples, observer, cache: Path, allocation: str):
     return np.stack(retention), seconds
 
 
-def _provenance(args, run: dict, scorer, samples, timing: dict, report: dict) -> dict:
-    """The profile's provenance record (JSON-ready)."""
+def _provenance(
+    args, run: dict, scorer, samples, timing: dict, report: dict, gate_fit: dict | None = None
+) -> dict:
+    """The profile's provenance record (JSON-ready); ``gate_fit``: kvzip-gate's fit record."""
     lengths = [len(s.input_ids) for s in samples]
+    extra = {} if gate_fit is None else {"gate_fit": gate_fit}
     return {
+        **extra,
         "command": run["command"],
         "dataset": args.dataset,
         "num_samples": len(samples),
@@ -501,7 +530,7 @@ def _cache_folder(args: argparse.Namespace, identity: ModelIdentity, path: Path,
     root = Path(root) / "calibrate" if root else Path.home() / ".cache/tangram_sglang/calibrate"
     weights = sorted(path.glob("*.safetensors"))
     options = scorer_options(scorer)
-    legacy = [options.pop(k) for k in ("obs_window", "kernel_size", "pooling", "gqa_reduce")]
+    legacy = [options.pop(k, None) for k in ("obs_window", "kernel_size", "pooling", "gqa_reduce")]
     # SnapKV-family keys stay as before (their caches remain valid); other scorers add theirs.
     extra = [] if isinstance(scorer, SnapKVScorer) else [scorer.name, sorted(options.items())]
     key = json.dumps(

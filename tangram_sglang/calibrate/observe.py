@@ -34,6 +34,7 @@ from tangram_sglang.profile import kept_len
 from tangram_sglang.scoring import (
     adaptive_select,
     bind_rope,
+    is_token_scorer,
     needs_rope,
     pyramid_layer_budget,
     rope_from_hf,
@@ -50,6 +51,7 @@ DEFAULT_ALLOCATION = {
     "duo": "duo",
     "kvzip-lite": "global",  # KVzip ranks (layer, head, token) triples in one competition
     "kvzip-replay": "global",
+    "kvzip-gate": "global",  # predicted log KVzip scores: comparable across layers and heads
 }
 
 
@@ -76,10 +78,14 @@ class ScoreObserver:
         AttentionMaskInterface.register(self.attn_name, sdpa_mask)
 
     def _attend(self, module: Any, query: torch.Tensor, key: torch.Tensor, *args: Any, **kw: Any):
-        # query [1, Hq, n, D], key [1, H_kv, n, D], both post-RoPE (HF calls us after RoPE).
-        w = self.scorer.obs_window
-        scale = kw.get("scaling") or query.shape[-1] ** -0.5
-        scores = self.scorer.score(query[0, :, -w:], key[0], float(scale))
+        # query [1, Hq, n, D], key and value [1, H_kv, n, D]; query and key post-RoPE (HF calls
+        # us after RoPE), value the first positional argument after them.
+        if is_token_scorer(self.scorer):
+            scores = self.scorer.token_scores(module.layer_idx, key[0], args[0][0])
+        else:
+            w = self.scorer.obs_window
+            scale = kw.get("scaling") or query.shape[-1] ** -0.5
+            scores = self.scorer.score(query[0, :, -w:], key[0], float(scale))
         self._scores[module.layer_idx] = scores.float().cpu()
         return self._sdpa(module, query, key, *args, **kw)
 

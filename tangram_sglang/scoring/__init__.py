@@ -3,13 +3,14 @@
 Public names: :class:`Scorer`, :func:`get_scorer`, :func:`register_scorer`,
 :func:`available_scorers`, :func:`select_kept`, and the built-in scorers
 :class:`SnapKVScorer`, :class:`AdaSnapKVScorer`, :class:`PyramidKVScorer`, :class:`DuoScorer`,
-:class:`KVzipLiteScorer` and :class:`ReplayScorer` (query-agnostic; the latter needs the
-model's RoPE, :func:`bind_rope`).
+:class:`KVzipLiteScorer`, :class:`KVzipGateScorer` and :class:`ReplayScorer` (query-agnostic;
+the gate needs weights fitted by ``calibrate``, the replay the model's RoPE, :func:`bind_rope`).
 """
 
 from tangram_sglang.scoring.ada_snapkv import AdaSnapKVScorer, adaptive_select
 from tangram_sglang.scoring.base import Scorer, available_scorers, get_scorer, register_scorer
 from tangram_sglang.scoring.duo import DuoScorer
+from tangram_sglang.scoring.kvzip_gate import KVzipGateScorer, is_token_scorer
 from tangram_sglang.scoring.kvzip_lite import KVzipLiteScorer
 from tangram_sglang.scoring.pyramidkv import PyramidKVScorer, pyramid_layer_budget
 from tangram_sglang.scoring.replay import (
@@ -25,6 +26,7 @@ from tangram_sglang.scoring.snapkv import SnapKVScorer
 __all__ = [
     "AdaSnapKVScorer",
     "DuoScorer",
+    "KVzipGateScorer",
     "KVzipLiteScorer",
     "PyramidKVScorer",
     "ReplayScorer",
@@ -35,6 +37,7 @@ __all__ = [
     "available_scorers",
     "bind_rope",
     "get_scorer",
+    "is_token_scorer",
     "needs_rope",
     "protected_mask",
     "pyramid_layer_budget",

@@ -6,8 +6,10 @@ Scorers run per layer at prefill, inside the attention backend, on tensors that 
 GPU: they are pure torch, vectorised, with no Python loop over tokens.
 
 The registry maps the profile's ``scorer`` name (``snapkv``, ``ada-snapkv``, ``pyramidkv``,
-``duo``) to a factory. Like SGLang's radix-cache registry (and unlike its attention registry,
-which silently overwrites) it rejects empty and duplicate names.
+``duo``, ``kvzip-lite``, ``kvzip-gate``...) to a factory. A scorer with a ``token_scores(layer,
+k, v)`` method (``kvzip-gate``) scores each token from its own key and value and reads no
+queries (``scoring.kvzip_gate.is_token_scorer``). Like SGLang's radix-cache registry (and
+unlike its attention registry, which silently overwrites) it rejects empty and duplicate names.
 
 This module owns the protocol and the registry only; each scorer lives in its own file.
 """
@@ -113,4 +115,11 @@ def get_scorer(name: str, **options: object) -> Scorer:
 
 def _load_builtin() -> None:
     """Import the built-in scorer modules (each registers itself once)."""
-    from tangram_sglang.scoring import ada_snapkv, duo, kvzip_lite, pyramidkv, snapkv  # noqa: F401
+    from tangram_sglang.scoring import (  # noqa: F401
+        ada_snapkv,
+        duo,
+        kvzip_gate,
+        kvzip_lite,
+        pyramidkv,
+        snapkv,
+    )

@@ -259,3 +259,39 @@ def test_show_plot_to_an_unwritable_path_is_a_clean_error(tmp_path, capsys):
     bad = str(tmp_path / "file.txt" / "out.png")  # parent is a file: was a raw FileExistsError
     assert show_main(["show", str(REPO / profile), "--plot", bad]) == 2
     assert f"--plot {bad}: cannot write the figure" in capsys.readouterr().err
+
+
+@pytest.mark.slow  # KVzip's scores on 2 short samples, then the budgets: ~40 s on CPU
+def test_kvzip_gate_calibration_fits_the_gate_then_its_budgets(smollm2_path, tmp_path):
+    """``--scorer kvzip-gate``: the gate fitted on KVzip's scores of the samples (weights in
+    ``scorer_options``, the fit's record in ``gate_fit``), then budgets observed with it; the
+    profile loads back into the scorer the server builds, which ranks tokens like KVzip."""
+    from tangram_sglang.backend.state import build_scorer
+    from tangram_sglang.calibrate.gate import gate_training_data
+
+    out = tmp_path / "kvzip-gate-r0.25.json"
+    args = ["--model-path", str(smollm2_path), "--scorer", "kvzip-gate", "--target-ratio", "0.25"]
+    gate = ["--gate-samples", "2", "--gate-max-tokens", "128", "--cache-dir", str(tmp_path / "c")]
+    assert calibrate_main([*args, *TINY, *gate, "--output", str(out)]) == 0
+    profile = BudgetProfile.load(out)
+    assert profile.scorer == "kvzip-gate" and profile.provenance["allocation"] == "global"
+    fit = profile.provenance["gate_fit"]
+    assert fit["samples"] == 2 and 0 < fit["tokens"] <= 2 * 128 and fit["train_r2_mean"] > 0.2
+    scorer = build_scorer(profile)
+    assert scorer.shape == (30, 3, 64)
+    assert profile.ratio.std() > 0  # the global allocation gives heads different budgets
+
+    # On a context it was not fitted on, the gate's ranking agrees with KVzip's better than
+    # chance (Spearman > 0 in most layers).
+    from scipy.stats import spearmanr
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(smollm2_path)
+    model = AutoModelForCausalLM.from_pretrained(smollm2_path, dtype=torch.float32).eval()
+    text = "The harbour master logged three ships: the Aster at dawn, the Bellis at noon. " * 6
+    chat = tok.apply_chat_template([{"role": "user", "content": text}], tokenize=False)
+    feats, kvzip = gate_training_data(model, tok(chat, add_special_tokens=False)["input_ids"])
+    table = np.asarray(profile.provenance["scorer_options"]["weights"])
+    pred = np.einsum("lhnf,lhf->lhn", feats, table[..., :-1]) + table[..., -1:]
+    rho = [spearmanr(pred[i, h], kvzip[i, h])[0] for i in range(30) for h in range(3)]
+    assert np.mean(np.asarray(rho) > 0) > 0.7

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -13,6 +14,7 @@ from tangram_sglang.scoring import (
     available_scorers,
     bind_rope,
     get_scorer,
+    is_token_scorer,
     pyramid_layer_budget,
     register_scorer,
     select_kept,
@@ -191,6 +193,11 @@ def test_registry_rejects_empty_and_duplicate_names():
 def test_scorers_run_on_half_precision_inputs():
     q, k = torch.randn(4, 8, D, dtype=torch.bfloat16), torch.randn(2, 30, D, dtype=torch.bfloat16)
     for name in available_scorers():
+        if is_token_scorer(get_scorer(name)):  # kvzip-gate: scores from k and v
+            gate = get_scorer(name, weights=np.ones((1, 2, D // 2 + D + 1)).tolist())
+            scores = gate.token_scores(0, k, k)
+            assert scores.dtype == torch.float32 and scores.shape == (2, 30)
+            continue
         scorer = bind_rope(get_scorer(name, obs_window=8), RopeShift.standard(D))
         scores = scorer.score(q, k, 0.25)
         assert scores.dtype == torch.float32 and scores.shape == (2, 30)

@@ -1,0 +1,242 @@
+"""KVzip-gate: KVzip's query-agnostic scores, predicted in the prefill pass by a linear gate.
+
+KVzip (Kim et al. 2025, arXiv 2505.23416) scores each KV pair of a context by the largest
+attention it receives while the model reconstructs the context ("Repeat the previous context."
+followed by the context again): a second forward over the whole context. Its kept tokens serve
+questions asked later, which the SnapKV family (scored by the segment's last queries) does not.
+Fast KVzip (arXiv 2601.17668) replaces the second forward by a small gate per layer trained to
+reproduce KVzip's scores from the first pass.
+
+This scorer is the simplest such gate that an attention backend can run: per layer and KV head,
+a linear function of the token's own key and value,
+
+    score[l, h, j] = W[l, h, :F] . phi(k_j, v_j) + W[l, h, F],
+    phi(k, v) = (|(k_i, k_{i + D/2})| for i < D/2, v_0 .. v_{D-1}),   F = 3 D / 2,
+
+fitted offline (:func:`fit_gate`, ridge regression on ``log`` KVzip scores of calibration
+contexts; ``calibrate --scorer kvzip-gate``) and shipped in the profile
+(``provenance.scorer_options.weights``). The key enters only through the norm of each rotary
+pair (i, i + D/2): RoPE rotates each such pair by an angle of the position (the "neox" layout
+of Llama, Qwen2 and SmolLM2), so those norms are the same before and after RoPE, and the gate
+reads the post-RoPE keys the backend holds without knowing positions. On multi-turn SQuAD
+contexts of Qwen2.5-0.5B a gate on all of k and v (pre-RoPE) agreed with KVzip's top quarter on
+63% of the tokens held out, kvzip-lite on 41% (benchmarks/RESULTS.md, issue 20 probe).
+
+Cost per layer: one ``[T, H_kv, F] x [H_kv, F]`` product over the batch's new tokens (no
+queries, no softmax): smaller than any attention-based scorer.
+
+Source: KVzip (arXiv 2505.23416) §3 (the reconstruction score this gate imitates); Fast KVzip
+(arXiv 2601.17668) (a gate trained on KVzip's scores); RoPE (Su et al., arXiv 2104.09864: a
+rotation of each pair of dimensions, which preserves its norm).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from tangram_sglang.errors import ConfigError
+from tangram_sglang.scoring.base import register_scorer
+
+RIDGE = 1e-2  # ridge strength, relative to the mean diagonal of X^T X (dimensionless)
+SCORE_FLOOR = 1e-6  # added to KVzip's scores before the log (its scores lie in [0, 1])
+
+
+def num_features(head_dim: int) -> int:
+    """Features per token and KV head: ``head_dim / 2`` rotary-pair norms of k and ``head_dim``
+    entries of v."""
+    return head_dim // 2 + head_dim
+
+
+def gate_features(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """The gate's input per token and KV head.
+
+    Args:
+        k: ``[..., D]`` keys (before or after RoPE: the result is the same), D even.
+        v: ``[..., D]`` values, same leading shape.
+
+    Returns:
+        float32 ``[..., 3 D / 2]``: the norm of each rotary pair ``(k_i, k_{i + D/2})``, then v.
+
+    Raises:
+        ConfigError: shapes that differ or an odd head_dim.
+    """
+    if k.shape != v.shape or k.shape[-1] % 2:
+        raise ConfigError(
+            f"kvzip-gate: k {list(k.shape)} and v {list(v.shape)} must have the same shape and "
+            "an even head_dim"
+        )
+    half = k.shape[-1] // 2
+    kf = k.float()
+    norms = torch.sqrt(kf[..., :half].square() + kf[..., half:].square())
+    return torch.cat([norms, v.float()], dim=-1)
+
+
+def fit_gate(
+    features: Sequence[np.ndarray], scores: Sequence[np.ndarray], ridge: float = RIDGE
+) -> np.ndarray:
+    """Ridge-regression gate weights from KVzip's scores, one linear map per (layer, KV head).
+
+    Args:
+        features: per layer, float ``[N, H_kv, F]``: :func:`gate_features` of the ``N``
+            calibration tokens (all contexts concatenated).
+        scores: per layer, float ``[N, H_kv]``: KVzip's score of the same tokens (in [0, 1]);
+            the target is ``log(score + SCORE_FLOOR)``.
+        ridge: ridge strength relative to the mean diagonal of ``X^T X`` (> 0).
+
+    Returns:
+        float32 ``[L, H_kv, F + 1]``: the weights, bias last.
+
+    Raises:
+        ConfigError: no layers, no tokens, shapes that do not match, or ``ridge <= 0``.
+
+    Source: ridge regression (closed form ``(X^T X + lambda I)^-1 X^T y``), as in the probe
+    ``benchmarks/explore/kvzip_gate_probe.py``.
+    """
+    if not features or len(features) != len(scores) or not ridge > 0:
+        raise ConfigError(
+            f"fit_gate: {len(features)} feature and {len(scores)} score layers (need the same "
+            f"number, > 0) and ridge {ridge} (> 0)"
+        )
+    out = []
+    for layer, (x_all, y_all) in enumerate(zip(features, scores, strict=True)):
+        x_all, y_all = np.asarray(x_all, np.float64), np.asarray(y_all, np.float64)
+        if x_all.ndim != 3 or y_all.shape != x_all.shape[:2] or x_all.shape[0] == 0:
+            raise ConfigError(
+                f"fit_gate: layer {layer}: features {list(x_all.shape)} and scores "
+                f"{list(y_all.shape)} must be [N, H_kv, F] and [N, H_kv] with N > 0"
+            )
+        heads = []
+        for h in range(x_all.shape[1]):
+            x = np.concatenate([x_all[:, h], np.ones((x_all.shape[0], 1))], axis=1)
+            y = np.log(np.clip(y_all[:, h], 0.0, None) + SCORE_FLOOR)
+            gram = x.T @ x
+            lam = ridge * np.trace(gram) / gram.shape[0]
+            heads.append(np.linalg.solve(gram + lam * np.eye(gram.shape[0]), x.T @ y))
+        out.append(heads)
+    return np.asarray(out, np.float32)
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class KVzipGateScorer:
+    """Per-token scores from the gate of :func:`fit_gate` (module docstring).
+
+    Attributes:
+        weights: nested ``[L][H_kv][3 D / 2 + 1]`` floats (the profile's
+            ``scorer_options.weights``); None until ``calibrate`` fits them.
+        obs_window: 0: the gate reads no queries (the scorer protocol's field).
+    """
+
+    name: str = "kvzip-gate"
+    weights: Any = None
+    obs_window: int = 0
+    _tables: dict = field(default_factory=dict, repr=False, metadata={"runtime": True})
+
+    def __post_init__(self) -> None:
+        if self.obs_window != 0:
+            raise ConfigError(f"kvzip-gate: obs_window={self.obs_window!r} must be 0")
+        if self.weights is None:
+            return
+        w = np.asarray(self.weights, dtype=np.float64)
+        if w.ndim != 3 or w.shape[-1] < 4 or (w.shape[-1] - 1) % 3 or not np.isfinite(w).all():
+            raise ConfigError(
+                f"kvzip-gate: scorer_options.weights has shape {list(w.shape)}; it must be "
+                "[num_layers][num_kv_heads][3 * head_dim / 2 + 1] finite floats (calibrate a "
+                "profile with --scorer kvzip-gate)"
+            )
+
+    @property
+    def shape(self) -> tuple[int, int, int] | None:
+        """``(num_layers, num_kv_heads, head_dim)`` the weights fit, or None without weights."""
+        if self.weights is None:
+            return None
+        w = np.asarray(self.weights)
+        return int(w.shape[0]), int(w.shape[1]), (int(w.shape[2]) - 1) * 2 // 3
+
+    def check_model(self, num_layers: int, num_kv_heads: int, head_dim: int) -> None:
+        """The weights exist and fit the model.
+
+        Raises:
+            ConfigError: no weights, or weights for another geometry (names both).
+        """
+        if self.shape is None:
+            raise ConfigError(
+                "kvzip-gate has no gate weights: its profile must carry "
+                "provenance.scorer_options.weights (calibrate one with --scorer kvzip-gate)"
+            )
+        if self.shape != (num_layers, num_kv_heads, head_dim):
+            raise ConfigError(
+                f"kvzip-gate weights are for (layers, KV heads, head_dim) {self.shape}, the "
+                f"model has {(num_layers, num_kv_heads, head_dim)}; calibrate a profile for "
+                "this model with --scorer kvzip-gate"
+            )
+
+    def _table(self, device: torch.device) -> torch.Tensor:
+        table = self._tables.get(device)
+        if table is None:
+            if self.weights is None:
+                self.check_model(0, 0, 0)  # raises: no weights
+            table = torch.as_tensor(np.asarray(self.weights, np.float32), device=device)
+            self._tables[device] = table
+        return table
+
+    def token_scores(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Scores of every token at one layer (higher = keep).
+
+        Args:
+            layer: layer index (< the weights' ``num_layers``).
+            k: ``[..., H_kv, n, D]`` keys (post-RoPE is fine: only rotary-pair norms enter).
+            v: ``[..., H_kv, n, D]`` values.
+
+        Returns:
+            float32 ``[..., H_kv, n]`` on the inputs' device: the predicted ``log`` KVzip score.
+
+        Raises:
+            ConfigError: no weights, a layer out of range or a head count/head_dim the weights
+                do not fit.
+        """
+        table = self._table(k.device)
+        num_layers, num_kv_heads, width = table.shape
+        if not 0 <= layer < num_layers or k.shape[-3] != num_kv_heads:
+            raise ConfigError(
+                f"kvzip-gate: layer {layer} with {k.shape[-3]} KV heads; the weights cover "
+                f"{num_layers} layers of {num_kv_heads} KV heads"
+            )
+        feats = gate_features(k, v)  # [..., H_kv, n, F]
+        if feats.shape[-1] + 1 != width:
+            raise ConfigError(
+                f"kvzip-gate: head_dim {k.shape[-1]} gives {feats.shape[-1]} features; the "
+                f"weights take {width - 1}"
+            )
+        w = table[layer]  # [H_kv, F + 1]
+        return torch.einsum("...hnf,hf->...hn", feats, w[:, :-1]) + w[:, -1:]
+
+    def score(
+        self,
+        q_obs: torch.Tensor,
+        k_seg: torch.Tensor,
+        sm_scale: float,
+        lse_obs: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Not available: the gate needs the values and the layer (:meth:`token_scores`).
+
+        Raises:
+            ConfigError: always, naming the method to call.
+        """
+        raise ConfigError(
+            "kvzip-gate scores a token from its key and value at a given layer: call "
+            "token_scores(layer, k, v), not score(q_obs, k_seg, ...)"
+        )
+
+
+def is_token_scorer(scorer: object) -> bool:
+    """Whether ``scorer`` scores tokens from their own k and v (``token_scores``), not from
+    queries."""
+    return callable(getattr(scorer, "token_scores", None))
+
+
+register_scorer("kvzip-gate", KVzipGateScorer)
