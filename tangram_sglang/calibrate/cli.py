@@ -230,8 +230,12 @@ def calibrate(args: argparse.Namespace, command: str) -> BudgetProfile:
     if is_token_scorer(scorer) and scorer.shape is None:  # kvzip-gate: fit its weights first
         from tangram_sglang.calibrate.gate import fit_gate_weights
 
-        weights, gate_fit = fit_gate_weights(
-            model, samples, args.gate_samples, args.gate_max_tokens
+        weights, gate_fit = _cached_gate(
+            args,
+            identity,
+            path,
+            samples,
+            lambda: fit_gate_weights(model, samples, args.gate_samples, args.gate_max_tokens),
         )
         rounded = np.vectorize(lambda x: float(f"{x:.6g}"))(weights.astype(np.float64))
         scorer = get_scorer(args.scorer, weights=rounded.tolist())
@@ -538,6 +542,30 @@ def _cache_folder(args: argparse.Namespace, identity: ModelIdentity, path: Path,
         + extra
     )
     return root / hashlib.sha256(key.encode()).hexdigest()[:16]
+
+
+def _cached_gate(args, identity: ModelIdentity, path: Path, samples, fit) -> tuple:
+    """kvzip-gate's ``(weights, record)`` from the calibration cache, or ``fit()`` and cached:
+    the fit depends on the model and the samples it reads, not on the target ratio, so the
+    profiles of several ratios share one (KVzip's scores are the slow part)."""
+    root = args.cache_dir or os.environ.get("TANGRAM_CACHE_DIR")
+    root = Path(root) / "calibrate" if root else Path.home() / ".cache/tangram_sglang/calibrate"
+    used = [s.sample_id for s in samples[: args.gate_samples]]
+    files = [(w.name, w.stat().st_size) for w in sorted(path.glob("*.safetensors"))]
+    key = json.dumps(["kvzip-gate", identity.config_fingerprint, files, used, args.gate_max_tokens])
+    file = root / f"gate-{hashlib.sha256(key.encode()).hexdigest()[:16]}.npz"
+    if file.is_file():
+        try:
+            with np.load(file) as data:
+                return data["weights"], json.loads(str(data["record"]))
+        except (OSError, ValueError, KeyError):
+            pass  # unreadable: fit again and overwrite
+    weights, record = fit()
+    file.parent.mkdir(parents=True, exist_ok=True)
+    tmp = file.with_suffix(".tmp.npz")
+    np.savez(tmp, weights=weights, record=np.asarray(json.dumps(record)))
+    os.replace(tmp, file)
+    return weights, record
 
 
 def _cached_scores(cache: Path, sample, observer) -> np.ndarray:

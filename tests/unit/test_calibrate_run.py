@@ -280,6 +280,14 @@ def test_kvzip_gate_calibration_fits_the_gate_then_its_budgets(smollm2_path, tmp
     scorer = build_scorer(profile)
     assert scorer.shape == (30, 3, 64)
     assert profile.ratio.std() > 0  # the global allocation gives heads different budgets
+    # Another ratio on the same samples reuses the fitted gate (the cache: no KVzip pass).
+    half = tmp_path / "kvzip-gate-r0.5.json"
+    args[-1] = "0.5"
+    assert calibrate_main([*args, *TINY, *gate, "--output", str(half)]) == 0
+    again = BudgetProfile.load(half)
+    assert again.provenance["gate_fit"] == fit
+    assert again.provenance["scorer_options"] == profile.provenance["scorer_options"]
+    assert again.ratio.mean() > profile.ratio.mean()
 
     # On a context it was not fitted on, the gate's ranking agrees with KVzip's better than
     # chance (Spearman > 0 in most layers).
