@@ -23,7 +23,7 @@ MODE=${1:-start}
 R=${R:-/tmp/acc}; mkdir -p "$R" "${OUT:=/tmp/out}"
 export TANGRAM_CACHE_DIR=${TANGRAM_CACHE_DIR:-/tmp/tangram-cache} HF_HUB_OFFLINE=1
 PROTOCOL=${PROTOCOL:-query-agnostic}
-SYSTEMS=${SYSTEMS:-full,tangram,tangram-kvzip-lite,dynamic-ada-snapkv,uniform-snapkv,kvzip,kvzip-budgets,full-hf}
+SYSTEMS=${SYSTEMS:-full,tangram,tangram-kvzip-lite,tangram-kvzip-gate,dynamic-ada-snapkv,uniform-snapkv,kvzip,kvzip-budgets,full-hf}
 PY=${PY:-python3}
 
 setup() {

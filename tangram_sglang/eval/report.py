@@ -31,7 +31,8 @@ from tangram_sglang.eval.scoring import METRIC
 from tangram_sglang.eval.tasks import PROTOCOLS
 
 FULL_SYSTEMS = ("full", "full-hf")
-TANGRAM_SYSTEMS = ("tangram", "tangram-kvzip-lite", "tangram-kvzip-replay")  # summary: best of
+# summary: best of
+TANGRAM_SYSTEMS = ("tangram", "tangram-kvzip-lite", "tangram-kvzip-replay", "tangram-kvzip-gate")
 GRID_SYSTEMS = ("tangram-grid", "tangram-kvzip-lite-grid")  # eval.systems.GRID_SYSTEMS' names
 MULTITURN_TASK = "multiturn-squad"
 LATER = "later_turns_" + METRIC

@@ -33,6 +33,8 @@ whole first prompt is the compressed part (``tasks.for_protocol``), later turns 
   same-pass query-agnostic scorer, ``scoring/kvzip_lite.py``), rescaled to the ratio.
 * ``tangram-kvzip-replay``: the same with the shipped ``kvzip-replay`` profile (the segment's
   own queries at KVzip's replay positions, ``scoring/replay.py``).
+* ``tangram-kvzip-gate``: the same with the shipped ``kvzip-gate`` profile (KVzip's scores
+  predicted by a per-head linear gate on each token's key and value, ``scoring/kvzip_gate.py``).
 * ``full-hf``: the same transformers model without a press (a diagnostic: HF vs SGLang numerics).
 
 kvpress on transformers 5.12.1 (checked 2026-11-30): ``with press(model): model.generate(...)``
@@ -75,6 +77,7 @@ TANGRAM_SYSTEMS = {
     "tangram": "ada-snapkv",
     "tangram-kvzip-lite": "kvzip-lite",
     "tangram-kvzip-replay": "kvzip-replay",
+    "tangram-kvzip-gate": "kvzip-gate",
     **GRID_SYSTEMS,
 }
 GRID_CELL_TOKENS = 256  # default cell: a 1k-token CPU document spans whole cells
