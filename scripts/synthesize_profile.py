@@ -11,9 +11,13 @@ calibrated one. This script transplants the calibrated distribution by relative 
 
 so early/late-layer structure and the per-layer spread of the sources carry over, then groups the
 heads (budget-aware clustering, ``BudgetProfile.with_grouping``). Sinks, window, scorer and its
-options come from the first source. ``--tangram-target-ratio`` (``BudgetProfile.rescaled``)
-moves the mean at serve time. The target model's identity (with its config fingerprint) is read
-from ``--config`` with transformers' ``AutoConfig``, as the server reads it.
+options come from the first source, except a ``kvzip-gate`` source's gate weights, which
+fit only the source's geometry: the synthetic profile gets seeded random weights of the target's
+shape (``[L, H_kv, 3 D / 2 + 1]``), which cost what real ones cost and select arbitrary tokens
+(for throughput measurements only, like the dummy weights). ``--tangram-target-ratio``
+(``BudgetProfile.rescaled``) moves the mean at serve time. The target model's identity (with its
+config fingerprint) is read from ``--config`` with transformers' ``AutoConfig``, as the server
+reads it.
 
     python scripts/synthesize_profile.py --config calibration/synthetic/llama3.1-8b-dummy \
         --source calibration/smollm2/ada-snapkv-r0.25.json \
@@ -70,6 +74,15 @@ def synthesize(
         "source_mean_ratio": [round(s.mean_kept_fraction(), 4) for s in sources],
         "scorer_options": first.provenance.get("scorer_options"),
     }
+    if first.scorer == "kvzip-gate":
+        from tangram_sglang.scoring.kvzip_gate import num_features
+
+        rng = np.random.default_rng(seed)
+        shape = (model.num_layers, model.num_kv_heads, num_features(model.head_dim) + 1)
+        weights = np.round(rng.normal(scale=0.05, size=shape), 4).tolist()
+        provenance["scorer_options"] = {**(provenance["scorer_options"] or {}), "weights": weights}
+        provenance["gate_weights"] = "random, seeded (throughput only: the dummy model's shape)"
+
     return BudgetProfile(
         model=model,
         scorer=first.scorer,

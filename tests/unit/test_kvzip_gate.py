@@ -178,3 +178,34 @@ def test_the_server_refuses_a_profile_whose_gate_does_not_fit_its_model():
     missing = {**provenance, "scorer_options": {}}
     with pytest.raises(ConfigError, match="has no gate weights"):
         build_scorer(dataclasses.replace(good, provenance=missing))
+
+
+def test_a_synthetic_profile_from_a_gate_source_gets_weights_of_its_own_shape(tmp_path):
+    """``scripts/synthesize_profile.py`` (Llama-3.1-8B-shaped dummy model for the GPU
+    benchmarks): a kvzip-gate source's weights fit only the source, so the synthetic profile
+    carries seeded random weights of the target's shape, which the server accepts."""
+    import dataclasses
+    import importlib.util
+    from pathlib import Path
+
+    from tangram_sglang.profile import BudgetProfile
+
+    repo = Path(__file__).resolve().parents[2]
+    spec = importlib.util.spec_from_file_location(
+        "synthesize_profile", repo / "scripts/synthesize_profile.py"
+    )
+    synth = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(synth)
+    base = BudgetProfile.load(repo / "calibration/smollm2/ada-snapkv-r0.25.json")
+    weights = np.zeros((30, 3, num_features(64) + 1)).tolist()
+    source = dataclasses.replace(
+        base, scorer="kvzip-gate", provenance={"scorer_options": {"weights": weights}}
+    )
+    source.save(tmp_path / "gate.json")
+    dummy = repo / "calibration/synthetic/llama3.1-8b-dummy"
+    profile = synth.synthesize(dummy, [tmp_path / "gate.json"], 4, "global", 0)
+    assert profile.scorer == "kvzip-gate"
+    scorer = build_scorer(profile)
+    assert scorer.shape == (32, 8, 128)
+    again = synth.synthesize(dummy, [tmp_path / "gate.json"], 4, "global", 0)
+    assert again.provenance["scorer_options"] == profile.provenance["scorer_options"]  # seeded
