@@ -225,6 +225,7 @@ def calibrate(args: argparse.Namespace, command: str) -> BudgetProfile:
         args.dataset, tok, args.num_samples, args.min_tokens, max_tokens, args.seed
     )
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device).eval()
+    t_loaded = time.perf_counter()
     scorer = build_scorer(args)
     gate_fit = None
     if is_token_scorer(scorer) and scorer.shape is None:  # kvzip-gate: fit its weights first
@@ -241,7 +242,7 @@ def calibrate(args: argparse.Namespace, command: str) -> BudgetProfile:
         scorer = get_scorer(args.scorer, weights=rounded.tolist())
     observer = ScoreObserver(model, scorer)
     allocation = args.allocation or DEFAULT_ALLOCATION[args.scorer]
-    t_loaded = time.perf_counter()
+    t_fitted = time.perf_counter()
     cache = _cache_folder(args, identity, path, scorer)
     retention, seconds = _observe_all(args, samples, observer, cache, allocation)
     fit = fit_ratios(retention, args.alpha, args.floor)
@@ -252,6 +253,7 @@ def calibrate(args: argparse.Namespace, command: str) -> BudgetProfile:
     )
     timing = {
         "load": round(t_loaded - t_start, 2),
+        **({"gate_fit": round(t_fitted - t_loaded, 2)} if gate_fit is not None else {}),
         "observe_total": round(sum(seconds), 2),
         "observe_per_sample_median": round(float(np.median(seconds)), 3),
         "total": round(time.perf_counter() - t_start, 2),
