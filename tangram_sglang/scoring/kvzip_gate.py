@@ -86,7 +86,7 @@ def fit_gate(
             calibration tokens (all contexts concatenated).
         scores: per layer, float ``[N, H_kv]``: KVzip's score of the same tokens (in [0, 1]);
             the target is ``log(score + SCORE_FLOOR)``.
-        ridge: ridge strength relative to the mean diagonal of ``X^T X`` (> 0).
+        ridge: ridge strength relative to the mean diagonal of the centred ``X^T X`` (> 0).
 
     Returns:
         float32 ``[L, H_kv, F + 1]``: the weights, bias last.
@@ -94,8 +94,9 @@ def fit_gate(
     Raises:
         ConfigError: no layers, no tokens, shapes that do not match, or ``ridge <= 0``.
 
-    Source: ridge regression (closed form ``(X^T X + lambda I)^-1 X^T y``), as in the probe
-    ``benchmarks/explore/kvzip_gate_probe.py``.
+    Source: ridge regression on centred features and targets (closed form
+    ``w = (Xc^T Xc + lambda I)^-1 Xc^T yc``, intercept ``mean(y) - mean(x) . w``: the intercept
+    is not penalised), ``lambda = ridge * trace(Xc^T Xc) / F``.
     """
     if not features or len(features) != len(scores) or not ridge > 0:
         raise ConfigError(
@@ -112,11 +113,15 @@ def fit_gate(
             )
         heads = []
         for h in range(x_all.shape[1]):
-            x = np.concatenate([x_all[:, h], np.ones((x_all.shape[0], 1))], axis=1)
+            # Centred, so the penalty shrinks the feature weights only, never the intercept
+            # (the features are norms and values far from 0, the targets logs near -10).
+            x_mean = x_all[:, h].mean(axis=0)
             y = np.log(np.clip(y_all[:, h], 0.0, None) + SCORE_FLOOR)
+            x = x_all[:, h] - x_mean
             gram = x.T @ x
-            lam = ridge * np.trace(gram) / gram.shape[0]
-            heads.append(np.linalg.solve(gram + lam * np.eye(gram.shape[0]), x.T @ y))
+            lam = ridge * max(float(np.trace(gram)) / gram.shape[0], 1e-12)
+            w = np.linalg.solve(gram + lam * np.eye(gram.shape[0]), x.T @ (y - y.mean()))
+            heads.append(np.append(w, y.mean() - x_mean @ w))
         out.append(heads)
     return np.asarray(out, np.float32)
 
@@ -138,7 +143,10 @@ class KVzipGateScorer:
 
     def __post_init__(self) -> None:
         if self.obs_window != 0:
-            raise ConfigError(f"kvzip-gate: obs_window={self.obs_window!r} must be 0")
+            raise ConfigError(
+                f"kvzip-gate: obs_window={self.obs_window!r} must be 0 (the gate reads no "
+                "queries; leave --obs-window unset)"
+            )
         if self.weights is None:
             return
         w = np.asarray(self.weights, dtype=np.float64)

@@ -280,12 +280,14 @@ def test_kvzip_gate_calibration_fits_the_gate_then_its_budgets(smollm2_path, tmp
     scorer = build_scorer(profile)
     assert scorer.shape == (30, 3, 64)
     assert profile.ratio.std() > 0  # the global allocation gives heads different budgets
-    # Another ratio on the same samples reuses the fitted gate (the cache: no KVzip pass).
+    # Another ratio on the same samples reads KVzip's scores back (no second forward) and fits
+    # the same gate.
+    assert len(list((tmp_path / "c").rglob("kvzip-*/*.npz"))) == 2
     half = tmp_path / "kvzip-gate-r0.5.json"
     args[-1] = "0.5"
     assert calibrate_main([*args, *TINY, *gate, "--output", str(half)]) == 0
     again = BudgetProfile.load(half)
-    assert again.provenance["gate_fit"] == fit
+    assert again.provenance["gate_fit"]["seconds"] < fit["seconds"]
     assert again.provenance["scorer_options"] == profile.provenance["scorer_options"]
     assert again.ratio.mean() > profile.ratio.mean()
 
@@ -303,3 +305,30 @@ def test_kvzip_gate_calibration_fits_the_gate_then_its_budgets(smollm2_path, tmp
     pred = np.einsum("lhnf,lhf->lhn", feats, table[..., :-1]) + table[..., -1:]
     rho = [spearmanr(pred[i, h], kvzip[i, h])[0] for i in range(30) for h in range(3)]
     assert np.mean(np.asarray(rho) > 0) > 0.7
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--allocation", "duo"], "--allocation duo reads an observation window's attention"),
+        (["--obs-window", "8"], "obs_window=8 must be 0 (the gate reads no queries; leave"),
+        (["--gate-samples", "0"], "--gate-samples 0 must be >= 1"),
+        (["--gate-max-tokens", "10"], "--gate-max-tokens 10 must be >= 64"),
+    ],
+)
+def test_bad_kvzip_gate_flags_name_the_flag(tmp_path, capsys, extra, message):
+    argv = ["--model-path", "nosuch-model", "--scorer", "kvzip-gate", "--target-ratio", "0.25"]
+    assert calibrate_main([*argv, *extra, "--output", str(tmp_path / "p.json")]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_kvzip_gate_without_kvpress_says_how_to_install_it(tmp_path, capsys, monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "kvpress" else real(name, *a)
+    )
+    argv = ["--model-path", "nosuch-model", "--scorer", "kvzip-gate", "--target-ratio", "0.25"]
+    assert calibrate_main([*argv, "--output", str(tmp_path / "p.json")]) == 2
+    assert "bash scripts/install_calibrate_deps.sh" in capsys.readouterr().err

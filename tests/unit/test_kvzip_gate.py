@@ -66,6 +66,22 @@ def test_the_fit_recovers_a_planted_gate():
     np.testing.assert_allclose(fitted, truth, atol=2e-3)
 
 
+def test_the_default_ridge_leaves_the_intercept_alone():
+    """Features far from 0 (norms) and targets near log(1e-4): the penalty must not pull the
+    intercept towards 0 (an uncentred ridge moved -8 to about -0.8 here)."""
+    gen = np.random.default_rng(2)
+    f = num_features(D)
+    x = [np.abs(gen.normal(loc=3.0, size=(5000, H_KV, f)))]
+    w = gen.normal(scale=0.1, size=(H_KV, f))
+    noise = gen.normal(scale=0.5, size=(5000, H_KV))
+    y = [np.exp(np.einsum("nhf,hf->nh", x[0], w) - 8.0 + noise)]
+    fitted = fit_gate(x, y)  # the default ridge
+    pred = np.einsum("nhf,hf->nh", x[0], fitted[0, :, :-1]) + fitted[0, :, -1]
+    rmse = float(np.sqrt(np.mean((pred - np.log(y[0] + 1e-6)) ** 2)))
+    assert rmse < 0.55  # the noise floor is 0.5
+    np.testing.assert_allclose(fitted[0, :, :-1], w, atol=0.03)
+
+
 @pytest.mark.parametrize(
     ("features", "scores", "ridge", "message"),
     [

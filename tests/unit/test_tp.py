@@ -281,3 +281,22 @@ def test_start_up_line_says_what_each_rank_holds():
     summary |= TensorParallelLayout.build(profile, 2).summary()
     line = summary_line(summary)
     assert "TP 2: per rank 4 KV heads per layer in 8 head groups of 2 (global)" in line
+
+
+def test_a_kvzip_gate_profile_gives_each_rank_the_gates_of_its_kv_heads():
+    """Each rank's profile carries its own KV heads' gate weights, so the scorer each rank
+    builds fits the rank's model (``K/N`` KV heads) and scores its heads with their own gates."""
+    from tangram_sglang.backend.state import build_scorer
+    from tangram_sglang.integration.profile_loader import CALIBRATION_DIR
+
+    smol = BudgetProfile.load(CALIBRATION_DIR / "smollm2" / "kvzip-gate-r0.25.json")
+    weights = np.asarray(smol.provenance["scorer_options"]["weights"])
+    assert weights.shape == (30, 3, 97)
+    layout = TensorParallelLayout.build(smol, 3)
+    for rank in range(3):
+        part = layout.rank_profile(smol, rank)
+        scorer = build_scorer(part)
+        assert scorer.shape == (30, 1, 64)
+        mine = np.asarray(part.provenance["scorer_options"]["weights"])
+        np.testing.assert_array_equal(mine, weights[:, rank : rank + 1])
+    assert np.asarray(smol.provenance["scorer_options"]["weights"]).shape == (30, 3, 97)
