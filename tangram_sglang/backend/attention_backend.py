@@ -50,6 +50,7 @@ from tangram_sglang.backend.layer_ops import extend_layer, kernels_for
 from tangram_sglang.backend.state import TangramState
 from tangram_sglang.errors import ConfigError, KernelError
 from tangram_sglang.mem.manager import TangramMemory
+from tangram_sglang.scoring.kvzip_gate import is_token_scorer
 from tangram_sglang.scoring.replay import RopeShift, bind_rope, check_rope_span, needs_rope
 
 if TYPE_CHECKING:
@@ -92,6 +93,8 @@ def tangram_state_of(model_runner: ModelRunner) -> TangramState:
         state = TangramState(memory, pool.full_kv_bytes_per_token, model_runner.device, chunk)
         if needs_rope(state.scorer):
             state.scorer = bind_rope(state.scorer, model_rope(model_runner.model))
+        if is_token_scorer(state.scorer):
+            check_gate_rope(model_runner.model)
         pool.tangram_state = state
         req_pool.tangram_state = state
     return pool.tangram_state
@@ -141,6 +144,31 @@ def model_rope(model: torch.nn.Module) -> RopeShift:
                 "kvzip-lite"
             )
     return rope
+
+
+def check_gate_rope(model: torch.nn.Module) -> None:
+    """``kvzip-gate`` reads the norm of each rotary pair ``(k_i, k_{i + D/2})`` of post-RoPE
+    keys, which RoPE leaves unchanged only in the neox layout over the whole head (Llama, Qwen2,
+    SmolLM2). Elsewhere the gate's input would depend on the position.
+
+    Raises:
+        ConfigError: a rotary embedding (vision towers skipped) that is interleaved (GPT-J
+            style) or rotates part of the head; names the module and the fix.
+    """
+    for name, module in model.named_modules():
+        cache = getattr(module, "cos_sin_cache", None)
+        if not isinstance(cache, torch.Tensor) or "vision" in name or "visual" in name:
+            continue
+        neox = bool(getattr(module, "is_neox_style", True))
+        rotary_dim = int(getattr(module, "rotary_dim", cache.shape[-1]))
+        head = int(getattr(module, "head_size", rotary_dim))
+        if not neox or rotary_dim != head:
+            raise ConfigError(
+                f"scorer kvzip-gate reads rotary-pair norms of the keys, unchanged by RoPE only "
+                f"in the neox layout over the whole head, but {name} ({type(module).__name__}) "
+                f"has is_neox_style={neox}, rotary_dim={rotary_dim}, head_size={head}; serve "
+                "this model with --tangram-scorer kvzip-lite"
+            )
 
 
 class TangramAttnBackend(AttentionBackend):

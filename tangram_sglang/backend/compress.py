@@ -363,7 +363,7 @@ def _batch_plan(
         tuple(bounds),
         scored.tobytes(),
         snapkv,
-        windows,
+        windows,  # (0, ...) for a token scorer, whose buckets need no query slots
         str(device),
         always_buckets,
         slots,

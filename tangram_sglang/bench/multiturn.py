@@ -224,6 +224,9 @@ async def measure(base_url: str, spec: WorkloadSpec, vocab: int, settings: LoadS
 
     Returns:
         Its metrics (:func:`summarize_run`).
+
+    Raises:
+        TangramError: the server refused to flush its cache (the run would not start cold).
     """
     import aiohttp
 
@@ -240,7 +243,12 @@ async def measure(base_url: str, spec: WorkloadSpec, vocab: int, settings: LoadS
         aiohttp.ClientSession() as session,  # start cold: no prefix from earlier runs
         session.post(f"{base_url}/flush_cache", params={"timeout": 30}) as resp,
     ):
-        await resp.read()
+        body = await resp.text()
+        if resp.status != 200:  # the cache would still hold the warm-up's (or a run's) KV
+            raise TangramError(
+                f"{spec.label}: /flush_cache answered HTTP {resp.status} ({body[:200]!r}), so "
+                "the workload would not start cold; see the server log"
+            )
     settings = dataclasses.replace(
         settings,
         seed=settings.seed + zlib.crc32(spec.label.encode()),

@@ -279,6 +279,8 @@ def profile_case(
             profile.sink_tokens,
             profile.recent_window,
             kept_dev,
+            v_new=v,
+            layer_id=lid,
         )
 
     # kv_write of layer l reads the kept indices of layer l (its heads map to other groups, so
@@ -298,6 +300,8 @@ def profile_case(
             sm_scale,
             profile.sink_tokens,
             profile.recent_window,
+            v_new=v,
+            layer_id=lid,
         )
 
     differ = [(select(i) != select_ref(i)).any(-1).float().mean().item() for i in range(layers)]

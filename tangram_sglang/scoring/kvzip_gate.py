@@ -18,9 +18,10 @@ contexts; ``calibrate --scorer kvzip-gate``) and shipped in the profile
 (``provenance.scorer_options.weights``). The key enters only through the norm of each rotary
 pair (i, i + D/2): RoPE rotates each such pair by an angle of the position (the "neox" layout
 of Llama, Qwen2 and SmolLM2), so those norms are the same before and after RoPE, and the gate
-reads the post-RoPE keys the backend holds without knowing positions. On multi-turn SQuAD
-contexts of Qwen2.5-0.5B a gate on all of k and v (pre-RoPE) agreed with KVzip's top quarter on
-63% of the tokens held out, kvzip-lite on 41% (benchmarks/RESULTS.md, issue 20 probe).
+reads the post-RoPE keys the backend holds without knowing positions. On held-out multi-turn
+SQuAD contexts of Qwen2.5-0.5B a gate on these features agreed with KVzip's top quarter on 62% of
+the tokens, kvzip-lite on 41% (benchmarks/RESULTS.md, issue 20 probe; the probe regressed each
+head on all of its layer's KV heads' features, this scorer on its own head's).
 
 Cost per layer: one ``[T, H_kv, F] x [H_kv, F]`` product over the batch's new tokens (no
 queries, no softmax): smaller than any attention-based scorer.
@@ -149,7 +150,14 @@ class KVzipGateScorer:
             )
         if self.weights is None:
             return
-        w = np.asarray(self.weights, dtype=np.float64)
+        try:
+            w = np.asarray(self.weights, dtype=np.float64)
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(
+                f"kvzip-gate: scorer_options.weights is not a [num_layers][num_kv_heads]"
+                f"[3 * head_dim / 2 + 1] array of numbers ({exc}); calibrate a profile with "
+                "--scorer kvzip-gate"
+            ) from None
         if w.ndim != 3 or w.shape[-1] < 4 or (w.shape[-1] - 1) % 3 or not np.isfinite(w).all():
             raise ConfigError(
                 f"kvzip-gate: scorer_options.weights has shape {list(w.shape)}; it must be "

@@ -10,7 +10,7 @@ import pytest
 
 from tangram_sglang.bench import multiturn as mt
 from tangram_sglang.bench.multiturn_workloads import WorkloadSpec, make_conversations
-from tangram_sglang.errors import ConfigError
+from tangram_sglang.errors import ConfigError, TangramError
 
 
 def args(**kw) -> argparse.Namespace:
@@ -561,6 +561,8 @@ def test_measure_warms_up_unmeasured_then_flushes_then_runs_the_workload():
 
     async def flush(request):
         calls.append(("flush",))
+        if refuse_flush:
+            return web.Response(status=400, text="Cache not flushed: requests are running")
         return web.Response(text="ok")
 
     async def metrics(request):
@@ -587,6 +589,7 @@ def test_measure_warms_up_unmeasured_then_flushes_then_runs_the_workload():
         finally:
             await runner.cleanup()
 
+    refuse_flush = False
     result = asyncio.run(run())
     flush_at = calls.index(("flush",))
     warm, timed = calls[:flush_at], calls[flush_at + 1 :]
@@ -597,3 +600,9 @@ def test_measure_warms_up_unmeasured_then_flushes_then_runs_the_workload():
     assert not firsts  # the warm-up's token ids are not the workload's (no cache hit)
     assert result["requests_ok"] == result["requests_planned"] == 9
     assert result["output_tokens"] == 9 * 128
+    # a refused flush stops the workload before it runs: it would not start cold
+    refuse_flush = True
+    calls.clear()
+    with pytest.raises(TangramError, match="short-chat-3x3: /flush_cache answered HTTP 400"):
+        asyncio.run(run())
+    assert not calls[calls.index(("flush",)) + 1 :]

@@ -151,6 +151,8 @@ def test_the_serving_path_needs_the_values_and_the_layer():
         ([[1.0, 2.0]], "has shape [1, 2]"),
         (np.ones((L, H_KV, 5)).tolist(), "has shape [3, 2, 5]"),
         (np.full((L, H_KV, 13), np.nan).tolist(), "finite floats"),
+        ([[[1.0, 2.0], [1.0]]], "is not a [num_layers][num_kv_heads]"),
+        ([[["a"] * 13] * H_KV] * L, "is not a [num_layers][num_kv_heads]"),
     ],
 )
 def test_bad_weights_are_refused_naming_the_profile_field(weights, message):

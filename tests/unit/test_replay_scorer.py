@@ -179,3 +179,24 @@ def test_the_server_refuses_mixed_ropes_and_models_without_one_and_skips_vision_
         check_rope_span(RopeShift(torch.tensor([0.5, -0.1])), 8)
     with pytest.raises(ConfigError, match="not a rotary embedding's"):
         check_rope_span(RopeShift(torch.ones(8)), 8)  # 8 frequencies need head_dim 16
+
+
+def test_kvzip_gate_refuses_a_rope_that_moves_the_pair_norms():
+    """kvzip-gate's features are the norms of the (i, i + D/2) pairs: unchanged by RoPE only in
+    the neox layout over the whole head; an interleaved or partial RoPE is refused at start-up."""
+    from sglang.srt.runtime_context import get_context
+
+    from tangram_sglang.backend.attention_backend import check_gate_rope
+
+    neox = _sglang_rope("RotaryEmbedding", 64, 10000.0)
+    with get_context().override_server_args():
+        check_gate_rope(_served(neox))  # Llama/Qwen2/SmolLM2: accepted
+        interleaved = _sglang_rope("RotaryEmbedding", 64, 10000.0)
+        interleaved.is_neox_style = False
+        with pytest.raises(ConfigError, match="is_neox_style=False"):
+            check_gate_rope(_served(neox, interleaved))
+        partial = _sglang_rope("RotaryEmbedding", 64, 10000.0)
+        partial.rotary_dim = 32
+        with pytest.raises(ConfigError, match="rotary_dim=32, head_size=64"):
+            check_gate_rope(_served(partial))
+        check_gate_rope(_served(interleaved, names=["vision_tower"]))  # vision towers skipped
