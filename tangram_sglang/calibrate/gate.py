@@ -22,7 +22,7 @@ import os
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -43,7 +43,6 @@ class _FeatureCapture:
 
     name: str = "kvzip-gate-features"
     obs_window: int = 0
-    _unused: dict = field(default_factory=dict)
 
     def token_scores(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         return gate_features(k, v)
@@ -76,8 +75,17 @@ def kvzip_scores_cached(
     return scores, head
 
 
+def feature_observer(model: Any) -> ScoreObserver:
+    """A :class:`observe.ScoreObserver` whose per-layer output is the gate's features
+    (``[L, H_kv, n, F]``); build it once per model."""
+    return ScoreObserver(model, _FeatureCapture())
+
+
 def gate_training_data(
-    model: Any, input_ids: Sequence[int], cache: Path | None = None
+    model: Any,
+    input_ids: Sequence[int],
+    cache: Path | None = None,
+    observer: ScoreObserver | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """One context's features and KVzip scores, the scored tokens only.
 
@@ -85,6 +93,7 @@ def gate_training_data(
         model: a transformers causal LM (Llama/Qwen2 family, SDPA attention: kvpress's need).
         input_ids: the context (tokens).
         cache: folder of this model's cached KVzip scores (:func:`kvzip_scores_cached`), or None.
+        observer: :func:`feature_observer` of ``model`` (None: one is built for this call).
 
     Returns:
         ``(features, scores)``: float32 ``[L, H_kv, n', F]`` and ``[L, H_kv, n']`` for the
@@ -99,7 +108,7 @@ def gate_training_data(
             f"kvzip-gate: a calibration context of {len(input_ids)} tokens has no token after "
             f"KVzip's {head}-token head; use longer samples (--min-tokens)"
         )
-    features = ScoreObserver(model, _FeatureCapture()).scores(input_ids)
+    features = (observer or feature_observer(model)).scores(input_ids)
     return features[:, :, head:], oracle[:, :, head:]
 
 
@@ -136,8 +145,9 @@ def fit_gate_weights(
     feats: list[list[np.ndarray]] = []
     scores: list[list[np.ndarray]] = []
     used = samples[:num_samples]
+    observer = feature_observer(model)
     for sample in tqdm(used, desc="kvzip-gate: KVzip scores", unit="sample", file=sys.stderr):
-        f, s = gate_training_data(model, list(sample.input_ids)[:max_tokens], cache)
+        f, s = gate_training_data(model, list(sample.input_ids)[:max_tokens], cache, observer)
         if not feats:
             feats = [[] for _ in range(f.shape[0])]
             scores = [[] for _ in range(f.shape[0])]
