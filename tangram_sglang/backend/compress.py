@@ -17,7 +17,9 @@ so an extend batch of mixed lengths costs the launches of one padded batch, not 
 bucket or per run of equal lengths (4,098 top-level aten ops per layer for 64 distinct
 ShareGPT-like lengths before the buckets; kvzip-lite 2,526 for 16). A batch with no more runs
 of equal lengths than padded batches (one prefill chunk, or many segments of one length) skips
-the padding: one scorer call per run. Other scorers run per run of equal lengths.
+the padding: one scorer call per run. Other scorers run per run of equal lengths. A token
+scorer (``kvzip-gate``, ``scoring.kvzip_gate``) scores the whole batch's new tokens in one call
+from their keys and values, then takes the SnapKV family's buckets or runs with no queries.
 Every head is selected with one stable sort whatever its ``k_g``, with no host
 synchronisation. Segments every head keeps whole (``k_g = n``, e.g. under
 ``--tangram-min-compress-tokens``) are not scored.
