@@ -100,6 +100,15 @@ def tangram_state_of(model_runner: ModelRunner) -> TangramState:
     return pool.tangram_state
 
 
+def _rotary_modules(model: torch.nn.Module):
+    """``(name, module, cos_sin_cache)`` of every rotary embedding of the language model
+    (vision towers skipped)."""
+    for name, module in model.named_modules():
+        cache = getattr(module, "cos_sin_cache", None)
+        if isinstance(cache, torch.Tensor) and "vision" not in name and "visual" not in name:
+            yield name, module, cache
+
+
 def model_rope(model: torch.nn.Module) -> RopeShift:
     """The served model's RoPE frequencies, from its attention layers' rotary embeddings.
 
@@ -113,10 +122,7 @@ def model_rope(model: torch.nn.Module) -> RopeShift:
             layers with different RoPE (e.g. local and global layers): kvzip-replay binds one.
     """
     found = []
-    for name, module in model.named_modules():
-        cache = getattr(module, "cos_sin_cache", None)
-        if not isinstance(cache, torch.Tensor) or "vision" in name or "visual" in name:
-            continue
+    for name, module, cache in _rotary_modules(model):
         rotary_dim = int(getattr(module, "rotary_dim", cache.shape[-1]))
         if cache.dim() != 2 or cache.shape[0] < 2 or cache.shape[1] != rotary_dim:
             raise ConfigError(
@@ -155,10 +161,7 @@ def check_gate_rope(model: torch.nn.Module) -> None:
         ConfigError: a rotary embedding (vision towers skipped) that is interleaved (GPT-J
             style) or rotates part of the head; names the module and the fix.
     """
-    for name, module in model.named_modules():
-        cache = getattr(module, "cos_sin_cache", None)
-        if not isinstance(cache, torch.Tensor) or "vision" in name or "visual" in name:
-            continue
+    for name, module, cache in _rotary_modules(model):
         neox = bool(getattr(module, "is_neox_style", True))
         rotary_dim = int(getattr(module, "rotary_dim", cache.shape[-1]))
         head = int(getattr(module, "head_size", rotary_dim))

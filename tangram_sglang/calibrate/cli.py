@@ -544,11 +544,17 @@ def resolve_model_path(model: str) -> Path:
     )
 
 
+def _cache_root(args: argparse.Namespace) -> Path:
+    """The calibration cache's root: ``--cache-dir``, else ``$TANGRAM_CACHE_DIR``, + ``calibrate``
+    (default ``~/.cache/tangram_sglang/calibrate``)."""
+    root = args.cache_dir or os.environ.get("TANGRAM_CACHE_DIR")
+    return Path(root) / "calibrate" if root else Path.home() / ".cache/tangram_sglang/calibrate"
+
+
 def _cache_folder(args: argparse.Namespace, identity: ModelIdentity, path: Path, scorer) -> Path:
     from tangram_sglang.scoring import SnapKVScorer
 
-    root = args.cache_dir or os.environ.get("TANGRAM_CACHE_DIR")
-    root = Path(root) / "calibrate" if root else Path.home() / ".cache/tangram_sglang/calibrate"
+    root = _cache_root(args)
     weights = sorted(path.glob("*.safetensors"))
     options = scorer_options(scorer)
     legacy = [options.pop(k, None) for k in ("obs_window", "kernel_size", "pooling", "gqa_reduce")]
@@ -564,8 +570,7 @@ def _cache_folder(args: argparse.Namespace, identity: ModelIdentity, path: Path,
 def _kvzip_cache(args: argparse.Namespace, identity: ModelIdentity, path: Path) -> Path:
     """Folder of KVzip's cached scores for this model (kvzip-gate's fit; per model weights and
     kvpress version, a file per context)."""
-    root = args.cache_dir or os.environ.get("TANGRAM_CACHE_DIR")
-    root = Path(root) / "calibrate" if root else Path.home() / ".cache/tangram_sglang/calibrate"
+    root = _cache_root(args)
     files = [(w.name, w.stat().st_size) for w in sorted(path.glob("*.safetensors"))]
     key = json.dumps(["kvzip", identity.config_fingerprint, files, _versions().get("kvpress")])
     return root / f"kvzip-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
