@@ -210,7 +210,7 @@ PREFILL_ATTENTIONS = ("auto", "flashinfer", "triton")
 
 
 def prefill_attention(environ: dict[str, str] | None = None) -> str:
-    """Who computes an extend's attention: ``"triton"`` (default), ``"auto"`` or ``"flashinfer"``.
+    """Who computes an extend's attention: ``"auto"`` (default), ``"triton"`` or ``"flashinfer"``.
 
     ``triton``: Tangram's extend kernel, history and new tokens in one pass. ``flashinfer``: the
     new tokens' causal attention through FlashInfer's ragged prefill (stock SGLang's flashinfer
@@ -218,12 +218,13 @@ def prefill_attention(environ: dict[str, str] | None = None) -> str:
     merged by LSE (``kernels.new_token_attention``); refuses a model FlashInfer cannot run
     (float32). ``auto``: per batch, the FlashInfer split where it pays
     (``metadata.split_pays``: a batch without history, or long new segments), Tangram's kernel
-    otherwise, and Tangram's kernel everywhere when FlashInfer cannot run the model's dtype. The
-    candidate default, once its GPU test and a side-by-side run pass (``benchmarks/RESULTS.md``).
-    CUDA only: CPU servers keep the torch reference whatever the value.
+    otherwise, and Tangram's kernel everywhere when FlashInfer cannot run the model's dtype (or
+    the flashinfer package is missing; logged). The default: on the H200 it ran 2.9% above
+    ``triton`` on ShareGPT 64 x 4 at kept 0.25, side by side (``benchmarks/RESULTS.md``,
+    2026-12-04). CUDA only: CPU servers keep the torch reference whatever the value.
 
     Args:
-        environ: the environment to read (default ``os.environ``); unset or empty = ``triton``.
+        environ: the environment to read (default ``os.environ``); unset or empty = ``auto``.
 
     Returns:
         One of :data:`PREFILL_ATTENTIONS`.
@@ -234,11 +235,11 @@ def prefill_attention(environ: dict[str, str] | None = None) -> str:
     raw = (os.environ if environ is None else environ).get(PREFILL_ATTENTION_ENV, "")
     value = raw.strip().lower()
     if value == "":
-        return "triton"
+        return "auto"
     if value not in PREFILL_ATTENTIONS:
         raise ConfigError(
-            f"{PREFILL_ATTENTION_ENV}={raw!r}: use 'triton' (Tangram's extend kernel, default), "
-            "'auto' (FlashInfer for the new tokens where it pays) or 'flashinfer' (always)"
+            f"{PREFILL_ATTENTION_ENV}={raw!r}: use 'auto' (FlashInfer for the new tokens where it "
+            "pays, default), 'triton' (Tangram's extend kernel only) or 'flashinfer' (always)"
         )
     return value
 

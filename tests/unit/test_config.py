@@ -256,14 +256,15 @@ def test_decode_plan_env_defaults_to_the_table_and_rejects_other_values(monkeypa
         kernels_for(torch.device("cpu"), None, 1)
 
 
-def test_prefill_attention_env_defaults_to_triton_and_rejects_other_values(monkeypatch):
-    assert prefill_attention({}) == "triton"
-    assert prefill_attention({PREFILL_ATTENTION_ENV: " "}) == "triton"
+def test_prefill_attention_env_defaults_to_auto_and_rejects_other_values(monkeypatch):
+    assert prefill_attention({}) == "auto"
+    assert prefill_attention({PREFILL_ATTENTION_ENV: " "}) == "auto"
+    assert prefill_attention({PREFILL_ATTENTION_ENV: "Triton"}) == "triton"
     assert prefill_attention({PREFILL_ATTENTION_ENV: "FlashInfer"}) == "flashinfer"
     assert prefill_attention({PREFILL_ATTENTION_ENV: " AUTO "}) == "auto"
     with pytest.raises(
         ConfigError,
-        match=r"^TANGRAM_PREFILL_ATTENTION=' Fa3': use 'triton' .* 'auto' .* 'flashinfer'",
+        match=r"^TANGRAM_PREFILL_ATTENTION=' Fa3': use 'auto' .* 'triton' .* 'flashinfer'",
     ):
         prefill_attention({PREFILL_ATTENTION_ENV: " Fa3"})
     from tangram_sglang.backend.layer_ops import ReferenceKernels, kernels_for
