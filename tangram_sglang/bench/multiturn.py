@@ -662,6 +662,8 @@ def _resolve_model(path: str) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Entry point; returns the exit status: 0, 1 when a system failed (its ``error`` is set in
+    the JSON, which is still written with the summary), 2 on a bad flag or merge input."""
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["merge"]:
         mp = argparse.ArgumentParser(prog="python -m tangram_sglang.bench.multiturn merge")
@@ -709,6 +711,15 @@ def main(argv: list[str] | None = None) -> int:
         flags = server_flags(ratio, args.profile, common, stock)
         run_system(name, flags, specs, args, result)
     print(json.dumps(result["summary"], indent=1))
+    failed = [name for name, entry in result["systems"].items() if entry.get("error")]
+    if failed:
+        print(
+            f"multiturn: error: {len(failed)} system(s) failed: {', '.join(failed)}; the "
+            f"messages are under systems.<name>.error in {args.output} (server logs in "
+            f"{args.log_dir})",
+            file=sys.stderr,
+        )
+        return 1
     return 0
 
 

@@ -606,3 +606,31 @@ def test_measure_warms_up_unmeasured_then_flushes_then_runs_the_workload():
     with pytest.raises(TangramError, match="short-chat-3x3: /flush_cache answered HTTP 400"):
         asyncio.run(run())
     assert not calls[calls.index(("flush",)) + 1 :]
+
+
+@pytest.mark.parametrize("error", [None, "profile model.num_layers=24 but the served model has 30"])
+def test_a_failed_system_makes_the_run_exit_1_after_writing_the_json(
+    tmp_path, capsys, monkeypatch, error
+):
+    """A system whose server or workload failed (``error`` set) is a failed run (exit 1), yet
+    the JSON and the summary are still written."""
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "config.json").write_text('{"vocab_size": 5000}')
+
+    def fake_run_system(name, flags, specs, args, result):
+        result["systems"][name] = {"server_args": flags, "workloads": {}, "error": error}
+        mt.write_result(result, args)
+
+    monkeypatch.setattr(mt, "run_system", fake_run_system)
+    out = tmp_path / "r.json"
+    argv = ["--model-path", str(model), "--device", "cpu", "--systems", "baseline"]
+    argv += ["--workloads", "cliff:2", "--log-dir", str(tmp_path / "logs"), "--output", str(out)]
+    code = mt.main(argv)
+    captured = capsys.readouterr()
+    assert json.loads(out.read_text())["systems"]["baseline"]["error"] == error
+    assert '"main_workload": "cliff-2"' in captured.out  # the summary is printed either way
+    if error is None:
+        assert code == 0 and "failed" not in captured.err
+    else:
+        assert code == 1 and "1 system(s) failed: baseline" in captured.err
