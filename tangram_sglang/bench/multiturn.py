@@ -63,7 +63,8 @@ from tangram_sglang.bench.multiturn_workloads import (
     make_conversations,
     warmup_conversations,
 )
-from tangram_sglang.errors import ConfigError, TangramError
+from tangram_sglang.errors import ConfigError, ProfileError, TangramError
+from tangram_sglang.profile import BudgetProfile, ModelIdentity
 
 SCHEMA = "tangram-multiturn/1"
 WARMUP_SEED = 7919  # offsets the warm-up's token ids from the workload's
@@ -729,17 +730,15 @@ MAX_CLIENTS = 10_000  # conversations per workload (a bench, not a soak test)
 def check_args(args: argparse.Namespace, systems: list, specs: list[WorkloadSpec]) -> None:
     """Every flag checked before a server starts (and before the output file is touched).
 
+    ``--profile`` comes last (:func:`check_profile`), so a run without one still hears about
+    its other bad flags first.
+
     Also fills the default ``--output``: ``benchmarks/results/multiturn-h200.json`` on CUDA,
     ``/tmp/tangram-multiturn/multiturn-cpu.json`` on CPU (a toy run never overwrites results).
 
     Raises:
         ConfigError: names the flag, the value and the allowed range.
     """
-    wants_profile = any(ratio is not None for _, ratio in systems)
-    if wants_profile and (not args.profile or not Path(args.profile).is_file()):
-        raise ConfigError(
-            f"--profile {args.profile!r}: tangram:R systems need an existing budget profile file"
-        )
     positive = {
         "--max-parallel": args.max_parallel,
         "--request-rate": args.request_rate,
@@ -797,6 +796,7 @@ def check_args(args: argparse.Namespace, systems: list, specs: list[WorkloadSpec
                 "a tokenizer gets one from python -m tangram_sglang.bench.dummy_tokenizer "
                 "MODEL_DIR)"
             )
+    check_profile(args, systems)  # last: every other flag is named first
     if args.output is None:
         args.output = (
             "benchmarks/results/multiturn-h200.json"
@@ -804,6 +804,47 @@ def check_args(args: argparse.Namespace, systems: list, specs: list[WorkloadSpec
             else "/tmp/tangram-multiturn/multiturn-cpu.json"
         )
     Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+
+
+def check_profile(args: argparse.Namespace, systems: list) -> None:
+    """``--profile`` of the ``tangram:R`` systems: an existing, valid profile for the model.
+
+    When ``--model-path`` (resolved to a folder) has a readable ``config.json``, the profile's
+    model is checked against it (:meth:`BudgetProfile.check_model`: layers, KV and query heads,
+    head_dim) before any server starts, so a profile for another model does not wait for the
+    stock systems to run first. The config fingerprint is left to the server's own check.
+
+    Raises:
+        ConfigError: no ``--profile`` while a ``tangram:R`` system is asked for, a missing or
+            invalid file, or a profile made for another model; names ``--profile`` and the fix.
+    """
+    tangram = [name for name, ratio in systems if ratio is not None]
+    if not tangram:
+        return
+    if not args.profile or not Path(args.profile).is_file():
+        what = "is missing" if not args.profile else f"{args.profile!r}: no such file"
+        raise ConfigError(
+            f"--profile {what}: the tangram:R systems ({', '.join(tangram)}) need a budget "
+            "profile JSON for the model (the shipped ones are calibration/<model>/*.json); pass "
+            "one, or leave tangram:R out of --systems"
+        )
+    try:
+        profile = BudgetProfile.load(args.profile)
+    except ProfileError as exc:
+        raise ConfigError(
+            f"--profile: {exc}; pass a profile JSON (calibration/<model>/*.json) or calibrate "
+            "one with `python -m tangram_sglang.calibrate --model-path ...`"
+        ) from None
+    try:
+        config = json.loads((Path(args.model_path) / "config.json").read_text())
+        config = config.get("text_config") or config  # the server reads a VLM's text config
+        model = ModelIdentity.from_hf_config(config)
+    except (OSError, ValueError, TypeError, KeyError, AttributeError, ZeroDivisionError):
+        return  # no readable config here: the server checks the profile when it starts
+    try:
+        profile.check_model(dataclasses.replace(model, config_fingerprint=""))
+    except ProfileError as exc:
+        raise ConfigError(f"--profile {args.profile}: {exc}") from None
 
 
 def _skips_tokenizer(word: str) -> bool:

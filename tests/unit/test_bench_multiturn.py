@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -11,6 +12,8 @@ import pytest
 from tangram_sglang.bench import multiturn as mt
 from tangram_sglang.bench.multiturn_workloads import WorkloadSpec, make_conversations
 from tangram_sglang.errors import ConfigError, TangramError
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 def args(**kw) -> argparse.Namespace:
@@ -477,8 +480,7 @@ def test_no_max_refusal_names_its_source_and_reads_abbreviated_flags(
 
 def test_baseline_args_of_a_tangram_only_run_are_not_refused(tmp_path):
     """``--baseline-args`` reach stock systems only: a tangram-only run ignores them."""
-    profile = tmp_path / "p.json"
-    profile.write_text("{}")
+    profile = REPO / "calibration/smollm2/ada-snapkv-r0.25.json"
     args = mt.build_parser().parse_args(
         ["--model-path", "m", "--profile", str(profile), "--systems", "tangram:0.5"]
         + ["--workloads", "cliff:2:no-max", "--baseline-args=--skip-tokenizer-init"]
@@ -634,3 +636,72 @@ def test_a_failed_system_makes_the_run_exit_1_after_writing_the_json(
         assert code == 0 and "failed" not in captured.err
     else:
         assert code == 1 and "1 system(s) failed: baseline" in captured.err
+
+
+def _model_folder(tmp_path, profile_path) -> Path:
+    """A config-only model folder with the geometry of ``profile_path``'s model."""
+    from tangram_sglang.profile import BudgetProfile
+
+    m = BudgetProfile.load(profile_path).model
+    folder = tmp_path / "model"
+    folder.mkdir()
+    config = {
+        "vocab_size": 5000,
+        "architectures": [m.architecture],
+        "num_hidden_layers": m.num_layers,
+        "num_attention_heads": m.num_qo_heads,
+        "num_key_value_heads": m.num_kv_heads,
+        "head_dim": m.head_dim,
+        "hidden_size": m.num_qo_heads * m.head_dim,
+    }
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+def test_a_profile_for_another_model_stops_before_any_server(tmp_path, capsys, monkeypatch):
+    """The profile's geometry is checked against the model's config.json up front: a Qwen
+    profile on SmolLM2 used to show only after the stock baseline had run."""
+    monkeypatch.setattr(mt, "run_system", lambda *a: pytest.fail("a server was started"))
+    model = _model_folder(tmp_path, REPO / "calibration/smollm2/ada-snapkv-r0.25.json")
+    out = tmp_path / "r.json"
+    other = REPO / "calibration/qwen2.5-0.5b/ada-snapkv-r0.25.json"
+    argv = ["--model-path", str(model), "--device", "cpu", "--profile", str(other)]
+    assert mt.main([*argv, "--output", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert f"--profile {other}: profile model.num_layers=24 but the served model has 30" in err
+    assert "calibrate one for this model" in err and not out.exists()
+    # the matching profile passes (the fingerprint is left to the server's own check)
+    a = args(argv=["--profile", str(REPO / "calibration/smollm2/ada-snapkv-r0.25.json")])
+    a.model_path, a.output = str(model), str(out)
+    mt.check_args(a, mt.parse_systems(a.systems), [mt.parse_workload("cliff:2", a)])
+
+
+def test_an_invalid_profile_file_is_named_before_any_server(tmp_path, capsys):
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "config.json").write_text('{"vocab_size": 5000}')
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"schema_version": 1, "model": ')
+    argv = ["--model-path", str(model), "--device", "cpu", "--profile", str(bad)]
+    assert mt.main([*argv, "--output", str(tmp_path / "r.json")]) == 2
+    err = capsys.readouterr().err
+    assert f"--profile: {bad}: not a JSON profile" in err and "calibrate" in err
+
+
+@pytest.mark.parametrize(
+    ("argv", "match"),
+    [
+        (["--workloads", ","], "--workloads is empty"),
+        (["--max-parallel", "0"], "--max-parallel 0: must be > 0"),
+        (["--workloads", "cliff:2", "--main-workload", "zzz"], "--main-workload 'zzz'"),
+        ([], "--profile is missing: the tangram:R systems (tangram-r0.25, tangram-r0.5)"),
+    ],
+)
+def test_without_profile_other_bad_flags_are_reported_first(tmp_path, capsys, argv, match):
+    """The default systems need --profile, but a bad flag elsewhere is named as such."""
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "config.json").write_text('{"vocab_size": 5000}')
+    out = tmp_path / "r.json"
+    code = mt.main(["--model-path", str(model), "--device", "cpu", "--output", str(out), *argv])
+    assert code == 2 and match in capsys.readouterr().err and not out.exists()
