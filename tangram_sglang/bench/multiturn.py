@@ -600,18 +600,44 @@ def build_parser() -> argparse.ArgumentParser:
         help="default: cuda when torch sees a GPU, else cpu",
     )
     p.add_argument("--profile", help="Tangram budget profile (for tangram:R systems)")
-    p.add_argument("--systems", default="baseline,tangram:0.25,tangram:0.5")
+    p.add_argument(
+        "--systems",
+        default="baseline,tangram:0.25,tangram:0.5",
+        help="servers to run in turn, comma-separated: baseline (stock SGLang, full KV), "
+        f"baseline-BACKEND (stock with --attention-backend BACKEND: {', '.join(STOCK_BACKENDS)}), "
+        "tangram:R (--tangram at mean kept ratio R in (0, 1]; needs --profile); e.g. "
+        "baseline,baseline-flashinfer,tangram:0.25 (default: %(default)s)",
+    )
     p.add_argument("--server-args", default="", help="flags for every server (one string)")
     p.add_argument("--baseline-args", default="", help="flags for the baseline server only")
-    p.add_argument("--workloads", default="cliff:32,cliff:64,prefill:16x8192,sharegpt:64x4")
+    p.add_argument(
+        "--workloads",
+        default="cliff:32,cliff:64,prefill:16x8192,sharegpt:64x4",
+        help="comma-separated NAME[:N[xM]][:no-max], NAME one of "
+        f"{', '.join(WORKLOADS)}: N clients (default --num-clients), M rounds (default "
+        "--num-rounds; cliff's are fixed); prefill:NxM is N one-round requests of M tokens "
+        "(default --request-length, else 8192); :no-max sends that workload without "
+        "max_new_tokens (not prefill); e.g. cliff:64,sharegpt:64x4,mixed:120x4,"
+        "prefill:16x8192,cliff:64:no-max (default: %(default)s)",
+    )
     p.add_argument(
         "--main-workload",
         default=None,
         help="label the throughput ratios use (default: cliff-64 if run, else the "
         "first of --workloads)",
     )
-    p.add_argument("--num-clients", type=int, default=32)
-    p.add_argument("--num-rounds", type=int, default=4)
+    p.add_argument(
+        "--num-clients",
+        type=int,
+        default=32,
+        help="clients of a --workloads item without N (default: %(default)s)",
+    )
+    p.add_argument(
+        "--num-rounds",
+        type=int,
+        default=4,
+        help="rounds of a --workloads item without M (default: %(default)s)",
+    )
     p.add_argument("--request-length", type=int, default=None, help="tokens (see workloads)")
     p.add_argument("--output-length", type=int, default=None, help="tokens per round")
     p.add_argument("--context-tokens", type=int, default=8192, help="long-context round 1")
@@ -622,12 +648,42 @@ def build_parser() -> argparse.ArgumentParser:
         default=DEFAULT_SYSTEM_PROMPT_TOKENS,
         help="system-prompt workload: tokens of the system prompt every conversation shares",
     )
-    p.add_argument("--max-parallel", type=int, default=128)
-    p.add_argument("--request-rate", type=float, default=float("inf"))
-    p.add_argument("--round-barrier", action="store_true")
-    p.add_argument("--workload-timeout-s", type=float, default=600.0)
-    p.add_argument("--startup-timeout-s", type=float, default=600.0)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--max-parallel",
+        type=int,
+        default=128,
+        help="requests in flight at most, over all clients (default: %(default)s)",
+    )
+    p.add_argument(
+        "--request-rate",
+        type=float,
+        default=float("inf"),
+        help="new requests per second, Poisson arrivals (default: inf, no pacing)",
+    )
+    p.add_argument(
+        "--round-barrier",
+        action="store_true",
+        help="every client finishes round r before any client sends round r + 1",
+    )
+    p.add_argument(
+        "--workload-timeout-s",
+        type=float,
+        default=600.0,
+        help="wall-clock cap of one workload run, seconds (default: %(default)s)",
+    )
+    p.add_argument(
+        "--startup-timeout-s",
+        type=float,
+        default=600.0,
+        help="how long a server may take to start, seconds (default: %(default)s)",
+    )
+    p.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="seeds the token ids, the ShareGPT conversations picked, the request pacing and "
+        "the --no-max-tokens lengths: each system gets the same requests (default: %(default)s)",
+    )
     p.add_argument(
         "--no-max-tokens",
         action="store_true",
@@ -644,7 +700,11 @@ def build_parser() -> argparse.ArgumentParser:
         "out, other token ids) run unmeasured and the cache is flushed, so no system pays "
         "its kernels' first-use compilation inside the timed run (0: none)",
     )
-    p.add_argument("--log-dir", default="/tmp/tangram-multiturn")
+    p.add_argument(
+        "--log-dir",
+        default="/tmp/tangram-multiturn",
+        help="server logs, multiturn-SYSTEM.server.log each (default: %(default)s)",
+    )
     p.add_argument(
         "--output",
         default=None,

@@ -705,3 +705,18 @@ def test_without_profile_other_bad_flags_are_reported_first(tmp_path, capsys, ar
     out = tmp_path / "r.json"
     code = mt.main(["--model-path", str(model), "--device", "cpu", "--output", str(out), *argv])
     assert code == 2 and match in capsys.readouterr().err and not out.exists()
+
+
+def test_every_flag_has_help_and_the_help_examples_parse():
+    parser = mt.build_parser()
+    assert [a.option_strings for a in parser._actions if not a.help] == []
+    help_of = {a.option_strings[0]: a.help for a in parser._actions}
+    workloads = help_of["--workloads"].split("e.g. ", 1)[1].split(" ", 1)[0]
+    labels = [mt.parse_workload(item, args()).label for item in workloads.split(",")]
+    assert labels == ["cliff-64", "sharegpt-64x4", "mixed-120x4", "prefill-16x8192"] + [
+        "cliff-64-no-max"
+    ]
+    systems = help_of["--systems"].split("e.g. ", 1)[1].split(" ", 1)[0]
+    names = [name for name, _ in mt.parse_systems(systems)]
+    assert names == ["baseline", "baseline-flashinfer", "tangram-r0.25"]
+    assert "(default: inf, no pacing)" in help_of["--request-rate"]
