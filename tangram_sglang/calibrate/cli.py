@@ -202,6 +202,7 @@ def calibrate(args: argparse.Namespace, command: str) -> BudgetProfile:
     Raises:
         TangramError: bad arguments, model, data or profile (ConfigError, ModelError...).
     """
+    check_args(args)  # before transformers and the model load: a bad flag costs no wait
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
@@ -211,7 +212,6 @@ def calibrate(args: argparse.Namespace, command: str) -> BudgetProfile:
     from tangram_sglang.errors import ConfigError
     from tangram_sglang.scoring import get_scorer, is_token_scorer
 
-    check_args(args)  # before the model loads: a bad flag must not cost a calibration run
     device = resolve_device(args.device, torch.cuda.device_count())
     t_start = time.perf_counter()
     path = resolve_model_path(args.model_path)
@@ -221,6 +221,12 @@ def calibrate(args: argparse.Namespace, command: str) -> BudgetProfile:
     check_grouping(args, identity.num_kv_heads)  # fail before the run
     HeadGrouping.build(np.ones(shape), args.page_group_size, args.scope)
     max_tokens = args.max_tokens or min(int(config.max_position_embeddings), 8192)
+    if args.min_tokens > max_tokens:  # --max-tokens unset (check_args compared the given one)
+        raise ConfigError(
+            f"--min-tokens {args.min_tokens} > {max_tokens}, the default --max-tokens for this "
+            "model (its context, at most 8192): no sample could be used; lower --min-tokens, "
+            "or pass --max-tokens up to the model's context"
+        )
     tok = AutoTokenizer.from_pretrained(path)
     samples = load_samples(
         args.dataset, tok, args.num_samples, args.min_tokens, max_tokens, args.seed
@@ -311,6 +317,12 @@ def check_args(args: argparse.Namespace) -> None:
     for flag, (value, low) in counts.items():
         if value < low:
             raise ConfigError(f"{flag} {value} must be >= {low}")
+    if args.max_tokens is not None and args.min_tokens > args.max_tokens:
+        raise ConfigError(
+            f"--min-tokens {args.min_tokens} > --max-tokens {args.max_tokens}: samples shorter "
+            "than --min-tokens are skipped and longer ones cut at --max-tokens, so none would be "
+            "left; lower --min-tokens or raise --max-tokens"
+        )
     try:
         scorer = build_scorer(args)
     except ConfigError as exc:

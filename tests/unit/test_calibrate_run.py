@@ -150,6 +150,7 @@ def test_show_rejects_a_bad_profile(tmp_path, capsys):
         (["--alpha", "nan"], "--alpha nan a finite number"),
         (["--num-samples", "0"], "--num-samples 0 must be >= 1"),
         (["--max-tokens", "0"], "--max-tokens 0 must be >= 1"),  # used to mean "the default"
+        (["--min-tokens", "4000", "--max-tokens", "100"], "--min-tokens 4000 > --max-tokens 100: "),
         (["--sink-tokens", "-1"], "--sink-tokens -1 must be >= 0"),
         (["--recent-window", "-1"], "--recent-window -1 must be >= 0"),
         (["--page-group-size", "0"], "--page-group-size 0 must be >= 1"),
@@ -169,6 +170,45 @@ def test_bad_flags_are_reported_before_the_model_is_looked_up(tmp_path, capsys, 
     assert calibrate_main([*args, *(a.format(tmp=tmp_path) for a in extra)]) == 2
     err = capsys.readouterr().err
     assert message in err and "--model-path" not in err
+
+
+def test_flag_errors_come_before_transformers_is_imported(tmp_path):
+    """A bad flag is reported in about a second, not after transformers' import (7-9 s)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; from tangram_sglang.calibrate.cli import main; "
+        "rc = main(sys.argv[1:]); assert 'transformers' not in sys.modules, 'imported'; "
+        "sys.exit(rc)"
+    )
+    argv = ["--model-path", "smollm2", "--scorer", "snapkv", "--target-ratio", "0.25"]
+    argv += ["--min-tokens", "4000", "--max-tokens", "100", "--output", str(tmp_path / "p.json")]
+    done = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.startswith("error: --min-tokens 4000 > --max-tokens 100: ")
+
+
+def test_min_tokens_above_the_default_max_tokens_names_both_flags(tmp_path, capsys):
+    """Without --max-tokens the cap is the model's context (at most 8192), known from its config."""
+    model = tmp_path / "model"
+    model.mkdir()
+    config = {
+        "model_type": "llama",
+        "architectures": ["LlamaForCausalLM"],
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "hidden_size": 64,
+        "max_position_embeddings": 512,
+    }
+    (model / "config.json").write_text(json.dumps(config))
+    out = tmp_path / "p.json"
+    args = ["--model-path", str(model), "--scorer", "snapkv", "--target-ratio", "0.25"]
+    assert calibrate_main([*args, "--output", str(out), "--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert "--min-tokens 1024 > 512, the default --max-tokens for this model" in err
+    assert "num_samples=" not in err and not out.exists()
 
 
 def test_help_gives_every_flag_a_text_and_its_default_once():
