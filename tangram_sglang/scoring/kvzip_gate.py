@@ -158,11 +158,20 @@ class KVzipGateScorer:
                 f"[3 * head_dim / 2 + 1] array of numbers ({exc}); calibrate a profile with "
                 "--scorer kvzip-gate"
             ) from None
-        if w.ndim != 3 or w.shape[-1] < 4 or (w.shape[-1] - 1) % 3 or not np.isfinite(w).all():
+        if w.ndim != 3 or w.shape[-1] < 4 or (w.shape[-1] - 1) % 3:
             raise ConfigError(
                 f"kvzip-gate: scorer_options.weights has shape {list(w.shape)}; it must be "
                 "[num_layers][num_kv_heads][3 * head_dim / 2 + 1] finite floats (calibrate a "
                 "profile with --scorer kvzip-gate)"
+            )
+        if not np.isfinite(w).all():
+            index = tuple(int(i) for i in np.argwhere(~np.isfinite(w))[0])
+            where = "".join(f"[{i}]" for i in index)
+            count = int((~np.isfinite(w)).sum())
+            raise ConfigError(
+                f"kvzip-gate: scorer_options.weights{where} is {w[index]}: the gate weights must "
+                f"be finite numbers ({count} non-finite, from a failed fit or an edit); calibrate "
+                "the profile again with --scorer kvzip-gate"
             )
 
     @property

@@ -150,7 +150,9 @@ def test_the_serving_path_needs_the_values_and_the_layer():
     [
         ([[1.0, 2.0]], "has shape [1, 2]"),
         (np.ones((L, H_KV, 5)).tolist(), "has shape [3, 2, 5]"),
-        (np.full((L, H_KV, 13), np.nan).tolist(), "finite floats"),
+        (np.full((L, H_KV, 13), np.nan).tolist(), "weights[0][0][0] is nan: the gate weights must"),
+        ([[[0.5, 1, 2, 3]], [[1, 2, float("-inf"), 3]]], "weights[1][0][2] is -inf: the gate"),
+        ([[[float("nan"), 1, 2, 3]]], "be finite numbers (1 non-finite"),
         ([[[1.0, 2.0], [1.0]]], "is not a [num_layers][num_kv_heads]"),
         ([[["a"] * 13] * H_KV] * L, "is not a [num_layers][num_kv_heads]"),
     ],
