@@ -164,7 +164,7 @@ def resolve_profile(
     if not config.profile_path:
         path = find_shipped_profile(model, calibration_dir, config.scorer, config.target_ratio)
         config = replace(config, profile_path=str(path))
-    profile = BudgetProfile.load(config.profile_path)
+    profile = load_profile_flag(config.profile_path)
     try:
         profile.check_model(model)
     except ProfileError as exc:
@@ -190,6 +190,25 @@ def resolve_profile(
             ) from None
     profile = profile.with_min_compress_tokens(config.min_compress_tokens)
     return profile, config
+
+
+def load_profile_flag(path: str | Path) -> BudgetProfile:
+    """:meth:`BudgetProfile.load` of the ``--tangram-profile`` file; errors name the flag.
+
+    Raises:
+        ProfileError: the file is unreadable, not JSON or not a valid profile; the message
+            names ``--tangram-profile`` and the path, says what is wrong and how to fix it.
+    """
+    try:
+        return BudgetProfile.load(path)
+    except ProfileError as exc:
+        detail = str(exc).removeprefix(f"{Path(path)}: ")
+        raise ProfileError(
+            f"--tangram-profile {str(path)!r}: {detail}; pass a valid profile JSON (the "
+            "shipped ones are calibration/<model>/*.json), leave the flag out to use the "
+            "shipped profile for the model, or calibrate one with `python -m "
+            "tangram_sglang.calibrate --model-path ...`"
+        ) from None
 
 
 def padded_kept_fraction(profile: BudgetProfile) -> float:

@@ -132,7 +132,14 @@ def test_resolve_rejects_profile_of_another_model(profile_file):
 def test_resolve_rejects_corrupt_profile(tmp_path):
     path = tmp_path / "bad.json"
     path.write_text('{"schema_version": 1, "model": ')
-    with pytest.raises(ProfileError, match="not a JSON profile"):
+    with pytest.raises(ProfileError, match="not a JSON profile") as info:
+        profile_loader.resolve_profile(TangramConfig(enabled=True, profile_path=str(path)), MODEL)
+    message = str(info.value)
+    assert message.startswith(f"--tangram-profile {str(path)!r}: not a JSON profile (Expecting")
+    assert "pass a valid profile JSON" in message and "leave the flag out" in message
+    assert "python -m tangram_sglang.calibrate" in message
+    path.write_text('{"schema_version": 1}')  # JSON, but not a profile
+    with pytest.raises(ProfileError, match=r"^--tangram-profile .*: profile: missing field"):
         profile_loader.resolve_profile(TangramConfig(enabled=True, profile_path=str(path)), MODEL)
 
 
