@@ -785,6 +785,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 MAX_CLIENTS = 10_000  # conversations per workload (a bench, not a soak test)
+CUDA_OUTPUT = "benchmarks/results/multiturn-h200.json"  # default --output on CUDA
+CPU_OUTPUT = "/tmp/tangram-multiturn/multiturn-cpu.json"  # on CPU: never the committed results
 
 
 def check_args(args: argparse.Namespace, systems: list, specs: list[WorkloadSpec]) -> None:
@@ -793,8 +795,9 @@ def check_args(args: argparse.Namespace, systems: list, specs: list[WorkloadSpec
     ``--profile`` comes last (:func:`check_profile`), so a run without one still hears about
     its other bad flags first.
 
-    Also fills the default ``--output``: ``benchmarks/results/multiturn-h200.json`` on CUDA,
-    ``/tmp/tangram-multiturn/multiturn-cpu.json`` on CPU (a toy run never overwrites results).
+    Also fills the default ``--output``: :data:`CUDA_OUTPUT`
+    (``benchmarks/results/multiturn-h200.json``) on CUDA, :data:`CPU_OUTPUT`
+    (``/tmp/tangram-multiturn/multiturn-cpu.json``) on CPU (a toy run never overwrites results).
 
     Raises:
         ConfigError: names the flag, the value and the allowed range.
@@ -858,11 +861,7 @@ def check_args(args: argparse.Namespace, systems: list, specs: list[WorkloadSpec
             )
     check_profile(args, systems)  # last: every other flag is named first
     if args.output is None:
-        args.output = (
-            "benchmarks/results/multiturn-h200.json"
-            if args.device == "cuda"
-            else "/tmp/tangram-multiturn/multiturn-cpu.json"
-        )
+        args.output = CUDA_OUTPUT if args.device == "cuda" else CPU_OUTPUT
     Path(args.output).parent.mkdir(parents=True, exist_ok=True)
 
 

@@ -346,18 +346,20 @@ def test_main_workload_and_server_args_are_checked_before_any_server(tmp_path, c
     assert match in capsys.readouterr().err
 
 
-def test_main_workload_defaults_to_cliff_64_else_the_first_workload():
-    a = args(argv=["--systems", "baseline"])
+def test_main_workload_defaults_to_cliff_64_else_the_first_workload(tmp_path):
+    a = args(argv=["--systems", "baseline", "--output", str(tmp_path / "r.json")])
     a.device = "cpu"
     mt.check_args(a, mt.parse_systems("baseline"), [mt.parse_workload("sharegpt:2x2", a)])
     assert a.main_workload == "sharegpt-2x2"
 
 
-def test_cpu_runs_never_default_to_the_committed_results():
+def test_cpu_runs_never_default_to_the_committed_results(tmp_path, monkeypatch):
+    assert mt.CPU_OUTPUT.startswith("/tmp/") and "benchmarks/results" in mt.CUDA_OUTPUT
+    monkeypatch.setattr(mt, "CPU_OUTPUT", str(tmp_path / "cpu" / "multiturn-cpu.json"))
     a = args(argv=["--systems", "baseline"])
     a.device = "cpu"
     mt.check_args(a, mt.parse_systems("baseline"), [mt.parse_workload("cliff:2", a)])
-    assert a.output.startswith("/tmp/")
+    assert a.output == mt.CPU_OUTPUT and (tmp_path / "cpu").is_dir()  # made for the JSON
 
 
 def test_no_max_tokens_requests_end_on_a_fixed_stop_subset():
@@ -676,7 +678,8 @@ def test_a_profile_for_another_model_stops_before_any_server(tmp_path, capsys, m
     mt.check_args(a, mt.parse_systems(a.systems), [mt.parse_workload("cliff:2", a)])
 
 
-def test_an_invalid_profile_file_is_named_before_any_server(tmp_path, capsys):
+def test_an_invalid_profile_file_is_named_before_any_server(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(mt, "run_system", lambda *a: pytest.fail("a server was started"))
     model = tmp_path / "m"
     model.mkdir()
     (model / "config.json").write_text('{"vocab_size": 5000}')
@@ -697,8 +700,11 @@ def test_an_invalid_profile_file_is_named_before_any_server(tmp_path, capsys):
         ([], "--profile is missing: the tangram:R systems (tangram-r0.25, tangram-r0.5)"),
     ],
 )
-def test_without_profile_other_bad_flags_are_reported_first(tmp_path, capsys, argv, match):
+def test_without_profile_other_bad_flags_are_reported_first(
+    tmp_path, capsys, monkeypatch, argv, match
+):
     """The default systems need --profile, but a bad flag elsewhere is named as such."""
+    monkeypatch.setattr(mt, "run_system", lambda *a: pytest.fail("a server was started"))
     model = tmp_path / "m"
     model.mkdir()
     (model / "config.json").write_text('{"vocab_size": 5000}')

@@ -32,7 +32,7 @@ http.server.HTTPServer(("127.0.0.1", int(sys.argv[3])), H).serve_forever()
 HOLDER = """
 import sys, time
 from tangram_sglang.serving import SGLangServer
-srv = SGLangServer("unused", device="gpu-not-used", startup_timeout_s=120)
+srv = SGLangServer("unused", device="gpu-not-used", startup_timeout_s=120, log_path=sys.argv[4])
 srv.command = [sys.executable, "-c", sys.argv[1], sys.argv[2], sys.argv[3], str(srv.port)]
 with srv:
     print("healthy", flush=True)
@@ -50,9 +50,9 @@ def _alive(pid: int) -> bool:
 
 @pytest.mark.parametrize("phase", ["healthy", "starting"])
 def test_sigterm_to_the_holder_stops_the_server(tmp_path: Path, phase: str):
-    pid_file = tmp_path / "server.pid"
+    pid_file, log = tmp_path / "server.pid", tmp_path / "server.log"
     holder = subprocess.Popen(
-        [sys.executable, "-c", textwrap.dedent(HOLDER), CHILD, str(pid_file), phase],
+        [sys.executable, "-c", textwrap.dedent(HOLDER), CHILD, str(pid_file), phase, str(log)],
         stdout=subprocess.PIPE,
         text=True,
     )
@@ -67,6 +67,7 @@ def test_sigterm_to_the_holder_stops_the_server(tmp_path: Path, phase: str):
         holder.send_signal(signal.SIGTERM)
         assert holder.wait(timeout=60) != 0
         assert not _alive(server_pid), "the server outlived the SIGTERM'd holder"
+        assert log.is_file()  # the server log goes to tmp_path, not /tmp/sglang-server-PORT.log
     finally:
         if holder.poll() is None:
             holder.kill()
@@ -78,7 +79,10 @@ def test_the_callers_sigterm_action_returns_when_the_last_server_stops(tmp_path:
     from tangram_sglang.serving import SGLangServer
 
     previous = signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a CLI test may have set its own
-    servers = [SGLangServer("unused", device="gpu-not-used") for _ in range(2)]
+    servers = [
+        SGLangServer("unused", device="gpu-not-used", log_path=tmp_path / f"{i}.log")
+        for i in range(2)
+    ]
     for i, srv in enumerate(servers):
         pid_file = str(tmp_path / f"{i}.pid")
         srv.command = [sys.executable, "-c", CHILD, pid_file, "healthy", str(srv.port)]
@@ -90,6 +94,7 @@ def test_the_callers_sigterm_action_returns_when_the_last_server_stops(tmp_path:
         assert signal.getsignal(signal.SIGTERM) is signal.default_int_handler  # one still runs
         servers[1].stop()
         assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+        assert sorted(p.name for p in tmp_path.glob("*.log")) == ["0.log", "1.log"]
     finally:
         for srv in servers:
             srv.stop()
