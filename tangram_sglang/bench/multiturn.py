@@ -30,6 +30,10 @@ GPU each) and recomputes the ``summary``:
   ``shared_prefix``.
 A ratio whose runs are missing is null and ``missing`` says why.
 
+``--trace-steps N`` repeats each workload once more under SGLang's profiler (its first ``N``
+forward steps) and stores where the time went under the workload's ``trace`` key
+(:mod:`multiturn_trace`); the measured figures stay those of the untraced run.
+
 Source: issue 7; SGLang ``benchmark/hicache/bench_multiturn.py``.
 """
 
@@ -50,6 +54,7 @@ from pathlib import Path
 
 import numpy as np
 
+from tangram_sglang.bench import multiturn_trace
 from tangram_sglang.bench.multiturn_client import (
     LoadSettings,
     RequestRecord,
@@ -218,16 +223,30 @@ async def _poll_metrics(base_url: str, peaks: dict[str, float], stop: asyncio.Ev
                 await asyncio.wait_for(stop.wait(), 1.0)
 
 
-async def measure(base_url: str, spec: WorkloadSpec, vocab: int, settings: LoadSettings) -> dict:
+async def measure(
+    base_url: str,
+    spec: WorkloadSpec,
+    vocab: int,
+    settings: LoadSettings,
+    trace: tuple[Path, int, int] | None = None,
+) -> dict:
     """Run one workload on a running server: ``settings.warmup_clients`` warm-up conversations
     (:func:`multiturn_workloads.warmup_conversations`, other token ids, not measured), the cache
     flushed, then the workload (token ids seeded by label).
 
+    Args:
+        trace: ``(folder, num_steps, top)``: SGLang's profiler records the run's first
+            ``num_steps`` forward steps into ``folder`` and the analysis
+            (:func:`multiturn_trace.collect_trace`) is returned under ``trace``, with the run's
+            wall time as ``traced_wall_s`` (no other figure: the profiler slows the host). Pass
+            ``settings.warmup_clients == 0`` for a repeat on a warm server.
+
     Returns:
-        Its metrics (:func:`summarize_run`).
+        Its metrics (:func:`summarize_run`), or ``{"traced_wall_s", "trace"}`` with ``trace``.
 
     Raises:
-        TangramError: the server refused to flush its cache (the run would not start cold).
+        TangramError: the server refused to flush its cache (the run would not start cold), to
+            start the profiler, or wrote no trace.
     """
     import aiohttp
 
@@ -255,6 +274,13 @@ async def measure(base_url: str, spec: WorkloadSpec, vocab: int, settings: LoadS
         seed=settings.seed + zlib.crc32(spec.label.encode()),
         no_max_tokens=settings.no_max_tokens or spec.no_max_tokens,
     )
+    if trace is not None:
+        folder, num_steps, top = trace
+        since = await multiturn_trace.start_profile(base_url, folder, num_steps)
+        _, wall = await run_conversations(base_url, conversations, vocab, settings)
+        await multiturn_trace.stop_profile(base_url)
+        analysis = await asyncio.to_thread(multiturn_trace.collect_trace, folder, since, top)
+        return {"traced_wall_s": wall, "trace": analysis}
     peaks: dict[str, float] = {}
     stop = asyncio.Event()
     poller = asyncio.create_task(_poll_metrics(base_url, peaks, stop))
@@ -516,6 +542,13 @@ def run_system(name: str, flags: list[str], specs: list[WorkloadSpec], args, res
             print(f"[multiturn] {name}: {spec.label} ...", flush=True)
             run = asyncio.run(measure(server.base_url, spec, args.vocab_size, settings))
             entry["workloads"][spec.label] = run
+            if args.trace_steps:
+                folder = Path(args.log_dir) / f"trace-{name}-{spec.label}"
+                repeat = dataclasses.replace(settings, warmup_clients=0)
+                trace = (folder, args.trace_steps, args.trace_top)
+                run.update(
+                    asyncio.run(measure(server.base_url, spec, args.vocab_size, repeat, trace))
+                )
             print(
                 f"[multiturn] {name}: {spec.label}: {run['output_tok_per_s']:.1f} out tok/s, "
                 f"wall {run['wall_s']:.1f} s, cache hit {run['cache_hit_rate']:.3f}, peak "
@@ -701,6 +734,22 @@ def build_parser() -> argparse.ArgumentParser:
         "its kernels' first-use compilation inside the timed run (0: none)",
     )
     p.add_argument(
+        "--trace-steps",
+        type=int,
+        default=0,
+        help="> 0: after each workload's measured run, run it again (cache flushed, same token "
+        "ids, no warm-up) with SGLang's profiler on for its first N forward steps; the "
+        "workload's 'trace' key holds GPU busy/idle time, the host functions the GPU waited "
+        "for and GPU time per kernel (bench.prefill_trace's analysis; the trace files under "
+        "--log-dir). Not a throughput figure (default: 0, no trace)",
+    )
+    p.add_argument(
+        "--trace-top",
+        type=int,
+        default=40,
+        help="host functions and kernels listed per trace (default: %(default)s)",
+    )
+    p.add_argument(
         "--log-dir",
         default="/tmp/tangram-multiturn",
         help="server logs, multiturn-SYSTEM.server.log each (default: %(default)s)",
@@ -818,6 +867,10 @@ def check_args(args: argparse.Namespace, systems: list, specs: list[WorkloadSpec
             raise ConfigError(f"{flag} {value}: must be > 0")
     if not specs:
         raise ConfigError("--workloads is empty; e.g. cliff:64,prefill:16x8192")
+    if not 0 <= args.trace_steps <= 100_000:
+        raise ConfigError(f"--trace-steps {args.trace_steps}: must be 0..100000 (0: no trace)")
+    if args.trace_top < 1:
+        raise ConfigError(f"--trace-top {args.trace_top}: list at least 1 function / kernel")
     if not 0 <= args.warmup_clients <= MAX_CLIENTS:
         raise ConfigError(
             f"--warmup-clients {args.warmup_clients}: must be 0..{MAX_CLIENTS} (0: no warm-up)"

@@ -2,8 +2,9 @@
 
 One short run: stock SGLang then ``--tangram`` (shipped 0.5 profile), a 2-client x 2-round
 long-context workload (turn 2 reuses turn 1 through each system's prefix cache) and a prefill
-workload. Checks the JSON schema, that both systems ran every workload without failures, the
-cache hit rate the servers reported, and the summary's ratios. The same run through the CLI
+workload, each repeated once under SGLang's profiler (``--trace-steps``). Checks the JSON
+schema, that both systems ran every workload without failures, the cache hit rate the servers
+reported, the traces, and the summary's ratios. The same run through the CLI
 took 17 min on this project's 2-core CPU under load 16 (tangram 0.5 first: hit 0.471, stock
 0.475; every request answered); mostly the two servers' start-up.
 """
@@ -56,6 +57,8 @@ def test_toy_run_writes_both_systems_and_the_summary(tmp_path):
             "long-context-2x2",
             "--workload-timeout-s",
             "300",
+            "--trace-steps",
+            "3",
             "--log-dir",
             str(tmp_path),
             "--output",
@@ -71,6 +74,12 @@ def test_toy_run_writes_both_systems_and_the_summary(tmp_path):
         for label, run in system["workloads"].items():
             assert set(run) >= RUN_KEYS, (name, label)
             assert run["requests_failed"] == 0 and run["requests_ok"] == run["requests_planned"]
+            # --trace-steps: SGLang's profiler recorded a repeat of the workload; a CPU server's
+            # trace has no GPU side, so the file is kept and the analysis says why it is absent
+            trace = run["trace"]
+            assert run["traced_wall_s"] > 0 and (tmp_path / trace["trace"]).is_file(), trace
+            assert str(tmp_path / f"trace-{name}-{label}") in trace["trace"]
+            assert "no GPU events" in trace["error"], trace
         turn2 = system["workloads"]["long-context-2x2"]
         assert turn2["output_tokens"] == 2 * 2 * 4  # ignore_eos: every round generates 4
         assert turn2["cache_hit_rate"] > 0, name  # round 2 reused round 1 (radix on both)
