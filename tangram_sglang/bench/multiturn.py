@@ -236,7 +236,8 @@ async def measure(
 
     Args:
         trace: ``(folder, num_steps, top)``: SGLang's profiler records the run's first
-            ``num_steps`` forward steps into ``folder`` and the analysis
+            ``num_steps`` forward steps into ``folder``, and the analysis (``top``: how many
+            host functions and kernels it lists)
             (:func:`multiturn_trace.collect_trace`) is returned under ``trace``, with the run's
             wall time as ``traced_wall_s`` (no other figure: the profiler slows the host). Pass
             ``settings.warmup_clients == 0`` for a repeat on a warm server.
@@ -542,13 +543,6 @@ def run_system(name: str, flags: list[str], specs: list[WorkloadSpec], args, res
             print(f"[multiturn] {name}: {spec.label} ...", flush=True)
             run = asyncio.run(measure(server.base_url, spec, args.vocab_size, settings))
             entry["workloads"][spec.label] = run
-            if args.trace_steps:
-                folder = Path(args.log_dir) / f"trace-{name}-{spec.label}"
-                repeat = dataclasses.replace(settings, warmup_clients=0)
-                trace = (folder, args.trace_steps, args.trace_top)
-                run.update(
-                    asyncio.run(measure(server.base_url, spec, args.vocab_size, repeat, trace))
-                )
             print(
                 f"[multiturn] {name}: {spec.label}: {run['output_tok_per_s']:.1f} out tok/s, "
                 f"wall {run['wall_s']:.1f} s, cache hit {run['cache_hit_rate']:.3f}, peak "
@@ -557,12 +551,42 @@ def run_system(name: str, flags: list[str], specs: list[WorkloadSpec], args, res
                 flush=True,
             )
             write_result(result, args)
+            if args.trace_steps:
+                run.update(traced_repeat(server.base_url, name, spec, run, settings, args))
+                write_result(result, args)
     except TangramError as exc:
         entry["error"] = str(exc)[-3000:]
         print(f"[multiturn] {name}: FAILED: {str(exc)[-1500:]}", flush=True)
     finally:
         server.stop()
         write_result(result, args)
+
+
+def traced_repeat(
+    base_url: str, name: str, spec: WorkloadSpec, run: dict, settings: LoadSettings, args
+) -> dict:
+    """``--trace-steps``: the workload once more under SGLang's profiler, after its measured run.
+
+    Skipped when the measured run timed out or answered no request (the repeat would only wait
+    out the same failure). A profiler or trace failure is recorded under ``trace.error`` and
+    leaves the measured figures and the system's other workloads alone.
+
+    Returns:
+        ``{"traced_wall_s": s, "trace": analysis}`` (:func:`measure`), or ``{"trace":
+        {"error": why}}``.
+    """
+    if run["timed_out"] or run["requests_ok"] == 0:
+        return {"trace": {"error": "not traced: the measured run timed out or answered nothing"}}
+    folder = Path(args.log_dir).resolve() / f"trace-{name}-{spec.label}"
+    repeat = dataclasses.replace(settings, warmup_clients=0)
+    trace = (folder, args.trace_steps, args.trace_top)
+    import aiohttp
+
+    try:
+        return asyncio.run(measure(base_url, spec, args.vocab_size, repeat, trace))
+    except (TangramError, aiohttp.ClientError, TimeoutError) as exc:  # e.g. the server died
+        print(f"[multiturn] {name}: {spec.label}: trace failed: {exc}", flush=True)
+        return {"trace": {"error": str(exc)[-1500:]}}
 
 
 def write_result(result: dict, args) -> None:
@@ -752,7 +776,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--log-dir",
         default="/tmp/tangram-multiturn",
-        help="server logs, multiturn-SYSTEM.server.log each (default: %(default)s)",
+        help="server logs, multiturn-SYSTEM.server.log each, and the --trace-steps traces, "
+        "trace-SYSTEM-WORKLOAD/ each (default: %(default)s)",
     )
     p.add_argument(
         "--output",

@@ -49,18 +49,25 @@ async def start_profile(base_url: str, output_dir: Path, num_steps: int) -> floa
         "num_steps": int(num_steps),
         "activities": ["CPU", "GPU"],
         "with_stack": True,
+        "record_shapes": False,  # shapes multiply a long trace's size; the analysis reads none
     }
     timeout = aiohttp.ClientTimeout(total=PROFILE_TIMEOUT_S)
-    async with (
-        aiohttp.ClientSession(timeout=timeout) as session,
-        session.post(f"{base_url}/start_profile", json=body) as resp,
-    ):
-        text = await resp.text()
-        if resp.status != 200:
-            raise TangramError(
-                f"/start_profile answered HTTP {resp.status} ({text[:300]!r}); run without "
-                "--trace-steps, or see the server log"
-            )
+    try:
+        async with (
+            aiohttp.ClientSession(timeout=timeout) as session,
+            session.post(f"{base_url}/start_profile", json=body) as resp,
+        ):
+            text = await resp.text()
+            status = resp.status
+    except (aiohttp.ClientError, TimeoutError) as exc:
+        raise TangramError(
+            f"/start_profile failed ({type(exc).__name__}: {exc}); see the server log"
+        ) from exc
+    if status != 200:
+        raise TangramError(
+            f"/start_profile answered HTTP {status} ({text[:300]!r}); run without "
+            "--trace-steps, or see the server log"
+        )
     return since
 
 
@@ -68,7 +75,8 @@ async def stop_profile(base_url: str) -> None:
     """Stop the profiler if it is still on (fewer forward steps than asked for ran).
 
     SGLang answers an error when the profiler already stopped after its ``num_steps``; that is
-    the normal case and is ignored.
+    the normal case and is ignored, as is a server that does not answer within
+    ``STOP_TIMEOUT_S`` (:func:`collect_trace` then finds no trace and says so). Raises nothing.
     """
     import aiohttp
 
@@ -77,7 +85,7 @@ async def stop_profile(base_url: str) -> None:
         try:
             async with session.post(f"{base_url}/stop_profile") as resp:
                 await resp.read()
-        except aiohttp.ClientError:
+        except (aiohttp.ClientError, TimeoutError):
             pass
 
 
@@ -93,10 +101,11 @@ def collect_trace(output_dir: Path, since: float, top: int, wait_s: float = 300.
     Returns:
         ``trace`` (the file's path) and the keys of
         :func:`tangram_sglang.bench.prefill_trace.analyse`; on a trace without GPU events (a
-        CPU server) ``trace`` and ``error`` only.
+        CPU server) ``trace`` and ``error`` only. Under tensor parallelism each rank writes a
+        file; rank 0's (``*-TP-0*``) is read.
 
     Raises:
-        TangramError: no trace file appeared in ``wait_s``.
+        TangramError: no trace file appeared in ``wait_s``, or it cannot be read.
     """
     from tangram_sglang.bench.prefill_trace import analyse, load_trace, newest_trace
 
@@ -104,7 +113,13 @@ def collect_trace(output_dir: Path, since: float, top: int, wait_s: float = 300.
         path = newest_trace(output_dir, since, wait_s)
     except SystemExit as exc:  # prefill_trace's CLI wording: no trace in wait_s
         raise TangramError(str(exc)) from None
+    rank0 = sorted(p for p in path.parent.glob("*-TP-0*") if p.stat().st_mtime >= since)
+    path = rank0[-1] if rank0 else path
     try:
-        return {"trace": str(path), **analyse(load_trace(path), top)}
+        trace = load_trace(path)
+    except (OSError, EOFError, ValueError) as exc:  # truncated gzip, partial JSON
+        raise TangramError(f"{path}: not a readable trace ({exc})") from exc
+    try:
+        return {"trace": str(path), **analyse(trace, top)}
     except SystemExit as exc:  # no GPU events: a CPU server's trace
         return {"trace": str(path), "error": str(exc)}

@@ -12,6 +12,7 @@ took 17 min on this project's 2-core CPU under load 16 (tangram 0.5 first: hit 0
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -77,7 +78,7 @@ def test_toy_run_writes_both_systems_and_the_summary(tmp_path):
             # --trace-steps: SGLang's profiler recorded a repeat of the workload; a CPU server's
             # trace has no GPU side, so the file is kept and the analysis says why it is absent
             trace = run["trace"]
-            assert run["traced_wall_s"] > 0 and (tmp_path / trace["trace"]).is_file(), trace
+            assert run["traced_wall_s"] > 0 and Path(trace["trace"]).is_file(), trace
             assert str(tmp_path / f"trace-{name}-{label}") in trace["trace"]
             assert "no GPU events" in trace["error"], trace
         turn2 = system["workloads"]["long-context-2x2"]
