@@ -90,12 +90,13 @@ class TritonKernels(ReferenceKernels):
         prefill: who computes an extend's attention (:func:`config.prefill_attention`):
             ``"triton"`` (Tangram's extend kernel), ``"flashinfer"`` (the new tokens through
             FlashInfer, every batch) or ``"auto"`` (split where it pays, ``metadata.split_pays``;
-            Tangram's kernel everywhere for a pool dtype FlashInfer does not run or without the
-            flashinfer package, logged).
+            Tangram's kernel everywhere for a pool dtype FlashInfer does not run, without the
+            flashinfer package or without room for its workspace, logged).
 
     Raises:
         ConfigError: ``prefill="flashinfer"`` with a float32 pool.
         KernelError: ``prefill="flashinfer"`` without the flashinfer package.
+        torch.OutOfMemoryError: ``prefill="flashinfer"`` and no room for its workspace.
     """
 
     def __init__(
@@ -131,7 +132,8 @@ class TritonKernels(ReferenceKernels):
 
             try:
                 self.new_tokens = FlashInferNewTokens(device, state.memory.kv_pool.k_pool.dtype)
-            except (ConfigError, KernelError) as exc:  # float32, or no flashinfer package
+            except (ConfigError, KernelError, torch.OutOfMemoryError) as exc:
+                # float32, no flashinfer package, or no room left for FlashInfer's workspace
                 if prefill == "flashinfer":
                     raise
                 logger.info("Tangram: TANGRAM_PREFILL_ATTENTION=auto without FlashInfer (%s)", exc)

@@ -199,8 +199,9 @@ def test_triton_kernels_split_extend_plans_once_per_batch_and_runs_history_when_
 def test_auto_prefill_attention_falls_back_to_tangrams_kernel_where_flashinfer_cannot_run(
     monkeypatch,
 ):
-    """``auto`` keeps Tangram's kernel for a float32 pool (FlashInfer's prefill takes none) and
-    without the flashinfer package; an explicit ``flashinfer`` refuses both with the fix."""
+    """``auto`` keeps Tangram's kernel for a float32 pool (FlashInfer's prefill takes none),
+    without the flashinfer package and without room for FlashInfer's workspace; an explicit
+    ``flashinfer`` refuses all three."""
     from types import SimpleNamespace
 
     from tangram_sglang.backend.layer_ops import TritonKernels
@@ -231,6 +232,16 @@ def test_auto_prefill_attention_falls_back_to_tangrams_kernel_where_flashinfer_c
     k = kernels(torch.bfloat16, "auto")
     assert k.prefill == "triton" and k.new_tokens is None
     with pytest.raises(KernelError, match="needs the flashinfer package"):
+        kernels(torch.bfloat16, "flashinfer")
+
+    class NoRoom:  # the KV pool took the memory FlashInfer's workspace needs
+        def __init__(self, device, dtype):
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 384.00 MiB")
+
+    monkeypatch.setattr(new_token_attention, "FlashInferNewTokens", NoRoom)
+    k = kernels(torch.bfloat16, "auto")
+    assert k.prefill == "triton" and k.new_tokens is None
+    with pytest.raises(torch.OutOfMemoryError):
         kernels(torch.bfloat16, "flashinfer")
 
 
