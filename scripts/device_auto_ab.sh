@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # device_auto_ab.sh -- runs on an H200 machine after `source scripts/device_setup.sh`: does
-# TANGRAM_PREFILL_ATTENTION=auto beat Tangram's own extend kernel (`triton`, the default) once
+# TANGRAM_PREFILL_ATTENTION=auto (the default) beat Tangram's own extend kernel (`triton`) once
 # every server is warmed up (bench.multiturn --warmup-clients)? ShareGPT 64 x 4, kvzip-lite
 # profile, one server after another, the Tangram settings interleaved so that neither gets the
 # machine's first or warmest slot: stock triton, Tangram 0.25 triton, Tangram 0.25 auto, stock

@@ -195,6 +195,12 @@ def resolve_profile(
 def load_profile_flag(path: str | Path) -> BudgetProfile:
     """:meth:`BudgetProfile.load` of the ``--tangram-profile`` file; errors name the flag.
 
+    Args:
+        path: the flag's value (a profile JSON file).
+
+    Returns:
+        The loaded profile (not yet checked against the served model).
+
     Raises:
         ProfileError: the file is unreadable, not JSON or not a valid profile; the message
             names ``--tangram-profile`` and the path, says what is wrong and how to fix it.
