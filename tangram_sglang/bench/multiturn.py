@@ -72,6 +72,8 @@ from tangram_sglang.errors import ConfigError, ProfileError, TangramError
 from tangram_sglang.profile import BudgetProfile, ModelIdentity
 
 SCHEMA = "tangram-multiturn/1"
+# config.json keys check_profile needs written out (not filled by a transformers class default)
+EXPLICIT_SHAPE_KEYS = ("num_hidden_layers", "num_attention_heads", "num_key_value_heads")
 WARMUP_SEED = 7919  # offsets the warm-up's token ids from the workload's
 GAUGES = (
     "sglang:num_running_reqs",
@@ -946,10 +948,12 @@ def check_args(args: argparse.Namespace, systems: list, specs: list[WorkloadSpec
 def check_profile(args: argparse.Namespace, systems: list) -> None:
     """``--profile`` of the ``tangram:R`` systems: an existing, valid profile for the model.
 
-    When ``--model-path`` (resolved to a folder) has a readable ``config.json``, the profile's
-    model is checked against it (:meth:`BudgetProfile.check_model`: layers, KV and query heads,
-    head_dim) before any server starts, so a profile for another model does not wait for the
-    stock systems to run first. The config fingerprint is left to the server's own check.
+    When ``--model-path`` (resolved to a folder) has a readable ``config.json`` that writes out
+    the layer and head counts (:data:`EXPLICIT_SHAPE_KEYS`), the profile's model is checked
+    against it (:meth:`BudgetProfile.check_model`: layers, KV and query heads, and head_dim
+    where the file gives it) before any server starts, so a profile for another model does not
+    wait for the stock systems to run first. The config fingerprint is left to the server's own
+    check.
 
     Raises:
         ConfigError: no ``--profile`` while a ``tangram:R`` system is asked for, a missing or
@@ -975,9 +979,13 @@ def check_profile(args: argparse.Namespace, systems: list) -> None:
     try:
         config = json.loads((Path(args.model_path) / "config.json").read_text())
         config = config.get("text_config") or config  # the server reads a VLM's text config
+        if any(key not in config for key in EXPLICIT_SHAPE_KEYS):
+            return  # transformers would fill a class default the raw file does not show
         model = ModelIdentity.from_hf_config(config)
     except (OSError, ValueError, TypeError, KeyError, AttributeError, ZeroDivisionError):
         return  # no readable config here: the server checks the profile when it starts
+    if "head_dim" not in config:  # derived per model class; the server's check has it
+        model = dataclasses.replace(model, head_dim=profile.model.head_dim)
     try:
         profile.check_model(dataclasses.replace(model, config_fingerprint=""))
     except ProfileError as exc:

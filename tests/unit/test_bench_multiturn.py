@@ -676,6 +676,13 @@ def test_a_profile_for_another_model_stops_before_any_server(tmp_path, capsys, m
     a = args(argv=["--profile", str(REPO / "calibration/smollm2/ada-snapkv-r0.25.json")])
     a.model_path, a.output = str(model), str(out)
     mt.check_args(a, mt.parse_systems(a.systems), [mt.parse_workload("cliff:2", a)])
+    # a config that leaves a head count to its transformers class (a VLM's text_config, say)
+    # is not judged here: the server reads the filled-in config and checks the profile itself
+    config = json.loads((model / "config.json").read_text())
+    del config["num_key_value_heads"]
+    (model / "config.json").write_text(json.dumps({"text_config": config}))
+    a.profile = str(other)
+    mt.check_args(a, mt.parse_systems(a.systems), [mt.parse_workload("cliff:2", a)])
 
 
 def test_an_invalid_profile_file_is_named_before_any_server(tmp_path, capsys, monkeypatch):
