@@ -221,7 +221,8 @@ def prefill_attention(environ: dict[str, str] | None = None) -> str:
     otherwise, and Tangram's kernel everywhere when FlashInfer cannot run the model's dtype, the
     flashinfer package is missing or its 384 MiB workspace does not fit (logged). The default:
     on the H200 it ran 2.9% above ``triton`` on ShareGPT 64 x 4 at kept 0.25, side by side
-    (``benchmarks/RESULTS.md``, 2026-12-04). CUDA only: CPU servers keep the torch reference whatever the value.
+    (``benchmarks/RESULTS.md``, 2026-12-04). CUDA only: CPU servers keep the torch reference
+    whatever the value.
 
     Args:
         environ: the environment to read (default ``os.environ``); unset or empty = ``auto``.
