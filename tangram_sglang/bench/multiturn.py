@@ -577,13 +577,13 @@ def traced_repeat(
         ``{"traced_wall_s": s, "trace": analysis}`` (:func:`measure`), or ``{"trace":
         {"error": why}}``.
     """
+    import aiohttp
+
     if run["timed_out"] or run["requests_ok"] == 0:
         return {"trace": {"error": "not traced: the measured run timed out or answered nothing"}}
     folder = Path(args.log_dir).resolve() / f"trace-{name}-{spec.label}"
     repeat = dataclasses.replace(settings, warmup_clients=0)
     trace = (folder, args.trace_steps, args.trace_top)
-    import aiohttp
-
     try:
         return asyncio.run(measure(base_url, spec, args.vocab_size, repeat, trace))
     except (TangramError, aiohttp.ClientError, TimeoutError) as exc:  # e.g. the server died
