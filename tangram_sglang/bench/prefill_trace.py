@@ -139,27 +139,57 @@ def run_round(
 
 
 def union(intervals: np.ndarray) -> np.ndarray:
-    """Merge ``[n, 2]`` (start, end) intervals (any order) into disjoint sorted ones."""
+    """Merge ``[n, 2]`` (start, end) intervals (any order) into disjoint sorted ones.
+
+    Vectorised: after sorting by start, an interval opens a new merged one where its start lies
+    past every earlier interval's end (running maximum); touching intervals merge.
+    """
     if len(intervals) == 0:
-        return intervals.reshape(0, 2)
-    iv = intervals[np.argsort(intervals[:, 0])]
-    merged = [iv[0].copy()]
-    for s, e in iv[1:]:
-        if s <= merged[-1][1]:
-            merged[-1][1] = max(merged[-1][1], e)
-        else:
-            merged.append(np.array([s, e]))
-    return np.array(merged)
+        return np.asarray(intervals, float).reshape(0, 2)
+    iv = np.asarray(intervals, float)
+    iv = iv[np.argsort(iv[:, 0], kind="stable")]
+    reach = np.maximum.accumulate(iv[:, 1])  # the furthest end so far
+    first = np.ones(len(iv), bool)
+    first[1:] = iv[1:, 0] > reach[:-1]
+    group = np.cumsum(first) - 1
+    ends = np.full(int(group[-1]) + 1, -np.inf)
+    np.maximum.at(ends, group, iv[:, 1])
+    return np.stack([iv[first, 0], ends], axis=1)
+
+
+def idle_before(t: np.ndarray, idle: np.ndarray) -> np.ndarray:
+    """Idle time (same unit) covered by ``idle`` before each time in ``t``.
+
+    Args:
+        t: float ``[m]`` times (microseconds in a trace).
+        idle: disjoint sorted intervals ``[n, 2]``.
+
+    Returns:
+        float ``[m]``: the length of ``idle`` inside ``(-inf, t]``: the lengths of the intervals
+        that start at or before ``t``, less the part of the last of them past ``t``.
+    """
+    t = np.asarray(t, float)
+    if len(idle) == 0:
+        return np.zeros_like(t)
+    start, end = idle[:, 0], idle[:, 1]
+    total = np.concatenate([[0.0], np.cumsum(end - start)])
+    k = np.searchsorted(start, t, side="right")  # intervals starting at or before t
+    past = np.where(k > 0, np.clip(end[np.maximum(k - 1, 0)] - t, 0.0, None), 0.0)
+    return total[k] - past
+
+
+def overlaps(a0: np.ndarray, a1: np.ndarray, idle: np.ndarray) -> np.ndarray:
+    """Length of each ``[a0[i], a1[i]]`` covered by the disjoint sorted intervals ``idle``.
+
+    One pass for every event of a trace (:func:`idle_before` at both ends), so a trace of
+    millions of host frames is read in seconds.
+    """
+    return np.clip(idle_before(a1, idle) - idle_before(a0, idle), 0.0, None)
 
 
 def overlap(a0: float, a1: float, idle: np.ndarray) -> float:
     """Length of ``[a0, a1]`` covered by the disjoint sorted intervals ``idle`` [n, 2]."""
-    lo = np.searchsorted(idle[:, 1], a0)
-    hi = np.searchsorted(idle[:, 0], a1)
-    if hi <= lo:
-        return 0.0
-    seg = idle[lo:hi]
-    return float(np.clip(np.minimum(seg[:, 1], a1) - np.maximum(seg[:, 0], a0), 0, None).sum())
+    return float(overlaps(np.array([a0]), np.array([a1]), idle)[0])
 
 
 def self_idle(events: list[dict], idle: np.ndarray) -> Counter:
@@ -173,21 +203,27 @@ def self_idle(events: list[dict], idle: np.ndarray) -> Counter:
         events: complete (``"ph": "X"``) trace events, ``ts``/``dur`` in microseconds.
         idle: disjoint sorted GPU-idle intervals ``[n, 2]`` (microseconds).
     """
-    frames = sorted(
-        (e for e in events if e.get("cat") in ("python_function", "cpu_op")),
-        key=lambda e: (str(e.get("pid")), str(e.get("tid")), e["ts"], -e["dur"]),
+    frames = [e for e in events if e.get("cat") in ("python_function", "cpu_op")]
+    if not frames:
+        return Counter()
+    start = np.array([e["ts"] for e in frames], float)
+    end = start + np.array([e["dur"] for e in frames], float)
+    _, thread = np.unique(
+        np.array([f"{e.get('pid')}/{e.get('tid')}" for e in frames]), return_inverse=True
     )
+    order = np.lexsort((start - end, start, thread))  # per thread, by start, outer first
+    ov = overlaps(start, end, idle)
     out: Counter = Counter()
     stack: list[list] = []  # [thread, end, name, exclusive idle (us)]
-    for e in frames:
-        thread, start, end = (e.get("pid"), e.get("tid")), e["ts"], e["ts"] + e["dur"]
-        while stack and (stack[-1][0] != thread or stack[-1][1] <= start):
+    for i in order.tolist():
+        e = frames[i]
+        th, s, t_end = thread[i], start[i], end[i]
+        while stack and (stack[-1][0] != th or stack[-1][1] <= s):
             _, _, name, own = stack.pop()
             out[name] += own / 1e3
-        ov = overlap(start, end, idle)
         if stack:
-            stack[-1][3] -= ov  # the parent's idle time under this frame is this frame's
-        stack.append([thread, end, f"{e.get('cat')}: {e['name']}", ov])
+            stack[-1][3] -= ov[i]  # the parent's idle time under this frame is this frame's
+        stack.append([th, t_end, f"{e.get('cat')}: {e['name']}", ov[i]])
     for _, _, name, own in stack:
         out[name] += own / 1e3
     return Counter({k: v for k, v in out.items() if v > 1e-9})
@@ -223,12 +259,12 @@ def analyse(trace: dict, top: int = 40) -> dict:
     span = (busy[0, 0], busy[-1, 1])
     idle = np.stack([busy[:-1, 1], busy[1:, 0]], axis=1)
     idle = idle[idle[:, 1] > idle[:, 0]]
+    host = [e for e in events if e.get("cat") in ("python_function", "cpu_op", "user_annotation")]
+    start = np.array([e["ts"] for e in host], float)
+    ov = overlaps(start, start + np.array([e["dur"] for e in host], float), idle)
     by_func: Counter = Counter()
-    for e in events:
-        if e.get("cat") in ("python_function", "cpu_op", "user_annotation"):
-            ov = overlap(e["ts"], e["ts"] + e["dur"], idle)
-            if ov > 0:
-                by_func[f"{e.get('cat')}: {e['name']}"] += ov / 1e3
+    for i in np.flatnonzero(ov > 0).tolist():
+        by_func[f"{host[i].get('cat')}: {host[i]['name']}"] += ov[i] / 1e3
     by_self = self_idle(events, idle)
     gaps = np.sort(idle[:, 1] - idle[:, 0])[::-1] / 1e3
     kernel_ms: Counter = Counter()

@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from tangram_sglang.bench.prefill_trace import analyse, main, overlap, union
+from tangram_sglang.bench.prefill_trace import analyse, main, overlap, overlaps, union
+
+_interval = st.tuples(st.integers(0, 60), st.integers(0, 12)).map(lambda a: (a[0], a[0] + a[1]))
 
 
 def test_union_merges_overlapping_and_touching_intervals():
@@ -18,6 +22,35 @@ def test_overlap_counts_only_the_covered_part():
     assert overlap(0.0, 3.0, idle) == 1.0
     assert overlap(3.0, 7.0, idle) == 2.0
     assert overlap(4.0, 6.0, idle) == 0.0
+
+
+def _covered(intervals) -> np.ndarray:
+    """bool ``[130]``: which unit cells ``[x, x + 1)`` the integer intervals cover (oracle)."""
+    cells = np.zeros(130, bool)
+    for s, e in intervals:
+        cells[int(s) : int(e)] = True
+    return cells
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(_interval, max_size=25))
+def test_union_is_disjoint_sorted_and_covers_what_the_intervals_cover(intervals):
+    merged = union(np.array(intervals, float).reshape(-1, 2))
+    assert (np.diff(merged[:, 0]) > 0).all()
+    assert (merged[1:, 0] > merged[:-1, 1]).all()  # disjoint, touching ones merged
+    assert (_covered(merged) == _covered(intervals)).all()
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(_interval, max_size=25), st.lists(_interval, min_size=1, max_size=40))
+def test_overlaps_of_many_events_match_counting_covered_cells(idle, events):
+    idle = union(np.array(idle, float).reshape(-1, 2))
+    ev = np.array(events, float)
+    got = overlaps(ev[:, 0], ev[:, 1], idle)
+    cells = _covered(idle)
+    want = [cells[int(a) : int(b)].sum() for a, b in events]
+    np.testing.assert_allclose(got, want)
+    assert [overlap(a, b, idle) for a, b in ev] == got.tolist()
 
 
 def test_analyse_attributes_gpu_idle_time_to_the_host_functions_running_then():
