@@ -34,6 +34,11 @@ A ratio whose runs are missing is null and ``missing`` says why.
 forward steps) and stores where the time went under the workload's ``trace`` key
 (:mod:`multiturn_trace`); the measured figures stay those of the untraced run.
 
+Each measured run also keeps its server's decode log lines (``decode_log``: requests running,
+tokens held and generation tok/s every 40 decode steps), and ``vs_best_stock`` pairs a Tangram
+run's windows with the stock run's (:mod:`decode_windows`): which of a workload's phases (round
+starts with many requests, tails with a few) it loses or wins.
+
 Source: issue 7; SGLang ``benchmark/hicache/bench_multiturn.py``.
 """
 
@@ -50,11 +55,12 @@ import signal
 import sys
 import time
 import zlib
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 
-from tangram_sglang.bench import multiturn_trace
+from tangram_sglang.bench import decode_windows, multiturn_trace
 from tangram_sglang.bench.multiturn_client import (
     LoadSettings,
     RequestRecord,
@@ -231,6 +237,7 @@ async def measure(
     vocab: int,
     settings: LoadSettings,
     trace: tuple[Path, int, int] | None = None,
+    on_start: Callable[[], None] | None = None,
 ) -> dict:
     """Run one workload on a running server: ``settings.warmup_clients`` warm-up conversations
     (:func:`multiturn_workloads.warmup_conversations`, other token ids, not measured), the cache
@@ -243,6 +250,8 @@ async def measure(
             (:func:`multiturn_trace.collect_trace`) is returned under ``trace``, with the run's
             wall time as ``traced_wall_s`` (no other figure: the profiler slows the host). Pass
             ``settings.warmup_clients == 0`` for a repeat on a warm server.
+        on_start: called once right before the measured conversations start (after the
+            warm-up and the cache flush): ``run_system`` marks the server log there.
 
     Returns:
         Its metrics (:func:`summarize_run`), or ``{"traced_wall_s", "trace"}`` with ``trace``.
@@ -277,6 +286,8 @@ async def measure(
         seed=settings.seed + zlib.crc32(spec.label.encode()),
         no_max_tokens=settings.no_max_tokens or spec.no_max_tokens,
     )
+    if on_start is not None:
+        on_start()
     if trace is not None:
         folder, num_steps, top = trace
         since = await multiturn_trace.start_profile(base_url, folder, num_steps)
@@ -466,7 +477,10 @@ def never_slower_ratios(systems: dict, missing: dict[str, str]) -> dict:
       output tok/s over the best stock system on that workload (``ratio1_per_workload``
       holds each);
     * ``vs_best_stock``: per Tangram system and workload, that ratio and the stock system it
-      was taken against.
+      was taken against, and, where both runs kept their decode log lines (``decode_log``),
+      ``decode_windows``: the two servers' decode windows paired in order and their wall time
+      summed by requests running (:func:`decode_windows.paired_seconds`; ``speed`` above 1:
+      Tangram faster in those windows).
     Output tok/s throughout; a ratio whose runs are missing is null with a ``missing`` entry.
     """
     per: dict[str, dict[str, dict]] = {}
@@ -478,7 +492,12 @@ def never_slower_ratios(systems: dict, missing: dict[str, str]) -> dict:
             mine = _metric(systems, name, workload, "output_tok_per_s")
             if stock is None or not value or mine is None:
                 continue
-            per.setdefault(name, {})[workload] = {"ratio": mine / value, "stock": stock}
+            entry = {"ratio": mine / value, "stock": stock}
+            base_log = systems[stock]["workloads"][workload].get("decode_log")
+            my_log = run["workloads"][workload].get("decode_log")
+            if base_log and my_log:
+                entry["decode_windows"] = decode_windows.paired_seconds(base_log, my_log)
+            per.setdefault(name, {})[workload] = entry
     share = per.get("tangram-r0.25", {}).get("sharegpt-64x4")
     if share is None:
         missing["sharegpt_ratio_vs_best_stock"] = (
@@ -543,7 +562,11 @@ def run_system(name: str, flags: list[str], specs: list[WorkloadSpec], args, res
         )
         for spec in specs:
             print(f"[multiturn] {name}: {spec.label} ...", flush=True)
-            run = asyncio.run(measure(server.base_url, spec, args.vocab_size, settings))
+            mark = _LogMark(log)
+            run = asyncio.run(
+                measure(server.base_url, spec, args.vocab_size, settings, on_start=mark)
+            )
+            run["decode_log"] = run_decode_lines(log, mark.offset)
             entry["workloads"][spec.label] = run
             print(
                 f"[multiturn] {name}: {spec.label}: {run['output_tok_per_s']:.1f} out tok/s, "
@@ -562,6 +585,28 @@ def run_system(name: str, flags: list[str], specs: list[WorkloadSpec], args, res
     finally:
         server.stop()
         write_result(result, args)
+
+
+class _LogMark:
+    """Called at a run's start: remembers the server log's size then (bytes)."""
+
+    def __init__(self, log: Path) -> None:
+        self.log, self.offset = log, 0
+
+    def __call__(self) -> None:
+        self.offset = self.log.stat().st_size if self.log.exists() else 0
+
+
+def run_decode_lines(log: Path, offset: int) -> list[list[float]]:
+    """The measured run's decode log lines (``decode_windows.parse_decode_lines``): those the
+    server wrote after byte ``offset`` of its log, the first one dropped (its window reaches back
+    before the run: warm-up or idle time)."""
+    if not log.exists():
+        return []
+    with log.open("rb") as f:
+        f.seek(offset)
+        text = f.read().decode("utf-8", errors="replace")
+    return decode_windows.parse_decode_lines(text)[1:]
 
 
 def traced_repeat(

@@ -31,6 +31,7 @@ RUN_KEYS = {
     "tpot_s",
     "peak_running_reqs",
     "retracted_requests_total",
+    "decode_log",
 }
 
 
@@ -75,6 +76,7 @@ def test_toy_run_writes_both_systems_and_the_summary(tmp_path):
         for label, run in system["workloads"].items():
             assert set(run) >= RUN_KEYS, (name, label)
             assert run["requests_failed"] == 0 and run["requests_ok"] == run["requests_planned"]
+            assert isinstance(run["decode_log"], list)  # 4 tokens out: fewer than 40 steps
             # --trace-steps: SGLang's profiler recorded a repeat of the workload; a CPU server's
             # trace has no GPU side, so the file is kept and the analysis says why it is absent
             trace = run["trace"]

@@ -589,14 +589,21 @@ def test_measure_warms_up_unmeasured_then_flushes_then_runs_the_workload():
         try:
             spec = WorkloadSpec("short-chat", num_clients=3, num_rounds=3)
             settings = LoadSettings(timeout_s=30.0, warmup_clients=2)
-            return await mt.measure(f"http://127.0.0.1:{port}", spec, 32000, settings)
+            return await mt.measure(
+                f"http://127.0.0.1:{port}",
+                spec,
+                32000,
+                settings,
+                on_start=lambda: calls.append(("start",)),
+            )
         finally:
             await runner.cleanup()
 
     refuse_flush = False
     result = asyncio.run(run())
     flush_at = calls.index(("flush",))
-    warm, timed = calls[:flush_at], calls[flush_at + 1 :]
+    assert calls[flush_at + 1] == ("start",)  # the run's start is marked after the flush
+    warm, timed = calls[:flush_at], calls[flush_at + 2 :]
     assert [c[1:3] for c in warm if c[1] == 1024] == [(1024, 8), (1024, 8)]  # 2 first turns
     assert len(warm) == 4 and all(c[2] == 8 for c in warm)  # 2 clients x 2 rounds, 8 out
     assert len(timed) == 9 and all(c[2] == 128 for c in timed)  # 3 clients x 3 rounds
