@@ -11,7 +11,8 @@
 #   ... later: cat /tmp/ns/progress; cp /tmp/ns/never-slower.json $OUT/
 # Env: SYSTEMS (space-separated bench.multiturn systems, default below; tangram:1.0 runs the
 #      workloads in WL1), WL (workloads), WL1 (workloads of tangram:1.0), T (per-workload
-#      timeout, s), CAP_S (each system's bench, s), R (result folder), BENCH_ARGS (more
+#      timeout, s), CAP_S (each system's bench, s; give 900 with --trace-steps: it covers the
+#      traced repeat and the trace's reading too), R (result folder), BENCH_ARGS (more
 #      bench.multiturn flags, e.g. "--context-tokens 16384" for mixed:N).
 set -u
 R=${R:-/tmp/ns}
