@@ -55,6 +55,7 @@ import numpy as np
 import torch
 
 from tangram_sglang.errors import KernelError
+from tangram_sglang.host_copy import host_to_device
 from tangram_sglang.kernels.window_scores import query_max_scores, window_scores
 from tangram_sglang.kernels.window_scores import supported as window_scores_supported
 from tangram_sglang.scoring.base import Scorer
@@ -199,7 +200,7 @@ def batch_kept_indices(
     device = k_new.device
     out = torch.zeros(bs, num_kv_heads, max(max_k, 1), dtype=torch.int64, device=device)
     if kept_per_head_dev is None:
-        kept_per_head_dev = torch.from_numpy(kept_host).to(device)
+        kept_per_head_dev = host_to_device(kept_host, device)
     lengths = np.diff(np.asarray(bounds, np.int64))
     nonempty = lengths > 0
     low, high = kept_host.min(axis=1), kept_host.max(axis=1)
@@ -413,7 +414,7 @@ def _whole_fill(
         rows = np.nonzero(whole)[0]
         cols = np.arange(max_k)
         fill = np.where(cols[None, :] < lengths[rows, None], cols[None, :], 0)
-        hit = (torch.from_numpy(rows).to(device), torch.from_numpy(fill[:, None, :]).to(device))
+        hit = (host_to_device(rows, device), host_to_device(fill[:, None, :], device))
         _remember(_WHOLE, key, hit)
     return hit
 
@@ -519,7 +520,7 @@ def _make_bucket(
     queries = np.where(q_valid, starts[rows, None] + n[:, None] - width + slot[None, :], 0)
     context = key_valid & (pos[None, :] < (length - w)[:, None])
     scale = np.where(q_valid, 1.0 / np.maximum(w, 1)[:, None], 0.0).astype(np.float32)
-    up = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(device)  # noqa: E731
+    up = lambda a: host_to_device(a, device)  # noqa: E731
     return _Bucket(
         rows=up(rows),
         rows_host=rows,
@@ -577,7 +578,7 @@ def _make_query_bucket(
         )
     queries = np.where(used, starts[rows, None] + position, 0)
     query_pos = np.where(used, off[:, None] + position, -1)
-    up = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(device)  # noqa: E731
+    up = lambda a: host_to_device(a, device)  # noqa: E731
     valid = up(key_valid)
     return _Bucket(
         rows=up(rows),

@@ -168,10 +168,12 @@ def check_kv_write_args(
     req_rows,
     group_of_head,
     column_of_head,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int]:
-    """Checks shared by the kv-write reference and launcher.
+) -> int:
+    """Checks shared by the kv-write reference and launcher, on host metadata only (no device
+    op: the launcher runs once per layer of every extend batch).
 
-    Returns (rows, groups, columns as int64, per-head counts int64 [bs, H_kv], max_k).
+    Returns:
+        max_k, the width of ``kept_idx``.
     """
     device = k_new.device
     check_pools(k_pool, v_pool, device)
@@ -185,6 +187,4 @@ def check_kv_write_args(
         page_table, group_len, req_rows, group_of_head, column_of_head, bs, num_kv_heads, device
     )
     check_tensor("kept_count", kept_count, (bs, page_table.shape[1]), INDEX_DTYPES, device)
-    groups = group_of_head.long()
-    counts = kept_count[:, groups].long()  # [bs, H_kv]
-    return req_rows.long(), groups, column_of_head.long(), counts, kept_idx.shape[2]
+    return kept_idx.shape[2]

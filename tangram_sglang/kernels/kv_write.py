@@ -129,7 +129,7 @@ def write_kept_kv(
 
     Source: this module's docstring.
     """
-    _, _, _, _, max_k = _checks.check_kv_write_args(
+    max_k = _checks.check_kv_write_args(
         k_new,
         v_new,
         qo_indptr,

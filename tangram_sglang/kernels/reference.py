@@ -298,7 +298,7 @@ def kv_write_reference(
 
     Ownership: writes only pages of ``page_table[req_rows]`` reserved for this segment.
     """
-    rows, groups, cols, counts, max_k = _checks.check_kv_write_args(
+    max_k = _checks.check_kv_write_args(
         k_new,
         v_new,
         qo_indptr,
@@ -312,6 +312,8 @@ def kv_write_reference(
         group_of_head,
         column_of_head,
     )
+    rows, groups, cols = req_rows.long(), group_of_head.long(), column_of_head.long()
+    counts = kept_count[:, groups].long()  # [bs, H_kv]
     page_size = k_pool.shape[2]
     bs, num_kv_heads = counts.shape
     j = torch.arange(max_k, device=k_new.device)

@@ -41,6 +41,7 @@ import numpy as np
 import torch
 
 from tangram_sglang.errors import ConfigError
+from tangram_sglang.host_copy import host_to_device
 from tangram_sglang.scoring.base import register_scorer
 from tangram_sglang.scoring.snapkv import SnapKVScorer, check_window_options, reduce_gqa
 
@@ -211,7 +212,7 @@ class KVzipLiteScorer:
             hi = min(n, pos[-1] - band + 1)  # keys >= hi: no query of the block counts them
             if hi <= 0:
                 continue
-            idx = torch.tensor([offset + i for i in block], device=device)
+            idx = host_to_device([offset + i for i in block], device)
             q = q_obs.index_select(-2, idx).float()  # [..., Hq, m, D]
             lse = self._lse(q, keys_t, sm_scale, pos) if lse_obs is None else None
             if lse is None:
@@ -223,7 +224,7 @@ class KVzipLiteScorer:
             logits = torch.matmul(q_aug, k_aug).view(*lead, num_qo_heads, len(block), hi)
             lo = max(0, pos[0] - band + 1)  # keys < lo: every query of the block counts them
             if lo < hi:
-                q_pos = torch.tensor(pos, device=device).view(-1, 1)
+                q_pos = host_to_device(pos, device).view(-1, 1)
                 key_pos = torch.arange(lo, hi, device=device).view(1, -1)
                 logits[..., lo:hi].masked_fill_(q_pos - key_pos < band, float("-inf"))
             best[..., :hi] = torch.maximum(best[..., :hi], logits.amax(dim=-2))
@@ -239,7 +240,7 @@ class KVzipLiteScorer:
         num_kv_heads, end = keys_t.shape[-3], pos[-1] + 1
         folded = (q * sm_scale).reshape(*q.shape[:-3], num_kv_heads, -1, dim)
         logits = torch.matmul(folded, keys_t[..., :end]).view(*q.shape[:-3], num_qo_heads, m, end)
-        q_pos = torch.tensor(pos, device=q.device).view(-1, 1)
+        q_pos = host_to_device(pos, q.device).view(-1, 1)
         future = torch.arange(end, device=q.device).view(1, -1) > q_pos
         return torch.logsumexp(logits.masked_fill_(future, float("-inf")), dim=-1)
 

@@ -6,8 +6,10 @@ import numpy as np
 import pytest
 import torch
 from kernel_cases import DEVICE, TOL, extend_inputs, make_paged_layer, rel_err
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from tangram_sglang.errors import KernelError
+from tangram_sglang.kernels import _checks
 from tangram_sglang.kernels.extend_attention import ragged_extend_attention
 from tangram_sglang.kernels.kv_write import write_kept_kv
 from tangram_sglang.kernels.reference import extend_reference, kv_write_reference
@@ -91,3 +93,22 @@ def test_kv_write_matches_reference(page_size: int, dtype) -> None:
     write_kept_kv(k_new, v_new, qo_indptr, kept_idx, kept_count, layer.k_pool, layer.v_pool, *args)
     assert torch.equal(layer.k_pool, ref_k) and torch.equal(layer.v_pool, ref_v)
     assert not torch.equal(layer.k_pool, before), "nothing was written"
+    # the launcher's argument checks run once per layer of every extend batch: host metadata
+    # only, no device op (each would be a kernel launch on a GPU)
+    with CountOps() as ops:
+        _checks.check_kv_write_args(
+            k_new, v_new, qo_indptr, kept_idx, kept_count, layer.k_pool, layer.v_pool, *args
+        )
+    assert ops.names == []
+
+
+class CountOps(TorchDispatchMode):
+    """Records the aten ops run inside the block (``names``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(str(func))
+        return func(*args, **(kwargs or {}))
