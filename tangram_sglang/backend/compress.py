@@ -180,7 +180,9 @@ def batch_kept_indices(
     Returns:
         int64 ``[bs, H_kv, max_k]`` (``kept_idx`` of the kv-write kernel): head h of request i
         keeps tokens ``out[i, h, :k]`` (ascending, indices into the request's new tokens), 0
-        after. Identical to ``select_kept`` on each request's scores.
+        after. Identical to ``select_kept`` on each request's scores. When every request is
+        kept whole it is a broadcast view of a cached tensor (no launch): read it, do not
+        write into it.
 
     Raises:
         KernelError: a count outside ``[1, n]`` for a non-empty segment (host check), or a
@@ -198,7 +200,6 @@ def batch_kept_indices(
     bs, num_kv_heads = kept_host.shape
     max_k = int(kept_host.max()) if kept_host.size else 1
     device = k_new.device
-    out = torch.zeros(bs, num_kv_heads, max(max_k, 1), dtype=torch.int64, device=device)
     if kept_per_head_dev is None:
         kept_per_head_dev = host_to_device(kept_host, device)
     lengths = np.diff(np.asarray(bounds, np.int64))
@@ -222,17 +223,21 @@ def batch_kept_indices(
         window_kernel = False
     kvzip = type(scorer) is KVzipLiteScorer
     window_kernel = window_kernel and (snapkv or kvzip)
+    out_width = max(max_k, 1)
     plan = _batch_plan(
         bounds,
         whole,
         scored,
         snapkv or token,
         windows,
-        out.shape[-1],
+        out_width,
         device,
         window_kernel,
         scorer if kvzip else None,
     )
+    if whole.all():  # every head keeps every token (ratio 1.0, short turns): the cached fill
+        return plan.whole_fill.expand(bs, num_kv_heads, out_width)
+    out = torch.zeros(bs, num_kv_heads, out_width, dtype=torch.int64, device=device)
     if plan.whole_rows is not None:
         out[plan.whole_rows] = plan.whole_fill
     tok = None  # a token scorer's [H_kv, num_tokens] scores of the whole batch

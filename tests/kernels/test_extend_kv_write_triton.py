@@ -102,6 +102,35 @@ def test_kv_write_matches_reference(page_size: int, dtype) -> None:
     assert ops.names == []
 
 
+def test_kv_write_reads_a_broadcast_kept_idx_as_its_copy() -> None:
+    """A batch kept whole gets ``kept_idx`` as a view broadcast over the KV heads (stride 0,
+    backend.compress): the kernel reads it through its strides, like the contiguous copy."""
+    num_kv_heads, head_dim, extend_lens = 2, 64, [5, 3]
+    lens = np.array([[4, 0], [0, 2]])
+    layer = make_paged_layer(
+        lens, num_kv_heads, 2, 16, head_dim, torch.float32, seed=3, spare_pages=50, max_pages=8
+    )
+    req_rows = torch.tensor([0, 1], dtype=torch.int32, device=DEVICE)
+    for i, row in enumerate(req_rows.tolist()):  # every group keeps the whole segment
+        for g in range(2):
+            first = -(-int(lens[row, g]) // 16)
+            for p in range(first, -(-int(lens[row, g] + extend_lens[i]) // 16)):
+                layer.page_table[row, g, p] = layer.free_pages.pop()
+    qo_indptr = torch.tensor(np.cumsum([0, *extend_lens]), dtype=torch.int32, device=DEVICE)
+    k_new = torch.randn(sum(extend_lens), num_kv_heads, head_dim, device=DEVICE)
+    v_new = torch.randn_like(k_new)
+    fill = torch.tensor([[[0, 1, 2, 3, 4]], [[0, 1, 2, 0, 0]]], device=DEVICE)
+    broadcast = fill.expand(2, num_kv_heads, 5)
+    kept_count = torch.tensor([[5, 5], [3, 3]], dtype=torch.int32, device=DEVICE)
+    args = (layer.page_table, layer.group_len, req_rows, layer.group_of_head, layer.column_of_head)
+    ref_k, ref_v = layer.k_pool.clone(), layer.v_pool.clone()
+    before = ref_k.clone()
+    write_kept_kv(k_new, v_new, qo_indptr, broadcast.contiguous(), kept_count, ref_k, ref_v, *args)
+    write_kept_kv(k_new, v_new, qo_indptr, broadcast, kept_count, layer.k_pool, layer.v_pool, *args)
+    assert not torch.equal(ref_k, before), "nothing was written"
+    assert torch.equal(layer.k_pool, ref_k) and torch.equal(layer.v_pool, ref_v)
+
+
 class CountOps(TorchDispatchMode):
     """Records the aten ops run inside the block (``names``)."""
 

@@ -56,6 +56,22 @@ def test_whole_segment_kept_by_every_head_skips_scoring():
     assert out[1, 0, 2:].abs().sum() == 0  # 0-padded past k
 
 
+@pytest.mark.parametrize("lengths", [[6, 10, 1], [40]])
+def test_a_batch_kept_whole_by_every_head_is_the_cached_fill_with_no_launch(lengths):
+    """Ratio 1.0 and short turns: every head keeps every token. The first layer of the batch
+    builds (and caches) the fill; the other layers get a broadcast view of it and launch
+    nothing (each op would be a kernel launch per layer on a GPU)."""
+    scorer = SnapKVScorer(obs_window=4, kernel_size=1)
+    q, k, lse, bounds = _batch(lengths, 0)
+    kept = [[n] * H_KV for n in lengths]
+    dev = torch.tensor(kept, dtype=torch.int64)
+    call = lambda: batch_kept_indices(scorer, q, k, lse, bounds, kept, 0.3, 1, 1, dev)  # noqa: E731
+    first = call()
+    want = reference_kept_indices(scorer, q, k, lse, bounds, kept, 0.3, 1, 1)
+    assert torch.equal(first, want) and torch.equal(call(), want)
+    assert _top_level_aten_ops(call) <= 1  # the view itself, no copy or index_put
+
+
 def test_kept_from_ranks_matches_select_kept_with_ties_and_nan():
     scores = torch.tensor(
         [[1.0, 3.0, 3.0, float("nan"), 0.5, 3.0, 2.0, 2.0], [0.0] * 8, [5, 4, 3, 2, 1, 0, -1, -2]]
