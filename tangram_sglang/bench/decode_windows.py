@@ -29,7 +29,8 @@ import sys
 from pathlib import Path
 
 DECODE_LINE = re.compile(
-    r"Decode batch, #running-req: (\d+), #token: (\d+),.*gen throughput \(token/s\): ([\d.]+)"
+    r"Decode batch(?: \[\d+\])?, #running-req: (\d+), #token: (\d+),.*"
+    r"gen throughput \(token/s\): ([\d.]+)"
 )
 BINS = (1, 5, 20, 55)  # lower edges of the running-request bins
 INTERVAL = 40  # SGLang's default --decode-log-interval
@@ -76,11 +77,13 @@ def paired_seconds(
         bins: ascending lower edges of the bins (requests running).
         interval: decode steps per log line (SGLang's ``--decode-log-interval``).
         max_window_s: leave out a pair where either window is longer (s): such a window holds
-            time the server sat idle (between runs in a whole log); None keeps every pair.
+            time the server sat idle (between runs in a whole log); None keeps every pair
+            except those with a throughput of 0 (an unbounded window), which are always left
+            out.
 
     Returns:
         ``{"windows": n paired, "unpaired": |len(base) - len(other)|, "dropped": pairs left
-        out by ``max_window_s``, "bins": {label:
+        out (``max_window_s``, or a throughput of 0), "bins": {label:
         {"windows", "base_s", "other_s", "speed"}}, "all": {...}}``, where ``speed`` =
         ``base_s / other_s`` (above 1: the other server is faster in those windows).
 
@@ -97,7 +100,8 @@ def paired_seconds(
     dropped = 0
     for b, o in zip(base, other, strict=False):
         tb, to = window_seconds(b, interval), window_seconds(o, interval)
-        if max_window_s is not None and max(tb, to) > max_window_s:
+        longest = max(tb, to)
+        if longest == float("inf") or (max_window_s is not None and longest > max_window_s):
             dropped += 1
             continue
         cell = out.setdefault(

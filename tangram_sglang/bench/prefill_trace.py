@@ -207,12 +207,15 @@ def self_idle(events: list[dict], idle: np.ndarray) -> Counter:
     if not frames:
         return Counter()
     start = np.array([e["ts"] for e in frames], float)
-    end = start + np.array([e["dur"] for e in frames], float)
+    dur = np.array([e["dur"] for e in frames], float)
+    end = start + dur
     _, thread = np.unique(
         np.array([f"{e.get('pid')}/{e.get('tid')}" for e in frames]), return_inverse=True
     )
-    order = np.lexsort((start - end, start, thread))  # per thread, by start, outer first
-    ov = overlaps(start, end, idle)
+    # per thread, by start, the longer (outer) frame first: -dur, not start - end, which ties
+    # frames a fraction of a microsecond apart at trace timestamps near 1e15 us
+    order = np.lexsort((-dur, start, thread))
+    ov = overlaps(start, end, idle).tolist()  # Python floats: the sums round as before
     out: Counter = Counter()
     stack: list[list] = []  # [thread, end, name, exclusive idle (us)]
     for i in order.tolist():
@@ -264,7 +267,7 @@ def analyse(trace: dict, top: int = 40) -> dict:
     ov = overlaps(start, start + np.array([e["dur"] for e in host], float), idle)
     by_func: Counter = Counter()
     for i in np.flatnonzero(ov > 0).tolist():
-        by_func[f"{host[i].get('cat')}: {host[i]['name']}"] += ov[i] / 1e3
+        by_func[f"{host[i].get('cat')}: {host[i]['name']}"] += float(ov[i]) / 1e3
     by_self = self_idle(events, idle)
     gaps = np.sort(idle[:, 1] - idle[:, 0])[::-1] / 1e3
     kernel_ms: Counter = Counter()

@@ -35,6 +35,7 @@ from typing import Any
 import torch
 
 from tangram_sglang.errors import ConfigError
+from tangram_sglang.host_copy import host_to_device
 from tangram_sglang.scoring.base import register_scorer
 from tangram_sglang.scoring.kvzip_lite import (
     ALL_QUERIES,
@@ -176,7 +177,7 @@ class ReplayScorer:
         offset = q_obs.shape[-2] - w
         slots = [offset + i for i in evenly_spaced_slots(w, self.max_queries)]
         if len(slots) < q_obs.shape[-2]:  # a subset: one gather (a full set is used as it is)
-            q_obs = q_obs.index_select(-2, torch.tensor(slots, device=q_obs.device))
+            q_obs = q_obs.index_select(-2, host_to_device(slots, q_obs.device))
         # every chosen query moved to its replay position at once: n + c positions later
         queries = self.rope.rotate(q_obs, n + self.gap_tokens) * sm_scale
         lead = q_obs.shape[:-3]

@@ -61,6 +61,7 @@ def test_toy_run_writes_both_systems_and_the_summary(tmp_path):
             "300",
             "--trace-steps",
             "3",
+            "--server-args=--decode-log-interval 1",
             "--log-dir",
             str(tmp_path),
             "--output",
@@ -76,7 +77,7 @@ def test_toy_run_writes_both_systems_and_the_summary(tmp_path):
         for label, run in system["workloads"].items():
             assert set(run) >= RUN_KEYS, (name, label)
             assert run["requests_failed"] == 0 and run["requests_ok"] == run["requests_planned"]
-            assert isinstance(run["decode_log"], list)  # 4 tokens out: fewer than 40 steps
+            assert isinstance(run["decode_log"], list)
             # --trace-steps: SGLang's profiler recorded a repeat of the workload; a CPU server's
             # trace has no GPU side, so the file is kept and the analysis says why it is absent
             trace = run["trace"]
@@ -84,6 +85,10 @@ def test_toy_run_writes_both_systems_and_the_summary(tmp_path):
             assert str(tmp_path / f"trace-{name}-{label}") in trace["trace"]
             assert "no GPU events" in trace["error"], trace
         turn2 = system["workloads"]["long-context-2x2"]
+        # a decode line per step (--decode-log-interval 1): the run's 2 clients decode 3 steps
+        # after each first token, so its lines are there, with at most 2 requests running
+        lines = turn2["decode_log"]
+        assert lines and all(1 <= running <= 2 for running, _, _ in lines), lines
         assert turn2["output_tokens"] == 2 * 2 * 4  # ignore_eos: every round generates 4
         assert turn2["cache_hit_rate"] > 0, name  # round 2 reused round 1 (radix on both)
     assert "--tangram" in result["systems"]["tangram-r0.5"]["server_args"]

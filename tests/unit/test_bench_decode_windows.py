@@ -150,3 +150,17 @@ def test_summary_pairs_a_tangram_runs_windows_with_the_best_stock_runs():
     systems["baseline"]["workloads"]["sharegpt-64x4"].pop("decode_log")
     entry = mt.summarize(systems, "sharegpt-64x4", None)["vs_best_stock"]["tangram-r0.25"]
     assert "decode_windows" not in entry["sharegpt-64x4"]
+
+
+def test_a_zero_throughput_window_is_left_out_not_summed_as_infinite():
+    base = [[10, 0, 1000.0], [10, 0, 1000.0]]
+    other = [[10, 0, 0.0], [10, 0, 500.0]]
+    out = paired_seconds(base, other)
+    assert out["dropped"] == 1 and out["windows"] == 1
+    assert out["all"]["other_s"] == pytest.approx(40 * 10 / 500)
+    json.dumps(out, allow_nan=False)  # valid JSON: no Infinity
+
+
+def test_lines_with_forward_iteration_numbers_are_read_too():
+    line = decode_line(7, 900, 350.0).replace("Decode batch,", "Decode batch [123],")
+    assert parse_decode_lines(line) == [[7, 900, 350.0]]

@@ -160,3 +160,46 @@ def test_exclusive_idle_time_goes_to_the_innermost_frame():
             "python_function: forward": 1.0,  # 10-11 ms
         }
     )
+
+
+def test_a_parent_and_child_starting_together_keep_their_nesting_at_real_timestamps():
+    """Trace timestamps are ~1.7e15 us, where float64 steps by 0.25 us: a child ending 0.1 us
+    before its parent must still sort inside it (by duration, not by start - end), even when
+    the file lists the child first."""
+    base = 1.7e15
+    events = [
+        {"ph": "X", "cat": "kernel", "name": "k", "ts": base, "dur": 1.0, "pid": 0, "tid": 7},
+        {"ph": "X", "cat": "kernel", "name": "k", "ts": base + 100, "dur": 1.0, "pid": 0, "tid": 7},
+        {
+            "ph": "X",
+            "cat": "cpu_op",
+            "name": "child",
+            "ts": base + 10,
+            "dur": 6.9,
+            "pid": 1,
+            "tid": 1,
+        },
+        {
+            "ph": "X",
+            "cat": "python_function",
+            "name": "parent",
+            "ts": base + 10,
+            "dur": 7.0,
+            "pid": 1,
+            "tid": 1,
+        },
+    ]
+    out = analyse({"traceEvents": events})
+    assert set(out["host_self_during_idle_ms"]) == {"cpu_op: child"}
+    assert out["host_during_idle_ms"]["python_function: parent"] >= 0.0069
+
+
+def test_idle_sums_round_as_python_floats():
+    events = [
+        {"ph": "X", "cat": "kernel", "name": "k", "ts": 0.0, "dur": 1.0, "pid": 0, "tid": 7},
+        {"ph": "X", "cat": "kernel", "name": "k", "ts": 428.5, "dur": 1.0, "pid": 0, "tid": 7},
+        {"ph": "X", "cat": "cpu_op", "name": "op", "ts": 0.0, "dur": 429.0, "pid": 1, "tid": 1},
+    ]
+    out = analyse({"traceEvents": events})
+    value = out["host_during_idle_ms"]["cpu_op: op"]
+    assert type(value) is float and value == round(427.5 / 1e3, 3)

@@ -38,6 +38,7 @@ def test_a_list_of_ints_becomes_int64():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_on_a_gpu_the_copy_is_queued_behind_running_work_without_waiting_for_it():
+    host_to_device(np.arange(4096, dtype=np.int64), "cuda")  # the first pinned block, untimed
     torch.cuda.synchronize()
     torch.cuda._sleep(2_000_000_000)  # keeps the stream busy for about a second
     start = time.perf_counter()
@@ -51,3 +52,35 @@ def test_on_a_gpu_the_copy_is_queued_behind_running_work_without_waiting_for_it(
     start = time.perf_counter()
     torch.from_numpy(np.arange(4096, dtype=np.int64)).to("cuda")
     assert time.perf_counter() - start > queued_s
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("scorer_name", ["kvzip-lite", "snapkv", "kvzip-lite-runs"])
+def test_the_selection_of_an_extend_batch_never_waits_for_the_gpu(scorer_name):
+    """batch_kept_indices on mixed lengths (padded buckets) and on one run of equal lengths
+    (the scorer's own call): any host read or blocking copy raises under the sync debug mode."""
+    from tangram_sglang.backend.compress import batch_kept_indices
+    from tangram_sglang.scoring.kvzip_lite import KVzipLiteScorer
+    from tangram_sglang.scoring.snapkv import SnapKVScorer
+
+    scorer = SnapKVScorer(obs_window=8) if scorer_name == "snapkv" else KVzipLiteScorer()
+    lengths = [300, 300] if scorer_name.endswith("runs") else [300, 120, 700, 64]
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    total = sum(lengths)
+    q = torch.randn(total, 8, 64, device="cuda", generator=gen, dtype=torch.bfloat16)
+    k = torch.randn(total, 2, 64, device="cuda", generator=gen, dtype=torch.bfloat16)
+    lse = torch.randn(total, 8, device="cuda", generator=gen).abs() + 3.0
+    bounds = np.concatenate([[0], np.cumsum(lengths)]).tolist()
+    kept = np.array([[max(n // 4, 1)] * 2 for n in lengths])
+    kept_dev = torch.from_numpy(kept).cuda()
+    call = lambda: batch_kept_indices(scorer, q, k, lse, bounds, kept, 0.125, 4, 32, kept_dev)  # noqa: E731
+    host_to_device([0], "cuda")  # the process's first pinned block, outside the check
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        first = call()  # a new batch: its plans are built and uploaded here
+        again = call()  # the next layer: the cached plans
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.equal(first, again)
