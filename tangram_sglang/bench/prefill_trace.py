@@ -151,10 +151,8 @@ def union(intervals: np.ndarray) -> np.ndarray:
     reach = np.maximum.accumulate(iv[:, 1])  # the furthest end so far
     first = np.ones(len(iv), bool)
     first[1:] = iv[1:, 0] > reach[:-1]
-    group = np.cumsum(first) - 1
-    ends = np.full(int(group[-1]) + 1, -np.inf)
-    np.maximum.at(ends, group, iv[:, 1])
-    return np.stack([iv[first, 0], ends], axis=1)
+    last = np.append(first[1:], True)  # a merged interval ends where the next one starts
+    return np.stack([iv[first, 0], reach[last]], axis=1)
 
 
 def idle_before(t: np.ndarray, idle: np.ndarray) -> np.ndarray:
