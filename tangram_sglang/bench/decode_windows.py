@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import re
 import sys
 from pathlib import Path
@@ -88,13 +89,12 @@ def paired_seconds(
         ``base_s / other_s`` (above 1: the other server is faster in those windows).
 
     Raises:
-        ValueError: ``bins`` empty or not ascending, or ``interval`` < 1.
+        ValueError: ``bins`` empty or not ascending distinct, or ``interval`` < 1.
     """
-    if not bins or list(bins) != sorted(set(bins)) or interval < 1:
-        raise ValueError(
-            f"paired_seconds: bins {bins!r} must be ascending distinct edges, interval "
-            f"{interval} >= 1"
-        )
+    if not bins or list(bins) != sorted(set(bins)):
+        raise ValueError(f"bins {list(bins)} must be ascending distinct edges, e.g. 1,5,20,55")
+    if interval < 1:
+        raise ValueError(f"interval {interval}: decode steps per log line, must be >= 1")
     out: dict[str, dict] = {}
     total = {"windows": 0, "base_s": 0.0, "other_s": 0.0}
     dropped = 0
@@ -127,7 +127,10 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="python -m tangram_sglang.bench.decode_windows",
         description="Pair two SGLang server logs' decode windows (same request stream) and sum "
-        "their wall time by requests running.",
+        "their wall time by requests running. Output (JSON): per bin, windows, base_s, other_s "
+        "and speed = base_s / other_s (above 1: the second server is faster there); "
+        "'unpaired': windows one log has beyond the other (0 for the same request stream); "
+        "'dropped': pairs left out as idle (--max-window-s) or with a throughput of 0.",
     )
     p.add_argument("base_log", type=Path, help="the server compared against (e.g. stock)")
     p.add_argument("other_log", type=Path, help="the other server's log")
@@ -151,21 +154,33 @@ def main(argv: list[str] | None = None) -> int:
         bins = tuple(int(x) for x in args.bins.split(","))
     except ValueError:
         p.error(f"--bins {args.bins!r}: comma-separated integers, e.g. 1,5,20,55")
+    if list(bins) != sorted(set(bins)):
+        p.error(f"--bins {args.bins!r}: ascending distinct edges, e.g. 1,5,20,55")
+    if args.interval < 1:
+        p.error(f"--interval {args.interval}: the server's --decode-log-interval, >= 1")
+    if not math.isfinite(args.max_window_s) or args.max_window_s <= 0:
+        p.error(f"--max-window-s {args.max_window_s}: a window length in seconds, > 0")
+    lines = []
     for path in (args.base_log, args.other_log):
+        if path.is_dir():
+            p.error(f"{path} is a folder; give the server's log file")
         if not path.is_file():
             p.error(f"{path}: no such log file")
-    lines = [
-        parse_decode_lines(path.read_text(errors="replace"))
-        for path in (args.base_log, args.other_log)
-    ]
-    if not all(lines):
-        p.error("a log holds no 'Decode batch' line (SGLang logs one per --decode-log-interval)")
-    try:
-        result = paired_seconds(
-            *lines, bins=bins, interval=args.interval, max_window_s=args.max_window_s
+        lines.append(parse_decode_lines(path.read_text(errors="replace")))
+        if not lines[-1]:
+            p.error(
+                f"{path} holds no 'Decode batch' line (SGLang logs one per "
+                "--decode-log-interval decode steps)"
+            )
+    result = paired_seconds(
+        *lines, bins=bins, interval=args.interval, max_window_s=args.max_window_s
+    )
+    if result["unpaired"]:
+        print(
+            f"decode_windows: the logs differ by {result['unpaired']} windows; pairs are only "
+            "meaningful for the same request stream (e.g. two bench.multiturn runs)",
+            file=sys.stderr,
         )
-    except ValueError as exc:
-        p.error(str(exc))
     json.dump(result, sys.stdout, indent=1)
     print()
     return 0

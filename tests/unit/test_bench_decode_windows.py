@@ -81,9 +81,17 @@ def test_pairs_sum_by_the_base_servers_running_count_and_drop_idle_windows():
     assert kept["windows"] == 2 and kept["unpaired"] == 1 and kept["dropped"] == 0
 
 
-@pytest.mark.parametrize(("bins", "interval"), [((), 40), ((5, 1), 40), ((1, 1), 40), ((1,), 0)])
-def test_bad_bins_or_interval_are_refused(bins, interval):
-    with pytest.raises(ValueError, match="ascending distinct edges"):
+@pytest.mark.parametrize(
+    ("bins", "interval", "match"),
+    [
+        ((), 40, "ascending distinct edges"),
+        ((5, 1), 40, "ascending distinct edges"),
+        ((1, 1), 40, "ascending distinct edges"),
+        ((1,), 0, "interval 0: decode steps per log line"),
+    ],
+)
+def test_bad_bins_or_interval_are_refused(bins, interval, match):
+    with pytest.raises(ValueError, match=match):
         paired_seconds([[1, 0, 1.0]], [[1, 0, 1.0]], bins=bins, interval=interval)
 
 
@@ -94,6 +102,9 @@ def test_cli_pairs_two_logs(tmp_path, capsys):
     assert main([str(a), str(b), "--bins", "1,20"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["dropped"] == 1 and set(out["bins"]) == {"1-19", "20+"}
+    b.write_text(TANGRAM + TANGRAM)  # not the same request stream: said on stderr
+    assert main([str(a), str(b)]) == 0
+    assert "differ by 3 windows" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(
@@ -101,12 +112,18 @@ def test_cli_pairs_two_logs(tmp_path, capsys):
     [
         (["missing.log", "{b}"], "no such log file"),
         (["{a}", "{b}", "--bins", "1,x"], "comma-separated integers"),
-        (["{a}", "{b}", "--bins", "5,1"], "ascending distinct edges"),
-        (["{a}", "{empty}"], "no 'Decode batch' line"),
+        (["{a}", "{b}", "--bins", "5,1"], "--bins '5,1': ascending distinct edges"),
+        (["{a}", "{empty}"], "e.log holds no 'Decode batch' line"),
+        (["{a}", "{b}", "--interval", "0"], "--interval 0"),
+        (["{a}", "{b}", "--max-window-s", "-1"], "--max-window-s -1.0"),
+        (["{a}", "{b}", "--max-window-s", "nan"], "--max-window-s nan"),
+        (["{a}", "{dir}"], "is a folder"),
     ],
 )
 def test_cli_bad_input_exits_2_naming_it(tmp_path, capsys, argv, match):
     files = {"a": tmp_path / "a.log", "b": tmp_path / "b.log", "empty": tmp_path / "e.log"}
+    files["dir"] = tmp_path / "logs"
+    files["dir"].mkdir()
     files["a"].write_text(STOCK)
     files["b"].write_text(TANGRAM)
     files["empty"].write_text("nothing\n")
