@@ -28,23 +28,32 @@ def check_tensor(
 ) -> None:
     """Check one tensor argument; ``None`` in ``shape`` matches any size.
 
+    Runs once per argument of every kernel launch (several dozen times per layer of an extend
+    batch), so the passing path only compares metadata: the message is built on failure.
+
     Raises:
         KernelError: not a tensor, wrong rank/size, dtype, device, or a last dim with stride != 1.
     """
     if not isinstance(tensor, torch.Tensor):
         raise KernelError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
-    want = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
-    if tensor.dim() != len(shape) or any(
-        s is not None and s != got for s, got in zip(shape, tensor.shape, strict=True)
-    ):
-        raise KernelError(f"{name} has shape {list(tensor.shape)}, expected {want}")
+    got = tensor.shape
+    if len(got) != len(shape):
+        _raise_shape(name, got, shape)
+    for want, have in zip(shape, got):
+        if want is not None and want != have:
+            _raise_shape(name, got, shape)
     if tensor.dtype not in dtypes:
         names = ", ".join(str(d).replace("torch.", "") for d in dtypes)
         raise KernelError(f"{name} has dtype {tensor.dtype}, expected one of {names}")
     if tensor.device != device:
         raise KernelError(f"{name} is on {tensor.device} but the kernel runs on {device}")
-    if last_dim_contiguous and tensor.dim() and tensor.shape[-1] > 1 and tensor.stride(-1) != 1:
+    if last_dim_contiguous and got and got[-1] > 1 and tensor.stride(-1) != 1:
         raise KernelError(f"{name} needs a contiguous last dim (stride 1); call .contiguous()")
+
+
+def _raise_shape(name: str, got: torch.Size, shape: Sequence[int | None]) -> None:
+    want = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
+    raise KernelError(f"{name} has shape {list(got)}, expected {want}")
 
 
 def check_pools(k_pool: torch.Tensor, v_pool: torch.Tensor, device: torch.device) -> None:
