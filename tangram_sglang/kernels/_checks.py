@@ -39,7 +39,7 @@ def check_tensor(
     got = tensor.shape
     if len(got) != len(shape):
         _raise_shape(name, got, shape)
-    for want, have in zip(shape, got):
+    for want, have in zip(shape, got, strict=True):
         if want is not None and want != have:
             _raise_shape(name, got, shape)
     if tensor.dtype not in dtypes:
