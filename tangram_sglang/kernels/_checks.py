@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import NoReturn
 
 import torch
 
@@ -28,8 +29,8 @@ def check_tensor(
 ) -> None:
     """Check one tensor argument; ``None`` in ``shape`` matches any size.
 
-    Runs once per argument of every kernel launch (several dozen times per layer of an extend
-    batch), so the passing path only compares metadata: the message is built on failure.
+    Runs once per argument of every kernel launch (about two dozen times per layer of an
+    extend batch), so the passing path only compares metadata: the message is built on failure.
 
     Raises:
         KernelError: not a tensor, wrong rank/size, dtype, device, or a last dim with stride != 1.
@@ -51,7 +52,7 @@ def check_tensor(
         raise KernelError(f"{name} needs a contiguous last dim (stride 1); call .contiguous()")
 
 
-def _raise_shape(name: str, got: torch.Size, shape: Sequence[int | None]) -> None:
+def _raise_shape(name: str, got: torch.Size, shape: Sequence[int | None]) -> NoReturn:
     want = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
     raise KernelError(f"{name} has shape {list(got)}, expected {want}")
 

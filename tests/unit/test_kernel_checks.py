@@ -18,7 +18,7 @@ CPU = torch.device("cpu")
     [
         (torch.zeros(4, 2, 8), (4, 2, 8)),
         (torch.zeros(4, 2, 8), (None, None, 8)),
-        (torch.zeros(6, 3)[:, :1], (6, 1)),  # last dim of size 1: any stride
+        (torch.zeros(3, 6).t()[:, :1], (6, 1)),  # last dim of size 1, stride 6: allowed
         (torch.zeros(5, 3, 8)[:, 1:], (5, 2, None)),  # strided rows, unit last stride
         (torch.zeros(()), ()),
     ],
@@ -56,3 +56,21 @@ def test_a_tensor_on_another_device_is_named_with_both_devices():
     meta = torch.zeros(4, 2, device="meta")
     with pytest.raises(KernelError, match=r"x is on meta but the kernel runs on cpu"):
         check_tensor("x", meta, (4, 2), (torch.float32,), CPU)
+
+
+def test_a_strided_last_dim_passes_when_the_kernel_allows_it():
+    transposed = torch.zeros(8, 4).t()  # stride (1, 4)
+    check_tensor("x", transposed, (4, 8), (torch.float32,), CPU, last_dim_contiguous=False)
+    with pytest.raises(KernelError, match="contiguous last dim"):
+        check_tensor("x", transposed, (4, 8), (torch.float32,), CPU)
+
+
+class _Unprintable(int):
+    """A size that raises when formatted: only a failing check may format the expected shape."""
+
+    def __str__(self) -> str:
+        raise AssertionError("the expected shape was formatted although the check passed")
+
+
+def test_the_passing_path_formats_no_message():
+    check_tensor("x", torch.zeros(4, 2), (_Unprintable(4), None), (torch.float32,), CPU)
