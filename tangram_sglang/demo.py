@@ -11,6 +11,7 @@ KV holds for the same tokens, then stops the server. ``--full-kv`` runs stock SG
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shlex
@@ -287,17 +288,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--profile", help="Tangram budget profile (default: the shipped one)")
     parser.add_argument(
         "--log",
-        help="server log file (default: tangram-demo-server-PID.log in the temp folder, one per "
-        "run)",
+        help="server log file, kept (default: tangram-demo-server-PID.log in the temp folder, "
+        "removed after a run that succeeds, kept when it fails)",
     )
     args = parser.parse_args(argv)
-    if args.log is None:
+    temp_log = args.log is None
+    if temp_log:
         args.log = os.path.join(tempfile.gettempdir(), f"tangram-demo-server-{os.getpid()}.log")
     try:
-        return run_demo(args)
+        code = run_demo(args)
     except TangramError as exc:
         print(f"error: {exc}", file=sys.stderr)
+        if os.path.exists(args.log) and args.log not in str(exc):  # start-up errors name it
+            print(f"the server's log: {args.log}", file=sys.stderr)
         return 2
+    if temp_log and code == 0:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(args.log)
+    return code
 
 
 def check_demo_args(args: argparse.Namespace) -> None:

@@ -104,3 +104,37 @@ def test_the_full_kv_hint_names_the_interpreter_that_runs_the_demo(tmp_path, mon
     elsewhere.mkdir()
     monkeypatch.chdir(elsewhere)
     assert this_python() == shlex.quote(str(venv / "python"))  # outside: the absolute path
+
+
+def test_the_default_server_log_is_removed_after_a_clean_run_and_kept_after_a_failure(
+    tmp_path, monkeypatch, capsys
+):
+    """``make demo`` leaves nothing in the temp folder when it succeeds; when it fails the log
+    stays and its path is printed. A ``--log`` the user names is always kept. (The real run is
+    tests/e2e/test_demo.py; here ``run_demo`` only writes the log, to test ``main``'s policy.)"""
+    import tempfile
+
+    from tangram_sglang import demo
+    from tangram_sglang.errors import TangramError
+
+    monkeypatch.setattr(tempfile, "gettempdir", lambda: str(tmp_path))
+    outcome = {"code": 0}
+
+    def fake_run(args):
+        with open(args.log, "w") as f:
+            f.write("server output\n")
+        if outcome["code"] == "fail":
+            raise TangramError("the server exited during start-up")
+        return outcome["code"]
+
+    monkeypatch.setattr(demo, "run_demo", fake_run)
+    assert demo.main([]) == 0
+    assert list(tmp_path.iterdir()) == []
+    outcome["code"] = "fail"
+    assert demo.main([]) == 2
+    kept = list(tmp_path.iterdir())
+    assert len(kept) == 1 and f"the server's log: {kept[0]}" in capsys.readouterr().err
+    named = tmp_path / "mine.log"
+    outcome["code"] = 0
+    assert demo.main(["--log", str(named)]) == 0
+    assert named.read_text() == "server output\n"
