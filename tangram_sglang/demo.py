@@ -302,6 +302,10 @@ def main(argv: list[str] | None = None) -> int:
         if os.path.exists(args.log) and args.log not in str(exc):  # start-up errors name it
             print(f"the server's log: {args.log}", file=sys.stderr)
         return 2
+    except BaseException:  # e.g. the server lost mid-chat, Ctrl-C: say where its log is
+        if os.path.exists(args.log):
+            print(f"the server's log: {args.log}", file=sys.stderr)
+        raise
     if temp_log and code == 0:
         with contextlib.suppress(FileNotFoundError):
             os.remove(args.log)
@@ -315,8 +319,11 @@ def check_demo_args(args: argparse.Namespace) -> None:
         ConfigError: ``--profile`` with ``--full-kv`` (stock SGLang takes no profile),
             ``--device cuda`` where torch sees no GPU (the server would die in start-up), or a
             Tangram run of a ``--model`` with no shipped profile and no ``--profile`` (checked
-            before the model is converted).
+            before the model is converted); an empty ``--log`` or ``--profile``, a ``--log``
+            that is a folder or whose folder does not exist.
     """
+    if args.profile is not None and not args.profile.strip():
+        raise ConfigError("--profile is empty; give a path or leave --profile out")
     if args.full_kv and args.profile:
         raise ConfigError(
             f"--profile {args.profile}: --full-kv runs stock SGLang, which takes "
@@ -336,6 +343,17 @@ def check_demo_args(args: argparse.Namespace) -> None:
 
         if not torch.cuda.is_available():
             raise ConfigError("--device cuda: torch sees no GPU here; use --device cpu")
+
+    if args.log is not None:
+        if not args.log.strip():
+            raise ConfigError("--log is empty; give a path or leave --log out")
+        folder = os.path.dirname(os.path.abspath(args.log))
+        if os.path.isdir(args.log):
+            raise ConfigError(f"--log {args.log} is a folder; give a file path inside it")
+        if not os.path.isdir(folder):
+            raise ConfigError(
+                f"--log {args.log}: folder {folder} does not exist; create it or give another path"
+            )
 
 
 def run_demo(args: argparse.Namespace) -> int:

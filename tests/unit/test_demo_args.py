@@ -138,3 +138,41 @@ def test_the_default_server_log_is_removed_after_a_clean_run_and_kept_after_a_fa
     outcome["code"] = 0
     assert demo.main(["--log", str(named)]) == 0
     assert named.read_text() == "server output\n"
+
+
+@pytest.mark.parametrize(
+    ("argv", "match"),
+    [
+        (["--log", ""], "--log is empty; give a path or leave --log out"),
+        (["--full-kv", "--profile", " "], "--profile is empty"),
+        (["--log", "{tmp}"], "is a folder; give a file path inside it"),
+        (["--log", "{tmp}/no/such/x.log"], "/no/such does not exist; create it"),
+    ],
+)
+def test_a_bad_log_or_empty_profile_is_refused_before_any_server(tmp_path, capsys, argv, match):
+    from tangram_sglang.demo import main
+
+    assert main([a.format(tmp=tmp_path) for a in argv]) == 2
+    err = capsys.readouterr().err
+    assert match in err and "Traceback" not in err
+
+
+def test_a_failure_that_is_not_tangrams_names_the_kept_server_log(tmp_path, monkeypatch, capsys):
+    """The server lost mid-chat (an HTTP error, not a TangramError) or Ctrl-C: the error goes up
+    as it is, and the temp-folder log it leaves is named."""
+    import tempfile
+
+    from tangram_sglang import demo
+
+    monkeypatch.setattr(tempfile, "gettempdir", lambda: str(tmp_path))
+
+    def lost(args):
+        with open(args.log, "w") as f:
+            f.write("server output\n")
+        raise ConnectionError("the server went away")
+
+    monkeypatch.setattr(demo, "run_demo", lost)
+    with pytest.raises(ConnectionError):
+        demo.main([])
+    (kept,) = tmp_path.iterdir()
+    assert f"the server's log: {kept}" in capsys.readouterr().err
