@@ -61,7 +61,7 @@ from tangram_sglang.kernels.window_scores import supported as window_scores_supp
 from tangram_sglang.scoring.base import Scorer
 from tangram_sglang.scoring.kvzip_gate import is_token_scorer
 from tangram_sglang.scoring.kvzip_lite import KVzipLiteScorer, slot_table
-from tangram_sglang.scoring.select import priority_key, select_kept
+from tangram_sglang.scoring.select import protected_mask, select_kept
 from tangram_sglang.scoring.snapkv import SnapKVScorer, reduce_gqa
 
 logger = logging.getLogger(__name__)
@@ -84,32 +84,38 @@ MAX_QUERY_BLOCK_FLOATS = 1 << 27
 _PLAN_CACHE_SIZE = 16  # batch plans kept (per batch shape and scored rows; whole fills apart)
 
 
-def kept_from_ranks(key: torch.Tensor, kept: torch.Tensor, max_k: int) -> torch.Tensor:
+def kept_from_ranks(
+    key: torch.Tensor, kept: torch.Tensor, max_k: int, offset: torch.Tensor | None = None
+) -> torch.Tensor:
     """Each row's top ``kept[row]`` entries of ``key``, as ascending indices, 0-padded.
 
     Equal to ``select_kept`` row by row (stable descending sort: ties go to lower indices), but
-    one sort for every row whatever its count, and no host synchronisation.
+    one sort for every row whatever its count, and no host synchronisation: the first
+    ``max_k`` entries of the descending order, those past the row's count replaced by ``n``
+    (which sorts last), sorted ascending, ``n`` then replaced by 0. Seven launches (eight with
+    ``offset``) whatever the rows' counts: the selection is host-bound (benchmarks/RESULTS.md,
+    issue 18).
 
     Args:
         key: float32 ``[..., n]`` priority keys (``scoring.select.priority_key``).
         kept: int64 ``[...]`` tokens to keep per row (``1 <= kept <= n``), same device.
-        max_k: host int, ``>= kept.max()`` (the output width).
+        max_k: host int, ``kept.max() <= max_k <= n`` (the output width).
+        offset: optional int64, broadcastable to ``[..., 1]``: subtracted from every kept
+            index (a padded bucket's first real position, ``off_i``); the padding stays 0.
 
     Returns:
-        int64 ``[..., max_k]``: row r's kept indices ascending in its first ``kept[r]`` entries,
-        0 after.
+        int64 ``[..., max_k]``: row r's kept indices (minus ``offset``) ascending in its first
+        ``kept[r]`` entries, 0 after.
     """
     n = key.shape[-1]
-    order = torch.sort(key, dim=-1, descending=True, stable=True).indices
-    ranks = torch.empty_like(order).scatter_(
-        -1, order, torch.arange(n, device=key.device).expand_as(order)
-    )
-    keep = ranks < kept.unsqueeze(-1)  # [..., n]
-    slot = torch.cumsum(keep, dim=-1) - 1  # output position of each kept token
-    slot = torch.where(keep, slot, max_k)  # dropped tokens -> a spare column, cut below
-    out = torch.zeros(*key.shape[:-1], max_k + 1, dtype=torch.int64, device=key.device)
-    out.scatter_(-1, slot, torch.arange(n, device=key.device).expand_as(slot))
-    return out[..., :max_k]
+    order = torch.sort(key, dim=-1, descending=True, stable=True).indices[..., :max_k]
+    cols = torch.arange(max_k, device=key.device)
+    top = torch.where(cols < kept.unsqueeze(-1), order, n)  # past the row's count: n, last
+    top = torch.sort(top, dim=-1).values
+    pad = top == n
+    if offset is not None:
+        top = top - offset
+    return top.masked_fill_(pad, 0)
 
 
 def _score_run(
@@ -237,12 +243,23 @@ def batch_kept_indices(
     )
     if whole.all():  # every head keeps every token (ratio 1.0, short turns): the cached fill
         return plan.whole_fill.expand(bs, num_kv_heads, out_width)
+    if plan.whole_rows is None and plan.runs == [(0, bs)]:  # one run of every request
+        tok = _token_scores(scorer, k_new, v_new, layer_id) if token else None
+        windows = (sink_tokens, recent_window)
+        key = _run_key(scorer, q, k_new, lse, bounds, 0, bs, sm_scale, windows, tok)
+        return kept_from_ranks(key, kept_per_head_dev, out_width)
+    if plan.in_order:  # one bucket of every request, in order: its indices are the result
+        bucket = plan.buckets[0]
+        key = _bucket_key_of(
+            scorer, q, k_new, lse, bucket, sm_scale, window_kernel, v_new, layer_id
+        )
+        return kept_from_ranks(key, kept_per_head_dev, out_width, bucket.offset.view(-1, 1, 1))
     out = torch.zeros(bs, num_kv_heads, out_width, dtype=torch.int64, device=device)
     if plan.whole_rows is not None:
         out[plan.whole_rows] = plan.whole_fill
     tok = None  # a token scorer's [H_kv, num_tokens] scores of the whole batch
     if token and (plan.runs or plan.buckets):
-        tok = scorer.token_scores(layer_id, k_new.transpose(0, 1), v_new.transpose(0, 1))
+        tok = _token_scores(scorer, k_new, v_new, layer_id)
     if plan.runs:  # one scorer call per run of equal lengths
         _score_runs(
             out,
@@ -263,16 +280,41 @@ def batch_kept_indices(
         kept_dev = kept_per_head_dev.index_select(0, bucket.rows)
         if tok is not None:
             key = _token_bucket_key(tok, bucket)
-        elif bucket.query_pos is not None:
-            key = _query_bucket_key(scorer, q, k_new, lse, bucket, sm_scale, window_kernel)
         else:
-            key = _bucket_key(scorer, q, k_new, lse, bucket, sm_scale, window_kernel)
+            key = _bucket_key_of(scorer, q, k_new, lse, bucket, sm_scale, window_kernel)
         width = int(kept_host[bucket.rows_host].max())
-        idx = kept_from_ranks(key, kept_dev, width) - bucket.offset.view(-1, 1, 1)
-        cols = torch.arange(width, device=device)
-        idx = torch.where(cols < kept_dev.unsqueeze(-1), idx, 0)
+        idx = kept_from_ranks(key, kept_dev, width, bucket.offset.view(-1, 1, 1))
         out[bucket.rows, :, :width] = idx
     return out
+
+
+def _token_scores(
+    scorer: Scorer, k_new: torch.Tensor, v_new: torch.Tensor, layer_id: int
+) -> torch.Tensor:
+    """A token scorer's float32 ``[H_kv, num_tokens]`` scores of the batch's new tokens."""
+    return scorer.token_scores(layer_id, k_new.transpose(0, 1), v_new.transpose(0, 1))
+
+
+def _bucket_key_of(
+    scorer: Scorer,
+    q: torch.Tensor,
+    k_new: torch.Tensor,
+    lse: torch.Tensor,
+    bucket: _Bucket,
+    sm_scale: float,
+    window_kernel: bool,
+    v_new: torch.Tensor | None = None,
+    layer_id: int | None = None,
+) -> torch.Tensor:
+    """float32 ``[b, H_kv, N]`` priority keys of one bucket, by the scorer's kind: a token
+    scorer (``v_new`` and ``layer_id`` given: its scores of the batch's new tokens, gathered
+    into the bucket), kvzip-lite (query slots) or the SnapKV family (observation window)."""
+    if is_token_scorer(scorer) and v_new is not None:
+        tok = _token_scores(scorer, k_new, v_new, layer_id)
+        return _token_bucket_key(tok, bucket)
+    if bucket.query_pos is not None:
+        return _query_bucket_key(scorer, q, k_new, lse, bucket, sm_scale, window_kernel)
+    return _bucket_key(scorer, q, k_new, lse, bucket, sm_scale, window_kernel)
 
 
 _warned: set[tuple] = set()
@@ -307,7 +349,11 @@ class _Bucket:
     query_scale: torch.Tensor | None  # float32 [b, W]: 1 / w_i on valid slots (SnapKV buckets)
     query_valid: torch.Tensor | None  # bool [b, 1, W]: the slot is one of the segment's window
     masked: torch.Tensor | None  # bool [b, 1, W, N]: pairs of an unused query slot or a pad key
-    protected: torch.Tensor  # bool [b, N]: sinks (at off_i) and the recent window
+    # bool [b, 1, N]: a position whose priority key is fixed (a pad, or a protected token: the
+    # sinks at off_i and the recent window), and float32 [b, 1, N] that key (-inf pad, +inf
+    # protected): one `where` per bucket and layer
+    fixed: torch.Tensor
+    fixed_key: torch.Tensor
     # kvzip-lite buckets only (kernels.window_scores.query_max_scores, _query_max_attention):
     # int64 [b, W], the padded position of each scored query slot, -1 for unused slots;
     # ``queries`` then holds the slots
@@ -325,6 +371,9 @@ class _Plan:
     whole_fill: torch.Tensor | None  # int64 [r, 1, max_k]: 0 .. n - 1, then 0
     buckets: list[_Bucket]  # the scored requests, by length bucket (or none: see runs)
     runs: list[tuple[int, int]]  # or [lo, hi) runs of equal lengths, one scorer call each
+    # the scored part is one bucket of every request in batch order: its kept indices are the
+    # result (no zeros, row gather or scatter into it)
+    in_order: bool = False
 
 
 _PLANS: dict[tuple, _Plan] = {}
@@ -400,9 +449,12 @@ def _batch_plan(
                 )
                 for n, members in groups
             ]
-        part = _Plan(None, None, buckets, runs)
+        in_order = len(buckets) == 1 and np.array_equal(
+            buckets[0].rows_host, np.arange(len(lengths))
+        )
+        part = _Plan(None, None, buckets, runs, in_order)
         _remember(_PLANS, cache_key, part)
-    return _Plan(whole_rows, whole_fill, part.buckets, part.runs)
+    return _Plan(whole_rows, whole_fill, part.buckets, part.runs, part.in_order)
 
 
 _WHOLE: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -503,6 +555,15 @@ def _padded_rows(
     return n, off, pos, key_valid, tokens, protected
 
 
+def _fixed_keys(key_valid: np.ndarray, protected: np.ndarray, up) -> dict[str, torch.Tensor]:
+    """The bucket's fixed priority keys (``fixed``, ``fixed_key`` of :class:`_Bucket`) from its
+    host ``[b, N]`` masks (``protected`` holds no pad), uploaded with ``up``: a pad ranks last
+    (-inf), a protected token first (+inf)."""
+    fixed = (protected | ~key_valid)[:, None, :]
+    fixed_key = np.where(key_valid, np.inf, -np.inf).astype(np.float32)[:, None, :]
+    return {"fixed": up(fixed), "fixed_key": up(fixed_key)}
+
+
 def _make_bucket(
     rows: np.ndarray,
     length: int,
@@ -537,7 +598,7 @@ def _make_bucket(
         key_valid=up(key_valid),
         context=up(context),
         query_scale=up(scale),
-        protected=up(protected),
+        **_fixed_keys(key_valid, protected, up),
         query_valid=up(q_valid[:, None, :]) if torch_masks else None,
         masked=up(~(q_valid[:, None, :, None] & key_valid[:, None, None, :]))
         if torch_masks
@@ -596,7 +657,7 @@ def _make_query_bucket(
         key_valid=valid,
         context=valid,  # every real token is scored
         query_scale=None,  # the window mean's weights: not read by the query max
-        protected=up(protected),
+        **_fixed_keys(key_valid, protected, up),
         query_valid=None,
         masked=None,
         query_pos=up(query_pos),
@@ -626,8 +687,7 @@ def _query_bucket_key(
     scores = reduce_gqa(pool(attn), k.shape[1], scorer.gqa_reduce)  # [b, H_kv, N]
     # NaN ranks below every score but above pad (-inf), so a pad is never kept instead.
     key = torch.nan_to_num(scores, nan=-torch.finfo(torch.float32).max)
-    key = key.masked_fill(b.protected.unsqueeze(1), float("inf"))
-    return key.masked_fill(~b.key_valid.unsqueeze(1), float("-inf"))
+    return torch.where(b.fixed, b.fixed_key, key)
 
 
 def _token_bucket_key(tok: torch.Tensor, b: _Bucket) -> torch.Tensor:
@@ -636,8 +696,7 @@ def _token_bucket_key(tok: torch.Tensor, b: _Bucket) -> torch.Tensor:
     window at +inf, NaN below every score, pads at -inf (as :func:`_bucket_key`)."""
     key = tok[:, b.tokens].permute(1, 0, 2).float()  # [b, H_kv, N]
     key = torch.nan_to_num(key, nan=-torch.finfo(torch.float32).max)
-    key = key.masked_fill(b.protected.unsqueeze(1), float("inf"))
-    return key.masked_fill(~b.key_valid.unsqueeze(1), float("-inf"))
+    return torch.where(b.fixed, b.fixed_key, key)
 
 
 def _bucket_key(
@@ -662,8 +721,7 @@ def _bucket_key(
     key = torch.where(ctx, scores, top.view(-1, 1, 1))
     # NaN ranks below every score but above pad (-inf), so a pad is never kept instead.
     key = torch.nan_to_num(key, nan=-torch.finfo(torch.float32).max)
-    key = key.masked_fill(b.protected.unsqueeze(1), float("inf"))
-    return key.masked_fill(~b.key_valid.unsqueeze(1), float("-inf"))
+    return torch.where(b.fixed, b.fixed_key, key)
 
 
 def _window_attention(
@@ -755,17 +813,50 @@ def _score_runs(
 ) -> None:
     """``runs`` (``[lo, hi)`` requests of equal length, :func:`_runs`): one scorer call each,
     or, with a token scorer's batch scores ``tok`` (``[H_kv, num_tokens]``), a view of them."""
-    lengths = np.diff(np.asarray(bounds, np.int64))
+    windows = (sink_tokens, recent_window)
     for lo, hi in runs:
-        n = int(lengths[lo])
         run_max = int(kept_host[lo:hi].max())
-        if tok is not None:
-            run = tok[:, bounds[lo] : bounds[lo] + (hi - lo) * n]
-            scores = run.reshape(tok.shape[0], hi - lo, n).transpose(0, 1)  # [m, H_kv, n]
-        else:
-            scores = _score_run(scorer, q, k, lse, bounds[lo], hi - lo, n, sm_scale)
-        key = priority_key(scores, sink_tokens, recent_window)
+        key = _run_key(scorer, q, k, lse, bounds, lo, hi, sm_scale, windows, tok)
         out[lo:hi, :, :run_max] = kept_from_ranks(key, kept_dev[lo:hi], run_max)
+
+
+def _run_key(
+    scorer: Scorer,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    lse: torch.Tensor,
+    bounds: list[int],
+    lo: int,
+    hi: int,
+    sm_scale: float,
+    windows: tuple[int, int],
+    tok: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """float32 ``[hi - lo, H_kv, n]`` priority keys of requests ``[lo, hi)``, all ``n`` tokens
+    long (``scoring.select.priority_key``: protected tokens +inf, NaN -inf); the scores are
+    the scorer's on the run, or the run's columns of a token scorer's batch scores ``tok``."""
+    n = bounds[lo + 1] - bounds[lo]
+    if tok is not None:
+        run = tok[:, bounds[lo] : bounds[lo] + (hi - lo) * n]
+        scores = run.reshape(tok.shape[0], hi - lo, n).transpose(0, 1)  # [m, H_kv, n]
+    else:
+        scores = _score_run(scorer, q, k, lse, bounds[lo], hi - lo, n, sm_scale)
+    key = torch.nan_to_num(scores.float(), nan=float("-inf"))
+    return key.masked_fill_(_protected(n, *windows, scores.device), float("inf"))
+
+
+_PROTECTED: dict[tuple, torch.Tensor] = {}
+
+
+def _protected(n: int, sink_tokens: int, recent_window: int, device: torch.device) -> torch.Tensor:
+    """``scoring.select.protected_mask`` (bool ``[n]``), cached per (n, windows, device): a
+    run's protected tokens cost no launch after the batch's first layer."""
+    key = (n, sink_tokens, recent_window, str(device))
+    mask = _PROTECTED.get(key)
+    if mask is None:
+        mask = protected_mask(n, sink_tokens, recent_window, device)
+        _remember(_PROTECTED, key, mask)
+    return mask
 
 
 def reference_kept_indices(
