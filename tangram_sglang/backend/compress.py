@@ -11,8 +11,8 @@ head keeps ``k_g = kept_len(n, group_ratio[g])`` tokens (g = its head group), it
 Cost (per layer): segments (SnapKV family and kvzip-lite) are scored in length buckets (next
 power of two of n, at least :data:`MIN_BUCKET` tokens), each bucket as ONE padded batch whatever
 its segments' lengths, and smaller buckets merge into the longest while the padded batch stays
-under :data:`MAX_PADDED_TOKENS` (:func:`_merge_buckets`): the selection is host-bound (about 40
-small launches per padded batch, about 1 ms per layer on an H200 host, benchmarks/RESULTS.md),
+under :data:`MAX_PADDED_TOKENS` (:func:`_merge_buckets`): the selection is host-bound (about 30
+small launches per padded batch, each 30-45 us of host time on an H200 host, benchmarks/RESULTS.md),
 so an extend batch of mixed lengths costs the launches of one padded batch, not of one per
 bucket or per run of equal lengths (4,098 top-level aten ops per layer for 64 distinct
 ShareGPT-like lengths before the buckets; kvzip-lite 2,526 for 16). A batch with no more runs
@@ -92,9 +92,9 @@ def kept_from_ranks(
     Equal to ``select_kept`` row by row (stable descending sort: ties go to lower indices), but
     one sort for every row whatever its count, and no host synchronisation: the first
     ``max_k`` entries of the descending order, those past the row's count replaced by ``n``
-    (which sorts last), sorted ascending, ``n`` then replaced by 0. Seven launches (eight with
-    ``offset``) whatever the rows' counts: the selection is host-bound (benchmarks/RESULTS.md,
-    issue 18).
+    (which sorts last), sorted ascending, ``n`` then replaced by 0. Seven top-level ops that do
+    work (eight with ``offset``; a sort may launch several kernels) whatever the rows' counts:
+    the selection is host-bound (benchmarks/RESULTS.md, issue 18). Requires ``max_k <= n``.
 
     Args:
         key: float32 ``[..., n]`` priority keys (``scoring.select.priority_key``).
@@ -492,7 +492,7 @@ def _merge_buckets(size: np.ndarray) -> list[tuple[int, np.ndarray]]:
     """Groups of segments scored as one padded batch: ``(N, members)``, longest first.
 
     Each launch of the selection costs about the same host time whatever its size (about 20 us
-    on an H200 host, some 40 launches per padded batch), while the padded window attention is
+    on an H200 host, some 30 launches per padded batch), while the padded window attention is
     small (``W`` queries per segment). So smaller power-of-two buckets are merged into the
     longest one as long as the padded batch holds at most :data:`MAX_PADDED_TOKENS` tokens
     (``b * N``) and the smaller bucket is at least ``N / MAX_MERGE_SPREAD`` long (so a long

@@ -243,7 +243,9 @@ class KVzipGateScorer:
             feats = gate_features(k, v)  # [..., H_kv, n, F]
             return torch.einsum("...hnf,hf->...hn", feats, w[:, :-1]) + w[:, -1:]
         # The serving path ([H_kv, n, D], one call per layer): the same sum in two batched
-        # products with the bias folded in, no concatenated feature tensor (7 launches, not 9).
+        # products with the bias folded in, no concatenated feature tensor (7 ops that do work
+        # on bfloat16 k and v, was 9). The sum's order differs from the einsum's: scores move by
+        # float32 rounding (about 1e-5), which can flip near-ties between tokens.
         half = k.shape[-1] // 2
         norms = k.float().unflatten(-1, (2, half)).square().sum(-2).sqrt_()  # [H_kv, n, D/2]
         out = torch.baddbmm(w[:, -1:, None], norms, w[:, :half, None])  # [H_kv, n, 1]
