@@ -217,6 +217,44 @@ def test_a_layers_selection_stays_within_its_launch_budget(name, shape):
     assert _launches(call) <= LAUNCH_BUDGET[name, shape]
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("shape", list(SHAPES))
+@pytest.mark.parametrize("name", ["snapkv", "kvzip-lite", "kvzip-gate"])
+def test_on_a_gpu_each_path_keeps_the_references_tokens_without_a_sync(name, shape):
+    """The shapes of the launch budget on CUDA in bfloat16: the batched paths (one bucket in
+    order, a bucket beside rows kept whole, one run) equal the per-request reference on the
+    same device, and no call reads the device from the host (sync debug mode)."""
+    from tangram_sglang.host_copy import host_to_device
+
+    scorer = _scorers()[name]
+    lengths = SHAPES[shape]
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    total = sum(lengths)
+    bf16 = {"device": "cuda", "generator": gen, "dtype": torch.bfloat16}
+    q = torch.randn(total, GQA * H_KV, D, **bf16)
+    k = torch.randn(total, H_KV, D, **bf16)
+    v = torch.randn(total, H_KV, D, **bf16)
+    lse = torch.randn(total, GQA * H_KV, device="cuda", generator=gen).abs() + 3.0
+    bounds = np.concatenate([[0], np.cumsum(lengths)]).tolist()
+    kept = [[n if n <= 32 else max(n // (2 + h), 1) for h in range(H_KV)] for n in lengths]
+    extra = {"v_new": v, "layer_id": 1} if name == "kvzip-gate" else {}
+    dev = torch.tensor(kept, dtype=torch.int64, device="cuda")
+    call = lambda: batch_kept_indices(  # noqa: E731
+        scorer, q, k, lse, bounds, kept, 0.3, 2, 4, dev, window_kernel=False, **extra
+    )
+    host_to_device([0], "cuda")  # the process's first pinned block, outside the check
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        first = call()  # the batch's plan built and uploaded
+        again = call()  # the next layer
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    want = reference_kept_indices(scorer, q, k, lse, bounds, kept, 0.3, 2, 4, **extra)
+    assert torch.equal(first, want) and torch.equal(again, want)
+
+
 def test_extend_metadata_builds_every_layers_kept_counts_once():
     from tangram_sglang.backend import metadata as md
 
