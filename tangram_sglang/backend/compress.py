@@ -491,7 +491,7 @@ def _bucket_sizes(lengths: np.ndarray) -> np.ndarray:
 def _merge_buckets(size: np.ndarray) -> list[tuple[int, np.ndarray]]:
     """Groups of segments scored as one padded batch: ``(N, members)``, longest first.
 
-    Each launch of the selection costs about the same host time whatever its size (about 20 us
+    Each launch of the selection costs about the same host time whatever its size (20-45 us
     on an H200 host, some 30 launches per padded batch), while the padded window attention is
     small (``W`` queries per segment). So smaller power-of-two buckets are merged into the
     longest one as long as the padded batch holds at most :data:`MAX_PADDED_TOKENS` tokens
