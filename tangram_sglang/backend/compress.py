@@ -61,7 +61,7 @@ from tangram_sglang.kernels.window_scores import supported as window_scores_supp
 from tangram_sglang.scoring.base import Scorer
 from tangram_sglang.scoring.kvzip_gate import is_token_scorer
 from tangram_sglang.scoring.kvzip_lite import KVzipLiteScorer, slot_table
-from tangram_sglang.scoring.select import protected_mask, select_kept
+from tangram_sglang.scoring.select import priority_key, protected_mask, select_kept
 from tangram_sglang.scoring.snapkv import SnapKVScorer, reduce_gqa
 
 logger = logging.getLogger(__name__)
@@ -243,23 +243,20 @@ def batch_kept_indices(
     )
     if whole.all():  # every head keeps every token (ratio 1.0, short turns): the cached fill
         return plan.whole_fill.expand(bs, num_kv_heads, out_width)
+    tok = None  # a token scorer's [H_kv, num_tokens] scores of the whole batch
+    if token and (plan.runs or plan.buckets):
+        tok = _token_scores(scorer, k_new, v_new, layer_id)
     if plan.whole_rows is None and plan.runs == [(0, bs)]:  # one run of every request
-        tok = _token_scores(scorer, k_new, v_new, layer_id) if token else None
         windows = (sink_tokens, recent_window)
         key = _run_key(scorer, q, k_new, lse, bounds, 0, bs, sm_scale, windows, tok)
         return kept_from_ranks(key, kept_per_head_dev, out_width)
     if plan.in_order:  # one bucket of every request, in order: its indices are the result
         bucket = plan.buckets[0]
-        key = _bucket_key_of(
-            scorer, q, k_new, lse, bucket, sm_scale, window_kernel, v_new, layer_id
-        )
+        key = _bucket_key_of(scorer, q, k_new, lse, bucket, sm_scale, window_kernel, tok)
         return kept_from_ranks(key, kept_per_head_dev, out_width, bucket.offset.view(-1, 1, 1))
     out = torch.zeros(bs, num_kv_heads, out_width, dtype=torch.int64, device=device)
     if plan.whole_rows is not None:
         out[plan.whole_rows] = plan.whole_fill
-    tok = None  # a token scorer's [H_kv, num_tokens] scores of the whole batch
-    if token and (plan.runs or plan.buckets):
-        tok = _token_scores(scorer, k_new, v_new, layer_id)
     if plan.runs:  # one scorer call per run of equal lengths
         _score_runs(
             out,
@@ -278,10 +275,7 @@ def batch_kept_indices(
         )
     for bucket in plan.buckets:
         kept_dev = kept_per_head_dev.index_select(0, bucket.rows)
-        if tok is not None:
-            key = _token_bucket_key(tok, bucket)
-        else:
-            key = _bucket_key_of(scorer, q, k_new, lse, bucket, sm_scale, window_kernel)
+        key = _bucket_key_of(scorer, q, k_new, lse, bucket, sm_scale, window_kernel, tok)
         width = int(kept_host[bucket.rows_host].max())
         idx = kept_from_ranks(key, kept_dev, width, bucket.offset.view(-1, 1, 1))
         out[bucket.rows, :, :width] = idx
@@ -303,14 +297,12 @@ def _bucket_key_of(
     bucket: _Bucket,
     sm_scale: float,
     window_kernel: bool,
-    v_new: torch.Tensor | None = None,
-    layer_id: int | None = None,
+    tok: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """float32 ``[b, H_kv, N]`` priority keys of one bucket, by the scorer's kind: a token
-    scorer (``v_new`` and ``layer_id`` given: its scores of the batch's new tokens, gathered
-    into the bucket), kvzip-lite (query slots) or the SnapKV family (observation window)."""
-    if is_token_scorer(scorer) and v_new is not None:
-        tok = _token_scores(scorer, k_new, v_new, layer_id)
+    scorer's batch scores ``tok`` (``[H_kv, num_tokens]``) gathered into the bucket, kvzip-lite
+    (query slots) or the SnapKV family (observation window)."""
+    if tok is not None:
         return _token_bucket_key(tok, bucket)
     if bucket.query_pos is not None:
         return _query_bucket_key(scorer, q, k_new, lse, bucket, sm_scale, window_kernel)
@@ -841,8 +833,7 @@ def _run_key(
         scores = run.reshape(tok.shape[0], hi - lo, n).transpose(0, 1)  # [m, H_kv, n]
     else:
         scores = _score_run(scorer, q, k, lse, bounds[lo], hi - lo, n, sm_scale)
-    key = torch.nan_to_num(scores.float(), nan=float("-inf"))
-    return key.masked_fill_(_protected(n, *windows, scores.device), float("inf"))
+    return priority_key(scores, *windows, protected=_protected(n, *windows, scores.device))
 
 
 _PROTECTED: dict[tuple, torch.Tensor] = {}

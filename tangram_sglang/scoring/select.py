@@ -28,17 +28,25 @@ def protected_mask(
     return (pos < sink_tokens) | (pos >= num_tokens - recent_window)
 
 
-def priority_key(scores: torch.Tensor, sink_tokens: int, recent_window: int) -> torch.Tensor:
+def priority_key(
+    scores: torch.Tensor,
+    sink_tokens: int,
+    recent_window: int,
+    protected: torch.Tensor | None = None,
+) -> torch.Tensor:
     """float32 copy of ``scores`` with protected tokens at +inf and NaN at -inf.
 
     Args:
         scores: shape ``[..., num_kv_heads, n]``, any float dtype.
         sink_tokens: always-kept first tokens.
         recent_window: always-kept last tokens.
+        protected: :func:`protected_mask` of these sizes, if the caller holds it already (bool
+            ``[n]`` on ``scores``' device); None: built here.
     """
     key = torch.nan_to_num(scores.float(), nan=float("-inf"))
-    mask = protected_mask(scores.shape[-1], sink_tokens, recent_window, scores.device)
-    return key.masked_fill(mask, float("inf"))
+    if protected is None:
+        protected = protected_mask(scores.shape[-1], sink_tokens, recent_window, scores.device)
+    return key.masked_fill_(protected, float("inf"))
 
 
 def select_kept(scores: torch.Tensor, k: int, sink_tokens: int, recent_window: int) -> torch.Tensor:
