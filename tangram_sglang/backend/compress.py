@@ -241,8 +241,11 @@ def batch_kept_indices(
         window_kernel,
         scorer if kvzip else None,
     )
-    if whole.all():  # every head keeps every token (ratio 1.0, short turns): the cached fill
-        return plan.whole_fill.expand(bs, num_kv_heads, out_width)
+    if not scored.any():  # nothing to score: every segment empty or kept whole by every head
+        if plan.whole_fill is None:  # no new tokens at all (an empty batch)
+            return torch.zeros(bs, num_kv_heads, out_width, dtype=torch.int64, device=device)
+        if whole.all():  # ratio 1.0, short turns: a view of the cached fill
+            return plan.whole_fill.expand(bs, num_kv_heads, out_width)
     tok = None  # a token scorer's [H_kv, num_tokens] scores of the whole batch
     if token and (plan.runs or plan.buckets):
         tok = _token_scores(scorer, k_new, v_new, layer_id)

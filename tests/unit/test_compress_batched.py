@@ -74,6 +74,15 @@ def test_a_batch_kept_whole_by_every_head_is_the_cached_fill_with_no_launch(leng
     assert _top_level_aten_ops(call) <= 1  # the view itself, no copy or index_put
 
 
+@pytest.mark.parametrize("lengths", [[], [0], [0, 0]])
+def test_a_batch_without_new_tokens_keeps_nothing(lengths):
+    scorer = SnapKVScorer(obs_window=4, kernel_size=1)
+    q, k, lse, bounds = _batch(lengths, 0)
+    kept = [[1] * H_KV for _ in lengths]
+    out = batch_kept_indices(scorer, q, k, lse, bounds, kept, 0.3, 1, 1)
+    assert out.shape == (len(lengths), H_KV, 1) and not out.any()
+
+
 def test_kept_from_ranks_matches_select_kept_with_ties_and_nan():
     scores = torch.tensor(
         [[1.0, 3.0, 3.0, float("nan"), 0.5, 3.0, 2.0, 2.0], [0.0] * 8, [5, 4, 3, 2, 1, 0, -1, -2]]
