@@ -27,7 +27,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -206,6 +206,7 @@ def run(cfg: RunConfig, log: Callable[[str], None] | None = None) -> dict[str, A
     eos_ids = set(eos if isinstance(eos, list) else [eos]) | {tok.eos_token_id}
     records = _resumed(cfg, {s.sample_id for s in samples}, log)
     ctx = _Context(cfg, tok, samples, prompts, profiles, server_profiles, records, log, t0)
+    ctx.report_cfg = with_resumed_cells(cfg, records)
     if "full" in cfg.systems:
         ctx.server_phase("full", None)
     for system in TANGRAM_SYSTEMS:
@@ -215,6 +216,19 @@ def run(cfg: RunConfig, log: Callable[[str], None] | None = None) -> dict[str, A
     if any(s in cfg.systems for s in (*PRESS_SYSTEMS, "full-hf")):
         ctx.kvpress_phase(eos_ids)
     return ctx.write()
+
+
+def with_resumed_cells(cfg: RunConfig, records: list[dict]) -> RunConfig:
+    """The config the report is built with: ``cfg`` with the ratios and systems of resumed
+    ``records`` added (ratios high to low, as ``report.merge`` lists them).
+
+    A ``--resume`` run at one ratio or of one system keeps the file's other cells; without this
+    its report would list, aggregate and summarise only the ratios and systems of the last
+    command (full KV's ratio-free records counted at those ratios only).
+    """
+    ratios = {*cfg.ratios, *(r["ratio"] for r in records if r.get("ratio") is not None)}
+    systems = dict.fromkeys([*cfg.systems, *(r["system"] for r in records)])
+    return replace(cfg, ratios=tuple(sorted(ratios, reverse=True)), systems=tuple(systems))
 
 
 def _resumed(cfg: RunConfig, sample_ids: set[str], log: Callable[[str], None]) -> list[dict]:
@@ -252,9 +266,11 @@ class _Context:
     records: list[dict[str, Any]]
     log: Callable[[str], None]
     t0: float
+    report_cfg: RunConfig | None = None  # the report's ratios and systems (with resumed ones)
 
     def write(self) -> dict[str, Any]:
-        rep = report.build(self.cfg, self.samples, self.records, time.monotonic() - self.t0)
+        cfg = self.report_cfg or self.cfg
+        rep = report.build(cfg, self.samples, self.records, time.monotonic() - self.t0)
         if self.cfg.json_path is not None:
             self.cfg.json_path.parent.mkdir(parents=True, exist_ok=True)
             self.cfg.json_path.write_text(json.dumps(rep, indent=1) + "\n")

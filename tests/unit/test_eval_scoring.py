@@ -255,3 +255,37 @@ def test_later_questions_take_the_best_tangram_scorer_minus_full_kv():
     assert out["later_questions_points"]["0.5"] == {"full": 75.0, "tangram": 50.0, "kvzip": 100.0}
     # no multi-turn task: empty fields, not an error
     assert summary(aggregate([], (0.5,)))["later_questions_minus_full_points"] == {}
+
+
+def test_a_resumed_run_at_one_ratio_keeps_the_files_other_ratios_in_its_summary(tmp_path):
+    from tangram_sglang.eval.report import build
+    from tangram_sglang.eval.runner import RunConfig, with_resumed_cells
+
+    resumed = (
+        _turn_records("full", None, [[1, 1], [1, 0], [1, 1]])  # later turns: 75
+        + _turn_records("tangram-kvzip-lite", 0.5, [[1, 1], [1, 0], [0, 1]])  # 50
+    )
+    new = _turn_records("tangram-kvzip-gate", 0.25, [[1, 0], [1, 0], [1, 0]])  # 50
+    cfg = RunConfig(
+        model="qwen2.5-0.5b",
+        model_dir=tmp_path,
+        profile_dir=tmp_path,
+        tasks=("multiturn-squad",),
+        ratios=(0.25,),  # this command's ratio; the file holds 0.5 too
+        num_samples=2,
+        lengths=(1024,),
+        depths=(0.5,),
+        num_turns=3,
+        systems=("tangram-kvzip-gate",),
+        seed=0,
+        json_path=None,
+        resume=True,
+    )
+    report_cfg = with_resumed_cells(cfg, resumed)
+    assert report_cfg.ratios == (0.5, 0.25)
+    assert report_cfg.systems == ("tangram-kvzip-gate", "full", "tangram-kvzip-lite")
+    rep = build(report_cfg, [], resumed + new, 1.0)
+    assert rep["config"]["ratios"] == [0.5, 0.25]
+    # full KV's ratio-free records count at both ratios, the file's 0.5 cell is kept
+    assert rep["summary"]["later_questions_minus_full_points"] == {"0.25": -25.0, "0.5": -25.0}
+    assert with_resumed_cells(cfg, []) == cfg  # nothing resumed: the command's own cells
