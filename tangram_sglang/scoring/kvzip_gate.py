@@ -41,6 +41,7 @@ import numpy as np
 import torch
 
 from tangram_sglang.errors import ConfigError
+from tangram_sglang.host_copy import host_to_device
 from tangram_sglang.scoring.base import register_scorer
 
 RIDGE = 1e-2  # ridge strength, relative to the mean diagonal of X^T X (dimensionless)
@@ -205,7 +206,8 @@ class KVzipGateScorer:
         if table is None:
             if self.weights is None:
                 self.check_model(0, 0, 0)  # raises: no weights
-            table = torch.as_tensor(np.asarray(self.weights, np.float32), device=device)
+            # pinned and non-blocking: the first extend batch of a server does not wait here
+            table = host_to_device(np.asarray(self.weights, np.float32), device)
             self._tables[device] = table
         return table
 
