@@ -205,8 +205,10 @@ def run(cfg: RunConfig, log: Callable[[str], None] | None = None) -> dict[str, A
     eos = GenerationConfig.from_pretrained(cfg.model_dir).eos_token_id
     eos_ids = set(eos if isinstance(eos, list) else [eos]) | {tok.eos_token_id}
     records = _resumed(cfg, {s.sample_id for s in samples}, log)
-    ctx = _Context(cfg, tok, samples, prompts, profiles, server_profiles, records, log, t0)
-    ctx.report_cfg = with_resumed_cells(cfg, records)
+    report_cfg = with_resumed_cells(cfg, records)
+    ctx = _Context(
+        cfg, tok, samples, prompts, profiles, server_profiles, records, log, t0, report_cfg
+    )
     if "full" in cfg.systems:
         ctx.server_phase("full", None)
     for system in TANGRAM_SYSTEMS:
@@ -218,14 +220,18 @@ def run(cfg: RunConfig, log: Callable[[str], None] | None = None) -> dict[str, A
     return ctx.write()
 
 
-def with_resumed_cells(cfg: RunConfig, records: list[dict]) -> RunConfig:
-    """The config the report is built with: ``cfg`` with the ratios and systems of resumed
-    ``records`` added (ratios high to low, as ``report.merge`` lists them).
+def with_resumed_cells(cfg: RunConfig, records: list[dict[str, Any]]) -> RunConfig:
+    """The config the report is built with: ``cfg`` with the ratios and systems of the resumed
+    ``records`` added (then ratios high to low, as ``report.merge`` orders them); ``cfg``
+    itself when nothing was resumed.
 
     A ``--resume`` run at one ratio or of one system keeps the file's other cells; without this
-    its report would list, aggregate and summarise only the ratios and systems of the last
-    command (full KV's ratio-free records counted at those ratios only).
+    its report would list and summarise only the ratios and systems of the last command (full
+    KV's ratio-free records counted at those ratios only). Cells come from the records, so a
+    ratio or system the earlier command named but never finished a sample of is not listed.
     """
+    if not records:
+        return cfg
     ratios = {*cfg.ratios, *(r["ratio"] for r in records if r.get("ratio") is not None)}
     systems = dict.fromkeys([*cfg.systems, *(r["system"] for r in records)])
     return replace(cfg, ratios=tuple(sorted(ratios, reverse=True)), systems=tuple(systems))
@@ -266,11 +272,10 @@ class _Context:
     records: list[dict[str, Any]]
     log: Callable[[str], None]
     t0: float
-    report_cfg: RunConfig | None = None  # the report's ratios and systems (with resumed ones)
+    report_cfg: RunConfig  # cfg with the resumed cells' ratios and systems (with_resumed_cells)
 
     def write(self) -> dict[str, Any]:
-        cfg = self.report_cfg or self.cfg
-        rep = report.build(cfg, self.samples, self.records, time.monotonic() - self.t0)
+        rep = report.build(self.report_cfg, self.samples, self.records, time.monotonic() - self.t0)
         if self.cfg.json_path is not None:
             self.cfg.json_path.parent.mkdir(parents=True, exist_ok=True)
             self.cfg.json_path.write_text(json.dumps(rep, indent=1) + "\n")
