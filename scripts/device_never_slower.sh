@@ -26,7 +26,7 @@ for sys in $SYSTEMS; do
   wl=$WL
   if [ "$sys" = "tangram:1.0" ]; then wl=$WL1; fi
   main=${wl%%,*}
-  echo "$(date -u +%T) start $sys ($wl)" >> "$R/progress"
+  echo "$(date -u +%T) start $sys ($wl, profile $(basename "$PROFILE"))" >> "$R/progress"
   CUDA_VISIBLE_DEVICES=0 timeout -s INT "${CAP_S:-720}" python3 -m tangram_sglang.bench.multiturn \
     --model-path "$MODEL" --device cuda --profile "$PROFILE" --systems "$sys" \
     --server-args "$COMMON" --baseline-args "--attention-backend triton" \
