@@ -245,6 +245,55 @@ def prefill_attention(environ: dict[str, str] | None = None) -> str:
     return value
 
 
+# Environment switch of the extend attention's history part (read once per server, at start-up).
+HISTORY_ATTENTION_ENV = "TANGRAM_HISTORY_ATTENTION"
+HISTORY_ATTENTIONS = ("flashinfer", "triton")
+
+
+def history_attention(environ: dict[str, str] | None = None) -> str:
+    """Who computes the history part of an extend: ``"triton"`` (default) or ``"flashinfer"``.
+
+    ``triton``: Tangram's extend kernel (with the new tokens, or alone in a split extend).
+    ``flashinfer``: FlashInfer's paged prefill over each (request, KV head)'s single-head pages
+    (``kernels.history_attention``), in batches whose history lengths are the same on every
+    layer (ratio 1.0, histories kept whole) and long enough to pay for its plan; such a batch
+    is split (new tokens through FlashInfer's ragged prefill) whatever
+    ``TANGRAM_PREFILL_ATTENTION`` says but ``triton``. Other batches, float32 models and servers
+    without the flashinfer package keep Tangram's kernel. Opt-in until an H200 run side by side
+    shows it is not slower. On CPU, ``flashinfer`` runs the same plans through FlashInfer's
+    semantics in torch (``kernels.history_attention.TorchPagedHistory``), with no work floor:
+    a check of the plans end to end, not a speed-up.
+
+    Args:
+        environ: the environment to read (default ``os.environ``); unset or empty = ``triton``.
+
+    Returns:
+        One of :data:`HISTORY_ATTENTIONS`.
+
+    Raises:
+        ConfigError: any other value, or ``flashinfer`` together with
+            ``TANGRAM_PREFILL_ATTENTION=triton`` (which keeps every batch in Tangram's kernel).
+    """
+    env = os.environ if environ is None else environ
+    raw = env.get(HISTORY_ATTENTION_ENV, "")
+    value = raw.strip().lower()
+    if value == "":
+        return "triton"
+    if value not in HISTORY_ATTENTIONS:
+        raise ConfigError(
+            f"{HISTORY_ATTENTION_ENV}={raw!r}: use 'triton' (Tangram's history kernel, default) "
+            "or 'flashinfer' (FlashInfer's paged prefill where every layer has the same "
+            "history lengths)"
+        )
+    if value == "flashinfer" and prefill_attention(env) == "triton":
+        raise ConfigError(
+            f"{HISTORY_ATTENTION_ENV}=flashinfer needs the split extend, which "
+            f"{PREFILL_ATTENTION_ENV}=triton turns off; unset {PREFILL_ATTENTION_ENV} (auto) or "
+            f"unset {HISTORY_ATTENTION_ENV}"
+        )
+    return value
+
+
 # Environment switch of the decode kernel's split plan (read once per server, at start-up).
 DECODE_PLAN_ENV = "TANGRAM_DECODE_PLAN"
 DECODE_PLANS = ("lengths", "table")

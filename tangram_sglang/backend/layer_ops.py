@@ -23,7 +23,7 @@ import torch
 from tangram_sglang.backend import metadata as md
 from tangram_sglang.backend.compress import batch_kept_indices
 from tangram_sglang.backend.state import TangramState
-from tangram_sglang.config import decode_plan, prefill_attention
+from tangram_sglang.config import decode_plan, history_attention, prefill_attention
 from tangram_sglang.errors import ConfigError, KernelError
 from tangram_sglang.kernels import reference
 
@@ -31,7 +31,31 @@ logger = logging.getLogger(__name__)
 
 
 class ReferenceKernels:
-    """CPU path: :mod:`tangram_sglang.kernels.reference` (also the tests' oracle)."""
+    """CPU path: :mod:`tangram_sglang.kernels.reference` (also the tests' oracle).
+
+    Args:
+        history: :func:`config.history_attention`'s value. ``"flashinfer"`` runs extend batches
+            that carry a paged-history plan split, the history part through FlashInfer's
+            paged-prefill semantics in torch (``kernels.history_attention.TorchPagedHistory``)
+            on the same plan a GPU server gives FlashInfer: a CPU server then checks that plan
+            end to end (no speed-up). Every batch with history and one length per
+            (request, KV head) on every layer gets a plan (no work floor: nothing to amortise).
+    """
+
+    paged_history_min_work = 0  # history work per layer under which no plan is built
+
+    def __init__(self, history: str = "triton") -> None:
+        from tangram_sglang.kernels.history_attention import TorchPagedHistory
+        from tangram_sglang.kernels.new_token_attention import TorchNewTokens
+
+        self.split = (TorchNewTokens(), TorchPagedHistory()) if history == "flashinfer" else None
+        self._planned = None  # the extend plan (metadata) the split was last planned for
+
+    @property
+    def plans_paged_history(self) -> bool:
+        """Whether extend batches should carry a paged-history plan
+        (``kernels.history_attention.plan_paged_history``)."""
+        return self.split is not None
 
     def extend(
         self,
@@ -49,11 +73,35 @@ class ReferenceKernels:
         sm_scale,
         max_extend_len,
         meta=None,
+        layer=0,
     ):
-        """``(out [T, H_q, D], lse float32 [T, H_q])`` of one extend layer (``meta``, the
-        batch's extend plan, is read by :class:`TritonKernels` only)."""
-        return reference.extend_reference(
-            q, k, v, qo_indptr, k_pool, v_pool, page_table, group_len, rows, goh, coh, sm_scale
+        """``(out [T, H_q, D], lse float32 [T, H_q])`` of one extend layer: the fused
+        reference, or, for a batch with a paged-history plan (``meta.history``) under
+        ``history="flashinfer"``, the new tokens' reference merged with layer ``layer``'s paged
+        history by LSE."""
+        if self.split is None or meta is None or meta.history is None:
+            return reference.extend_reference(
+                q, k, v, qo_indptr, k_pool, v_pool, page_table, group_len, rows, goh, coh, sm_scale
+            )
+        from tangram_sglang.kernels.new_token_attention import split_extend
+
+        new_tokens, history = self.split
+        if self._planned is not meta:
+            if self._planned is None:
+                logger.info("Tangram: first extend batch with a paged-history plan")
+            new_tokens.plan(meta.bounds, q.shape[1], k.shape[1], q.shape[2], q.dtype)
+            history.plan(
+                meta.history,
+                meta.history_indices,
+                q.shape[1],
+                q.shape[2],
+                k_pool.shape[2],
+                k_pool.dtype,
+                sm_scale,
+            )
+            self._planned = meta
+        return split_extend(
+            new_tokens, lambda: history.run(q, k_pool, v_pool, layer), q, k, v, sm_scale
         )
 
     def kv_write(self, *args) -> None:
@@ -92,6 +140,10 @@ class TritonKernels(ReferenceKernels):
             FlashInfer, every batch) or ``"auto"`` (split where it pays, ``metadata.split_pays``;
             Tangram's kernel everywhere for a pool dtype FlashInfer does not run, without the
             flashinfer package or without room for its workspace, logged).
+        history: who computes the history part (:func:`config.history_attention`):
+            ``"triton"`` (Tangram's kernel) or ``"flashinfer"`` (FlashInfer's paged prefill in
+            batches with a paged-history plan, ``kernels.history_attention``; Tangram's kernel
+            where FlashInfer cannot run, logged).
 
     Raises:
         ConfigError: ``prefill="flashinfer"`` with a float32 pool.
@@ -106,6 +158,7 @@ class TritonKernels(ReferenceKernels):
         device: torch.device,
         plan: str = "table",
         prefill: str = "triton",
+        history: str = "triton",
     ) -> None:
         from tangram_sglang.kernels.decode_attention import decode_scratch
         from tangram_sglang.kernels.split_table import build_split_tables
@@ -127,6 +180,9 @@ class TritonKernels(ReferenceKernels):
         self.new_tokens = None
         self._planned = None  # the extend plan (metadata) new_tokens was last planned for
         self.prefill = prefill
+        self.history = None  # FlashInferPagedHistory under history="flashinfer"
+        self._history_planned = False  # the paged history is planned for self._planned
+        self._history_logged = False
         if prefill in ("auto", "flashinfer"):
             from tangram_sglang.kernels.new_token_attention import FlashInferNewTokens
 
@@ -138,7 +194,37 @@ class TritonKernels(ReferenceKernels):
                     raise
                 logger.info("Tangram: TANGRAM_PREFILL_ATTENTION=auto without FlashInfer (%s)", exc)
                 self.prefill = "triton"
-        logger.info("Tangram: extend attention %s (TANGRAM_PREFILL_ATTENTION)", self.prefill)
+        if history == "flashinfer" and self.new_tokens is not None:
+            from tangram_sglang.kernels.history_attention import FlashInferPagedHistory
+
+            try:
+                # the new tokens' workspace: both wrappers run on one stream, one after the other
+                self.history = FlashInferPagedHistory(
+                    self.new_tokens.workspace,
+                    state.memory.kv_pool.k_pool.dtype,
+                )
+            except (ConfigError, KernelError) as exc:
+                logger.info("Tangram: TANGRAM_HISTORY_ATTENTION=flashinfer not usable (%s)", exc)
+        logger.info(
+            "Tangram: extend attention %s (TANGRAM_PREFILL_ATTENTION), history %s "
+            "(TANGRAM_HISTORY_ATTENTION)",
+            self.prefill,
+            "flashinfer where planned" if self.history is not None else "triton",
+        )
+
+    @property
+    def plans_paged_history(self) -> bool:
+        """Whether extend batches should carry a paged-history plan
+        (``kernels.history_attention.plan_paged_history``)."""
+        return self.history is not None and self.history.usable
+
+    @property
+    def paged_history_min_work(self) -> int:
+        """History work per layer under which no plan is built (FlashInfer's plan and the two
+        re-layouts per layer must pay): ``kernels.history_attention.PAGED_HISTORY_MIN_WORK``."""
+        from tangram_sglang.kernels.history_attention import PAGED_HISTORY_MIN_WORK
+
+        return PAGED_HISTORY_MIN_WORK
 
     def extend(
         self,
@@ -156,12 +242,15 @@ class TritonKernels(ReferenceKernels):
         sm_scale,
         max_extend_len,
         meta=None,
+        layer=0,
     ):
         """``(out, lse)`` from ``kernels.extend_attention.ragged_extend_attention``, or, under
-        ``prefill="flashinfer"`` (or ``"auto"`` and ``meta.split_new_tokens``) with the
-        batch's plan ``meta``, the new tokens through FlashInfer (planned on the batch's first
-        layer) and the history only when ``meta.any_history``
-        (``kernels.new_token_attention.split_extend``)."""
+        ``prefill="flashinfer"`` (or ``"auto"`` and ``meta.split_new_tokens``, or a batch with a
+        paged-history plan ``meta.history``) with the batch's plan ``meta``, the new tokens
+        through FlashInfer (planned on the batch's first layer) and the history only when
+        ``meta.any_history`` (``kernels.new_token_attention.split_extend``): through
+        FlashInfer's paged prefill for layer ``layer`` where the batch has a paged-history
+        plan, else through Tangram's kernel."""
         from tangram_sglang.kernels.extend_attention import ragged_extend_attention
         from tangram_sglang.kernels.new_token_attention import split_extend
 
@@ -189,12 +278,29 @@ class TritonKernels(ReferenceKernels):
 
         if self.new_tokens is None or meta is None:
             return fused()
-        if self.prefill == "auto" and not meta.split_new_tokens:
+        paged = self.history is not None and meta.history is not None
+        if self.prefill == "auto" and not meta.split_new_tokens and not paged:
             return fused()
         if self._planned is not meta:
             self.new_tokens.plan(meta.bounds, q.shape[1], k.shape[1], q.shape[2], q.dtype)
+            if paged and not self._history_logged:
+                logger.info("Tangram: first extend batch with a paged-history plan")
+                self._history_logged = True
+            self._history_planned = paged and self.history.plan(
+                meta.history,
+                meta.history_indices,
+                q.shape[1],
+                q.shape[2],
+                k_pool.shape[2],
+                k_pool.dtype,
+                sm_scale,
+            )
             self._planned = meta
-        history = (lambda: fused(new_tokens=False)) if meta.any_history else None
+        history = None
+        if self._history_planned:
+            history = lambda: self.history.run(q, k_pool, v_pool, layer)  # noqa: E731
+        elif meta.any_history:
+            history = lambda: fused(new_tokens=False)  # noqa: E731
         return split_extend(self.new_tokens, history, q, k, v, sm_scale)
 
     def kv_write(self, *args) -> None:
@@ -238,16 +344,18 @@ class TritonKernels(ReferenceKernels):
 def kernels_for(device: torch.device, state: TangramState, max_batch_size: int) -> ReferenceKernels:
     """Triton kernels on CUDA, the torch reference elsewhere (start-up).
 
-    Reads ``TANGRAM_DECODE_PLAN`` and ``TANGRAM_PREFILL_ATTENTION`` once
-    (:func:`config.decode_plan`, :func:`config.prefill_attention`; checked on every device).
+    Reads ``TANGRAM_DECODE_PLAN``, ``TANGRAM_PREFILL_ATTENTION`` and
+    ``TANGRAM_HISTORY_ATTENTION`` once (:func:`config.decode_plan`,
+    :func:`config.prefill_attention`, :func:`config.history_attention`; checked on every device).
 
     Raises:
-        ConfigError: a bad ``TANGRAM_DECODE_PLAN`` or ``TANGRAM_PREFILL_ATTENTION``.
+        ConfigError: a bad ``TANGRAM_DECODE_PLAN``, ``TANGRAM_PREFILL_ATTENTION`` or
+            ``TANGRAM_HISTORY_ATTENTION``.
     """
-    plan, prefill = decode_plan(), prefill_attention()
+    plan, prefill, history = decode_plan(), prefill_attention(), history_attention()
     if device.type == "cuda":
-        return TritonKernels(state, max_batch_size, device, plan, prefill)
-    return ReferenceKernels()
+        return TritonKernels(state, max_batch_size, device, plan, prefill, history)
+    return ReferenceKernels(history)
 
 
 def extend_layer(
@@ -295,6 +403,7 @@ def extend_layer(
         sm_scale,
         meta.max_extend_len,
         meta=meta,
+        layer=layer_id,
     )
     profile = state.profile
     kept_host, kept_dev = meta.layer_kept(layer_id, profile.grouping.cluster_of[layer_id])

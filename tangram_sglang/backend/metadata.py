@@ -44,6 +44,7 @@ import numpy as np
 import torch
 
 from tangram_sglang.errors import KernelError
+from tangram_sglang.kernels.history_attention import PagedHistoryPlan
 
 EXTEND = "extend"
 DECODE = "decode"
@@ -88,6 +89,11 @@ class TangramForwardMetadata:
     # extend: whether TANGRAM_PREFILL_ATTENTION=auto splits this batch (new tokens through
     # FlashInfer, history through Tangram's kernel, merged by LSE): :func:`split_pays`
     split_new_tokens: bool = False
+    # extend: the paged-history plan (TANGRAM_HISTORY_ATTENTION=flashinfer) when the batch has
+    # one history length per (request, KV head) on every layer and enough history work
+    # (kernels.history_attention.plan_paged_history), and its page ids on the device
+    history: PagedHistoryPlan | None = None
+    history_indices: torch.Tensor | None = None  # int32 [num_layers, nnz]
 
     @property
     def batch_size(self) -> int:
@@ -117,6 +123,7 @@ def extend_metadata(
     upload: Upload | None = None,
     start_lens: np.ndarray | None = None,
     hist_len: torch.Tensor | None = None,
+    history: PagedHistoryPlan | None = None,
 ) -> TangramForwardMetadata:
     """Plan an extend batch.
 
@@ -137,6 +144,9 @@ def extend_metadata(
         hist_len: int32 ``[max_rows, num_head_groups]`` device buffer for ``start_lens``,
             shaped like ``PageTable.group_len`` (the backend's, built once); required with
             ``start_lens``.
+        history: optional paged-history plan of the batch
+            (``kernels.history_attention.plan_paged_history``): its page ids ride in the same
+            upload (:attr:`TangramForwardMetadata.history_indices`).
 
     Raises:
         KernelError: ``start_lens`` without a ``hist_len`` buffer.
@@ -156,13 +166,17 @@ def extend_metadata(
             kept[:, np.asarray(group_of_head, np.int64)].swapaxes(0, 1)
         )
         parts.append(heads_host)
+    start_at = len(parts)
     if start_lens is not None:
         parts.append(np.asarray(start_lens, np.int64).reshape(kept.shape))
+    if history is not None:
+        parts.append(history.indices)
     dev = (upload or plain_upload(device))(parts)
+    history_indices = dev[-1].to(torch.int32) if history is not None else None
     if heads_host is not None:
         heads = dev[3]
     if start_lens is not None:
-        hist_len.index_copy_(0, dev[0], dev[-1].to(torch.int32))
+        hist_len.index_copy_(0, dev[0], dev[start_at].to(torch.int32))
     bounds = bounds_arr.tolist()
     any_history = start_lens is None or bool(np.any(start_lens))
     return TangramForwardMetadata(
@@ -181,6 +195,8 @@ def extend_metadata(
         hist_len=hist_len,
         any_history=any_history,
         split_new_tokens=split_pays(extend_lens, no_history=not any_history),
+        history=history,
+        history_indices=history_indices,
     )
 
 

@@ -8,7 +8,9 @@ extend_layer` over a real :class:`~tangram_sglang.backend.state.TangramState` an
 random bf16 q/k/v of the profile's model shape, for every layer of the model, and times with CUDA
 events (median over layers after a warm-up pass):
 
-* ``extend_ms``: the Triton extend attention (history + causal new tokens, with LSE);
+* ``extend_ms``: the extend attention (history + causal new tokens, with LSE), as the server's
+  ``TANGRAM_PREFILL_ATTENTION`` and ``TANGRAM_HISTORY_ATTENTION`` run it (``paged_history``:
+  the history part went through FlashInfer's paged prefill);
 * ``select_ms``: scorer + per-head top-``k_g`` (``backend.compress.batch_kept_indices``),
   GPU time between events (includes launch gaps when the host is the bottleneck);
 * ``select_host_ms``: host wall time of the same call (no sync inside): > ``select_ms`` means
@@ -210,6 +212,7 @@ def profile_case(
     from tangram_sglang.backend import metadata as md
     from tangram_sglang.backend.compress import batch_kept_indices, reference_kept_indices
     from tangram_sglang.backend.layer_ops import extend_layer, kernels_for
+    from tangram_sglang.kernels.history_attention import plan_paged_history
 
     state = _build_state(profile, case, device, page_size)
     layers = profile.model.num_layers
@@ -232,6 +235,22 @@ def profile_case(
         del qh, kh, vh
     lens, prefix = case.lengths, [case.history] * case.batch
     plan = state.allocate_extend(rows, lens, prefix)
+    history = None
+    if kernels.plans_paged_history:  # TANGRAM_HISTORY_ATTENTION=flashinfer, as the backend
+        grouping, model = profile.grouping, profile.model
+        history = plan_paged_history(
+            rows,
+            np.concatenate([[0], np.cumsum(lens)]).tolist(),
+            plan.start_lens,
+            state.memory.table.pages,
+            grouping.cluster_of,
+            grouping.column_of,
+            grouping.heads_per_group,
+            page_size,
+            model.num_qo_heads,
+            model.head_dim,
+            min_work=kernels.paged_history_min_work,
+        )
     meta = md.extend_metadata(
         rows,
         lens,
@@ -240,6 +259,7 @@ def profile_case(
         profile.grouping.cluster_of,
         start_lens=plan.start_lens,
         hist_len=torch.zeros_like(state.memory.table.group_len),
+        history=history,
     )
     q, k, v = _qkv(profile, sum(lens), device, 2)
     mem, table = state.memory, state.memory.table
@@ -261,6 +281,7 @@ def profile_case(
             sm_scale,
             meta.max_extend_len,
             meta=meta,
+            layer=lid,
         )
 
     _, lse = ext(0)
@@ -331,6 +352,8 @@ def profile_case(
         "tokens": sum(case.lengths),
         "select_equals_reference": res_same,
         "select_rows_differing": sum(differ) / layers,
+        # the batch's history part ran through FlashInfer's paged prefill (extend_ms includes it)
+        "paged_history": meta.history is not None,
     }
     stages = (
         ("extend_ms", ext),

@@ -28,7 +28,13 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from tangram_sglang.config import TangramConfig, decode_plan, prefill_attention, segment_grid
+from tangram_sglang.config import (
+    TangramConfig,
+    decode_plan,
+    history_attention,
+    prefill_attention,
+    segment_grid,
+)
 from tangram_sglang.errors import ConfigError
 from tangram_sglang.integration import profile_loader
 from tangram_sglang.profile import BudgetProfile, ModelIdentity
@@ -354,7 +360,10 @@ def check_model(server_args: Any) -> None:
             (:func:`tangram_sglang.config.segment_grid`), ``TANGRAM_DECODE_PLAN`` not
             ``lengths``/``table`` (:func:`tangram_sglang.config.decode_plan`),
             ``TANGRAM_PREFILL_ATTENTION`` not ``triton``/``auto``/``flashinfer``
-            (:func:`tangram_sglang.config.prefill_attention`), scorer options of
+            (:func:`tangram_sglang.config.prefill_attention`), ``TANGRAM_HISTORY_ATTENTION``
+            not ``triton``/``flashinfer``, or ``flashinfer`` with
+            ``TANGRAM_PREFILL_ATTENTION=triton`` (:func:`tangram_sglang.config.history_attention`),
+            scorer options of
             the profile that the scorer refuses, or the Tangram plugin not active in this process.
         ProfileError: profile file missing, corrupt or made for another model.
     """
@@ -372,6 +381,7 @@ def check_model(server_args: Any) -> None:
     segment_grid(int(server_args.chunked_prefill_size or 0))
     decode_plan()  # TANGRAM_DECODE_PLAN, likewise read again by each scheduler's kernels
     prefill_attention()  # TANGRAM_PREFILL_ATTENTION, likewise
+    history_attention()  # TANGRAM_HISTORY_ATTENTION (and its pairing with the one above)
     build_scorer(profile)  # the profile's scorer options, checked before any scheduler starts
     ensure_active()
     summary = profile_loader.profile_summary(profile, config)

@@ -133,8 +133,9 @@ class FlashInferNewTokens:
                 "TANGRAM_PREFILL_ATTENTION=flashinfer needs the flashinfer-python package "
                 f"({exc}); install it or unset TANGRAM_PREFILL_ATTENTION"
             ) from exc
-        workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
-        self.wrapper = BatchPrefillWithRaggedKVCacheWrapper(workspace, "NHD")
+        # FlashInfer's float workspace; the paged-history wrapper shares it (one stream)
+        self.workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+        self.wrapper = BatchPrefillWithRaggedKVCacheWrapper(self.workspace, "NHD")
 
     def plan(self, bounds, num_qo_heads, num_kv_heads, head_dim, dtype) -> None:
         """FlashInfer's plan for the batch, from a host ``qo_indptr`` (no device read)."""

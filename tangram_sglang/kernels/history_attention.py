@@ -1,0 +1,381 @@
+"""The history part of an extend through FlashInfer's paged prefill, one head per request.
+
+A split extend (``kernels.new_token_attention.split_extend``) runs the new tokens' causal part
+through FlashInfer and the part over each request's history (its KV heads' pages) separately,
+then merges the two by LSE. Tangram's history is ragged per KV head: head ``h`` of layer ``l``
+reads the pages of head group ``g = cluster_of[l, h]``, column ``c = column_of[l, h]``, for
+``group_len[row, g]`` tokens. FlashInfer's paged prefill takes one page list per request and the
+same heads on every page. The two meet through a view of the pool::
+
+    k_pool [num_pages, H_p, page_size, D]  ->  [num_pages * H_p, 1, page_size, D]   (HND)
+    (page p, column c) is the single-head page  p * H_p + c   (a contiguous [page_size, D] block)
+
+so each (KV head, request) pair is one FlashInfer request with one KV head and the ``gqa`` query
+heads that read it, over the single-head pages of its own group and column. Queries go
+head-major (``[T, H_q, D] -> [H_kv * T, gqa, D]``): request ``r = h * bs + i`` owns rows
+``h * T + bounds[i] : h * T + bounds[i + 1]``; non-causal (every history token precedes every
+new one).
+
+FlashInfer plans once per batch from the host lengths (``plan`` is host work and cannot run
+inside a layer loop: consecutive plans of one wrapper share a pinned staging buffer that an
+earlier plan's queued copy may still read). One plan serves every layer only when each
+(request, KV head) has the same history length on every layer, so :func:`plan_paged_history`
+builds a plan only then: at ratio 1.0, and whenever every history segment was kept whole
+(``--tangram-min-compress-tokens``); the layers then differ only in their page ids, which are
+copied into the planned index buffer before each layer's run. Other batches keep Tangram's own
+history kernel.
+
+* :func:`plan_paged_history`: the host plan (numpy), or None where it does not apply or pay;
+* :func:`paged_prefill_reference`: FlashInfer's paged prefill semantics in torch (CPU, the
+  tests' oracle for the plan's arrays);
+* :func:`to_head_major` / :func:`from_head_major`: the query and output layouts;
+* :class:`FlashInferPagedHistory`: plan once per batch, run per layer (CUDA).
+
+LSE convention: natural log (``kernels.new_token_attention``); FlashInfer's base-2 LSE is
+converted. Source: SGLang 0.5.17 ``layers/attention/flashinfer_backend.py`` (paged prefix with
+``causal=False``, FA2, merged with the ragged new tokens by ``merge_state``); FlashInfer 0.6
+``prefill.BatchPrefillWithPagedKVCacheWrapper`` (``plan`` / ``run(return_lse=True)``, HND
+layout, ``page.cuh`` ``get_length``: a request with no page has length 0).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from tangram_sglang.errors import ConfigError, KernelError
+
+logger = logging.getLogger(__name__)
+
+# History work per layer (query-key pairs x head_dim, summed over query heads) below which a
+# batch keeps Tangram's history kernel: FlashInfer's plan (host, once per batch) and the query
+# and output re-layouts (two copies per layer) cost more than they save on short histories.
+# 2**26 pairs at head_dim 128 is about 0.15 ms of Tangram's history kernel per layer on the
+# H200 (about 230 TFLOP/s on 8,192 x 8,192, benchmarks/RESULTS.md 2026-12-05).
+PAGED_HISTORY_MIN_WORK = 128 * 2**26
+
+
+@dataclass(frozen=True, slots=True)
+class PagedHistoryPlan:
+    """Host arrays of one extend batch's paged-history plan (:func:`plan_paged_history`).
+
+    FlashInfer request ``r = h * bs + i`` is KV head ``h`` of the batch's request ``i``.
+
+    Attributes:
+        num_kv_heads: H_kv (KV heads per layer).
+        num_tokens: T, new tokens of the batch.
+        qo_indptr: int32 ``[H_kv * bs + 1]``: request r owns rows ``qo_indptr[r]:qo_indptr[r+1]``
+            of the head-major queries (:func:`to_head_major`).
+        kv_indptr: int32 ``[H_kv * bs + 1]``: request r's pages are
+            ``indices[layer, kv_indptr[r]:kv_indptr[r + 1]]``.
+        last_page_len: int32 ``[H_kv * bs]``: tokens in request r's last page (``page_size``
+            for a request with no page).
+        kv_lens: int32 ``[H_kv * bs]``: history tokens of request r (the same on every layer).
+        indices: int64 ``[num_layers, kv_indptr[-1]]``: single-head page ids
+            ``page * H_p + column`` of each layer.
+    """
+
+    num_kv_heads: int
+    num_tokens: int
+    qo_indptr: np.ndarray
+    kv_indptr: np.ndarray
+    last_page_len: np.ndarray
+    kv_lens: np.ndarray
+    indices: np.ndarray
+
+
+def plan_paged_history(
+    rows: Sequence[int] | np.ndarray,
+    bounds: Sequence[int],
+    start_lens: np.ndarray,
+    pages: np.ndarray,
+    cluster_of: np.ndarray,
+    column_of: np.ndarray,
+    heads_per_group: int,
+    page_size: int,
+    num_qo_heads: int,
+    head_dim: int,
+    min_work: int = PAGED_HISTORY_MIN_WORK,
+) -> PagedHistoryPlan | None:
+    """The paged-history plan of an extend batch, or None where it does not apply or pay.
+
+    Args:
+        rows: ``bs`` page-table rows of the batch's requests.
+        bounds: ``bs + 1`` host ints: request i owns new tokens ``bounds[i]:bounds[i + 1]``.
+        start_lens: int ``[bs, G]``: kept history tokens per head group before the segment.
+        pages: int ``[max_rows, G, max_pages_per_group]``: the page table's host mirror.
+        cluster_of, column_of: int ``[num_layers, H_kv]``: head group and column of each KV head.
+        heads_per_group: H_p (columns per page).
+        page_size: tokens per page.
+        num_qo_heads: H_q (for the work estimate).
+        head_dim: D (for the work estimate).
+        min_work: the least history work per layer, ``sum_i new_i * hist_(i,h) * gqa * D`` over
+            requests and KV heads, for which a plan is built.
+
+    Returns:
+        A :class:`PagedHistoryPlan`, or None when some (request, KV head) has a different
+        history length on two layers (one FlashInfer plan cannot serve every layer), when no
+        request has history, or when the history work is under ``min_work``.
+    """
+    row_arr = np.asarray(rows, np.int64).reshape(-1)
+    bs = row_arr.size
+    new = np.diff(np.asarray(bounds, np.int64))
+    start = np.asarray(start_lens, np.int64).reshape(bs, -1)
+    cluster = np.asarray(cluster_of, np.int64)
+    num_kv_heads = cluster.shape[1]
+    if bs == 0:
+        return None
+    per_layer = start[:, cluster]  # [bs, L, H_kv]
+    hist = per_layer[:, 0, :]  # [bs, H_kv]
+    if not np.array_equal(per_layer, np.broadcast_to(hist[:, None, :], per_layer.shape)):
+        return None
+    gqa = num_qo_heads // num_kv_heads
+    if int((new[:, None] * hist).sum()) * gqa * head_dim < max(min_work, 1):
+        return None
+    kv_lens = np.ascontiguousarray(hist.T).reshape(-1)  # [H_kv * bs], head-major
+    num_pages = -(-kv_lens // page_size)
+    kv_indptr = np.concatenate([[0], np.cumsum(num_pages)])
+    last = np.where(num_pages > 0, kv_lens - (num_pages - 1) * page_size, page_size)
+    tokens = int(new.sum())
+    starts = np.asarray(bounds[:-1], np.int64)
+    qo_starts = (np.arange(num_kv_heads, dtype=np.int64)[:, None] * tokens + starts).reshape(-1)
+    qo_indptr = np.concatenate([qo_starts, [num_kv_heads * tokens]])
+    width = int(num_pages.max())
+    # [bs, G, width] -> per layer and KV head: [L, H_kv, bs, width] single-head page ids
+    table = np.asarray(pages)[row_arr][:, :, :width].astype(np.int64)
+    ids = table[:, cluster, :].transpose(1, 2, 0, 3) * heads_per_group
+    ids += np.asarray(column_of, np.int64)[:, :, None, None]
+    used = np.arange(width) < num_pages.reshape(num_kv_heads, bs)[:, :, None]  # [H_kv, bs, w]
+    indices = ids[:, used]  # [L, kv_indptr[-1]], in (h, i, page) order
+    return PagedHistoryPlan(
+        num_kv_heads=num_kv_heads,
+        num_tokens=tokens,
+        qo_indptr=qo_indptr.astype(np.int32),
+        kv_indptr=kv_indptr.astype(np.int32),
+        last_page_len=last.astype(np.int32),
+        kv_lens=kv_lens.astype(np.int32),
+        indices=np.ascontiguousarray(indices),
+    )
+
+
+def single_head_pages(pool: torch.Tensor) -> torch.Tensor:
+    """``[num_pages, H_p, page_size, D] -> [num_pages * H_p, 1, page_size, D]`` (a view).
+
+    Raises:
+        KernelError: the pool is not contiguous (the view would not exist).
+    """
+    if not pool.is_contiguous():
+        raise KernelError(
+            "paged history: the KV pool must be contiguous to view its single-head pages"
+        )
+    num_pages, heads, page_size, head_dim = pool.shape
+    return pool.view(num_pages * heads, 1, page_size, head_dim)
+
+
+def to_head_major(q: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
+    """``[T, H_q, D] -> [H_kv * T, gqa, D]`` (a copy): rows of KV head h are ``h*T:(h+1)*T``."""
+    num_tokens, num_qo_heads, head_dim = q.shape
+    gqa = num_qo_heads // num_kv_heads
+    return (
+        q.view(num_tokens, num_kv_heads, gqa, head_dim).transpose(0, 1).reshape(-1, gqa, head_dim)
+    )
+
+
+def from_head_major(x: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
+    """Inverse of :func:`to_head_major` for outputs ``[H_kv * T, gqa, D]`` or LSE ``[H_kv * T,
+    gqa]``: ``[T, H_q, D]`` or ``[T, H_q]`` (a copy)."""
+    rest = x.shape[1:]
+    num_tokens = x.shape[0] // num_kv_heads
+    y = x.view(num_kv_heads, num_tokens, *rest).transpose(0, 1)
+    return y.reshape(num_tokens, num_kv_heads * rest[0], *rest[1:])
+
+
+def paged_prefill_reference(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    qo_indptr: Sequence[int],
+    kv_indptr: Sequence[int],
+    kv_indices: torch.Tensor,
+    last_page_len: Sequence[int],
+    sm_scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Non-causal paged prefill as FlashInfer's ``BatchPrefillWithPagedKVCacheWrapper`` defines
+    it (HND layout), in torch float32.
+
+    Args:
+        q: ``[qo_indptr[-1], H_q, D]``.
+        k_cache, v_cache: ``[max_num_pages, H_kv, page_size, D]`` (HND).
+        qo_indptr, kv_indptr: ``bs + 1`` host ints (rows; pages).
+        kv_indices: int ``[kv_indptr[-1]]`` page ids.
+        last_page_len: ``bs`` host ints: entries of each request's last page.
+        sm_scale: softmax scale.
+
+    Returns:
+        ``(out [qo_indptr[-1], H_q, D] in q's dtype, lse float32 [qo_indptr[-1], H_q])``, natural
+        log; a request with no page gets output 0 and LSE ``-inf``.
+    """
+    num_qo_heads, num_kv_heads = q.shape[1], k_cache.shape[1]
+    gqa = num_qo_heads // num_kv_heads
+    page_size = k_cache.shape[2]
+    out = torch.zeros_like(q)
+    lse = torch.full(q.shape[:2], float("-inf"), dtype=torch.float32, device=q.device)
+    for r in range(len(qo_indptr) - 1):
+        q0, q1 = int(qo_indptr[r]), int(qo_indptr[r + 1])
+        p0, p1 = int(kv_indptr[r]), int(kv_indptr[r + 1])
+        if p1 == p0 or q1 == q0:
+            continue
+        length = (p1 - p0 - 1) * page_size + int(last_page_len[r])
+        ids = kv_indices[p0:p1].long()
+        # [pages, H_kv, ps, D] -> [H_kv, pages * ps, D] -> first `length` tokens
+        keys = k_cache[ids].float().transpose(0, 1).reshape(num_kv_heads, -1, q.shape[2])
+        vals = v_cache[ids].float().transpose(0, 1).reshape(num_kv_heads, -1, q.shape[2])
+        keys = keys[:, :length].repeat_interleave(gqa, 0)
+        vals = vals[:, :length].repeat_interleave(gqa, 0)
+        logits = torch.matmul(q[q0:q1].float().transpose(0, 1), keys.transpose(1, 2)) * sm_scale
+        norm = torch.logsumexp(logits, dim=-1)  # [H_q, n]
+        probs = torch.exp(logits - norm.unsqueeze(-1))
+        out[q0:q1] = torch.matmul(probs, vals).transpose(0, 1).to(q.dtype)
+        lse[q0:q1] = norm.transpose(0, 1)
+    return out, lse
+
+
+class TorchPagedHistory:
+    """The history part by :func:`paged_prefill_reference` on a plan (CPU and tests)."""
+
+    def __init__(self) -> None:
+        self.arrays: PagedHistoryPlan | None = None
+        self.indices: torch.Tensor | None = None
+        self.sm_scale = 1.0
+
+    def plan(self, plan, indices, num_qo_heads, head_dim, page_size, dtype, sm_scale) -> bool:
+        """Keep the plan (arguments of :meth:`FlashInferPagedHistory.plan`); always usable."""
+        self.arrays, self.indices, self.sm_scale = plan, indices, sm_scale
+        return True
+
+    def run(self, q, k_pool, v_pool, layer: int):
+        """``(out [T, H_q, D], lse float32 [T, H_q])`` of layer ``layer``'s history."""
+        p = self.arrays
+        assert p is not None and self.indices is not None, "plan first"
+        out, lse = paged_prefill_reference(
+            to_head_major(q, p.num_kv_heads),
+            single_head_pages(k_pool),
+            single_head_pages(v_pool),
+            p.qo_indptr.tolist(),
+            p.kv_indptr.tolist(),
+            self.indices[layer],
+            p.last_page_len.tolist(),
+            self.sm_scale,
+        )
+        return from_head_major(out, p.num_kv_heads), from_head_major(lse, p.num_kv_heads)
+
+
+class FlashInferPagedHistory:
+    """The history part by FlashInfer's paged prefill (FA2, as SGLang's flashinfer backend
+    runs its prefix part), planned once per batch and run per layer (CUDA).
+
+    Args:
+        workspace: FlashInfer's float workspace (uint8, CUDA); may be shared with other
+            wrappers of the same stream (runs are serialised on it).
+        dtype: the model's (and pool's) dtype.
+
+    Raises:
+        ConfigError: a dtype FlashInfer's prefill does not take (float32), naming
+            ``TANGRAM_HISTORY_ATTENTION`` and the fix.
+        KernelError: flashinfer cannot be imported.
+    """
+
+    def __init__(self, workspace: torch.Tensor, dtype: torch.dtype) -> None:
+        if dtype not in (torch.float16, torch.bfloat16):
+            raise ConfigError(
+                f"TANGRAM_HISTORY_ATTENTION=flashinfer runs FlashInfer's prefill, which takes "
+                f"float16 or bfloat16, not the model's {dtype}; pass --dtype bfloat16 or unset "
+                "TANGRAM_HISTORY_ATTENTION"
+            )
+        try:
+            from flashinfer.prefill import BatchPrefillWithPagedKVCacheWrapper
+        except ImportError as exc:  # pragma: no cover - sglang depends on flashinfer-python
+            raise KernelError(
+                "TANGRAM_HISTORY_ATTENTION=flashinfer needs the flashinfer-python package "
+                f"({exc}); install it or unset TANGRAM_HISTORY_ATTENTION"
+            ) from exc
+        self.wrapper = BatchPrefillWithPagedKVCacheWrapper(workspace, "HND", backend="fa2")
+        self.num_kv_heads = 0
+        self.indices: torch.Tensor | None = None  # [L, nnz] int32, the batch's page ids
+        self.buffer: torch.Tensor | None = None  # [nnz] int32: the index buffer FlashInfer reads
+        self.usable = True
+
+    def plan(
+        self,
+        plan: PagedHistoryPlan,
+        indices: torch.Tensor,
+        num_qo_heads: int,
+        head_dim: int,
+        page_size: int,
+        dtype: torch.dtype,
+        sm_scale: float,
+    ) -> bool:
+        """Plan the batch (host work, once per batch; every host array goes pinned, so no copy
+        waits for the GPU). False when this FlashInfer does not read the index buffer it was
+        given: the batch then keeps Tangram's history kernel (logged once).
+
+        Args:
+            plan: the batch's host plan.
+            indices: int32 ``[num_layers, nnz]`` on the device (the plan's ``indices``).
+            num_qo_heads, head_dim: the model's H_q and D.
+            page_size: tokens per page of the pool.
+            dtype: the model's (and pool's) dtype.
+            sm_scale: softmax scale (FlashInfer takes it at plan time).
+        """
+        if not self.usable:
+            return False
+
+        def pinned(a: np.ndarray) -> torch.Tensor:
+            return torch.from_numpy(np.ascontiguousarray(a, np.int32)).pin_memory()
+
+        self.buffer = indices[0].clone()
+        self.wrapper.plan(
+            pinned(plan.qo_indptr),
+            pinned(plan.kv_indptr),
+            self.buffer,
+            pinned(plan.last_page_len),
+            num_qo_heads // plan.num_kv_heads,
+            1,
+            head_dim,
+            page_size,
+            causal=False,
+            sm_scale=sm_scale,
+            q_data_type=dtype,
+            kv_data_type=dtype,
+            seq_lens=pinned(plan.kv_lens),
+        )
+        # run() reads the index buffer plan() kept; each layer's page ids are copied into it
+        if getattr(self.wrapper, "_paged_kv_indices_buf", None) is not self.buffer:
+            logger.warning(
+                "Tangram: this FlashInfer does not keep the paged-history index buffer it is "
+                "planned with; the history part stays in Tangram's kernel"
+            )
+            self.usable = False
+            return False
+        self.num_kv_heads = plan.num_kv_heads
+        self.indices = indices
+        return True
+
+    def run(self, q, k_pool, v_pool, layer: int):
+        """``(out [T, H_q, D], lse float32 [T, H_q] natural log)`` of layer ``layer``."""
+        assert self.indices is not None and self.buffer is not None, "plan first"
+        self.buffer.copy_(self.indices[layer])
+        out, lse2 = self.wrapper.run(
+            to_head_major(q, self.num_kv_heads),
+            (single_head_pages(k_pool), single_head_pages(v_pool)),
+            return_lse=True,
+        )
+        return (
+            from_head_major(out, self.num_kv_heads),
+            from_head_major(lse2, self.num_kv_heads).mul_(math.log(2.0)),
+        )

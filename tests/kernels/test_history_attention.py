@@ -1,0 +1,257 @@
+"""The history part of an extend through FlashInfer's paged prefill over single-head pages: the
+host plan against Tangram's history kernel (CPU, through FlashInfer's semantics in torch), and
+FlashInfer itself on the GPU."""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from kernel_cases import DEVICE, TOL, head_slots, make_paged_layer, rel_err
+
+from tangram_sglang.kernels.extend_attention import ragged_extend_attention
+from tangram_sglang.kernels.history_attention import (
+    TorchPagedHistory,
+    from_head_major,
+    plan_paged_history,
+    to_head_major,
+)
+from tangram_sglang.kernels.new_token_attention import TorchNewTokens
+
+SCALE = 0.125
+PAGE, H_P = 16, 2
+
+
+def _history_kernel(q, k, v, qo_indptr, paging):
+    """Tangram's history-only kernel (the oracle): ``(out, lse)``."""
+    out = torch.full_like(q, float("nan"))
+    lse = torch.full(q.shape[:2], float("nan"), device=q.device)
+    return ragged_extend_attention(q, k, v, qo_indptr, *paging, SCALE, out, lse, new_tokens=False)
+
+
+def _layers(lens, num_kv_heads, num_layers, dtype, head_dim=64, seed=0):
+    """One pool and page table, ``num_layers`` head maps over it (each a random draw of
+    (group, column) slots): ``(layer, cluster_of [L, H_kv], column_of [L, H_kv])``."""
+    layer = make_paged_layer(lens, num_kv_heads, H_P, PAGE, head_dim, dtype, seed)
+    rng = np.random.default_rng(seed + 1)
+    maps = [(layer.group_of_head.cpu().numpy(), layer.column_of_head.cpu().numpy())]
+    for _ in range(num_layers - 1):
+        maps.append(head_slots(num_kv_heads, lens.shape[1], H_P, rng))
+    cluster = np.stack([m[0] for m in maps]).astype(np.int64)
+    column = np.stack([m[1] for m in maps]).astype(np.int64)
+    return layer, cluster, column
+
+
+def _plan(layer, cluster, column, rows, extend_lens, num_qo_heads, min_work=0):
+    bounds = np.cumsum([0, *extend_lens]).tolist()
+    start = layer.group_len.cpu().numpy()[rows]
+    return plan_paged_history(
+        rows,
+        bounds,
+        start,
+        layer.page_table.cpu().numpy(),
+        cluster,
+        column,
+        H_P,
+        PAGE,
+        num_qo_heads,
+        layer.k_pool.shape[3],
+        min_work=min_work,
+    )
+
+
+def _inputs(extend_lens, num_kv_heads, gqa, head_dim, dtype, seed):
+    gen = torch.Generator().manual_seed(seed)
+    n = sum(extend_lens)
+    q = torch.randn(n, num_kv_heads * gqa, head_dim, generator=gen).to(dtype).to(DEVICE)
+    k = torch.randn(n, num_kv_heads, head_dim, generator=gen).to(dtype).to(DEVICE)
+    v = torch.randn(n, num_kv_heads, head_dim, generator=gen).to(dtype).to(DEVICE)
+    qo_indptr = torch.tensor(np.cumsum([0, *extend_lens]), dtype=torch.int32, device=DEVICE)
+    return q, k, v, qo_indptr
+
+
+def test_head_major_layout_round_trips():
+    q = torch.randn(5, 8, 3)
+    hm = to_head_major(q, 2)
+    assert hm.shape == (10, 4, 3)
+    torch.testing.assert_close(hm[5 + 2], q[2, 4:8])  # KV head 1, token 2: query heads 4-7
+    torch.testing.assert_close(from_head_major(hm, 2), q)
+    torch.testing.assert_close(from_head_major(hm[..., 0], 2), q[..., 0])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_plan_gives_flashinfers_paged_prefill_each_heads_history_on_every_layer(dtype):
+    """Three layers whose KV heads sit in different groups and columns over one pool; every
+    group of a row holds the same number of tokens (ratio 1.0), one row has none, lengths are
+    off page boundaries. FlashInfer's paged-prefill semantics (torch) on the plan's arrays equal
+    Tangram's history kernel on each layer's head map, rows without history included."""
+    lens = np.array([[37, 37, 37], [0, 0, 0], [16, 16, 16], [5, 5, 5]])
+    num_kv_heads, gqa = 2, 2
+    layer, cluster, column = _layers(lens, num_kv_heads, 3, dtype)
+    rows, extend_lens = [2, 1, 0, 3], [3, 9, 20, 1]
+    plan = _plan(layer, cluster, column, rows, extend_lens, num_kv_heads * gqa)
+    assert plan is not None and plan.indices.shape[0] == 3
+    q, k, v, qo_indptr = _inputs(extend_lens, num_kv_heads, gqa, 64, dtype, seed=3)
+    req_rows = torch.tensor(rows, dtype=torch.int32, device=DEVICE)
+    history = TorchPagedHistory()
+    indices = torch.from_numpy(plan.indices).to(DEVICE)
+    assert history.plan(plan, indices, q.shape[1], q.shape[2], PAGE, dtype, SCALE)
+    for lid in range(3):
+        paging = list(layer.paging(req_rows))
+        paging[5] = torch.tensor(cluster[lid], dtype=torch.int32, device=DEVICE)
+        paging[6] = torch.tensor(column[lid], dtype=torch.int32, device=DEVICE)
+        want_out, want_lse = _history_kernel(q, k, v, qo_indptr, paging)
+        out, lse = history.run(q, layer.k_pool, layer.v_pool, lid)
+        assert rel_err(out, want_out) < TOL[dtype]
+        finite = torch.isfinite(want_lse)
+        assert torch.equal(finite, torch.isfinite(lse))
+        assert not finite[3:12].any()  # the request at row 1 has no history
+        assert rel_err(lse[finite], want_lse[finite]) < TOL[dtype]
+
+
+def test_a_batch_whose_layers_differ_in_history_length_gets_no_plan():
+    lens = np.array([[37, 20, 37], [8, 8, 8]])
+    layer, cluster, column = _layers(lens, 2, 2, torch.float32)
+    cluster[0] = [0, 2]  # layer 0 reads groups of 37 tokens on row 0
+    cluster[1] = [0, 1]  # layer 1's second head reads group 1: 20 tokens
+    column[1] = [0, 0]
+    assert _plan(layer, cluster, column, [0, 1], [4, 4], 4) is None
+    cluster[1] = [2, 0]
+    column[1] = [0, 1]
+    assert _plan(layer, cluster, column, [0, 1], [4, 4], 4) is not None
+
+
+def test_no_plan_without_history_or_below_the_work_floor():
+    lens = np.array([[0, 0, 0], [30, 30, 30]])
+    layer, cluster, column = _layers(lens, 2, 2, torch.float32)
+    assert _plan(layer, cluster, column, [0], [50], 4) is None  # no history at all
+    # work = new * history * gqa * head_dim summed over KV heads: 10 * 30 * 2 * 64 * 2
+    work = 10 * 30 * 2 * 64 * 2
+    assert _plan(layer, cluster, column, [1], [10], 4, min_work=work) is not None
+    assert _plan(layer, cluster, column, [1], [10], 4, min_work=work + 1) is None
+
+
+def test_triton_kernels_run_the_planned_paged_history_per_layer_and_equal_the_fused_kernel(
+    monkeypatch,
+):
+    """``TritonKernels.extend`` with torch stand-ins for both FlashInfer parts: a batch with a
+    paged-history plan is split even under ``auto`` with ``split_new_tokens`` False, planned on
+    its first layer only, each layer's run reads that layer's page ids, and the result is the
+    fused kernel's."""
+    from tangram_sglang.backend import metadata as md
+    from tangram_sglang.backend.layer_ops import TritonKernels
+    from tangram_sglang.profile import BudgetProfile
+
+    monkeypatch.setattr(
+        torch.cuda, "get_device_properties", lambda d: SimpleNamespace(multi_processor_count=8)
+    )
+    profile = BudgetProfile.load("calibration/synthetic/llama3.1-8b-ada-snapkv-r0.25.json")
+    kernels = TritonKernels(SimpleNamespace(profile=profile), 4, torch.device("cpu"))
+    kernels.prefill, kernels.new_tokens = "auto", TorchNewTokens()
+    runs, plans = [], []
+
+    class Recorded(TorchPagedHistory):
+        usable = True
+
+        def plan(self, *args):
+            plans.append(args[0])
+            return super().plan(*args)
+
+        def run(self, q, k_pool, v_pool, layer):
+            runs.append(layer)
+            return super().run(q, k_pool, v_pool, layer)
+
+    kernels.history = Recorded()
+    assert kernels.plans_paged_history
+    lens = np.array([[37, 37, 37], [12, 12, 12], [0, 0, 0]])
+    layer, cluster, column = _layers(lens, 2, 2, torch.float32)
+    rows, extend_lens = [0, 2, 1], [5, 7, 2]
+    plan = _plan(layer, cluster, column, rows, extend_lens, 4)
+    q, k, v, qo_indptr = _inputs(extend_lens, 2, 2, 64, torch.float32, seed=9)
+    req_rows = torch.tensor(rows, dtype=torch.int32)
+    meta = md.TangramForwardMetadata(
+        mode=md.EXTEND,
+        req_rows=req_rows,
+        qo_indptr=qo_indptr,
+        bounds=qo_indptr.tolist(),
+        kept_lens=None,
+        kept_count=None,
+        dest_page=None,
+        dest_slot=None,
+        max_extend_len=7,
+        split_new_tokens=False,
+        history=plan,
+        history_indices=torch.from_numpy(plan.indices).to(torch.int32),
+    )
+    for lid in range(2):
+        paging = list(layer.paging(req_rows))
+        paging[5] = torch.tensor(cluster[lid], dtype=torch.int32)
+        paging[6] = torch.tensor(column[lid], dtype=torch.int32)
+        got = kernels.extend(q, k, v, qo_indptr, *paging, SCALE, 7, meta=meta, layer=lid)
+        want = ragged_extend_attention(
+            q,
+            k,
+            v,
+            qo_indptr,
+            *paging,
+            SCALE,
+            torch.empty_like(q),
+            torch.empty(q.shape[:2]),
+            7,
+        )
+        assert rel_err(got[0], want[0]) < TOL[torch.float32]
+        assert rel_err(got[1], want[1]) < TOL[torch.float32]
+    assert runs == [0, 1] and plans == [plan]
+
+
+def test_history_attention_reads_its_switch_and_refuses_a_split_turned_off():
+    from tangram_sglang.config import (
+        HISTORY_ATTENTION_ENV,
+        PREFILL_ATTENTION_ENV,
+        history_attention,
+    )
+    from tangram_sglang.errors import ConfigError
+
+    assert history_attention({}) == "triton"
+    assert history_attention({HISTORY_ATTENTION_ENV: " FlashInfer "}) == "flashinfer"
+    with pytest.raises(ConfigError, match="TANGRAM_HISTORY_ATTENTION='fa3'"):
+        history_attention({HISTORY_ATTENTION_ENV: "fa3"})
+    with pytest.raises(ConfigError, match="TANGRAM_PREFILL_ATTENTION=triton"):
+        history_attention({HISTORY_ATTENTION_ENV: "flashinfer", PREFILL_ATTENTION_ENV: "triton"})
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="FlashInfer's prefill needs CUDA")
+@pytest.mark.parametrize("extend_lens", [[1, 70, 300], [700, 3]])
+def test_flashinfer_paged_history_equals_tangrams_history_kernel(extend_lens):
+    """bf16, Llama head shapes (GQA 4, head_dim 128), page 16, two layers with different head
+    maps, a request without history: FlashInfer's out and natural-log LSE per layer."""
+    from tangram_sglang.kernels.history_attention import FlashInferPagedHistory
+    from tangram_sglang.kernels.new_token_attention import WORKSPACE_BYTES
+
+    num_kv_heads, gqa = 2, 4
+    hist = [300, 0, 1000][: len(extend_lens)]
+    lens = np.repeat(np.array(hist)[:, None], 3, axis=1)
+    layer, cluster, column = _layers(lens, num_kv_heads, 2, torch.bfloat16, head_dim=128)
+    rows = list(range(len(extend_lens)))
+    plan = _plan(layer, cluster, column, rows, extend_lens, num_kv_heads * gqa)
+    q, k, v, qo_indptr = _inputs(extend_lens, num_kv_heads, gqa, 128, torch.bfloat16, seed=5)
+    workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=DEVICE)
+    history = FlashInferPagedHistory(workspace, torch.bfloat16)
+    indices = torch.from_numpy(plan.indices).to(DEVICE, torch.int32)
+    assert history.plan(plan, indices, q.shape[1], 128, PAGE, torch.bfloat16, SCALE)
+    req_rows = torch.tensor(rows, dtype=torch.int32, device=DEVICE)
+    for lid in range(2):
+        paging = list(layer.paging(req_rows))
+        paging[5] = torch.tensor(cluster[lid], dtype=torch.int32, device=DEVICE)
+        paging[6] = torch.tensor(column[lid], dtype=torch.int32, device=DEVICE)
+        want_out, want_lse = _history_kernel(q, k, v, qo_indptr, paging)
+        out, lse = history.run(q, layer.k_pool, layer.v_pool, lid)
+        assert rel_err(out, want_out) < TOL[torch.bfloat16]
+        finite = torch.isfinite(want_lse)
+        assert torch.equal(finite, torch.isfinite(lse)) or (out[~finite] == 0).all()
+        assert rel_err(lse[finite], want_lse[finite]) < 1e-3
+        assert math.isfinite(float(out.float().sum()))
