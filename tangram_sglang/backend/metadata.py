@@ -44,7 +44,7 @@ import numpy as np
 import torch
 
 from tangram_sglang.errors import KernelError
-from tangram_sglang.kernels.history_attention import PagedHistoryPlan
+from tangram_sglang.kernels.history_attention import PagedHistoryPlan, device_page_ids
 
 EXTEND = "extend"
 DECODE = "decode"
@@ -145,8 +145,9 @@ def extend_metadata(
             shaped like ``PageTable.group_len`` (the backend's, built once); required with
             ``start_lens``.
         history: optional paged-history plan of the batch
-            (``kernels.history_attention.plan_paged_history``): its page ids ride in the same
-            upload (:attr:`TangramForwardMetadata.history_indices`).
+            (``kernels.history_attention.plan_paged_history``): its arrays ride in the same
+            upload, and every layer's page ids are built from them on the device
+            (:attr:`TangramForwardMetadata.history_indices`).
 
     Raises:
         KernelError: ``start_lens`` without a ``hist_len`` buffer.
@@ -169,10 +170,15 @@ def extend_metadata(
     start_at = len(parts)
     if start_lens is not None:
         parts.append(np.asarray(start_lens, np.int64).reshape(kept.shape))
+    history_at = len(parts)
     if history is not None:
-        parts.append(history.indices)
+        parts += history.upload_parts()
     dev = (upload or plain_upload(device))(parts)
-    history_indices = dev[-1].to(torch.int32) if history is not None else None
+    history_indices = None
+    if history is not None:
+        history_indices = device_page_ids(
+            dev[history_at:], history.heads_per_group, int(history.kv_indptr[-1])
+        )
     if heads_host is not None:
         heads = dev[3]
     if start_lens is not None:

@@ -64,29 +64,73 @@ PAGED_HISTORY_MIN_WORK = 128 * 2**26
 class PagedHistoryPlan:
     """Host arrays of one extend batch's paged-history plan (:func:`plan_paged_history`).
 
-    FlashInfer request ``r = h * bs + i`` is KV head ``h`` of the batch's request ``i``.
+    FlashInfer request ``r = h * bs + i`` is KV head ``h`` of the batch's request ``i``. The
+    single-head page ids of every layer (``num_layers x nnz`` of them) are built on the device
+    from :meth:`upload_parts` by :func:`device_page_ids`: the host only slices the page table.
 
     Attributes:
         num_kv_heads: H_kv (KV heads per layer).
-        num_tokens: T, new tokens of the batch.
+        heads_per_group: H_p (columns per page).
         qo_indptr: int32 ``[H_kv * bs + 1]``: request r owns rows ``qo_indptr[r]:qo_indptr[r+1]``
             of the head-major queries (:func:`to_head_major`).
-        kv_indptr: int32 ``[H_kv * bs + 1]``: request r's pages are
-            ``indices[layer, kv_indptr[r]:kv_indptr[r + 1]]``.
+        kv_indptr: int32 ``[H_kv * bs + 1]``: request r's pages are entries
+            ``kv_indptr[r]:kv_indptr[r + 1]`` of each layer's page ids.
         last_page_len: int32 ``[H_kv * bs]``: tokens in request r's last page (``page_size``
             for a request with no page).
         kv_lens: int32 ``[H_kv * bs]``: history tokens of request r (the same on every layer).
-        indices: int64 ``[num_layers, kv_indptr[-1]]``: single-head page ids
-            ``page * H_p + column`` of each layer.
+        num_pages: int64 ``[H_kv * bs]``: pages of request r (``kv_indptr``'s steps).
+        table: int64 ``[bs, G, width]``: the batch's rows of the page table, the first
+            ``width`` (its longest history's pages) entries per group.
+        cluster_of, column_of: int64 ``[num_layers, H_kv]``: the profile's head maps.
     """
 
     num_kv_heads: int
-    num_tokens: int
+    heads_per_group: int
     qo_indptr: np.ndarray
     kv_indptr: np.ndarray
     last_page_len: np.ndarray
     kv_lens: np.ndarray
-    indices: np.ndarray
+    num_pages: np.ndarray
+    table: np.ndarray
+    cluster_of: np.ndarray
+    column_of: np.ndarray
+
+    def upload_parts(self) -> list[np.ndarray]:
+        """The arrays :func:`device_page_ids` reads, in its order (one packed upload)."""
+        return [self.num_pages, self.table, self.cluster_of, self.column_of]
+
+    def page_ids_on(self, device: torch.device | str) -> torch.Tensor:
+        """int32 ``[num_layers, nnz]`` page ids on ``device`` by plain copies (tests, benches)."""
+        parts = [torch.from_numpy(a).to(device) for a in self.upload_parts()]
+        return device_page_ids(parts, self.heads_per_group, int(self.kv_indptr[-1]))
+
+
+def device_page_ids(
+    parts: Sequence[torch.Tensor], heads_per_group: int, num_entries: int
+) -> torch.Tensor:
+    """Every layer's single-head page ids ``page * H_p + column``, built on the device.
+
+    Args:
+        parts: int64 device tensors of :meth:`PagedHistoryPlan.upload_parts` (same order).
+        heads_per_group: H_p.
+        num_entries: nnz, ``kv_indptr[-1]`` (a host int: no device read).
+
+    Returns:
+        int32 ``[num_layers, nnz]``: entry ``e`` of FlashInfer request ``r = h * bs + i``
+        (``kv_indptr[r] <= e < kv_indptr[r + 1]``) is page ``e - kv_indptr[r]`` of KV head h's
+        group ``cluster_of[l, h]`` in the batch's row i, as a single-head page of column
+        ``column_of[l, h]``.
+    """
+    num_pages, table, cluster, column = parts
+    bs, num_groups, width = table.shape
+    requests = torch.arange(num_pages.shape[0], device=table.device)
+    request = torch.repeat_interleave(requests, num_pages, output_size=num_entries)  # [nnz]
+    first = torch.cumsum(num_pages, 0) - num_pages  # kv_indptr[:-1]
+    page = torch.arange(num_entries, device=table.device) - first[request]
+    head, req = request // bs, request % bs
+    src = (req * num_groups + cluster[:, head]) * width + page  # [L, nnz]
+    ids = table.reshape(-1)[src] * heads_per_group + column[:, head]
+    return ids.to(torch.int32)
 
 
 def plan_paged_history(
@@ -124,15 +168,15 @@ def plan_paged_history(
     """
     row_arr = np.asarray(rows, np.int64).reshape(-1)
     bs = row_arr.size
+    if bs == 0:
+        return None
     new = np.diff(np.asarray(bounds, np.int64))
     start = np.asarray(start_lens, np.int64).reshape(bs, -1)
     cluster = np.asarray(cluster_of, np.int64)
     num_kv_heads = cluster.shape[1]
-    if bs == 0:
-        return None
     per_layer = start[:, cluster]  # [bs, L, H_kv]
     hist = per_layer[:, 0, :]  # [bs, H_kv]
-    if not np.array_equal(per_layer, np.broadcast_to(hist[:, None, :], per_layer.shape)):
+    if not (per_layer == hist[:, None, :]).all():
         return None
     gqa = num_qo_heads // num_kv_heads
     if int((new[:, None] * hist).sum()) * gqa * head_dim < max(min_work, 1):
@@ -142,24 +186,20 @@ def plan_paged_history(
     kv_indptr = np.concatenate([[0], np.cumsum(num_pages)])
     last = np.where(num_pages > 0, kv_lens - (num_pages - 1) * page_size, page_size)
     tokens = int(new.sum())
-    starts = np.asarray(bounds[:-1], np.int64)
-    qo_starts = (np.arange(num_kv_heads, dtype=np.int64)[:, None] * tokens + starts).reshape(-1)
-    qo_indptr = np.concatenate([qo_starts, [num_kv_heads * tokens]])
+    qo_starts = np.arange(num_kv_heads, dtype=np.int64)[:, None] * tokens + np.asarray(bounds[:-1])
+    qo_indptr = np.concatenate([qo_starts.reshape(-1), [num_kv_heads * tokens]])
     width = int(num_pages.max())
-    # [bs, G, width] -> per layer and KV head: [L, H_kv, bs, width] single-head page ids
-    table = np.asarray(pages)[row_arr][:, :, :width].astype(np.int64)
-    ids = table[:, cluster, :].transpose(1, 2, 0, 3) * heads_per_group
-    ids += np.asarray(column_of, np.int64)[:, :, None, None]
-    used = np.arange(width) < num_pages.reshape(num_kv_heads, bs)[:, :, None]  # [H_kv, bs, w]
-    indices = ids[:, used]  # [L, kv_indptr[-1]], in (h, i, page) order
     return PagedHistoryPlan(
         num_kv_heads=num_kv_heads,
-        num_tokens=tokens,
+        heads_per_group=int(heads_per_group),
         qo_indptr=qo_indptr.astype(np.int32),
         kv_indptr=kv_indptr.astype(np.int32),
         last_page_len=last.astype(np.int32),
         kv_lens=kv_lens.astype(np.int32),
-        indices=np.ascontiguousarray(indices),
+        num_pages=num_pages,
+        table=np.asarray(pages)[row_arr, :, :width].astype(np.int64),
+        cluster_of=cluster,
+        column_of=np.asarray(column_of, np.int64),
     )
 
 

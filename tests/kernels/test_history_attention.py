@@ -93,11 +93,12 @@ def test_the_plan_gives_flashinfers_paged_prefill_each_heads_history_on_every_la
     layer, cluster, column = _layers(lens, num_kv_heads, 3, dtype)
     rows, extend_lens = [2, 1, 0, 3], [3, 9, 20, 1]
     plan = _plan(layer, cluster, column, rows, extend_lens, num_kv_heads * gqa)
-    assert plan is not None and plan.indices.shape[0] == 3
+    assert plan is not None
     q, k, v, qo_indptr = _inputs(extend_lens, num_kv_heads, gqa, 64, dtype, seed=3)
     req_rows = torch.tensor(rows, dtype=torch.int32, device=DEVICE)
     history = TorchPagedHistory()
-    indices = torch.from_numpy(plan.indices).to(DEVICE)
+    indices = plan.page_ids_on(DEVICE)
+    assert indices.shape == (3, int(plan.kv_indptr[-1])) and indices.dtype == torch.int32
     assert history.plan(plan, indices, q.shape[1], q.shape[2], PAGE, dtype, SCALE)
     for lid in range(3):
         paging = list(layer.paging(req_rows))
@@ -184,7 +185,7 @@ def test_triton_kernels_run_the_planned_paged_history_per_layer_and_equal_the_fu
         max_extend_len=7,
         split_new_tokens=False,
         history=plan,
-        history_indices=torch.from_numpy(plan.indices).to(torch.int32),
+        history_indices=plan.page_ids_on("cpu"),
     )
     for lid in range(2):
         paging = list(layer.paging(req_rows))
@@ -241,7 +242,7 @@ def test_flashinfer_paged_history_equals_tangrams_history_kernel(extend_lens):
     q, k, v, qo_indptr = _inputs(extend_lens, num_kv_heads, gqa, 128, torch.bfloat16, seed=5)
     workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=DEVICE)
     history = FlashInferPagedHistory(workspace, torch.bfloat16)
-    indices = torch.from_numpy(plan.indices).to(DEVICE, torch.int32)
+    indices = plan.page_ids_on(DEVICE)
     assert history.plan(plan, indices, q.shape[1], 128, PAGE, torch.bfloat16, SCALE)
     req_rows = torch.tensor(rows, dtype=torch.int32, device=DEVICE)
     for lid in range(2):
