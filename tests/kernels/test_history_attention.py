@@ -208,7 +208,8 @@ def test_triton_kernels_run_the_planned_paged_history_per_layer_and_equal_the_fu
     assert runs == [0, 1] and plans == [plan]
 
 
-def test_history_attention_reads_its_switch_and_refuses_a_split_turned_off():
+def test_history_attention_reads_its_switch_and_refuses_a_split_turned_off(monkeypatch):
+    from tangram_sglang.backend.layer_ops import kernels_for
     from tangram_sglang.config import (
         HISTORY_ATTENTION_ENV,
         PREFILL_ATTENTION_ENV,
@@ -222,6 +223,15 @@ def test_history_attention_reads_its_switch_and_refuses_a_split_turned_off():
         history_attention({HISTORY_ATTENTION_ENV: "fa3"})
     with pytest.raises(ConfigError, match="TANGRAM_PREFILL_ATTENTION=triton"):
         history_attention({HISTORY_ATTENTION_ENV: "flashinfer", PREFILL_ATTENTION_ENV: "triton"})
+    # the server reads it at start-up through kernels_for; a CPU server then plans every batch
+    monkeypatch.setenv(HISTORY_ATTENTION_ENV, "flashinfer")
+    kernels = kernels_for(torch.device("cpu"), None, 1)
+    assert kernels.plans_paged_history and kernels.paged_history_min_work == 0
+    monkeypatch.delenv(HISTORY_ATTENTION_ENV)
+    assert not kernels_for(torch.device("cpu"), None, 1).plans_paged_history
+    monkeypatch.setenv(HISTORY_ATTENTION_ENV, "paged")
+    with pytest.raises(ConfigError, match="TANGRAM_HISTORY_ATTENTION='paged'"):
+        kernels_for(torch.device("cpu"), None, 1)
 
 
 @pytest.mark.gpu
