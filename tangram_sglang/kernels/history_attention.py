@@ -53,11 +53,13 @@ from tangram_sglang.errors import ConfigError, KernelError
 logger = logging.getLogger(__name__)
 
 # History work per layer (query-key pairs x head_dim, summed over query heads) below which a
-# batch keeps Tangram's history kernel: FlashInfer's plan (host, once per batch) and the query
-# and output re-layouts (two copies per layer) cost more than they save on short histories.
-# 2**26 pairs at head_dim 128 is about 0.15 ms of Tangram's history kernel per layer on the
-# H200 (about 230 TFLOP/s on 8,192 x 8,192, benchmarks/RESULTS.md 2026-12-05).
-PAGED_HISTORY_MIN_WORK = 128 * 2**26
+# batch keeps Tangram's history kernel. Per layer the split adds about ten launches (the
+# re-layouts, the index copy, the LSE merge), 50-100 us of host time, while FlashInfer's FA2
+# saves perhaps a quarter of the history kernel's time (about 230 TFLOP/s on 8,192 x 8,192 on
+# the H200, benchmarks/RESULTS.md 2026-12-05): it pays from about 0.5 ms of history per layer.
+# 2**28 pairs at head_dim 128 is about 0.6 ms (e.g. 64 requests x 128 new tokens over 1,024
+# tokens of history, 32 query heads). To be tuned on the H200 (scripts/device_history.sh).
+PAGED_HISTORY_MIN_WORK = 128 * 2**28
 
 
 @dataclass(frozen=True, slots=True)
