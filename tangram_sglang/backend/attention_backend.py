@@ -46,10 +46,9 @@ from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 from sglang.srt.server_args import add_attention_backend_choices
 
 from tangram_sglang.backend import metadata as md
-from tangram_sglang.backend.layer_ops import extend_layer, kernels_for
+from tangram_sglang.backend.layer_ops import batch_history_plan, extend_layer, kernels_for
 from tangram_sglang.backend.state import TangramState
 from tangram_sglang.errors import ConfigError, KernelError
-from tangram_sglang.kernels.history_attention import plan_paged_history
 from tangram_sglang.mem.manager import TangramMemory
 from tangram_sglang.scoring.kvzip_gate import is_token_scorer
 from tangram_sglang.scoring.replay import RopeShift, bind_rope, check_rope_span, needs_rope
@@ -246,22 +245,7 @@ class TangramAttnBackend(AttentionBackend):
         elif mode.is_extend() and not mode.is_mixed():
             extend_lens = list(forward_batch.extend_seq_lens_cpu)
             start, kept = self.state.extend_plan_for(rows, extend_lens)
-            history = None
-            if self.kernels.plans_paged_history:
-                grouping, m = self.state.profile.grouping, self.state.profile.model
-                history = plan_paged_history(
-                    rows,
-                    np.concatenate([[0], np.cumsum(extend_lens)]).tolist(),
-                    start,
-                    table.pages,
-                    grouping.cluster_of,
-                    grouping.column_of,
-                    grouping.heads_per_group,
-                    table.page_size,
-                    m.num_qo_heads,
-                    m.head_dim,
-                    min_work=self.kernels.paged_history_min_work,
-                )
+            history = batch_history_plan(self.kernels, self.state, rows, extend_lens, start)
             self.forward_metadata = md.extend_metadata(
                 rows,
                 extend_lens,
@@ -272,6 +256,7 @@ class TangramAttnBackend(AttentionBackend):
                 start_lens=start,
                 hist_len=self.extend_hist_len,
                 history=history,
+                page_table=table.page_table,
             )
         else:
             raise ConfigError(f"the {BACKEND_NAME} backend does not run forward mode {mode.name}")

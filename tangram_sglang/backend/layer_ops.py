@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 
+import numpy as np
 import torch
 
 from tangram_sglang.backend import metadata as md
@@ -26,6 +27,7 @@ from tangram_sglang.backend.state import TangramState
 from tangram_sglang.config import decode_plan, history_attention, prefill_attention
 from tangram_sglang.errors import ConfigError, KernelError
 from tangram_sglang.kernels import reference
+from tangram_sglang.kernels.history_attention import PagedHistoryPlan, plan_paged_history
 
 logger = logging.getLogger(__name__)
 
@@ -73,7 +75,7 @@ class ReferenceKernels:
         sm_scale,
         max_extend_len,
         meta=None,
-        layer=0,
+        layer=None,
     ):
         """``(out [T, H_q, D], lse float32 [T, H_q])`` of one extend layer: the fused
         reference, or, for a batch with a paged-history plan (``meta.history``) under
@@ -85,6 +87,7 @@ class ReferenceKernels:
             )
         from tangram_sglang.kernels.new_token_attention import split_extend
 
+        _check_layer(layer)
         new_tokens, history = self.split
         if self._planned is not meta:
             if self._planned is None:
@@ -92,7 +95,7 @@ class ReferenceKernels:
             new_tokens.plan(meta.bounds, q.shape[1], k.shape[1], q.shape[2], q.dtype)
             history.plan(
                 meta.history,
-                meta.history_indices,
+                meta.history_ids,
                 q.shape[1],
                 q.shape[2],
                 k_pool.shape[2],
@@ -242,7 +245,7 @@ class TritonKernels(ReferenceKernels):
         sm_scale,
         max_extend_len,
         meta=None,
-        layer=0,
+        layer=None,
     ):
         """``(out, lse)`` from ``kernels.extend_attention.ragged_extend_attention``, or, under
         ``prefill="flashinfer"`` (or ``"auto"`` and ``meta.split_new_tokens``, or a batch with a
@@ -288,7 +291,7 @@ class TritonKernels(ReferenceKernels):
                 self._history_logged = True
             self._history_planned = paged and self.history.plan(
                 meta.history,
-                meta.history_indices,
+                meta.history_ids,
                 q.shape[1],
                 q.shape[2],
                 k_pool.shape[2],
@@ -297,7 +300,8 @@ class TritonKernels(ReferenceKernels):
             )
             self._planned = meta
         history = None
-        if self._history_planned:
+        if self._history_planned and sm_scale == self.history.sm_scale:
+            _check_layer(layer)
             history = lambda: self.history.run(q, k_pool, v_pool, layer)  # noqa: E731
         elif meta.any_history:
             history = lambda: fused(new_tokens=False)  # noqa: E731
@@ -341,6 +345,19 @@ class TritonKernels(ReferenceKernels):
         )
 
 
+def _check_layer(layer: int | None) -> None:
+    """A batch with a paged-history plan reads each layer's own page ids: the layer is needed.
+
+    Raises:
+        KernelError: ``layer`` is None.
+    """
+    if layer is None:
+        raise KernelError(
+            "extend with a paged-history plan needs the layer index (kernels.extend(..., "
+            "layer=layer_id)): each layer reads its own heads' pages"
+        )
+
+
 def kernels_for(device: torch.device, state: TangramState, max_batch_size: int) -> ReferenceKernels:
     """Triton kernels on CUDA, the torch reference elsewhere (start-up).
 
@@ -356,6 +373,41 @@ def kernels_for(device: torch.device, state: TangramState, max_batch_size: int) 
     if device.type == "cuda":
         return TritonKernels(state, max_batch_size, device, plan, prefill, history)
     return ReferenceKernels(history)
+
+
+def batch_history_plan(
+    kernels: ReferenceKernels,
+    state: TangramState,
+    rows: list[int] | np.ndarray,
+    extend_lens: list[int],
+    start_lens: np.ndarray,
+) -> PagedHistoryPlan | None:
+    """The extend batch's paged-history plan when ``kernels`` run one (host work, at plan time).
+
+    ``kernels.history_attention.plan_paged_history`` with the server's profile and page size,
+    and the kernels' work floor; None when the kernels take no plan or the batch gets none.
+
+    Args:
+        kernels: :func:`kernels_for`'s kernels.
+        state: the server's TangramState.
+        rows: ``bs`` page-table rows; extend_lens: ``bs`` segment lengths (tokens).
+        start_lens: int ``[bs, G]`` kept lengths before the segments (the scheduler's plan).
+    """
+    if not kernels.plans_paged_history:
+        return None
+    grouping, model = state.profile.grouping, state.profile.model
+    return plan_paged_history(
+        rows,
+        np.concatenate([[0], np.cumsum(extend_lens, dtype=np.int64)]).tolist(),
+        start_lens,
+        grouping.cluster_of,
+        grouping.column_of,
+        grouping.heads_per_group,
+        state.memory.table.page_size,
+        model.num_qo_heads,
+        model.head_dim,
+        min_work=kernels.paged_history_min_work,
+    )
 
 
 def extend_layer(

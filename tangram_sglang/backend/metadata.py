@@ -44,7 +44,7 @@ import numpy as np
 import torch
 
 from tangram_sglang.errors import KernelError
-from tangram_sglang.kernels.history_attention import PagedHistoryPlan, device_page_ids
+from tangram_sglang.kernels.history_attention import PagedHistoryIds, PagedHistoryPlan, history_ids
 
 EXTEND = "extend"
 DECODE = "decode"
@@ -93,7 +93,7 @@ class TangramForwardMetadata:
     # one history length per (request, KV head) on every layer and enough history work
     # (kernels.history_attention.plan_paged_history), and its page ids on the device
     history: PagedHistoryPlan | None = None
-    history_indices: torch.Tensor | None = None  # int32 [num_layers, nnz]
+    history_ids: PagedHistoryIds | None = None
 
     @property
     def batch_size(self) -> int:
@@ -124,6 +124,7 @@ def extend_metadata(
     start_lens: np.ndarray | None = None,
     hist_len: torch.Tensor | None = None,
     history: PagedHistoryPlan | None = None,
+    page_table: torch.Tensor | None = None,
 ) -> TangramForwardMetadata:
     """Plan an extend batch.
 
@@ -146,12 +147,17 @@ def extend_metadata(
             ``start_lens``.
         history: optional paged-history plan of the batch
             (``kernels.history_attention.plan_paged_history``): its arrays ride in the same
-            upload, and every layer's page ids are built from them on the device
-            (:attr:`TangramForwardMetadata.history_indices`).
+            upload, and the batch's page-id source is built from them on the device
+            (:attr:`TangramForwardMetadata.history_ids`).
+        page_table: int32 ``[max_rows, G, max_pages]`` device page table (required with
+            ``history``: each layer's page ids are read from it).
 
     Raises:
-        KernelError: ``start_lens`` without a ``hist_len`` buffer.
+        KernelError: ``start_lens`` without a ``hist_len`` buffer, or ``history`` without
+            ``page_table``.
     """
+    if history is not None and page_table is None:
+        raise KernelError("extend_metadata: a paged-history plan needs the device page_table")
     if start_lens is not None and hist_len is None:
         raise KernelError(
             "extend_metadata: start_lens needs a hist_len buffer shaped like the page table's "
@@ -174,11 +180,9 @@ def extend_metadata(
     if history is not None:
         parts += history.upload_parts()
     dev = (upload or plain_upload(device))(parts)
-    history_indices = None
+    ids = None
     if history is not None:
-        history_indices = device_page_ids(
-            dev[history_at:], history.heads_per_group, int(history.kv_indptr[-1])
-        )
+        ids = history_ids(dev[history_at:], dev[0], page_table, history)
     if heads_host is not None:
         heads = dev[3]
     if start_lens is not None:
@@ -202,7 +206,7 @@ def extend_metadata(
         any_history=any_history,
         split_new_tokens=split_pays(extend_lens, no_history=not any_history),
         history=history,
-        history_indices=history_indices,
+        history_ids=ids,
     )
 
 

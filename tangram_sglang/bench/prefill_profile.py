@@ -211,8 +211,7 @@ def profile_case(
     """Time every stage of ``case`` over all layers (see the module docstring)."""
     from tangram_sglang.backend import metadata as md
     from tangram_sglang.backend.compress import batch_kept_indices, reference_kept_indices
-    from tangram_sglang.backend.layer_ops import extend_layer, kernels_for
-    from tangram_sglang.kernels.history_attention import plan_paged_history
+    from tangram_sglang.backend.layer_ops import batch_history_plan, extend_layer, kernels_for
 
     state = _build_state(profile, case, device, page_size)
     layers = profile.model.num_layers
@@ -235,22 +234,7 @@ def profile_case(
         del qh, kh, vh
     lens, prefix = case.lengths, [case.history] * case.batch
     plan = state.allocate_extend(rows, lens, prefix)
-    history = None
-    if kernels.plans_paged_history:  # TANGRAM_HISTORY_ATTENTION=flashinfer, as the backend
-        grouping, model = profile.grouping, profile.model
-        history = plan_paged_history(
-            rows,
-            np.concatenate([[0], np.cumsum(lens)]).tolist(),
-            plan.start_lens,
-            state.memory.table.pages,
-            grouping.cluster_of,
-            grouping.column_of,
-            grouping.heads_per_group,
-            page_size,
-            model.num_qo_heads,
-            model.head_dim,
-            min_work=kernels.paged_history_min_work,
-        )
+    history = batch_history_plan(kernels, state, rows, lens, plan.start_lens)
     meta = md.extend_metadata(
         rows,
         lens,
@@ -260,6 +244,7 @@ def profile_case(
         start_lens=plan.start_lens,
         hist_len=torch.zeros_like(state.memory.table.group_len),
         history=history,
+        page_table=state.memory.table.page_table,
     )
     q, k, v = _qkv(profile, sum(lens), device, 2)
     mem, table = state.memory, state.memory.table

@@ -67,8 +67,8 @@ class PagedHistoryPlan:
     """Host arrays of one extend batch's paged-history plan (:func:`plan_paged_history`).
 
     FlashInfer request ``r = h * bs + i`` is KV head ``h`` of the batch's request ``i``. The
-    single-head page ids of every layer (``num_layers x nnz`` of them) are built on the device
-    from :meth:`upload_parts` by :func:`device_page_ids`: the host only slices the page table.
+    single-head page ids of a layer are read from the device page table when the layer runs
+    (:class:`PagedHistoryIds`): the host uploads only per-request page counts and head maps.
 
     Attributes:
         num_kv_heads: H_kv (KV heads per layer).
@@ -81,8 +81,6 @@ class PagedHistoryPlan:
             for a request with no page).
         kv_lens: int32 ``[H_kv * bs]``: history tokens of request r (the same on every layer).
         num_pages: int64 ``[H_kv * bs]``: pages of request r (``kv_indptr``'s steps).
-        table: int64 ``[bs, G, width]``: the batch's rows of the page table, the first
-            ``width`` (its longest history's pages) entries per group.
         cluster_of, column_of: int64 ``[num_layers, H_kv]``: the profile's head maps.
     """
 
@@ -93,53 +91,102 @@ class PagedHistoryPlan:
     last_page_len: np.ndarray
     kv_lens: np.ndarray
     num_pages: np.ndarray
-    table: np.ndarray
     cluster_of: np.ndarray
     column_of: np.ndarray
 
+    @property
+    def num_entries(self) -> int:
+        """nnz: page ids per layer."""
+        return int(self.kv_indptr[-1])
+
     def upload_parts(self) -> list[np.ndarray]:
-        """The arrays :func:`device_page_ids` reads, in its order (one packed upload)."""
-        return [self.num_pages, self.table, self.cluster_of, self.column_of]
+        """The arrays :func:`history_ids` reads, in its order (one packed upload)."""
+        return [self.num_pages, self.cluster_of, self.column_of]
 
-    def page_ids_on(self, device: torch.device | str) -> torch.Tensor:
-        """int32 ``[num_layers, nnz]`` page ids on ``device`` by plain copies (tests, benches)."""
-        parts = [torch.from_numpy(a).to(device) for a in self.upload_parts()]
-        return device_page_ids(parts, self.heads_per_group, int(self.kv_indptr[-1]))
+    def ids_on(self, rows: torch.Tensor, page_table: torch.Tensor) -> PagedHistoryIds:
+        """:func:`history_ids` from plain copies of :meth:`upload_parts` (tests, benches)."""
+        parts = [torch.from_numpy(a).to(page_table.device) for a in self.upload_parts()]
+        return history_ids(parts, rows, page_table, self)
 
 
-def device_page_ids(
-    parts: Sequence[torch.Tensor], heads_per_group: int, num_entries: int
-) -> torch.Tensor:
-    """Every layer's single-head page ids ``page * H_p + column``, built on the device.
+@dataclass(frozen=True, slots=True)
+class PagedHistoryIds:
+    """What a layer's single-head page ids are read from, on the device (one batch).
+
+    Entry ``e`` of layer ``l`` is ``table[base[e] + group_offset[l, head[e]]] * H_p +
+    column_of[l, head[e]]``: page ``e - kv_indptr[r]`` of row i's pages of KV head h's group, for
+    the entry's FlashInfer request ``r = h * bs + i``.
+
+    Attributes:
+        table: int32 ``[max_rows * G * max_pages]``: the page table, flattened (a view).
+        head: int64 ``[nnz]``: each entry's KV head.
+        base: int64 ``[nnz]``: each entry's offset in ``table`` in group 0 (row and page).
+        group_offset: int64 ``[num_layers, H_kv]``: ``cluster_of * max_pages``.
+        column_of: int64 ``[num_layers, H_kv]``.
+        heads_per_group: H_p.
+    """
+
+    table: torch.Tensor
+    head: torch.Tensor
+    base: torch.Tensor
+    group_offset: torch.Tensor
+    column_of: torch.Tensor
+    heads_per_group: int
+
+    def layer(self, layer: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        """int32 ``[nnz]``: layer ``layer``'s page ids, written into ``out`` if given (one
+        Triton launch on CUDA, ``kernels.history_page_ids``; torch elsewhere)."""
+        if out is None:
+            out = torch.empty(self.head.shape[0], dtype=torch.int32, device=self.head.device)
+        if out.is_cuda:
+            from tangram_sglang.kernels.history_page_ids import write_layer_page_ids
+
+            write_layer_page_ids(self, layer, out)
+            return out
+        src = self.base + self.group_offset[layer][self.head]
+        ids = self.table[src].long() * self.heads_per_group + self.column_of[layer][self.head]
+        return out.copy_(ids)
+
+
+def history_ids(
+    parts: Sequence[torch.Tensor],
+    rows: torch.Tensor,
+    page_table: torch.Tensor,
+    plan: PagedHistoryPlan,
+) -> PagedHistoryIds:
+    """The batch's :class:`PagedHistoryIds`, built on the device (no device read).
 
     Args:
         parts: int64 device tensors of :meth:`PagedHistoryPlan.upload_parts` (same order).
-        heads_per_group: H_p.
-        num_entries: nnz, ``kv_indptr[-1]`` (a host int: no device read).
-
-    Returns:
-        int32 ``[num_layers, nnz]``: entry ``e`` of FlashInfer request ``r = h * bs + i``
-        (``kv_indptr[r] <= e < kv_indptr[r + 1]``) is page ``e - kv_indptr[r]`` of KV head h's
-        group ``cluster_of[l, h]`` in the batch's row i, as a single-head page of column
-        ``column_of[l, h]``.
+        rows: int ``[bs]`` page-table rows of the batch's requests, on the device.
+        page_table: int32 ``[max_rows, G, max_pages]`` (``PageTable.page_table``), contiguous.
+        plan: the batch's plan (host ints: entries, H_p).
     """
-    num_pages, table, cluster, column = parts
-    bs, num_groups, width = table.shape
-    requests = torch.arange(num_pages.shape[0], device=table.device)
-    request = torch.repeat_interleave(requests, num_pages, output_size=num_entries)  # [nnz]
+    num_pages, cluster, column = parts
+    bs = rows.shape[0]
+    _, num_groups, width = page_table.shape
+    device = page_table.device
+    nnz = plan.num_entries
+    requests = torch.arange(num_pages.shape[0], device=device)
+    request = torch.repeat_interleave(requests, num_pages, output_size=nnz)  # [nnz]
     first = torch.cumsum(num_pages, 0) - num_pages  # kv_indptr[:-1]
-    page = torch.arange(num_entries, device=table.device) - first[request]
+    page = torch.arange(nnz, device=device) - first[request]
     head, req = request // bs, request % bs
-    src = (req * num_groups + cluster[:, head]) * width + page  # [L, nnz]
-    ids = table.reshape(-1)[src] * heads_per_group + column[:, head]
-    return ids.to(torch.int32)
+    base = rows.long()[req] * (num_groups * width) + page
+    return PagedHistoryIds(
+        table=page_table.reshape(-1),
+        head=head,
+        base=base,
+        group_offset=cluster * width,
+        column_of=column,
+        heads_per_group=plan.heads_per_group,
+    )
 
 
 def plan_paged_history(
     rows: Sequence[int] | np.ndarray,
     bounds: Sequence[int],
     start_lens: np.ndarray,
-    pages: np.ndarray,
     cluster_of: np.ndarray,
     column_of: np.ndarray,
     heads_per_group: int,
@@ -154,7 +201,6 @@ def plan_paged_history(
         rows: ``bs`` page-table rows of the batch's requests.
         bounds: ``bs + 1`` host ints: request i owns new tokens ``bounds[i]:bounds[i + 1]``.
         start_lens: int ``[bs, G]``: kept history tokens per head group before the segment.
-        pages: int ``[max_rows, G, max_pages_per_group]``: the page table's host mirror.
         cluster_of, column_of: int ``[num_layers, H_kv]``: head group and column of each KV head.
         heads_per_group: H_p (columns per page).
         page_size: tokens per page.
@@ -168,8 +214,7 @@ def plan_paged_history(
         history length on two layers (one FlashInfer plan cannot serve every layer), when no
         request has history, or when the history work is under ``min_work``.
     """
-    row_arr = np.asarray(rows, np.int64).reshape(-1)
-    bs = row_arr.size
+    bs = len(rows)
     if bs == 0:
         return None
     new = np.diff(np.asarray(bounds, np.int64))
@@ -190,7 +235,6 @@ def plan_paged_history(
     tokens = int(new.sum())
     qo_starts = np.arange(num_kv_heads, dtype=np.int64)[:, None] * tokens + np.asarray(bounds[:-1])
     qo_indptr = np.concatenate([qo_starts.reshape(-1), [num_kv_heads * tokens]])
-    width = int(num_pages.max())
     return PagedHistoryPlan(
         num_kv_heads=num_kv_heads,
         heads_per_group=int(heads_per_group),
@@ -198,8 +242,7 @@ def plan_paged_history(
         kv_indptr=kv_indptr.astype(np.int32),
         last_page_len=last.astype(np.int32),
         kv_lens=kv_lens.astype(np.int32),
-        num_pages=num_pages,
-        table=np.asarray(pages)[row_arr, :, :width].astype(np.int64),
+        num_pages=num_pages.astype(np.int64),
         cluster_of=cluster,
         column_of=np.asarray(column_of, np.int64),
     )
@@ -292,25 +335,36 @@ class TorchPagedHistory:
 
     def __init__(self) -> None:
         self.arrays: PagedHistoryPlan | None = None
-        self.indices: torch.Tensor | None = None
+        self.ids: PagedHistoryIds | None = None
         self.sm_scale = 1.0
 
-    def plan(self, plan, indices, num_qo_heads, head_dim, page_size, dtype, sm_scale) -> bool:
+    def plan(
+        self,
+        plan: PagedHistoryPlan,
+        ids: PagedHistoryIds,
+        num_qo_heads: int,
+        head_dim: int,
+        page_size: int,
+        dtype: torch.dtype,
+        sm_scale: float,
+    ) -> bool:
         """Keep the plan (arguments of :meth:`FlashInferPagedHistory.plan`); always usable."""
-        self.arrays, self.indices, self.sm_scale = plan, indices, sm_scale
+        self.arrays, self.ids, self.sm_scale = plan, ids, sm_scale
         return True
 
-    def run(self, q, k_pool, v_pool, layer: int):
+    def run(
+        self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, layer: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(out [T, H_q, D], lse float32 [T, H_q])`` of layer ``layer``'s history."""
-        p = self.arrays
-        assert p is not None and self.indices is not None, "plan first"
+        p, ids = self.arrays, self.ids
+        assert p is not None and ids is not None, "plan first"
         out, lse = paged_prefill_reference(
             to_head_major(q, p.num_kv_heads),
             single_head_pages(k_pool),
             single_head_pages(v_pool),
             p.qo_indptr.tolist(),
             p.kv_indptr.tolist(),
-            self.indices[layer],
+            ids.layer(layer),
             p.last_page_len.tolist(),
             self.sm_scale,
         )
@@ -320,6 +374,10 @@ class TorchPagedHistory:
 class FlashInferPagedHistory:
     """The history part by FlashInfer's paged prefill (FA2, as SGLang's flashinfer backend
     runs its prefix part), planned once per batch and run per layer (CUDA).
+
+    FlashInfer's ``plan`` stages its schedule in a pinned buffer of the wrapper and queues the
+    copy to the device without waiting; the next batch's ``plan`` writes the same buffer, so it
+    first waits for an event recorded after the previous copy (normally long done).
 
     Args:
         workspace: FlashInfer's float workspace (uint8, CUDA); may be shared with other
@@ -348,14 +406,16 @@ class FlashInferPagedHistory:
             ) from exc
         self.wrapper = BatchPrefillWithPagedKVCacheWrapper(workspace, "HND", backend="fa2")
         self.num_kv_heads = 0
-        self.indices: torch.Tensor | None = None  # [L, nnz] int32, the batch's page ids
+        self.ids: PagedHistoryIds | None = None
         self.buffer: torch.Tensor | None = None  # [nnz] int32: the index buffer FlashInfer reads
+        self.planned_at: torch.cuda.Event | None = None  # after the last plan's queued copies
+        self.sm_scale = 0.0  # the planned softmax scale (FlashInfer applies it on every run)
         self.usable = True
 
     def plan(
         self,
         plan: PagedHistoryPlan,
-        indices: torch.Tensor,
+        ids: PagedHistoryIds,
         num_qo_heads: int,
         head_dim: int,
         page_size: int,
@@ -368,11 +428,11 @@ class FlashInferPagedHistory:
 
         Args:
             plan: the batch's host plan.
-            indices: int32 ``[num_layers, nnz]`` on the device (the plan's ``indices``).
+            ids: the batch's page-id source (:func:`history_ids`).
             num_qo_heads, head_dim: the model's H_q and D.
             page_size: tokens per page of the pool.
             dtype: the model's (and pool's) dtype.
-            sm_scale: softmax scale (FlashInfer takes it at plan time).
+            sm_scale: softmax scale of every layer (FlashInfer takes it at plan time).
         """
         if not self.usable:
             return False
@@ -380,7 +440,9 @@ class FlashInferPagedHistory:
         def pinned(a: np.ndarray) -> torch.Tensor:
             return torch.from_numpy(np.ascontiguousarray(a, np.int32)).pin_memory()
 
-        self.buffer = indices[0].clone()
+        if self.planned_at is not None:
+            self.planned_at.synchronize()  # the previous plan's staged copy has run
+        self.buffer = ids.layer(0)
         self.wrapper.plan(
             pinned(plan.qo_indptr),
             pinned(plan.kv_indptr),
@@ -395,8 +457,11 @@ class FlashInferPagedHistory:
             q_data_type=dtype,
             kv_data_type=dtype,
             seq_lens=pinned(plan.kv_lens),
+            max_token_per_sequence=int(np.diff(plan.qo_indptr).max()),
         )
-        # run() reads the index buffer plan() kept; each layer's page ids are copied into it
+        self.planned_at = torch.cuda.Event()
+        self.planned_at.record()
+        # run() reads the index buffer plan() kept; each layer's page ids are written into it
         if getattr(self.wrapper, "_paged_kv_indices_buf", None) is not self.buffer:
             logger.warning(
                 "Tangram: this FlashInfer does not keep the paged-history index buffer it is "
@@ -405,13 +470,16 @@ class FlashInferPagedHistory:
             self.usable = False
             return False
         self.num_kv_heads = plan.num_kv_heads
-        self.indices = indices
+        self.ids = ids
+        self.sm_scale = sm_scale
         return True
 
-    def run(self, q, k_pool, v_pool, layer: int):
+    def run(
+        self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, layer: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(out [T, H_q, D], lse float32 [T, H_q] natural log)`` of layer ``layer``."""
-        assert self.indices is not None and self.buffer is not None, "plan first"
-        self.buffer.copy_(self.indices[layer])
+        assert self.ids is not None and self.buffer is not None, "plan first"
+        self.ids.layer(layer, self.buffer)
         out, lse2 = self.wrapper.run(
             to_head_major(q, self.num_kv_heads),
             (single_head_pages(k_pool), single_head_pages(v_pool)),

@@ -52,7 +52,6 @@ def _plan(layer, cluster, column, rows, extend_lens, num_qo_heads, min_work=0):
         rows,
         bounds,
         start,
-        layer.page_table.cpu().numpy(),
         cluster,
         column,
         H_P,
@@ -97,9 +96,9 @@ def test_the_plan_gives_flashinfers_paged_prefill_each_heads_history_on_every_la
     q, k, v, qo_indptr = _inputs(extend_lens, num_kv_heads, gqa, 64, dtype, seed=3)
     req_rows = torch.tensor(rows, dtype=torch.int32, device=DEVICE)
     history = TorchPagedHistory()
-    indices = plan.page_ids_on(DEVICE)
-    assert indices.shape == (3, int(plan.kv_indptr[-1])) and indices.dtype == torch.int32
-    assert history.plan(plan, indices, q.shape[1], q.shape[2], PAGE, dtype, SCALE)
+    ids = plan.ids_on(req_rows, layer.page_table)
+    assert ids.layer(2).shape == (plan.num_entries,) and ids.layer(2).dtype == torch.int32
+    assert history.plan(plan, ids, q.shape[1], q.shape[2], PAGE, dtype, SCALE)
     for lid in range(3):
         paging = list(layer.paging(req_rows))
         paging[5] = torch.tensor(cluster[lid], dtype=torch.int32, device=DEVICE)
@@ -111,6 +110,30 @@ def test_the_plan_gives_flashinfers_paged_prefill_each_heads_history_on_every_la
         assert torch.equal(finite, torch.isfinite(lse))
         assert not finite[3:12].any()  # the request at row 1 has no history
         assert rel_err(lse[finite], want_lse[finite]) < TOL[dtype]
+
+
+def test_the_page_id_kernel_writes_what_the_torch_expression_reads():
+    """``kernels.history_page_ids`` (Triton; interpreted on CPU) against ``PagedHistoryIds.layer``'s
+    torch path, every layer, more entries than one program's block."""
+    from tangram_sglang.kernels.history_page_ids import write_layer_page_ids
+
+    lens = np.array([[900, 900, 900], [0, 0, 0], [333, 333, 333]])
+    layer, cluster, column = _layers(lens, 2, 3, torch.float32, head_dim=16)
+    rows = [2, 0, 1]
+    plan = _plan(layer, cluster, column, rows, [4, 5, 6], 4)
+    ids = plan.ids_on(torch.tensor(rows, device=DEVICE), layer.page_table)
+    assert plan.num_entries > 64  # more than one program of 64 entries
+    for lid in range(3):
+        src = ids.base + ids.group_offset[lid][ids.head]
+        want = ids.table[src].long() * H_P + ids.column_of[lid][ids.head]
+        out = torch.full((plan.num_entries,), -1, dtype=torch.int32, device=DEVICE)
+        got = write_layer_page_ids(ids, lid, out, block=64)
+        assert torch.equal(got.long(), want)
+        if DEVICE.type != "cuda":
+            assert torch.equal(ids.layer(lid), got)  # the CPU path is the same expression
+        # entry 0 is KV head 0 of request 0 (row 2): its group's first page, as a single-head page
+        g, c = cluster[lid, 0], column[lid, 0]
+        assert int(got[0]) == int(layer.page_table[2, g, 0]) * H_P + c
 
 
 def test_a_batch_whose_layers_differ_in_history_length_gets_no_plan():
@@ -185,7 +208,7 @@ def test_triton_kernels_run_the_planned_paged_history_per_layer_and_equal_the_fu
         max_extend_len=7,
         split_new_tokens=False,
         history=plan,
-        history_indices=plan.page_ids_on("cpu"),
+        history_ids=plan.ids_on(req_rows, layer.page_table),
     )
     for lid in range(2):
         paging = list(layer.paging(req_rows))
@@ -244,7 +267,7 @@ def test_flashinfer_paged_history_equals_tangrams_history_kernel(extend_lens):
     from tangram_sglang.kernels.new_token_attention import WORKSPACE_BYTES
 
     num_kv_heads, gqa = 2, 4
-    hist = [300, 0, 1000][: len(extend_lens)]
+    hist = [300, 0, 1000][: len(extend_lens)] if len(extend_lens) > 2 else [0, 1000]
     lens = np.repeat(np.array(hist)[:, None], 3, axis=1)
     layer, cluster, column = _layers(lens, num_kv_heads, 2, torch.bfloat16, head_dim=128)
     rows = list(range(len(extend_lens)))
@@ -252,9 +275,9 @@ def test_flashinfer_paged_history_equals_tangrams_history_kernel(extend_lens):
     q, k, v, qo_indptr = _inputs(extend_lens, num_kv_heads, gqa, 128, torch.bfloat16, seed=5)
     workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=DEVICE)
     history = FlashInferPagedHistory(workspace, torch.bfloat16)
-    indices = plan.page_ids_on(DEVICE)
-    assert history.plan(plan, indices, q.shape[1], 128, PAGE, torch.bfloat16, SCALE)
     req_rows = torch.tensor(rows, dtype=torch.int32, device=DEVICE)
+    ids = plan.ids_on(req_rows, layer.page_table)
+    assert history.plan(plan, ids, q.shape[1], 128, PAGE, torch.bfloat16, SCALE)
     for lid in range(2):
         paging = list(layer.paging(req_rows))
         paging[5] = torch.tensor(cluster[lid], dtype=torch.int32, device=DEVICE)
@@ -263,6 +286,8 @@ def test_flashinfer_paged_history_equals_tangrams_history_kernel(extend_lens):
         out, lse = history.run(q, layer.k_pool, layer.v_pool, lid)
         assert rel_err(out, want_out) < TOL[torch.bfloat16]
         finite = torch.isfinite(want_lse)
-        assert torch.equal(finite, torch.isfinite(lse)) or (out[~finite] == 0).all()
+        assert finite.any() and not finite.all()  # the request at row 1 has no history
+        assert torch.equal(finite, torch.isfinite(lse))
+        assert (lse[~finite] == float("-inf")).all() and (out[~finite] == 0).all()
         assert rel_err(lse[finite], want_lse[finite]) < 1e-3
         assert math.isfinite(float(out.float().sum()))
