@@ -136,13 +136,23 @@ class FlashInferNewTokens:
         # FlashInfer's float workspace; the paged-history wrapper shares it (one stream)
         self.workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
         self.wrapper = BatchPrefillWithRaggedKVCacheWrapper(self.workspace, "NHD")
+        self.planned_at: torch.cuda.Event | None = None  # after the last plan's queued copy
 
     def plan(self, bounds, num_qo_heads, num_kv_heads, head_dim, dtype) -> None:
-        """FlashInfer's plan for the batch, from a host ``qo_indptr`` (no device read)."""
+        """FlashInfer's plan for the batch, from a host ``qo_indptr`` (no device read).
+
+        FlashInfer stages the plan in the wrapper's pinned buffer and queues its copy without
+        waiting; this plan first waits for an event recorded after the previous plan's copy,
+        so it cannot overwrite the buffer before that copy has run (normally long done).
+        """
+        if self.planned_at is not None:
+            self.planned_at.synchronize()
         indptr = torch.tensor(list(bounds), dtype=torch.int32)
         self.wrapper.begin_forward(
             indptr, indptr, num_qo_heads, num_kv_heads, head_dim, causal=True, q_data_type=dtype
         )
+        self.planned_at = torch.cuda.Event()
+        self.planned_at.record()
 
     def run(self, q, k, v, sm_scale):
         """``(out, lse)`` of one layer; FlashInfer's base-2 LSE turned into natural log."""
