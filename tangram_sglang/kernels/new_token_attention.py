@@ -139,7 +139,8 @@ class FlashInferNewTokens:
         self.planned_at: torch.cuda.Event | None = None  # after the last plan's queued copy
 
     def plan(self, bounds, num_qo_heads, num_kv_heads, head_dim, dtype) -> None:
-        """FlashInfer's plan for the batch, from a host ``qo_indptr`` (no device read).
+        """FlashInfer's plan for the batch, from a pinned host ``qo_indptr`` (no device read, no
+        copy that waits for the GPU).
 
         FlashInfer stages the plan in the wrapper's pinned buffer and queues its copy without
         waiting; this plan first waits for an event recorded after the previous plan's copy,
@@ -147,7 +148,9 @@ class FlashInferNewTokens:
         """
         if self.planned_at is not None:
             self.planned_at.synchronize()
-        indptr = torch.tensor(list(bounds), dtype=torch.int32)
+        # pinned: plan() copies the indptrs to the device; from pageable memory each such copy
+        # would wait for the stream's queued work (the previous batch) before it starts
+        indptr = torch.tensor(list(bounds), dtype=torch.int32).pin_memory()
         self.wrapper.begin_forward(
             indptr, indptr, num_qo_heads, num_kv_heads, head_dim, causal=True, q_data_type=dtype
         )
