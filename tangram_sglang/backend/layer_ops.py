@@ -93,15 +93,7 @@ class ReferenceKernels:
             if self._planned is None:
                 logger.info("Tangram: first extend batch with a paged-history plan")
             new_tokens.plan(meta.bounds, q.shape[1], k.shape[1], q.shape[2], q.dtype)
-            history.plan(
-                meta.history,
-                meta.history_ids,
-                q.shape[1],
-                q.shape[2],
-                k_pool.shape[2],
-                k_pool.dtype,
-                sm_scale,
-            )
+            _plan_history(history, meta, q, k_pool, sm_scale)
             self._planned = meta
         return split_extend(
             new_tokens, lambda: history.run(q, k_pool, v_pool, layer), q, k, v, sm_scale
@@ -289,15 +281,7 @@ class TritonKernels(ReferenceKernels):
             if paged and not self._history_logged:
                 logger.info("Tangram: first extend batch with a paged-history plan")
                 self._history_logged = True
-            self._history_planned = paged and self.history.plan(
-                meta.history,
-                meta.history_ids,
-                q.shape[1],
-                q.shape[2],
-                k_pool.shape[2],
-                k_pool.dtype,
-                sm_scale,
-            )
+            self._history_planned = paged and _plan_history(self.history, meta, q, k_pool, sm_scale)
             self._planned = meta
         history = None
         if self._history_planned and sm_scale == self.history.sm_scale:
@@ -343,6 +327,21 @@ class TritonKernels(ReferenceKernels):
             self.mid_lse,
             plan=self.plan,
         )
+
+
+def _plan_history(history, meta: md.TangramForwardMetadata, q, k_pool, sm_scale: float) -> bool:
+    """``history.plan`` (a ``kernels.history_attention`` paged history) for the batch of
+    ``meta``, with the model's shapes from ``q [T, H_q, D]`` and the pool's page size and dtype;
+    its result (whether the batch runs it)."""
+    return history.plan(
+        meta.history,
+        meta.history_ids,
+        q.shape[1],
+        q.shape[2],
+        k_pool.shape[2],
+        k_pool.dtype,
+        sm_scale,
+    )
 
 
 def _check_layer(layer: int | None) -> None:

@@ -48,7 +48,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from tangram_sglang.errors import ConfigError, KernelError
+from tangram_sglang.errors import KernelError
 
 logger = logging.getLogger(__name__)
 
@@ -391,19 +391,11 @@ class FlashInferPagedHistory:
     """
 
     def __init__(self, workspace: torch.Tensor, dtype: torch.dtype) -> None:
-        if dtype not in (torch.float16, torch.bfloat16):
-            raise ConfigError(
-                f"TANGRAM_HISTORY_ATTENTION=flashinfer runs FlashInfer's prefill, which takes "
-                f"float16 or bfloat16, not the model's {dtype}; pass --dtype bfloat16 or unset "
-                "TANGRAM_HISTORY_ATTENTION"
-            )
-        try:
-            from flashinfer.prefill import BatchPrefillWithPagedKVCacheWrapper
-        except ImportError as exc:  # pragma: no cover - sglang depends on flashinfer-python
-            raise KernelError(
-                "TANGRAM_HISTORY_ATTENTION=flashinfer needs the flashinfer-python package "
-                f"({exc}); install it or unset TANGRAM_HISTORY_ATTENTION"
-            ) from exc
+        from tangram_sglang.kernels.new_token_attention import check_flashinfer
+
+        check_flashinfer(dtype, "TANGRAM_HISTORY_ATTENTION")
+        from flashinfer.prefill import BatchPrefillWithPagedKVCacheWrapper
+
         self.wrapper = BatchPrefillWithPagedKVCacheWrapper(workspace, "HND", backend="fa2")
         self.num_kv_heads = 0
         self.ids: PagedHistoryIds | None = None

@@ -43,6 +43,28 @@ WORKSPACE_BYTES = 384 * 1024 * 1024
 FLASHINFER_DTYPES = (torch.float16, torch.bfloat16)
 
 
+def check_flashinfer(dtype: torch.dtype, switch: str) -> None:
+    """FlashInfer's prefill can run a model of ``dtype`` here (``switch``: the environment
+    variable that asked for it, named in the errors).
+
+    Raises:
+        ConfigError: a dtype FlashInfer's prefill does not take (float32).
+        KernelError: the flashinfer package cannot be imported.
+    """
+    if dtype not in FLASHINFER_DTYPES:
+        raise ConfigError(
+            f"{switch}=flashinfer runs FlashInfer's prefill, which takes float16 or bfloat16, "
+            f"not the model's {dtype}; pass --dtype bfloat16 or unset {switch}"
+        )
+    try:
+        import flashinfer.prefill  # noqa: F401
+    except ImportError as exc:  # pragma: no cover - sglang depends on flashinfer-python
+        raise KernelError(
+            f"{switch}=flashinfer needs the flashinfer-python package ({exc}); install it or "
+            f"unset {switch}"
+        ) from exc
+
+
 class NewTokenAttention(Protocol):
     """The new tokens' causal attention of an extend batch (plan per batch, run per layer)."""
 
@@ -120,19 +142,9 @@ class FlashInferNewTokens:
     """
 
     def __init__(self, device, dtype: torch.dtype) -> None:
-        if dtype not in FLASHINFER_DTYPES:
-            raise ConfigError(
-                f"TANGRAM_PREFILL_ATTENTION=flashinfer runs FlashInfer's prefill, which takes "
-                f"float16 or bfloat16, not the model's {dtype}; pass --dtype bfloat16 or unset "
-                "TANGRAM_PREFILL_ATTENTION"
-            )
-        try:
-            from flashinfer.prefill import BatchPrefillWithRaggedKVCacheWrapper
-        except ImportError as exc:  # pragma: no cover - sglang depends on flashinfer-python
-            raise KernelError(
-                "TANGRAM_PREFILL_ATTENTION=flashinfer needs the flashinfer-python package "
-                f"({exc}); install it or unset TANGRAM_PREFILL_ATTENTION"
-            ) from exc
+        check_flashinfer(dtype, "TANGRAM_PREFILL_ATTENTION")
+        from flashinfer.prefill import BatchPrefillWithRaggedKVCacheWrapper
+
         # FlashInfer's float workspace; the paged-history wrapper shares it (one stream)
         self.workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
         self.wrapper = BatchPrefillWithRaggedKVCacheWrapper(self.workspace, "NHD")

@@ -22,8 +22,10 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import chats
 import pytest
 import requests
+from chats import chat
 from factories import ratio_one_profile
 
 from tangram_sglang.serving import SGLangServer
@@ -73,22 +75,6 @@ def overlap_enabled(server: SGLangServer) -> bool:
     return not server.server_info()["disable_overlap_schedule"]
 
 
-def chat(server: SGLangServer, messages: list[dict], max_tokens: int) -> str:
-    resp = requests.post(
-        f"{server.base_url}/v1/chat/completions",
-        json={
-            "model": "default",
-            "temperature": 0,
-            "max_tokens": max_tokens,
-            "ignore_eos": True,
-            "messages": messages,
-        },
-        timeout=900,
-    )
-    assert resp.status_code == 200, resp.text
-    return resp.json()["choices"][0]["message"]["content"]
-
-
 def abandoned_stream(server: SGLangServer, messages: list[dict], chunks: int = 3) -> None:
     """A streaming chat the client drops after ``chunks`` chunks (SGLang aborts it)."""
     with requests.post(
@@ -112,14 +98,9 @@ def abandoned_stream(server: SGLangServer, messages: list[dict], chunks: int = 3
 
 def conversation(server: SGLangServer, topic: str, max_tokens: int) -> list[str]:
     """Three turns; each turn's answer is part of the next prompt (radix reuse)."""
-    messages = [{"role": "user", "content": f"{SHARED_FACT} Tell me about {topic}."}]
-    answers = []
-    for follow_up in (None, *FOLLOW_UPS):
-        if follow_up is not None:
-            messages += [{"role": "user", "content": follow_up}]
-        answers.append(chat(server, messages, max_tokens))
-        messages += [{"role": "assistant", "content": answers[-1]}]
-    return answers
+    return chats.conversation(
+        server, f"{SHARED_FACT} Tell me about {topic}.", FOLLOW_UPS, max_tokens
+    )
 
 
 def victim(server: SGLangServer, index: int, stop: threading.Event) -> int:

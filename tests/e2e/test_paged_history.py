@@ -15,7 +15,7 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-import requests
+from chats import conversation
 from factories import ratio_one_profile
 
 from tangram_sglang.serving import SGLangServer
@@ -28,36 +28,16 @@ TOPICS = ("rivers of Europe", "the history of tea", "how bridges stand")
 FOLLOW_UPS = ("Tell me one more detail.", "What is my name and where do I live?")
 
 
-def chat(server: SGLangServer, messages: list[dict], max_tokens: int = 10) -> str:
-    resp = requests.post(
-        f"{server.base_url}/v1/chat/completions",
-        json={
-            "model": "default",
-            "temperature": 0,
-            "max_tokens": max_tokens,
-            "ignore_eos": True,
-            "messages": messages,
-        },
-        timeout=900,
-    )
-    assert resp.status_code == 200, resp.text
-    return resp.json()["choices"][0]["message"]["content"]
-
-
-def conversation(server: SGLangServer, topic: str) -> list[str]:
-    messages = [{"role": "user", "content": f"{NOTES} Tell me about {topic}."}]
-    answers = []
-    for follow_up in (None, *FOLLOW_UPS):
-        if follow_up is not None:
-            messages.append({"role": "user", "content": follow_up})
-        answers.append(chat(server, messages))
-        messages.append({"role": "assistant", "content": answers[-1]})
-    return answers
-
-
 def all_conversations(server: SGLangServer) -> list[list[str]]:
     with ThreadPoolExecutor(len(TOPICS)) as pool:
-        return list(pool.map(lambda topic: conversation(server, topic), TOPICS))
+        return list(
+            pool.map(
+                lambda topic: conversation(
+                    server, f"{NOTES} Tell me about {topic}.", FOLLOW_UPS, 10
+                ),
+                TOPICS,
+            )
+        )
 
 
 def test_paged_history_plans_give_the_same_tokens_as_tangrams_history(
