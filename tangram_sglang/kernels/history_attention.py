@@ -415,8 +415,9 @@ class FlashInferPagedHistory:
         sm_scale: float,
     ) -> bool:
         """Plan the batch (host work, once per batch; every host array goes pinned, so no copy
-        waits for the GPU). False when this FlashInfer does not read the index buffer it was
-        given: the batch then keeps Tangram's history kernel (logged once).
+        waits for the GPU). False when FlashInfer cannot plan this configuration (its exception
+        logged) or does not read the index buffer it was given: the batch and every later one
+        then keep Tangram's history kernel (``usable`` False).
 
         Args:
             plan: the batch's host plan.
@@ -435,6 +436,35 @@ class FlashInferPagedHistory:
         if self.planned_at is not None:
             self.planned_at.synchronize()  # the previous plan's staged copy has run
         self.buffer = ids.layer(0)
+        try:
+            self._plan(plan, num_qo_heads, head_dim, page_size, dtype, sm_scale, pinned)
+        except Exception as exc:  # e.g. a FlashInfer build that cannot compile this config
+            logger.warning(
+                "Tangram: FlashInfer's paged prefill cannot plan the paged history (%s: %s); "
+                "the history part stays in Tangram's kernel",
+                type(exc).__name__,
+                exc,
+            )
+            self.usable = False
+            return False
+        self.planned_at = torch.cuda.Event()
+        self.planned_at.record()
+        # run() reads the index buffer plan() kept; each layer's page ids are written into it
+        if getattr(self.wrapper, "_paged_kv_indices_buf", None) is not self.buffer:
+            logger.warning(
+                "Tangram: this FlashInfer does not keep the paged-history index buffer it is "
+                "planned with; the history part stays in Tangram's kernel"
+            )
+            self.usable = False
+            return False
+        self.num_kv_heads = plan.num_kv_heads
+        self.ids = ids
+        self.sm_scale = sm_scale
+        return True
+
+    def _plan(self, plan, num_qo_heads, head_dim, page_size, dtype, sm_scale, pinned) -> None:
+        """``BatchPrefillWithPagedKVCacheWrapper.plan`` for the batch (arguments of
+        :meth:`plan`; ``pinned``: host array -> pinned int32 tensor)."""
         self.wrapper.plan(
             pinned(plan.qo_indptr),
             pinned(plan.kv_indptr),
@@ -451,20 +481,6 @@ class FlashInferPagedHistory:
             seq_lens=pinned(plan.kv_lens),
             max_token_per_sequence=int(np.diff(plan.qo_indptr).max()),
         )
-        self.planned_at = torch.cuda.Event()
-        self.planned_at.record()
-        # run() reads the index buffer plan() kept; each layer's page ids are written into it
-        if getattr(self.wrapper, "_paged_kv_indices_buf", None) is not self.buffer:
-            logger.warning(
-                "Tangram: this FlashInfer does not keep the paged-history index buffer it is "
-                "planned with; the history part stays in Tangram's kernel"
-            )
-            self.usable = False
-            return False
-        self.num_kv_heads = plan.num_kv_heads
-        self.ids = ids
-        self.sm_scale = sm_scale
-        return True
 
     def run(
         self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, layer: int

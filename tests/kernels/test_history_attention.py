@@ -136,6 +136,29 @@ def test_the_page_id_kernel_writes_what_the_torch_expression_reads():
         assert int(got[0]) == int(layer.page_table[2, g, 0]) * H_P + c
 
 
+def test_a_paged_history_that_cannot_plan_falls_back_for_good_and_says_why(caplog):
+    """FlashInfer's plan raising (here: a wrapper whose plan fails, as a FlashInfer build that
+    cannot compile the configuration would) leaves the batch, and every later one, to Tangram's
+    history kernel, with the exception in the log."""
+    from tangram_sglang.kernels.history_attention import FlashInferPagedHistory
+
+    class Failing:
+        def plan(self, *args, **kwargs):
+            raise RuntimeError("no kernel for this configuration")
+
+    lens = np.array([[37, 37, 37], [12, 12, 12]])
+    layer, cluster, column = _layers(lens, 2, 2, torch.float32)
+    plan = _plan(layer, cluster, column, [0, 1], [5, 7], 4)
+    ids = plan.ids_on(torch.tensor([0, 1], device=DEVICE), layer.page_table)
+    history = FlashInferPagedHistory.__new__(FlashInferPagedHistory)
+    history.wrapper, history.planned_at, history.usable = Failing(), None, True
+    with caplog.at_level("WARNING"):
+        assert not history.plan(plan, ids, 4, 64, PAGE, torch.bfloat16, SCALE)
+    assert not history.usable
+    assert "cannot plan the paged history (RuntimeError" in caplog.text
+    assert not history.plan(plan, ids, 4, 64, PAGE, torch.bfloat16, SCALE)  # stays off
+
+
 def test_a_batch_whose_layers_differ_in_history_length_gets_no_plan():
     lens = np.array([[37, 20, 37], [8, 8, 8]])
     layer, cluster, column = _layers(lens, 2, 2, torch.float32)
