@@ -81,13 +81,16 @@ class ReferenceKernels:
         reference, or, for a batch with a paged-history plan (``meta.history``) under
         ``history="flashinfer"``, the new tokens' reference merged with layer ``layer``'s paged
         history by LSE."""
-        if self.split is None or meta is None or meta.history is None:
+
+        def fused():
             return reference.extend_reference(
                 q, k, v, qo_indptr, k_pool, v_pool, page_table, group_len, rows, goh, coh, sm_scale
             )
+
+        if self.split is None or meta is None or meta.history is None:
+            return fused()
         from tangram_sglang.kernels.new_token_attention import split_extend
 
-        _check_layer(layer)
         new_tokens, history = self.split
         if self._planned is not meta:
             if self._planned is None:
@@ -95,6 +98,9 @@ class ReferenceKernels:
             new_tokens.plan(meta.bounds, q.shape[1], k.shape[1], q.shape[2], q.dtype)
             _plan_history(history, meta, q, k_pool, sm_scale)
             self._planned = meta
+        if history.sm_scale != sm_scale:  # a layer scaled unlike the planned one
+            return fused()
+        _check_layer(layer)
         return split_extend(
             new_tokens, lambda: history.run(q, k_pool, v_pool, layer), q, k, v, sm_scale
         )
@@ -391,11 +397,14 @@ def batch_history_plan(
         state: the server's TangramState.
         rows: ``bs`` page-table rows; extend_lens: ``bs`` segment lengths (tokens).
         start_lens: int ``[bs, G]`` kept lengths before the segments (the scheduler's plan).
+
+    Raises:
+        KernelError: a history longer than the page table holds (an invariant broken upstream).
     """
     if not kernels.plans_paged_history:
         return None
     grouping, model = state.profile.grouping, state.profile.model
-    return plan_paged_history(
+    plan = plan_paged_history(
         rows,
         np.concatenate([[0], np.cumsum(extend_lens, dtype=np.int64)]).tolist(),
         start_lens,
@@ -407,6 +416,13 @@ def batch_history_plan(
         model.head_dim,
         min_work=kernels.paged_history_min_work,
     )
+    width = state.memory.table.max_pages_per_group
+    if plan is not None and int(plan.num_pages.max()) > width:
+        raise KernelError(
+            f"paged history: a history of {int(plan.num_pages.max())} pages exceeds the page "
+            f"table's {width} per group (kept lengths past the table: a memory-manager bug)"
+        )
+    return plan
 
 
 def extend_layer(

@@ -438,6 +438,8 @@ class FlashInferPagedHistory:
         self.buffer = ids.layer(0)
         try:
             self._plan(plan, num_qo_heads, head_dim, page_size, dtype, sm_scale, pinned)
+        except torch.OutOfMemoryError:
+            raise  # a full device is not this path's to hide
         except Exception as exc:  # e.g. a FlashInfer build that cannot compile this config
             logger.warning(
                 "Tangram: FlashInfer's paged prefill cannot plan the paged history (%s: %s); "

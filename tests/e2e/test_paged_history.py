@@ -1,13 +1,13 @@
 """``TANGRAM_HISTORY_ATTENTION=flashinfer`` on a real CPU server (SmolLM2, ratio 1.0).
 
 The GPU runs the history part of such batches through FlashInfer's paged prefill; a CPU server
-runs the same per-batch plans (``kernels.history_attention.plan_paged_history``: single-head
-page ids of every layer, head-major queries) through FlashInfer's semantics in torch. Greedy
-multi-turn chats, several at once, whose later turns reuse their history through the radix
-tree, give the same tokens as the server without the switch: the plans hand every layer's KV
-heads exactly their history. The ratio-1.0 profile groups 4 KV heads per page across layers
-(SmolLM2 has 3 per layer), so a layer's heads sit in columns of groups shared with other
-layers: each layer's page ids differ.
+runs the same per-batch plans (``kernels.history_attention.plan_paged_history``: each layer's
+single-head page ids read from the page table, head-major queries) through FlashInfer's
+semantics in torch. Greedy multi-turn chats, several at once, whose later turns reuse their
+history through the radix tree, give the same tokens as the server without the switch: the
+plans hand every layer's KV heads exactly their history. The ratio-1.0 profile groups 4 KV
+heads per page across layers (SmolLM2 has 3 per layer), so a layer's heads sit in columns of
+groups shared with other layers: each layer's page ids differ.
 """
 
 from __future__ import annotations

@@ -136,6 +136,49 @@ def test_the_page_id_kernel_writes_what_the_torch_expression_reads():
         assert int(got[0]) == int(layer.page_table[2, g, 0]) * H_P + c
 
 
+def test_extend_metadata_builds_the_page_ids_of_the_batchs_rows_from_the_packed_upload():
+    """The backend's wiring: ``extend_metadata`` with a plan, through ``PackedUpload`` (the
+    server's one packed copy, whose views alias one buffer), gives every layer's page ids of the
+    batch's own rows, in FlashInfer's request order (checked entry by entry on the host); a plan
+    without the device page table is refused."""
+    from tangram_sglang.backend import metadata as md
+    from tangram_sglang.errors import KernelError
+    from tangram_sglang.mem.page_table import PackedUpload
+
+    lens = np.array([[37, 37, 37], [0, 0, 0], [16, 16, 16], [50, 50, 50]])
+    layer, cluster, column = _layers(lens, 2, 3, torch.float32)
+    rows, extend_lens = [3, 0, 2], [4, 6, 1]
+    plan = _plan(layer, cluster, column, rows, extend_lens, 4)
+    kept = np.ones((len(rows), lens.shape[1]), np.int64)
+    hist_len = torch.zeros_like(layer.group_len)
+    meta = md.extend_metadata(
+        rows,
+        extend_lens,
+        kept,
+        DEVICE,
+        cluster,
+        upload=PackedUpload(DEVICE).upload,
+        start_lens=lens[rows],
+        hist_len=hist_len,
+        history=plan,
+        page_table=layer.page_table,
+    )
+    table = layer.page_table.cpu().numpy()
+    for lid in range(3):
+        got = meta.history_ids.layer(lid).cpu().numpy()
+        want = [
+            table[rows[i], cluster[lid, h], j] * H_P + column[lid, h]
+            for h in range(2)
+            for i in range(len(rows))
+            for j in range(-(-int(lens[rows[i], cluster[lid, h]]) // PAGE))
+        ]
+        assert got.tolist() == want
+    with pytest.raises(KernelError, match="needs the device page_table"):
+        md.extend_metadata(
+            rows, extend_lens, kept, DEVICE, start_lens=lens[rows], hist_len=hist_len, history=plan
+        )
+
+
 def test_a_paged_history_that_cannot_plan_falls_back_for_good_and_says_why(caplog):
     """FlashInfer's plan raising (here: a wrapper whose plan fails, as a FlashInfer build that
     cannot compile the configuration would) leaves the batch, and every later one, to Tangram's
@@ -309,7 +352,7 @@ def test_flashinfer_paged_history_equals_tangrams_history_kernel(extend_lens):
         out, lse = history.run(q, layer.k_pool, layer.v_pool, lid)
         assert rel_err(out, want_out) < TOL[torch.bfloat16]
         finite = torch.isfinite(want_lse)
-        assert finite.any() and not finite.all()  # the request at row 1 has no history
+        assert finite.any() and not finite.all()  # one request has no history
         assert torch.equal(finite, torch.isfinite(lse))
         assert (lse[~finite] == float("-inf")).all() and (out[~finite] == 0).all()
         assert rel_err(lse[finite], want_lse[finite]) < 1e-3
