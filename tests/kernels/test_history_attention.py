@@ -261,7 +261,7 @@ def test_triton_kernels_run_the_planned_paged_history_per_layer_and_equal_the_fu
     rows, extend_lens = [0, 2, 1], [5, 7, 2]
     plan = _plan(layer, cluster, column, rows, extend_lens, 4)
     q, k, v, qo_indptr = _inputs(extend_lens, 2, 2, 64, torch.float32, seed=9)
-    req_rows = torch.tensor(rows, dtype=torch.int32)
+    req_rows = torch.tensor(rows, dtype=torch.int32, device=DEVICE)
     meta = md.TangramForwardMetadata(
         mode=md.EXTEND,
         req_rows=req_rows,
@@ -278,8 +278,8 @@ def test_triton_kernels_run_the_planned_paged_history_per_layer_and_equal_the_fu
     )
     for lid in range(2):
         paging = list(layer.paging(req_rows))
-        paging[5] = torch.tensor(cluster[lid], dtype=torch.int32)
-        paging[6] = torch.tensor(column[lid], dtype=torch.int32)
+        paging[5] = torch.tensor(cluster[lid], dtype=torch.int32, device=DEVICE)
+        paging[6] = torch.tensor(column[lid], dtype=torch.int32, device=DEVICE)
         got = kernels.extend(q, k, v, qo_indptr, *paging, SCALE, 7, meta=meta, layer=lid)
         want = ragged_extend_attention(
             q,
@@ -289,7 +289,7 @@ def test_triton_kernels_run_the_planned_paged_history_per_layer_and_equal_the_fu
             *paging,
             SCALE,
             torch.empty_like(q),
-            torch.empty(q.shape[:2]),
+            torch.empty(q.shape[:2], device=DEVICE),
             7,
         )
         assert rel_err(got[0], want[0]) < TOL[torch.float32]
