@@ -143,3 +143,49 @@ def test_planning_without_the_host_copy_of_the_rows_is_an_error():
     assert rows.tolist() == [3, 1] and lens.tolist() == [9, 4]
     with pytest.raises(KernelError, match="2 rows recorded"):
         state.host_batch_for(object(), 3)  # another batch than the one recorded
+
+
+def test_an_extend_batch_with_a_paged_history_plan_plans_without_reading_the_device():
+    """``TANGRAM_HISTORY_ATTENTION=flashinfer``'s per-batch plan and per-layer page ids: host
+    arrays in the batch's one upload, the ids built and read on the device only."""
+    from tangram_sglang.kernels.history_attention import plan_paged_history
+
+    state = meta_state()
+    table = state.memory.table
+    grouping = state.profile.grouping
+    rows = [1, 2]
+    for row, n in zip(rows, (40, 24), strict=True):
+        state.plan_row(row, n, 8)
+    state.allocate_extend(rows, [20, 12], [0, 0])
+    table.flush([])
+    with count_host_reads() as reads:
+        plan = state.allocate_extend(rows, [20, 12], [20, 12])
+        # 16 kept tokens in every group (as at ratio 1.0): one length per head on every layer
+        history = plan_paged_history(
+            rows,
+            [0, 20, 32],
+            np.full_like(plan.start_lens, 16),
+            grouping.cluster_of,
+            grouping.column_of,
+            grouping.heads_per_group,
+            PAGE,
+            4,
+            16,
+            min_work=0,
+        )
+        meta = md.extend_metadata(
+            rows,
+            [20, 12],
+            plan.kept_lens,
+            "meta",
+            grouping.cluster_of,
+            table.flush,
+            start_lens=plan.start_lens,
+            hist_len=torch.zeros_like(table.group_len),
+            history=history,
+            page_table=table.page_table,
+        )
+        ids = [meta.history_ids.layer(lid) for lid in range(grouping.num_layers)]
+    assert history is not None and ids[0].device.type == "meta"
+    assert ids[0].shape == (history.num_entries,)
+    assert reads["tolist"] == reads["item"] == reads["__int__"] == 0
