@@ -27,7 +27,11 @@ from tangram_sglang.backend.state import TangramState
 from tangram_sglang.config import decode_plan, history_attention, prefill_attention
 from tangram_sglang.errors import ConfigError, KernelError
 from tangram_sglang.kernels import reference
-from tangram_sglang.kernels.history_attention import PagedHistoryPlan, plan_paged_history
+from tangram_sglang.kernels.history_attention import (
+    PAGED_HISTORY_MIN_WORK,
+    PagedHistoryPlan,
+    plan_paged_history,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -152,6 +156,10 @@ class TritonKernels(ReferenceKernels):
         torch.OutOfMemoryError: ``prefill="flashinfer"`` and no room for its workspace.
     """
 
+    # history work per layer under which no plan is built: FlashInfer's plan and the split's
+    # extra launches per layer must pay (kernels.history_attention.PAGED_HISTORY_MIN_WORK)
+    paged_history_min_work = PAGED_HISTORY_MIN_WORK
+
     def __init__(
         self,
         state: TangramState,
@@ -218,14 +226,6 @@ class TritonKernels(ReferenceKernels):
         """Whether extend batches should carry a paged-history plan
         (``kernels.history_attention.plan_paged_history``)."""
         return self.history is not None and self.history.usable
-
-    @property
-    def paged_history_min_work(self) -> int:
-        """History work per layer under which no plan is built (FlashInfer's plan and the two
-        re-layouts per layer must pay): ``kernels.history_attention.PAGED_HISTORY_MIN_WORK``."""
-        from tangram_sglang.kernels.history_attention import PAGED_HISTORY_MIN_WORK
-
-        return PAGED_HISTORY_MIN_WORK
 
     def extend(
         self,
