@@ -56,12 +56,19 @@ class ReferenceKernels:
 
         self.split = (TorchNewTokens(), TorchPagedHistory()) if history == "flashinfer" else None
         self._planned = None  # the extend plan (metadata) the split was last planned for
+        self._history_planned = False  # the paged history is planned for self._planned
 
     @property
     def plans_paged_history(self) -> bool:
         """Whether extend batches should carry a paged-history plan
         (``kernels.history_attention.plan_paged_history``)."""
         return self.split is not None
+
+    @property
+    def history_planned(self) -> bool:
+        """Whether the last extend batch ran its history part through the paged history (its
+        plan built and accepted; False after a fallback to the fused kernel)."""
+        return self._history_planned
 
     def extend(
         self,
@@ -100,7 +107,7 @@ class ReferenceKernels:
             if self._planned is None:
                 logger.info("Tangram: first extend batch with a paged-history plan")
             new_tokens.plan(meta.bounds, q.shape[1], k.shape[1], q.shape[2], q.dtype)
-            _plan_history(history, meta, q, k_pool, sm_scale)
+            self._history_planned = _plan_history(history, meta, q, k_pool, sm_scale)
             self._planned = meta
         if history.sm_scale != sm_scale:  # a layer scaled unlike the planned one
             return fused()

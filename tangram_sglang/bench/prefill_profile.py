@@ -337,8 +337,6 @@ def profile_case(
         "tokens": sum(case.lengths),
         "select_equals_reference": res_same,
         "select_rows_differing": sum(differ) / layers,
-        # the batch's history part ran through FlashInfer's paged prefill (extend_ms includes it)
-        "paged_history": meta.history is not None,
     }
     stages = (
         ("extend_ms", ext),
@@ -349,6 +347,9 @@ def profile_case(
     for name, fn in stages:
         _events(fn, layers)  # warm-up (Triton JIT, allocator)
         res[name] = statistics.median(_events(fn, layers))
+    # the batch's history part ran through FlashInfer's paged prefill (extend_ms includes it;
+    # False where the batch had no plan or FlashInfer refused it)
+    res["paged_history"] = kernels.history_planned
     res["select_host_ms"] = statistics.median(_host_ms(select, layers))
     res["select_ref_host_ms"] = statistics.median(_host_ms(select_ref, layers))
     for _ in range(2):  # warm: allocator growth of the whole layer's tensors stays out

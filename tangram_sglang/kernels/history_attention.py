@@ -31,8 +31,10 @@ history kernel.
 * :func:`to_head_major` / :func:`from_head_major`: the query and output layouts;
 * :class:`FlashInferPagedHistory`: plan once per batch, run per layer (CUDA).
 
-LSE convention: natural log (``kernels.new_token_attention``); FlashInfer's base-2 LSE is
-converted. Source: SGLang 0.5.17 ``layers/attention/flashinfer_backend.py`` (paged prefix with
+LSE convention: natural log (``kernels.new_token_attention``), ``-inf`` for a query without
+history; FlashInfer's base-2 LSE is converted, and its LSE of a request without pages (``-5e4``,
+its finite stand-in for infinity: ``include/flashinfer/math.cuh`` ``inf = 5e4``) becomes ``-inf``.
+Source: SGLang 0.5.17 ``layers/attention/flashinfer_backend.py`` (paged prefix with
 ``causal=False``, FA2, merged with the ragged new tokens by ``merge_state``); FlashInfer 0.6
 ``prefill.BatchPrefillWithPagedKVCacheWrapper`` (``plan`` / ``run(return_lse=True)``, HND
 layout, ``page.cuh`` ``get_length``: a request with no page has length 0).
@@ -60,6 +62,11 @@ logger = logging.getLogger(__name__)
 # 2**28 pairs at head_dim 128 is about 0.6 ms (e.g. 64 requests x 128 new tokens over 1,024
 # tokens of history, 32 query heads). To be tuned on the H200 (scripts/device_history.sh).
 PAGED_HISTORY_MIN_WORK = 128 * 2**28
+
+# FlashInfer's base-2 LSE at or below this is a request without pages: FlashInfer starts its
+# running max at -5e4 (``math.cuh``: ``inf = 5e4``), so an empty request returns ``log2(1) - 5e4``.
+# A real LSE this low would need every score below -2.7e4, where exp() underflows anyway.
+EMPTY_LSE2 = -4.0e4
 
 
 @dataclass(frozen=True, slots=True)
@@ -303,7 +310,8 @@ def paged_prefill_reference(
 
     Returns:
         ``(out [qo_indptr[-1], H_q, D] in q's dtype, lse float32 [qo_indptr[-1], H_q])``, natural
-        log; a request with no page gets output 0 and LSE ``-inf``.
+        log; a request with no page gets output 0 and LSE ``-inf`` (as
+        :meth:`FlashInferPagedHistory.run` returns it: FlashInfer's own is ``-5e4`` in base 2).
     """
     num_qo_heads, num_kv_heads = q.shape[1], k_cache.shape[1]
     gqa = num_qo_heads // num_kv_heads
@@ -487,7 +495,8 @@ class FlashInferPagedHistory:
     def run(
         self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, layer: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(out [T, H_q, D], lse float32 [T, H_q] natural log)`` of layer ``layer``."""
+        """``(out [T, H_q, D], lse float32 [T, H_q] natural log, -inf without history)`` of layer
+        ``layer``."""
         assert self.ids is not None and self.buffer is not None, "plan first"
         self.ids.layer(layer, self.buffer)
         out, lse2 = self.wrapper.run(
@@ -495,7 +504,6 @@ class FlashInferPagedHistory:
             (single_head_pages(k_pool), single_head_pages(v_pool)),
             return_lse=True,
         )
-        return (
-            from_head_major(out, self.num_kv_heads),
-            from_head_major(lse2, self.num_kv_heads).mul_(math.log(2.0)),
-        )
+        lse = from_head_major(lse2, self.num_kv_heads)
+        lse.masked_fill_(lse <= EMPTY_LSE2, float("-inf"))  # rows without history
+        return from_head_major(out, self.num_kv_heads), lse.mul_(math.log(2.0))

@@ -255,7 +255,7 @@ def test_triton_kernels_run_the_planned_paged_history_per_layer_and_equal_the_fu
             return super().run(q, k_pool, v_pool, layer)
 
     kernels.history = Recorded()
-    assert kernels.plans_paged_history
+    assert kernels.plans_paged_history and not kernels.history_planned
     lens = np.array([[37, 37, 37], [12, 12, 12], [0, 0, 0]])
     layer, cluster, column = _layers(lens, 2, 2, torch.float32)
     rows, extend_lens = [0, 2, 1], [5, 7, 2]
@@ -294,7 +294,7 @@ def test_triton_kernels_run_the_planned_paged_history_per_layer_and_equal_the_fu
         )
         assert rel_err(got[0], want[0]) < TOL[torch.float32]
         assert rel_err(got[1], want[1]) < TOL[torch.float32]
-    assert runs == [0, 1] and plans == [plan]
+    assert runs == [0, 1] and plans == [plan] and kernels.history_planned
 
 
 def test_history_attention_reads_its_switch_and_refuses_a_split_turned_off(monkeypatch):
