@@ -3,25 +3,40 @@
 # TANGRAM_HISTORY_ATTENTION=flashinfer (the history part of a split extend through FlashInfer's
 # paged prefill, kernels/history_attention.py) needs before it becomes the default. Most
 # important first:
-#   1. the GPU tests of the paged history and of the new-token attention (correctness, LSE);
-#   2. bench.prefill_profile at ratio 1.0 with the history through triton and flashinfer on
+#   1. the GPU tests of the paged history and of the new-token attention (correctness, LSE,
+#      the start-up run); they also build FlashInfer's prefill module and warm Triton's cache,
+#      so the servers below start faster (a first server on a fresh machine took 125-270 s);
+#   2. cliff:64 side by side: Tangram 1.0 with the history through FlashInfer, then stock
+#      flashinfer (about 13 minutes; CLIFF=0 skips it; TRITON_CLIFF=1 adds Tangram 1.0 with
+#      the history through Tangram's kernel, about 6 minutes more);
+#   3. bench.prefill_profile at ratio 1.0 with the history through triton and flashinfer on
 #      cases with long and short histories (per-layer extend cost; `paged_history` says which
-#      cases got a plan);
-#   3. cliff:64 side by side: stock flashinfer, Tangram 1.0 (history through Tangram's kernel),
-#      Tangram 1.0 (history through FlashInfer) (about 12 minutes; CLIFF=0 skips it);
-#   4. sharegpt:64x4: stock triton, Tangram 0.25 and Tangram 1.0 with the history through
-#      FlashInfer (SHAREGPT=0 skips it).
-# Results in $R (gpu-tests.txt, history-*.txt/.json, triton/, flashinfer/, sharegpt/ runs).
+#      cases ran the plan);
+#   4. sharegpt:64x4: stock triton, Tangram 1.0 with the history through FlashInfer, Tangram
+#      0.25 (about 9 minutes; SHAREGPT=0 skips it).
+# Results in $R (gpu-tests.txt, cliff/, history-*.txt/.json, sharegpt/). Each server's bench is
+# capped at CAP_S (default 600 s: start-up, warm-up conversations and the workload).
 #   setsid nohup bash scripts/device_history.sh > /tmp/history.log 2>&1 &
-# Env: R (result folder), CASES, CLIFF=0, SHAREGPT=0.
+# Env: R (result folder), CASES, CLIFF=0, TRITON_CLIFF=1, SHAREGPT=0, CAP_S.
 set -u
 R=${R:-/tmp/history}
 mkdir -p "$R"
 SYN=$PWD/calibration/synthetic
+CAP=${CAP_S:-600}
 echo "$(date -u +%T) gpu tests" >> "$R/progress"
-timeout 300 python3 -m pytest -q -m gpu tests/kernels/test_history_attention.py \
+timeout 400 python3 -m pytest -q -m gpu tests/kernels/test_history_attention.py \
   tests/kernels/test_new_token_attention.py > "$R/gpu-tests.txt" 2>&1
 tail -2 "$R/gpu-tests.txt" >> "$R/progress"
+export PROFILE=$SYN/llama3.1-8b-kvzip-lite-r0.25.json
+if [ "${CLIFF:-1}" = 1 ]; then
+  # stock servers ignore the switch
+  TANGRAM_HISTORY_ATTENTION=flashinfer SYSTEMS="tangram:1.0 baseline-flashinfer" WL=cliff:64 \
+    WL1=cliff:64 T=300 CAP_S=$CAP R=$R/cliff bash scripts/device_never_slower.sh
+  if [ "${TRITON_CLIFF:-0}" = 1 ]; then
+    SYSTEMS="tangram:1.0" WL=cliff:64 WL1=cliff:64 T=300 CAP_S=$CAP R=$R/cliff-triton \
+      bash scripts/device_never_slower.sh
+  fi
+fi
 for h in triton flashinfer; do
   echo "$(date -u +%T) extend cost, history $h" >> "$R/progress"
   TANGRAM_HISTORY_ATTENTION=$h timeout 300 python3 -m tangram_sglang.bench.prefill_profile \
@@ -30,18 +45,11 @@ for h in triton flashinfer; do
     --json "$R/history-$h.json" > "$R/history-$h.txt" 2>&1
   tail -7 "$R/history-$h.txt" >> "$R/progress"
 done
-export PROFILE=$SYN/llama3.1-8b-kvzip-lite-r0.25.json
-if [ "${CLIFF:-1}" = 1 ]; then
-  SYSTEMS="baseline-flashinfer tangram:1.0" WL=cliff:64 WL1=cliff:64 T=300 CAP_S=420 \
-    R=$R/triton bash scripts/device_never_slower.sh
-  TANGRAM_HISTORY_ATTENTION=flashinfer SYSTEMS="tangram:1.0" WL=cliff:64 WL1=cliff:64 T=300 \
-    CAP_S=420 R=$R/flashinfer bash scripts/device_never_slower.sh
-fi
 if [ "${SHAREGPT:-1}" = 1 ]; then
-  # stock ignores the switch; Tangram 0.25's batches rarely get a plan (compressed histories):
-  # its run shows the pinned new-token plan (RESULTS, 07:10 UTC 2026-12-05)
-  TANGRAM_HISTORY_ATTENTION=flashinfer SYSTEMS="baseline tangram:0.25 tangram:1.0" \
-    WL=sharegpt:64x4 WL1=sharegpt:64x4 T=300 CAP_S=300 R=$R/sharegpt \
+  # Tangram 0.25's batches rarely get a plan (compressed histories): its run shows the pinned
+  # new-token plan (RESULTS, 07:10 UTC 2026-12-05)
+  TANGRAM_HISTORY_ATTENTION=flashinfer SYSTEMS="baseline tangram:1.0 tangram:0.25" \
+    WL=sharegpt:64x4 WL1=sharegpt:64x4 T=300 CAP_S=$CAP R=$R/sharegpt \
     bash scripts/device_never_slower.sh
 fi
 echo "$(date -u +%T) done" >> "$R/progress"

@@ -17,6 +17,7 @@ docs/contracts.md (kernel calling conventions).
 from __future__ import annotations
 
 import logging
+import time
 
 import numpy as np
 import torch
@@ -151,7 +152,9 @@ class TritonKernels(ReferenceKernels):
             ``"triton"`` (Tangram's extend kernel), ``"flashinfer"`` (the new tokens through
             FlashInfer, every batch) or ``"auto"`` (split where it pays, ``metadata.split_pays``;
             Tangram's kernel everywhere for a pool dtype FlashInfer does not run, without the
-            flashinfer package or without room for its workspace, logged).
+            flashinfer package, without room for its workspace or when its start-up run fails,
+            logged). FlashInfer's prefill runs once here on a one-token batch
+            (:func:`warm_up_new_tokens`), so a JIT build happens at start-up.
         history: who computes the history part (:func:`config.history_attention`):
             ``"triton"`` (Tangram's kernel) or ``"flashinfer"`` (FlashInfer's paged prefill in
             batches with a paged-history plan, ``kernels.history_attention``; Tangram's kernel
@@ -159,7 +162,8 @@ class TritonKernels(ReferenceKernels):
 
     Raises:
         ConfigError: ``prefill="flashinfer"`` with a float32 pool.
-        KernelError: ``prefill="flashinfer"`` without the flashinfer package.
+        KernelError: ``prefill="flashinfer"`` without the flashinfer package, or FlashInfer's
+            start-up run fails.
         torch.OutOfMemoryError: ``prefill="flashinfer"`` and no room for its workspace.
     """
 
@@ -210,6 +214,15 @@ class TritonKernels(ReferenceKernels):
                     raise
                 logger.info("Tangram: TANGRAM_PREFILL_ATTENTION=auto without FlashInfer (%s)", exc)
                 self.prefill = "triton"
+        if self.new_tokens is not None and not warm_up_new_tokens(
+            self.new_tokens, m, state.memory.kv_pool.k_pool.dtype, device
+        ):
+            if prefill == "flashinfer":
+                raise KernelError(
+                    "TANGRAM_PREFILL_ATTENTION=flashinfer: FlashInfer's prefill failed its "
+                    "start-up run (the log says why); use TANGRAM_PREFILL_ATTENTION=auto or triton"
+                )
+            self.new_tokens, self.prefill = None, "triton"
         if history == "flashinfer" and self.new_tokens is not None:
             from tangram_sglang.kernels.history_attention import FlashInferPagedHistory
 
@@ -219,8 +232,12 @@ class TritonKernels(ReferenceKernels):
                     self.new_tokens.workspace,
                     state.memory.kv_pool.k_pool.dtype,
                 )
-            except (ConfigError, KernelError) as exc:
-                logger.info("Tangram: TANGRAM_HISTORY_ATTENTION=flashinfer not usable (%s)", exc)
+            except (ConfigError, KernelError, torch.OutOfMemoryError) as exc:
+                logger.warning(
+                    "Tangram: TANGRAM_HISTORY_ATTENTION=flashinfer not usable (%s); the history "
+                    "part stays in Tangram's kernel",
+                    exc,
+                )
         logger.info(
             "Tangram: extend attention %s (TANGRAM_PREFILL_ATTENTION), history %s "
             "(TANGRAM_HISTORY_ATTENTION)",
@@ -340,6 +357,54 @@ class TritonKernels(ReferenceKernels):
             self.mid_lse,
             plan=self.plan,
         )
+
+
+def warm_up_new_tokens(new_tokens, model, dtype: torch.dtype, device: torch.device) -> bool:
+    """One planned run of the new-token attention on a one-token batch at start-up, so that a
+    JIT-compiled FlashInfer builds its prefill module (the ragged and paged kernels of this dtype
+    and head_dim, which the paged history shares) before the server takes traffic rather than
+    inside the first long prompt's forward, as stock SGLang's own warm-up request does for its
+    FlashInfer backend.
+
+    Args:
+        new_tokens: a ``kernels.new_token_attention`` new-token attention (``plan`` / ``run``).
+        model: the profile's model shape (``num_qo_heads``, ``num_kv_heads``, ``head_dim``).
+        dtype: the pool's dtype; device: the server's device.
+
+    Returns:
+        True when the run finished with a finite output; False (the exception logged as a
+        warning) when it raised: the caller then keeps Tangram's kernels, so a FlashInfer that
+        cannot build or run this configuration fails here, not in a forward.
+    """
+    h_q, h_kv, d = model.num_qo_heads, model.num_kv_heads, model.head_dim
+    start = time.perf_counter()
+    try:
+        gen = torch.Generator(device="cpu").manual_seed(0)
+        q, k, v = (torch.randn(1, h, d, generator=gen).to(device, dtype) for h in (h_q, h_kv, h_kv))
+        new_tokens.plan([0, 1], h_q, h_kv, d, dtype)
+        out, _ = new_tokens.run(q, k, v, d**-0.5)
+        ok = bool(torch.isfinite(out.float()).all())  # one sync, at start-up only
+    except torch.OutOfMemoryError:
+        raise  # a full device is not this path's to hide
+    except Exception as exc:  # e.g. a FlashInfer build that cannot compile this configuration
+        logger.warning(
+            "Tangram: FlashInfer's prefill failed its start-up run (%s: %s); extend attention "
+            "stays in Tangram's kernel",
+            type(exc).__name__,
+            exc,
+        )
+        return False
+    if not ok:
+        logger.warning(
+            "Tangram: FlashInfer's prefill gave a non-finite start-up output; extend attention "
+            "stays in Tangram's kernel"
+        )
+        return False
+    logger.info(
+        "Tangram: FlashInfer's prefill ready in %.1f s (built at start-up)",
+        time.perf_counter() - start,
+    )
+    return True
 
 
 def _plan_history(history, meta: md.TangramForwardMetadata, q, k_pool, sm_scale: float) -> bool:

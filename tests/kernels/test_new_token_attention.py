@@ -253,3 +253,76 @@ def test_flashinfer_new_tokens_refuse_a_float32_model_with_the_fix():
         ConfigError, match="TANGRAM_PREFILL_ATTENTION=flashinfer .* --dtype bfloat16"
     ):
         FlashInferNewTokens(torch.device("cpu"), torch.float32)
+
+
+def test_flashinfers_prefill_is_run_once_at_start_up_and_a_failing_one_keeps_tangrams_kernel(
+    monkeypatch, caplog
+):
+    """A JIT FlashInfer builds its prefill module on first use: ``TritonKernels`` runs the
+    new-token attention once on a one-token batch at start-up (not inside the first long
+    prompt's forward). A FlashInfer whose run raises there leaves ``auto`` on Tangram's kernel
+    with the exception in the log, and stops an explicit ``flashinfer`` with the fix."""
+    from types import SimpleNamespace
+
+    from tangram_sglang.backend.layer_ops import TritonKernels
+    from tangram_sglang.errors import KernelError
+    from tangram_sglang.kernels import new_token_attention
+    from tangram_sglang.profile import BudgetProfile
+
+    monkeypatch.setattr(
+        torch.cuda, "get_device_properties", lambda d: SimpleNamespace(multi_processor_count=8)
+    )
+    profile = BudgetProfile.load("calibration/synthetic/llama3.1-8b-ada-snapkv-r0.25.json")
+    m = profile.model
+    runs = []
+
+    class Recorded(TorchNewTokens):
+        def __init__(self, device, dtype):
+            super().__init__()
+            self.workspace = None
+
+        def run(self, q, k, v, sm_scale):
+            runs.append((self.bounds, tuple(q.shape), tuple(k.shape), q.dtype, sm_scale))
+            return super().run(q, k, v, sm_scale)
+
+    def kernels(prefill):
+        pool = SimpleNamespace(k_pool=torch.zeros(1, dtype=torch.bfloat16))
+        state = SimpleNamespace(profile=profile, memory=SimpleNamespace(kv_pool=pool))
+        return TritonKernels(state, 4, torch.device("cpu"), prefill=prefill)
+
+    monkeypatch.setattr(new_token_attention, "FlashInferNewTokens", Recorded)
+    k = kernels("auto")
+    assert k.prefill == "auto" and isinstance(k.new_tokens, Recorded)
+    assert runs == [
+        (
+            [0, 1],
+            (1, m.num_qo_heads, m.head_dim),
+            (1, m.num_kv_heads, m.head_dim),
+            torch.bfloat16,
+            m.head_dim**-0.5,
+        )
+    ]
+
+    class Broken(Recorded):
+        def run(self, q, k, v, sm_scale):
+            raise RuntimeError("ninja: build stopped")
+
+    monkeypatch.setattr(new_token_attention, "FlashInferNewTokens", Broken)
+    with caplog.at_level("WARNING"):
+        k = kernels("auto")
+    assert k.prefill == "triton" and k.new_tokens is None
+    assert "failed its start-up run (RuntimeError: ninja: build stopped)" in caplog.text
+    with pytest.raises(KernelError, match="TANGRAM_PREFILL_ATTENTION=auto or triton"):
+        kernels("flashinfer")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="FlashInfer's prefill needs CUDA")
+def test_flashinfers_start_up_run_passes_on_the_gpu():
+    from tangram_sglang.backend.layer_ops import warm_up_new_tokens
+    from tangram_sglang.kernels.new_token_attention import FlashInferNewTokens
+    from tangram_sglang.profile import BudgetProfile
+
+    profile = BudgetProfile.load("calibration/synthetic/llama3.1-8b-ada-snapkv-r0.25.json")
+    new = FlashInferNewTokens(torch.device("cuda"), torch.bfloat16)
+    assert warm_up_new_tokens(new, profile.model, torch.bfloat16, torch.device("cuda"))
