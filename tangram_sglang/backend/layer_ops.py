@@ -33,6 +33,7 @@ from tangram_sglang.kernels.history_attention import (
     PagedHistoryPlan,
     plan_paged_history,
 )
+from tangram_sglang.kernels.new_token_attention import flashinfer_fallback
 
 logger = logging.getLogger(__name__)
 
@@ -387,11 +388,8 @@ def warm_up_new_tokens(new_tokens, model, dtype: torch.dtype, device: torch.devi
     except torch.OutOfMemoryError:
         raise  # a full device is not this path's to hide
     except Exception as exc:  # e.g. a FlashInfer build that cannot compile this configuration
-        logger.warning(
-            "Tangram: FlashInfer's prefill failed its start-up run (%s: %s); extend attention "
-            "stays in Tangram's kernel",
-            type(exc).__name__,
-            exc,
+        flashinfer_fallback(
+            "prefill failed its start-up run", exc, "extend attention stays in Tangram's kernel"
         )
         return False
     if not ok:

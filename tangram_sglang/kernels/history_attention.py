@@ -51,6 +51,7 @@ import numpy as np
 import torch
 
 from tangram_sglang.errors import KernelError
+from tangram_sglang.kernels.new_token_attention import flashinfer_fallback
 
 logger = logging.getLogger(__name__)
 
@@ -449,11 +450,10 @@ class FlashInferPagedHistory:
         except torch.OutOfMemoryError:
             raise  # a full device is not this path's to hide
         except Exception as exc:  # e.g. a FlashInfer build that cannot compile this config
-            logger.warning(
-                "Tangram: FlashInfer's paged prefill cannot plan the paged history (%s: %s); "
-                "the history part stays in Tangram's kernel",
-                type(exc).__name__,
+            flashinfer_fallback(
+                "paged prefill cannot plan the paged history",
                 exc,
+                "the history part stays in Tangram's kernel",
             )
             self.usable = False
             return False

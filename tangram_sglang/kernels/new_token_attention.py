@@ -27,6 +27,7 @@ Source: FlashAttention-2 (Dao 2023) split-KV merge; SGLang 0.5.17
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable, Sequence
 from typing import Protocol
@@ -34,6 +35,8 @@ from typing import Protocol
 import torch
 
 from tangram_sglang.errors import ConfigError, KernelError
+
+logger = logging.getLogger(__name__)
 
 # FlashInfer's workspace (bytes): SGLang 0.5.17's default for its flashinfer backend
 # (SGLANG_FLASHINFER_WORKSPACE_SIZE, 384 MiB; it raises it to 512 MiB for Qwen2/Qwen3 models,
@@ -63,6 +66,13 @@ def check_flashinfer(dtype: torch.dtype, switch: str) -> None:
             f"{switch}=flashinfer needs the flashinfer-python package ({exc}); install it or "
             f"unset {switch}"
         ) from exc
+
+
+def flashinfer_fallback(what: str, exc: Exception, instead: str) -> None:
+    """Log, as a warning, that FlashInfer ``what`` (e.g. ``"prefill failed its start-up run"``)
+    with the exception ``exc``, and what runs ``instead``. OOM is never passed here: a full
+    device is re-raised by the callers, not hidden behind a fallback."""
+    logger.warning("Tangram: FlashInfer's %s (%s: %s); %s", what, type(exc).__name__, exc, instead)
 
 
 class NewTokenAttention(Protocol):
