@@ -15,7 +15,9 @@
 #   4. sharegpt:64x4: stock triton, Tangram 1.0 with the history through FlashInfer, Tangram
 #      0.25 (about 9 minutes; SHAREGPT=0 skips it).
 # Results in $R (gpu-tests.txt, cliff/, history-*.txt/.json, sharegpt/). Each server's bench is
-# capped at CAP_S (default 600 s: start-up, warm-up conversations and the workload).
+# capped at CAP_S (default 600 s: start-up, warm-up conversations and the workload). About 28
+# minutes in all at earlier runs' lengths, up to about 66 at every cap: in a 30-minute device
+# session run SHAREGPT=0 (parts 1-3) and ShareGPT in the next.
 #   setsid nohup bash scripts/device_history.sh > /tmp/history.log 2>&1 &
 # Env: R (result folder), CASES, CLIFF=0, TRITON_CLIFF=1, SHAREGPT=0, CAP_S.
 set -u

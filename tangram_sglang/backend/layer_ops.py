@@ -207,23 +207,22 @@ class TritonKernels(ReferenceKernels):
         if prefill in ("auto", "flashinfer"):
             from tangram_sglang.kernels.new_token_attention import FlashInferNewTokens
 
+            dtype = state.memory.kv_pool.k_pool.dtype
             try:
-                self.new_tokens = FlashInferNewTokens(device, state.memory.kv_pool.k_pool.dtype)
+                self.new_tokens = FlashInferNewTokens(device, dtype)
+                if not warm_up_new_tokens(self.new_tokens, m, dtype, device):
+                    raise KernelError(
+                        "TANGRAM_PREFILL_ATTENTION=flashinfer: FlashInfer's prefill failed its "
+                        "start-up run (the log says why); use TANGRAM_PREFILL_ATTENTION=auto or "
+                        "triton"
+                    )
             except (ConfigError, KernelError, torch.OutOfMemoryError) as exc:
-                # float32, no flashinfer package, or no room left for FlashInfer's workspace
+                # float32, no flashinfer package, no room left for FlashInfer's workspace, or
+                # a FlashInfer that cannot build or run this configuration
                 if prefill == "flashinfer":
                     raise
                 logger.info("Tangram: TANGRAM_PREFILL_ATTENTION=auto without FlashInfer (%s)", exc)
-                self.prefill = "triton"
-        if self.new_tokens is not None and not warm_up_new_tokens(
-            self.new_tokens, m, state.memory.kv_pool.k_pool.dtype, device
-        ):
-            if prefill == "flashinfer":
-                raise KernelError(
-                    "TANGRAM_PREFILL_ATTENTION=flashinfer: FlashInfer's prefill failed its "
-                    "start-up run (the log says why); use TANGRAM_PREFILL_ATTENTION=auto or triton"
-                )
-            self.new_tokens, self.prefill = None, "triton"
+                self.new_tokens, self.prefill = None, "triton"
         if history == "flashinfer" and self.new_tokens is not None:
             from tangram_sglang.kernels.history_attention import FlashInferPagedHistory
 
@@ -233,17 +232,19 @@ class TritonKernels(ReferenceKernels):
                     self.new_tokens.workspace,
                     state.memory.kv_pool.k_pool.dtype,
                 )
+                self.history.warm_up(m.num_qo_heads, m.num_kv_heads, m.head_dim)
             except (ConfigError, KernelError, torch.OutOfMemoryError) as exc:
                 logger.warning(
                     "Tangram: TANGRAM_HISTORY_ATTENTION=flashinfer not usable (%s); the history "
                     "part stays in Tangram's kernel",
                     exc,
                 )
+                self.history = None
         logger.info(
             "Tangram: extend attention %s (TANGRAM_PREFILL_ATTENTION), history %s "
             "(TANGRAM_HISTORY_ATTENTION)",
             self.prefill,
-            "flashinfer where planned" if self.history is not None else "triton",
+            "flashinfer where planned" if self.plans_paged_history else "triton",
         )
 
     @property
@@ -399,7 +400,7 @@ def warm_up_new_tokens(new_tokens, model, dtype: torch.dtype, device: torch.devi
         )
         return False
     logger.info(
-        "Tangram: FlashInfer's prefill ready in %.1f s (built at start-up)",
+        "Tangram: FlashInfer's prefill ready in %.1f s (built or loaded at start-up)",
         time.perf_counter() - start,
     )
     return True

@@ -406,6 +406,7 @@ class FlashInferPagedHistory:
         from flashinfer.prefill import BatchPrefillWithPagedKVCacheWrapper
 
         self.wrapper = BatchPrefillWithPagedKVCacheWrapper(workspace, "HND", backend="fa2")
+        self.dtype, self.device = dtype, workspace.device
         self.num_kv_heads = 0
         self.ids: PagedHistoryIds | None = None
         self.buffer: torch.Tensor | None = None  # [nnz] int32: the index buffer FlashInfer reads
@@ -471,6 +472,65 @@ class FlashInferPagedHistory:
         self.ids = ids
         self.sm_scale = sm_scale
         return True
+
+    def warm_up(self, num_qo_heads: int, num_kv_heads: int, head_dim: int) -> bool:
+        """Plan and run one query over one single-token page at start-up, so that a JIT-built
+        FlashInfer compiles this path's module (FA2; the new tokens' wrapper may build another
+        one, FA3 on Hopper) before the server takes traffic, not in the first batch with a
+        paged-history plan. The next batch's plan replaces this one.
+
+        Args:
+            num_qo_heads, num_kv_heads, head_dim: the model's H_q, H_kv and D.
+
+        Returns:
+            True when the run finished with a finite output; False (logged as a warning, and
+            ``usable`` False: every batch keeps Tangram's history kernel) when it raised.
+
+        Raises:
+            torch.OutOfMemoryError: no room on the device (a full device is not hidden).
+        """
+        page_size, one, device = 16, torch.ones(1, dtype=torch.int32), self.device
+        gqa = num_qo_heads // num_kv_heads
+        try:
+            pages = torch.randn(1, 1, page_size, head_dim, device=device).to(self.dtype)
+            q = torch.randn(1, gqa, head_dim, device=device).to(self.dtype)
+            indptr = torch.tensor([0, 1], dtype=torch.int32)  # pageable: start-up, nothing queued
+            self.wrapper.plan(
+                indptr,
+                indptr,
+                torch.zeros(1, dtype=torch.int32, device=device),
+                one,
+                gqa,
+                1,
+                head_dim,
+                page_size,
+                causal=False,
+                q_data_type=self.dtype,
+                kv_data_type=self.dtype,
+                seq_lens=one,
+                max_token_per_sequence=1,
+            )
+            self.planned_at = torch.cuda.Event()
+            self.planned_at.record()  # the next plan waits for this one's staged copy
+            out = self.wrapper.run(q, (pages, pages))
+            ok = bool(torch.isfinite(out.float()).all())  # one sync, at start-up only
+        except torch.OutOfMemoryError:
+            raise
+        except Exception as exc:  # e.g. a FlashInfer build that cannot compile this config
+            flashinfer_fallback(
+                "paged prefill failed its start-up run",
+                exc,
+                "the history part stays in Tangram's kernel",
+            )
+            self.usable = False
+            return False
+        if not ok:
+            logger.warning(
+                "Tangram: FlashInfer's paged prefill gave a non-finite start-up output; the "
+                "history part stays in Tangram's kernel"
+            )
+        self.usable = ok
+        return ok
 
     def _plan(self, plan, num_qo_heads, head_dim, page_size, dtype, sm_scale, pinned) -> None:
         """``BatchPrefillWithPagedKVCacheWrapper.plan`` for the batch (arguments of

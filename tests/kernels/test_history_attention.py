@@ -357,3 +357,64 @@ def test_flashinfer_paged_history_equals_tangrams_history_kernel(extend_lens):
         assert (lse[~finite] == float("-inf")).all() and (out[~finite] == 0).all()
         assert rel_err(lse[finite], want_lse[finite]) < 1e-3
         assert math.isfinite(float(out.float().sum()))
+
+
+def test_a_paged_history_that_fails_its_start_up_run_stays_off_and_says_why(monkeypatch, caplog):
+    """``FlashInferPagedHistory.warm_up`` (one query over one page at start-up, so a JIT
+    FlashInfer builds the FA2 module then): a wrapper whose plan raises turns the path off with
+    the exception in the log; ``TritonKernels`` then plans no paged history."""
+    from tangram_sglang.backend.layer_ops import TritonKernels
+    from tangram_sglang.kernels import history_attention, new_token_attention
+    from tangram_sglang.kernels.history_attention import FlashInferPagedHistory
+    from tangram_sglang.profile import BudgetProfile
+
+    class Failing:
+        def plan(self, *args, **kwargs):
+            raise RuntimeError("no FA2 kernel for head_dim 96")
+
+    history = FlashInferPagedHistory.__new__(FlashInferPagedHistory)
+    history.wrapper, history.planned_at, history.usable = Failing(), None, True
+    history.dtype, history.device = torch.bfloat16, torch.device("cpu")
+    with caplog.at_level("WARNING"):
+        assert not history.warm_up(32, 8, 96)
+    assert not history.usable
+    assert "paged prefill failed its start-up run (RuntimeError: no FA2 kernel" in caplog.text
+
+    monkeypatch.setattr(
+        torch.cuda, "get_device_properties", lambda d: SimpleNamespace(multi_processor_count=8)
+    )
+    warmed = []
+
+    class NewTokens(TorchNewTokens):
+        def __init__(self, device, dtype):
+            super().__init__()
+            self.workspace = None
+
+    class History:
+        usable = True
+
+        def __init__(self, workspace, dtype):
+            pass
+
+        def warm_up(self, num_qo_heads, num_kv_heads, head_dim):
+            warmed.append((num_qo_heads, num_kv_heads, head_dim))
+            self.usable = False
+            return False
+
+    monkeypatch.setattr(new_token_attention, "FlashInferNewTokens", NewTokens)
+    monkeypatch.setattr(history_attention, "FlashInferPagedHistory", History)
+    profile = BudgetProfile.load("calibration/synthetic/llama3.1-8b-ada-snapkv-r0.25.json")
+    pool = SimpleNamespace(k_pool=torch.zeros(1, dtype=torch.bfloat16))
+    state = SimpleNamespace(profile=profile, memory=SimpleNamespace(kv_pool=pool))
+    kernels = TritonKernels(state, 4, torch.device("cpu"), prefill="auto", history="flashinfer")
+    m = profile.model
+    assert warmed == [(m.num_qo_heads, m.num_kv_heads, m.head_dim)]
+    assert kernels.prefill == "auto" and not kernels.plans_paged_history
+
+    class NoRoom(History):
+        def warm_up(self, num_qo_heads, num_kv_heads, head_dim):
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 MiB")
+
+    monkeypatch.setattr(history_attention, "FlashInferPagedHistory", NoRoom)
+    kernels = TritonKernels(state, 4, torch.device("cpu"), prefill="auto", history="flashinfer")
+    assert kernels.history is None and not kernels.plans_paged_history

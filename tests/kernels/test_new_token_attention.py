@@ -318,11 +318,48 @@ def test_flashinfers_prefill_is_run_once_at_start_up_and_a_failing_one_keeps_tan
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="FlashInfer's prefill needs CUDA")
-def test_flashinfers_start_up_run_passes_on_the_gpu():
+def test_flashinfers_start_up_runs_pass_on_the_gpu():
     from tangram_sglang.backend.layer_ops import warm_up_new_tokens
+    from tangram_sglang.kernels.history_attention import FlashInferPagedHistory
     from tangram_sglang.kernels.new_token_attention import FlashInferNewTokens
     from tangram_sglang.profile import BudgetProfile
 
     profile = BudgetProfile.load("calibration/synthetic/llama3.1-8b-ada-snapkv-r0.25.json")
+    m = profile.model
     new = FlashInferNewTokens(torch.device("cuda"), torch.bfloat16)
-    assert warm_up_new_tokens(new, profile.model, torch.bfloat16, torch.device("cuda"))
+    assert warm_up_new_tokens(new, m, torch.bfloat16, torch.device("cuda"))
+    history = FlashInferPagedHistory(new.workspace, torch.bfloat16)
+    assert history.warm_up(m.num_qo_heads, m.num_kv_heads, m.head_dim) and history.usable
+
+
+def test_no_room_for_flashinfers_start_up_run_keeps_tangrams_kernel_under_auto(monkeypatch):
+    """An out-of-memory in the start-up run is treated like one in FlashInfer's workspace: ``auto``
+    keeps Tangram's kernel, an explicit ``flashinfer`` stops with the error."""
+    from types import SimpleNamespace
+
+    from tangram_sglang.backend.layer_ops import TritonKernels
+    from tangram_sglang.kernels import new_token_attention
+    from tangram_sglang.profile import BudgetProfile
+
+    monkeypatch.setattr(
+        torch.cuda, "get_device_properties", lambda d: SimpleNamespace(multi_processor_count=8)
+    )
+    profile = BudgetProfile.load("calibration/synthetic/llama3.1-8b-ada-snapkv-r0.25.json")
+
+    class Full(TorchNewTokens):
+        def __init__(self, device, dtype):
+            super().__init__()
+
+        def run(self, q, k, v, sm_scale):
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 MiB")
+
+    def kernels(prefill, history="triton"):
+        pool = SimpleNamespace(k_pool=torch.zeros(1, dtype=torch.bfloat16))
+        state = SimpleNamespace(profile=profile, memory=SimpleNamespace(kv_pool=pool))
+        return TritonKernels(state, 4, torch.device("cpu"), prefill=prefill, history=history)
+
+    monkeypatch.setattr(new_token_attention, "FlashInferNewTokens", Full)
+    k = kernels("auto", history="flashinfer")
+    assert k.prefill == "triton" and k.new_tokens is None and not k.plans_paged_history
+    with pytest.raises(torch.OutOfMemoryError):
+        kernels("flashinfer")
