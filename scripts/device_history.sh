@@ -11,7 +11,7 @@
 #      the history through Tangram's kernel, about 6 minutes more);
 #   3. bench.prefill_profile at ratio 1.0 with the history through triton and flashinfer on
 #      cases with long and short histories (per-layer extend cost; `paged_history` says which
-#      cases ran the plan);
+#      cases ran the plan; EXTEND_COST=0 skips it);
 #   4. sharegpt:64x4: stock triton, Tangram 1.0 with the history through FlashInfer, Tangram
 #      0.25 (about 9 minutes; SHAREGPT=0 skips it).
 # Results in $R (gpu-tests.txt, cliff/, history-*.txt/.json, sharegpt/). Each server's bench is
@@ -19,7 +19,7 @@
 # minutes in all at earlier runs' lengths, up to about 66 at every cap: in a 30-minute device
 # session run SHAREGPT=0 (parts 1-3) and ShareGPT in the next.
 #   setsid nohup bash scripts/device_history.sh > /tmp/history.log 2>&1 &
-# Env: R (result folder), CASES, CLIFF=0, TRITON_CLIFF=1, SHAREGPT=0, CAP_S.
+# Env: R (result folder), CASES, CLIFF=0, TRITON_CLIFF=1, EXTEND_COST=0, SHAREGPT=0, CAP_S.
 set -u
 R=${R:-/tmp/history}
 mkdir -p "$R"
@@ -40,6 +40,7 @@ if [ "${CLIFF:-1}" = 1 ]; then
   fi
 fi
 for h in triton flashinfer; do
+  [ "${EXTEND_COST:-1}" = 1 ] || break
   echo "$(date -u +%T) extend cost, history $h" >> "$R/progress"
   TANGRAM_HISTORY_ATTENTION=$h timeout 300 python3 -m tangram_sglang.bench.prefill_profile \
     --profile "$SYN/llama3.1-8b-kvzip-lite-r0.25.json" --target-ratio 1.0 \
