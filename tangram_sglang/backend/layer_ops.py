@@ -212,9 +212,10 @@ class TritonKernels(ReferenceKernels):
                 self.new_tokens = FlashInferNewTokens(device, dtype)
                 if not warm_up_new_tokens(self.new_tokens, m, dtype, device):
                     raise KernelError(
-                        "TANGRAM_PREFILL_ATTENTION=flashinfer: FlashInfer's prefill failed its "
-                        "start-up run (the log says why); use TANGRAM_PREFILL_ATTENTION=auto or "
-                        "triton"
+                        f"TANGRAM_PREFILL_ATTENTION={prefill}: FlashInfer's prefill failed its "
+                        "start-up run (the warning above says why); use "
+                        "TANGRAM_PREFILL_ATTENTION=triton, or auto, which then keeps Tangram's "
+                        "kernel"
                     )
             except (ConfigError, KernelError, torch.OutOfMemoryError) as exc:
                 # float32, no flashinfer package, no room left for FlashInfer's workspace, or
@@ -363,10 +364,12 @@ class TritonKernels(ReferenceKernels):
 
 def warm_up_new_tokens(new_tokens, model, dtype: torch.dtype, device: torch.device) -> bool:
     """One planned run of the new-token attention on a one-token batch at start-up, so that a
-    JIT-compiled FlashInfer builds its prefill module (the ragged and paged kernels of this dtype
-    and head_dim, which the paged history shares) before the server takes traffic rather than
-    inside the first long prompt's forward, as stock SGLang's own warm-up request does for its
-    FlashInfer backend.
+    JIT-compiled FlashInfer builds the new tokens' ragged prefill module of this dtype and
+    head_dim (FA3 on Hopper; the paged history's FA2 module is built by
+    ``kernels.history_attention.FlashInferPagedHistory.warm_up``) before the server takes
+    traffic rather than inside the first long prompt's forward, as stock SGLang's own warm-up
+    request does for its FlashInfer backend. Its inputs come from a seeded CPU generator, so the
+    device's generator (sampling) is left as SGLang seeded it.
 
     Args:
         new_tokens: a ``kernels.new_token_attention`` new-token attention (``plan`` / ``run``).

@@ -484,7 +484,9 @@ class FlashInferPagedHistory:
 
         Returns:
             True when the run finished with a finite output; False (logged as a warning, and
-            ``usable`` False: every batch keeps Tangram's history kernel) when it raised.
+            ``usable`` False: every batch keeps Tangram's history kernel) when it raised or its
+            output was not finite. Its inputs come from a seeded CPU generator, so the device's
+            generator (sampling) is left as SGLang seeded it.
 
         Raises:
             torch.OutOfMemoryError: no room on the device (a full device is not hidden).
@@ -492,8 +494,9 @@ class FlashInferPagedHistory:
         page_size, one, device = 16, torch.ones(1, dtype=torch.int32), self.device
         gqa = num_qo_heads // num_kv_heads
         try:
-            pages = torch.randn(1, 1, page_size, head_dim, device=device).to(self.dtype)
-            q = torch.randn(1, gqa, head_dim, device=device).to(self.dtype)
+            gen = torch.Generator(device="cpu").manual_seed(0)
+            pages = torch.randn(1, 1, page_size, head_dim, generator=gen).to(device, self.dtype)
+            q = torch.randn(1, gqa, head_dim, generator=gen).to(device, self.dtype)
             indptr = torch.tensor([0, 1], dtype=torch.int32)  # pageable: start-up, nothing queued
             self.wrapper.plan(
                 indptr,

@@ -418,3 +418,36 @@ def test_a_paged_history_that_fails_its_start_up_run_stays_off_and_says_why(monk
     monkeypatch.setattr(history_attention, "FlashInferPagedHistory", NoRoom)
     kernels = TritonKernels(state, 4, torch.device("cpu"), prefill="auto", history="flashinfer")
     assert kernels.history is None and not kernels.plans_paged_history
+
+
+def test_a_paged_history_whose_start_up_output_is_not_finite_stays_off(monkeypatch, caplog):
+    """A FlashInfer that plans and runs but returns NaN at start-up is not used either."""
+    from tangram_sglang.kernels.history_attention import FlashInferPagedHistory
+
+    calls = []
+
+    class NaNs:
+        def plan(self, *args, **kwargs):
+            calls.append(("plan", args[4:8], kwargs["causal"]))
+
+        def run(self, q, paged_kv):
+            calls.append(("run", tuple(q.shape), tuple(paged_kv[0].shape)))
+            return torch.full_like(q, float("nan"))
+
+    class Event:  # CUDA events need a GPU; the order of record and run is what matters here
+        def record(self):
+            calls.append(("event",))
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    history = FlashInferPagedHistory.__new__(FlashInferPagedHistory)
+    history.wrapper, history.planned_at, history.usable = NaNs(), None, True
+    history.dtype, history.device = torch.bfloat16, torch.device("cpu")
+    with caplog.at_level("WARNING"):
+        assert not history.warm_up(32, 8, 128)
+    assert not history.usable and "non-finite start-up output" in caplog.text
+    # one query head group (GQA 4) of one KV head over one 16-token page, non-causal
+    assert calls == [
+        ("plan", (4, 1, 128, 16), False),
+        ("event",),
+        ("run", (1, 4, 128), (1, 1, 16, 128)),
+    ]
