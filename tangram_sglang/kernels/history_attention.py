@@ -451,13 +451,7 @@ class FlashInferPagedHistory:
         except torch.OutOfMemoryError:
             raise  # a full device is not this path's to hide
         except Exception as exc:  # e.g. a FlashInfer build that cannot compile this config
-            flashinfer_fallback(
-                "paged prefill cannot plan the paged history",
-                exc,
-                "the history part stays in Tangram's kernel",
-            )
-            self.usable = False
-            return False
+            return self._turn_off("paged prefill cannot plan the paged history", exc)
         self.planned_at = torch.cuda.Event()
         self.planned_at.record()
         # run() reads the index buffer plan() kept; each layer's page ids are written into it
@@ -472,6 +466,13 @@ class FlashInferPagedHistory:
         self.ids = ids
         self.sm_scale = sm_scale
         return True
+
+    def _turn_off(self, what: str, exc: Exception) -> bool:
+        """Log that FlashInfer ``what`` (with ``exc``) and keep Tangram's history kernel for
+        every later batch (``usable`` False); returns False."""
+        flashinfer_fallback(what, exc, "the history part stays in Tangram's kernel")
+        self.usable = False
+        return False
 
     def warm_up(self, num_qo_heads: int, num_kv_heads: int, head_dim: int) -> bool:
         """Plan and run one query over one single-token page at start-up, so that a JIT-built
@@ -520,13 +521,7 @@ class FlashInferPagedHistory:
         except torch.OutOfMemoryError:
             raise
         except Exception as exc:  # e.g. a FlashInfer build that cannot compile this config
-            flashinfer_fallback(
-                "paged prefill failed its start-up run",
-                exc,
-                "the history part stays in Tangram's kernel",
-            )
-            self.usable = False
-            return False
+            return self._turn_off("paged prefill failed its start-up run", exc)
         if not ok:
             logger.warning(
                 "Tangram: FlashInfer's paged prefill gave a non-finite start-up output; the "
