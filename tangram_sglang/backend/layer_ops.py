@@ -33,7 +33,7 @@ from tangram_sglang.kernels.history_attention import (
     PagedHistoryPlan,
     plan_paged_history,
 )
-from tangram_sglang.kernels.new_token_attention import flashinfer_fallback
+from tangram_sglang.kernels.new_token_attention import check_finite, flashinfer_fallback
 
 logger = logging.getLogger(__name__)
 
@@ -378,7 +378,7 @@ def warm_up_new_tokens(new_tokens, model, dtype: torch.dtype, device: torch.devi
 
     Returns:
         True when the run finished with a finite output; False (the exception logged as a
-        warning) when it raised: the caller then keeps Tangram's kernels, so a FlashInfer that
+        warning) when it raised or its output was not finite: the caller then keeps Tangram's kernels, so a FlashInfer that
         cannot build or run this configuration fails here, not in a forward.
     """
     h_q, h_kv, d = model.num_qo_heads, model.num_kv_heads, model.head_dim
@@ -387,19 +387,12 @@ def warm_up_new_tokens(new_tokens, model, dtype: torch.dtype, device: torch.devi
         gen = torch.Generator(device="cpu").manual_seed(0)
         q, k, v = (torch.randn(1, h, d, generator=gen).to(device, dtype) for h in (h_q, h_kv, h_kv))
         new_tokens.plan([0, 1], h_q, h_kv, d, dtype)
-        out, _ = new_tokens.run(q, k, v, d**-0.5)
-        ok = bool(torch.isfinite(out.float()).all())  # one sync, at start-up only
+        check_finite(new_tokens.run(q, k, v, d**-0.5)[0])
     except torch.OutOfMemoryError:
         raise  # a full device is not this path's to hide
     except Exception as exc:  # e.g. a FlashInfer build that cannot compile this configuration
         flashinfer_fallback(
             "prefill failed its start-up run", exc, "extend attention stays in Tangram's kernel"
-        )
-        return False
-    if not ok:
-        logger.warning(
-            "Tangram: FlashInfer's prefill gave a non-finite start-up output; extend attention "
-            "stays in Tangram's kernel"
         )
         return False
     logger.info(

@@ -51,7 +51,7 @@ import numpy as np
 import torch
 
 from tangram_sglang.errors import KernelError
-from tangram_sglang.kernels.new_token_attention import flashinfer_fallback
+from tangram_sglang.kernels.new_token_attention import check_finite, flashinfer_fallback
 
 logger = logging.getLogger(__name__)
 
@@ -516,19 +516,13 @@ class FlashInferPagedHistory:
             )
             self.planned_at = torch.cuda.Event()
             self.planned_at.record()  # the next plan waits for this one's staged copy
-            out = self.wrapper.run(q, (pages, pages))
-            ok = bool(torch.isfinite(out.float()).all())  # one sync, at start-up only
+            check_finite(self.wrapper.run(q, (pages, pages)))
         except torch.OutOfMemoryError:
             raise
         except Exception as exc:  # e.g. a FlashInfer build that cannot compile this config
             return self._turn_off("paged prefill failed its start-up run", exc)
-        if not ok:
-            logger.warning(
-                "Tangram: FlashInfer's paged prefill gave a non-finite start-up output; the "
-                "history part stays in Tangram's kernel"
-            )
-        self.usable = ok
-        return ok
+        self.usable = True
+        return True
 
     def _plan(self, plan, num_qo_heads, head_dim, page_size, dtype, sm_scale, pinned) -> None:
         """``BatchPrefillWithPagedKVCacheWrapper.plan`` for the batch (arguments of

@@ -75,6 +75,17 @@ def flashinfer_fallback(what: str, exc: Exception, instead: str) -> None:
     logger.warning("Tangram: FlashInfer's %s (%s: %s); %s", what, type(exc).__name__, exc, instead)
 
 
+def check_finite(out: torch.Tensor) -> None:
+    """Raise unless every value of a start-up run's output is finite (one device sync: for
+    start-up checks only, never on the step path).
+
+    Raises:
+        FloatingPointError: "non-finite start-up output".
+    """
+    if not bool(torch.isfinite(out.float()).all()):
+        raise FloatingPointError("non-finite start-up output")
+
+
 class NewTokenAttention(Protocol):
     """The new tokens' causal attention of an extend batch (plan per batch, run per layer)."""
 
