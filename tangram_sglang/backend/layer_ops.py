@@ -378,8 +378,9 @@ def warm_up_new_tokens(new_tokens, model, dtype: torch.dtype, device: torch.devi
 
     Returns:
         True when the run finished with a finite output; False (the exception logged as a
-        warning) when it raised or its output was not finite: the caller then keeps Tangram's kernels, so a FlashInfer that
-        cannot build or run this configuration fails here, not in a forward.
+        warning) when it raised or its output was not finite: the caller then keeps Tangram's
+        kernels, so a FlashInfer that cannot build or run this configuration fails here, not in
+        a forward.
     """
     h_q, h_kv, d = model.num_qo_heads, model.num_kv_heads, model.head_dim
     start = time.perf_counter()
