@@ -59,6 +59,12 @@ class ReferenceKernels:
         self.split = (TorchNewTokens(), TorchPagedHistory()) if history == "flashinfer" else None
         self._planned = None  # the extend plan (metadata) the split was last planned for
         self._history_planned = False  # the paged history is planned for self._planned
+        if self.split is not None:
+            logger.info(
+                "Tangram: history %s (TANGRAM_HISTORY_ATTENTION): the paged-history plans run "
+                "through FlashInfer's semantics in torch on this device",
+                history,
+            )
 
     @property
     def plans_paged_history(self) -> bool:

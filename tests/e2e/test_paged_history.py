@@ -52,4 +52,5 @@ def test_paged_history_plans_give_the_same_tokens_as_tangrams_history(
     assert got == want
     assert all(len(a) > 0 for answers in got for a in answers)
     assert "first extend batch with a paged-history plan" in paged.log_path.read_text()
+    assert "history flashinfer (TANGRAM_HISTORY_ATTENTION)" in paged.log_path.read_text()
     assert "paged-history plan" not in plain.log_path.read_text()
