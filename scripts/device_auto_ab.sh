@@ -10,6 +10,7 @@
 #   setsid nohup bash scripts/device_auto_ab.sh > /tmp/ab.log 2>&1 &
 # Env: R (result folder), WL (workloads, default sharegpt:64x4).
 set -u
+[ -n "${MODEL:-}" ] || { echo "$0: MODEL is unset: run 'source scripts/device_setup.sh' in this shell first (each device call starts a new shell)" >&2; exit 2; }
 R=${R:-/tmp/ab}
 mkdir -p "$R"
 export PROFILE=$PWD/calibration/synthetic/llama3.1-8b-kvzip-lite-r0.25.json

@@ -6,6 +6,7 @@
 # the background and poll $R/progress:
 #   setsid nohup bash scripts/device_cliff_side_by_side.sh > /tmp/cl.log 2>&1 &
 set -u
+[ -n "${MODEL:-}" ] || { echo "$0: MODEL is unset: run 'source scripts/device_setup.sh' in this shell first (each device call starts a new shell)" >&2; exit 2; }
 export R=${R:-/tmp/cl}
 SYSTEMS="tangram:0.25 baseline" WL=cliff:64,cliff:64:no-max T=${T:-420} CAP_S=840 \
   bash scripts/device_never_slower.sh

@@ -6,6 +6,7 @@
 # in $R/progress. Start it in the background and poll:
 #   setsid nohup bash scripts/device_cliff_trace.sh > /tmp/ct.log 2>&1 &
 set -u
+[ -n "${MODEL:-}" ] || { echo "$0: MODEL is unset: run 'source scripts/device_setup.sh' in this shell first (each device call starts a new shell)" >&2; exit 2; }
 R=${R:-/tmp/ct}
 mkdir -p "$R"
 export OUT=$R

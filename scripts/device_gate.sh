@@ -10,6 +10,7 @@
 #   setsid nohup bash scripts/device_gate.sh > /tmp/gate.log 2>&1 &
 # Env: R (result folder), CASES, NS=0 skips part 2.
 set -u
+[ -n "${MODEL:-}" ] || { echo "$0: MODEL is unset: run 'source scripts/device_setup.sh' in this shell first (each device call starts a new shell)" >&2; exit 2; }
 R=${R:-/tmp/gate}
 mkdir -p "$R"
 CASES=${CASES:-1x8192,16x1024,16x300-1500,64x100-1500,64x256+1024}

@@ -21,6 +21,7 @@
 #   setsid nohup bash scripts/device_history.sh > /tmp/history.log 2>&1 &
 # Env: R (result folder), CASES, CLIFF=0, TRITON_CLIFF=1, EXTEND_COST=0, SHAREGPT=0, CAP_S.
 set -u
+[ -n "${MODEL:-}" ] || { echo "$0: MODEL is unset: run 'source scripts/device_setup.sh' in this shell first (each device call starts a new shell)" >&2; exit 2; }
 R=${R:-/tmp/history}
 mkdir -p "$R"
 SYN=$PWD/calibration/synthetic

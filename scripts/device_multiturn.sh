@@ -7,6 +7,7 @@
 # Env: WL (workloads), TSYS (tangram systems; set empty: baseline only, one GPU), BASE_T /
 # TANG_T (per-workload timeout, s), CAP_S (whole bench, s), BASE_BACKEND (triton).
 set -u
+[ -n "${MODEL:-}" ] || { echo "$0: MODEL is unset: run 'source scripts/device_setup.sh' in this shell first (each device call starts a new shell)" >&2; exit 2; }
 R=/tmp/mt; mkdir -p "$R" "${OUT:=/tmp/out}"  # at most 8 files may come back: copy a few
 COMMON="--load-format dummy --sampling-backend pytorch --mem-fraction-static 0.8 --context-length 20480 --max-running-requests 128 --disable-prefill-cuda-graph --cuda-graph-max-bs 128"
 WL=${WL:-cliff:64,prefill:16x8192,cliff:32}

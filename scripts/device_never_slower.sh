@@ -15,6 +15,7 @@
 #      traced repeat and the trace's reading too), R (result folder), BENCH_ARGS (more
 #      bench.multiturn flags, e.g. "--context-tokens 16384" for mixed:N).
 set -u
+[ -n "${MODEL:-}" ] || { echo "$0: MODEL is unset: run 'source scripts/device_setup.sh' in this shell first (each device call starts a new shell)" >&2; exit 2; }
 R=${R:-/tmp/ns}
 mkdir -p "$R"
 COMMON="--load-format dummy --sampling-backend pytorch --mem-fraction-static 0.8 --context-length 20480 --max-running-requests 128 --disable-prefill-cuda-graph --cuda-graph-max-bs 128"

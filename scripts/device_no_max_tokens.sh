@@ -12,6 +12,7 @@
 # About 7 min: 2 starts x ~45 s, stock cliff cut at T s (default 160), Tangram's ~70 s.
 # Env: WL (workloads), T (per-workload timeout, s), CAP_S (whole bench, s), SYSTEMS.
 set -u -o pipefail
+[ -n "${MODEL:-}" ] || { echo "$0: MODEL is unset: run 'source scripts/device_setup.sh' in this shell first (each device call starts a new shell)" >&2; exit 2; }
 R=/tmp/nmt; mkdir -p "$R" "${OUT:=/tmp/out}"
 COMMON="--load-format dummy --sampling-backend pytorch --mem-fraction-static 0.8 --context-length 20480 --max-running-requests 256 --disable-prefill-cuda-graph --cuda-graph-max-bs 128"
 WL=${WL:-long-context:256x1,cliff:64}

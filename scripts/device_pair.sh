@@ -9,6 +9,7 @@
 #      1x8192,64x384+16384; empty = none), G1 (GPU of SYS1 and the profile: 1; on a one-GPU
 #      machine set G1=0 and run SYS0 and SYS1 one after another).
 set -u -o pipefail
+[ -n "${MODEL:-}" ] || { echo "$0: MODEL is unset: run 'source scripts/device_setup.sh' in this shell first (each device call starts a new shell)" >&2; exit 2; }
 R=/tmp/mt; mkdir -p "$R" "${OUT:=/tmp/out}"
 COMMON="--load-format dummy --sampling-backend pytorch --mem-fraction-static 0.8 --context-length 20480 --max-running-requests 128 --disable-prefill-cuda-graph --cuda-graph-max-bs 128"
 WL=${WL:-cliff:64,prefill:16x8192,cliff:32}

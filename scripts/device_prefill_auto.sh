@@ -11,6 +11,7 @@
 #   setsid nohup bash scripts/device_prefill_auto.sh > /tmp/auto.log 2>&1 &
 # Env: R (result folder), SPLIT_CASES, NS=0 skips part 3.
 set -u
+[ -n "${MODEL:-}" ] || { echo "$0: MODEL is unset: run 'source scripts/device_setup.sh' in this shell first (each device call starts a new shell)" >&2; exit 2; }
 R=${R:-/tmp/auto}
 mkdir -p "$R"
 SYN=$PWD/calibration/synthetic

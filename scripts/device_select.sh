@@ -16,6 +16,7 @@
 #   setsid nohup bash scripts/device_select.sh > /tmp/sel.log 2>&1 &
 # Env: R (result folder), CASES, SHAREGPT=0 / CLIFF1=0 skip parts 3 / 4.
 set -u
+[ -n "${MODEL:-}" ] || { echo "$0: MODEL is unset: run 'source scripts/device_setup.sh' in this shell first (each device call starts a new shell)" >&2; exit 2; }
 R=${R:-/tmp/sel}
 mkdir -p "$R"
 CASES=${CASES:-64x1024,8x4096,16x600,16x300-1500,64x100-1500,64x256+1024}

@@ -6,6 +6,7 @@
 # Env: PORT (30000), LOAD ("N IN OUT": loadgen.py prompts, input, output tokens; empty = none),
 #      UP_S (400: seconds to wait for /health). Logs: $OUT/NAME.server.log, $OUT/NAME.*.json.
 set -u
+[ -n "${MODEL:-}" ] || { echo "$0: MODEL is unset: run 'source scripts/device_setup.sh' in this shell first (each device call starts a new shell)" >&2; exit 2; }
 NAME=$1; shift
 PORT=${PORT:-30000}; R=${OUT:-/tmp/out}; mkdir -p "$R"
 ts=$(date +%s)

@@ -11,6 +11,7 @@
 #      T (per-workload timeout, s), CAP_S (each bench, s), G1 (GPU of Tangram: 1; on a one-GPU
 #      machine set G1=0 and the two run one after another).
 set -u -o pipefail
+[ -n "${MODEL:-}" ] || { echo "$0: MODEL is unset: run 'source scripts/device_setup.sh' in this shell first (each device call starts a new shell)" >&2; exit 2; }
 R=/tmp/sp; mkdir -p "$R" "${OUT:=/tmp/out}"
 CHUNK=${CHUNK:-2048}
 COMMON="--load-format dummy --sampling-backend pytorch --mem-fraction-static 0.8 --context-length 20480 --max-running-requests 128 --disable-prefill-cuda-graph --cuda-graph-max-bs 128 --chunked-prefill-size $CHUNK"

@@ -8,6 +8,7 @@
 # Start it in the background and poll:
 #   setsid nohup bash scripts/device_short_chat.sh > /tmp/sc.log 2>&1 &
 set -u
+[ -n "${MODEL:-}" ] || { echo "$0: MODEL is unset: run 'source scripts/device_setup.sh' in this shell first (each device call starts a new shell)" >&2; exit 2; }
 export R=${R:-/tmp/sc}
 mkdir -p "$R"
 WHICH=both N=64 L=1024 E=128 D=0 T=${T_TRACE:-300} bash scripts/device_turn_trace.sh

@@ -15,6 +15,7 @@
 #      (calibration/qwen2.5-0.5b/ada-snapkv-r0.25.json), WL (cliff:64), CAP_S (each bench, s),
 #      T (per-workload timeout, s), TANGRAM_CACHE_DIR (/tmp/tangram-cache).
 set -u -o pipefail
+[ -n "${MODEL:-}" ] || { echo "$0: MODEL is unset: run 'source scripts/device_setup.sh' in this shell first (each device call starts a new shell)" >&2; exit 2; }
 STEPS=${STEPS:-identity,cliff}
 mkdir -p "${OUT:=/tmp/out}" /tmp/tp
 export CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0,1}

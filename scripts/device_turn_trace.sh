@@ -5,6 +5,7 @@
 # output tokens). Results in $R; progress lines in $R/progress. Start it in the background:
 #   setsid nohup bash scripts/device_turn_trace.sh > /tmp/tt.log 2>&1 &
 set -u
+[ -n "${MODEL:-}" ] || { echo "$0: MODEL is unset: run 'source scripts/device_setup.sh' in this shell first (each device call starts a new shell)" >&2; exit 2; }
 R=${R:-/tmp/tt}
 mkdir -p "$R"
 COMMON="--load-format dummy --sampling-backend pytorch --mem-fraction-static 0.8 --context-length 20480 --max-running-requests 128 --disable-prefill-cuda-graph --cuda-graph-max-bs 128"
