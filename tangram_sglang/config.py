@@ -247,25 +247,30 @@ def prefill_attention(environ: dict[str, str] | None = None) -> str:
 
 # Environment switch of the extend attention's history part (read once per server, at start-up).
 HISTORY_ATTENTION_ENV = "TANGRAM_HISTORY_ATTENTION"
-HISTORY_ATTENTIONS = ("flashinfer", "triton")
+HISTORY_ATTENTIONS = ("auto", "flashinfer", "triton")
 
 
 def history_attention(environ: dict[str, str] | None = None) -> str:
-    """Who computes the history part of an extend: ``"triton"`` (default) or ``"flashinfer"``.
+    """Who computes the history part of an extend: ``"auto"`` (default), ``"flashinfer"`` or
+    ``"triton"``.
 
     ``triton``: Tangram's extend kernel (with the new tokens, or alone in a split extend).
     ``flashinfer``: FlashInfer's paged prefill over each (request, KV head)'s single-head pages
     (``kernels.history_attention``), in batches whose history lengths are the same on every
     layer (ratio 1.0, histories kept whole) and long enough to pay for its plan; such a batch
-    is split (new tokens through FlashInfer's ragged prefill) whatever
-    ``TANGRAM_PREFILL_ATTENTION`` says but ``triton``. Other batches, float32 models and servers
-    without the flashinfer package keep Tangram's kernel. Opt-in until an H200 run side by side
-    shows it is not slower. On CPU, ``flashinfer`` runs the same plans through FlashInfer's
-    semantics in torch (``kernels.history_attention.TorchPagedHistory``), with no work floor:
-    a check of the plans end to end, not a speed-up.
+    is split (new tokens through FlashInfer's ragged prefill). Other batches, float32 models and
+    servers without the flashinfer package keep Tangram's kernel (a warning says why). On CPU,
+    ``flashinfer`` runs the same plans through FlashInfer's semantics in torch
+    (``kernels.history_attention.TorchPagedHistory``), with no work floor: a check of the plans
+    end to end, not a speed-up. ``auto``: ``flashinfer`` on CUDA servers whose new tokens go
+    through FlashInfer (``TANGRAM_PREFILL_ATTENTION`` not ``triton``), with the same fallbacks
+    logged at info level; ``triton`` on CPU. The default: side by side on an H100 it ran cliff-64
+    at ratio 1.0 at 0.964x stock flashinfer (Tangram's kernel: 0.949x on the H200) and ShareGPT
+    64 x 4 at 0.983x (1.0) and 1.008x (0.25) stock triton (``benchmarks/RESULTS.md``,
+    2026-12-05).
 
     Args:
-        environ: the environment to read (default ``os.environ``); unset or empty = ``triton``.
+        environ: the environment to read (default ``os.environ``); unset or empty = ``auto``.
 
     Returns:
         One of :data:`HISTORY_ATTENTIONS`.
@@ -278,12 +283,12 @@ def history_attention(environ: dict[str, str] | None = None) -> str:
     raw = env.get(HISTORY_ATTENTION_ENV, "")
     value = raw.strip().lower()
     if value == "":
-        return "triton"
+        return "auto"
     if value not in HISTORY_ATTENTIONS:
         raise ConfigError(
-            f"{HISTORY_ATTENTION_ENV}={raw!r}: use 'triton' (Tangram's history kernel, default) "
-            "or 'flashinfer' (FlashInfer's paged prefill where every layer has the same "
-            "history lengths)"
+            f"{HISTORY_ATTENTION_ENV}={raw!r}: use 'auto' (FlashInfer's paged prefill where "
+            "every layer has the same history lengths, on CUDA; default), 'flashinfer' (the "
+            "same, and on CPU its torch semantics) or 'triton' (Tangram's history kernel)"
         )
     if value == "flashinfer" and prefill_attention(env) == "triton":
         raise ConfigError(

@@ -42,7 +42,9 @@ class ReferenceKernels:
     """CPU path: :mod:`tangram_sglang.kernels.reference` (also the tests' oracle).
 
     Args:
-        history: :func:`config.history_attention`'s value. ``"flashinfer"`` runs extend batches
+        history: :func:`config.history_attention`'s value. ``"triton"`` and ``"auto"`` (the
+            default: no speed to gain from the split on this device) run every extend in the
+            fused reference. ``"flashinfer"`` runs extend batches
             that carry a paged-history plan split, the history part through FlashInfer's
             paged-prefill semantics in torch (``kernels.history_attention.TorchPagedHistory``)
             on the same plan a GPU server gives FlashInfer: a CPU server then checks that plan
@@ -163,9 +165,11 @@ class TritonKernels(ReferenceKernels):
             logged). FlashInfer's prefill runs once here on a one-token batch
             (:func:`warm_up_new_tokens`), so a JIT build happens at start-up.
         history: who computes the history part (:func:`config.history_attention`):
-            ``"triton"`` (Tangram's kernel) or ``"flashinfer"`` (FlashInfer's paged prefill in
+            ``"triton"`` (Tangram's kernel), ``"flashinfer"`` (FlashInfer's paged prefill in
             batches with a paged-history plan, ``kernels.history_attention``; Tangram's kernel
-            where FlashInfer cannot run, logged).
+            where FlashInfer cannot run, with a warning) or ``"auto"`` (the same, the fallback
+            logged at info level). Either needs the new tokens through FlashInfer
+            (``prefill`` not ``"triton"``, and FlashInfer usable).
 
     Raises:
         ConfigError: ``prefill="flashinfer"`` with a float32 pool.
@@ -230,7 +234,7 @@ class TritonKernels(ReferenceKernels):
                     raise
                 logger.info("Tangram: TANGRAM_PREFILL_ATTENTION=auto without FlashInfer (%s)", exc)
                 self.new_tokens, self.prefill = None, "triton"
-        if history == "flashinfer" and self.new_tokens is not None:
+        if history in ("auto", "flashinfer") and self.new_tokens is not None:
             from tangram_sglang.kernels.history_attention import FlashInferPagedHistory
 
             try:
@@ -241,9 +245,12 @@ class TritonKernels(ReferenceKernels):
                 )
                 self.history.warm_up(m.num_qo_heads, m.num_kv_heads, m.head_dim)
             except (ConfigError, KernelError, torch.OutOfMemoryError) as exc:
-                logger.warning(
-                    "Tangram: TANGRAM_HISTORY_ATTENTION=flashinfer not usable (%s); the history "
-                    "part stays in Tangram's kernel",
+                # asked for by name: a warning; the default: info
+                logger.log(
+                    logging.WARNING if history == "flashinfer" else logging.INFO,
+                    "Tangram: TANGRAM_HISTORY_ATTENTION=%s without FlashInfer's paged prefill "
+                    "(%s); the history part stays in Tangram's kernel",
+                    history,
                     exc,
                 )
                 self.history = None

@@ -361,7 +361,7 @@ def check_model(server_args: Any) -> None:
             ``lengths``/``table`` (:func:`tangram_sglang.config.decode_plan`),
             ``TANGRAM_PREFILL_ATTENTION`` not ``triton``/``auto``/``flashinfer``
             (:func:`tangram_sglang.config.prefill_attention`), ``TANGRAM_HISTORY_ATTENTION``
-            not ``triton``/``flashinfer``, or ``flashinfer`` with
+            not ``auto``/``triton``/``flashinfer``, or ``flashinfer`` with
             ``TANGRAM_PREFILL_ATTENTION=triton`` (:func:`tangram_sglang.config.history_attention`),
             scorer options of
             the profile that the scorer refuses, or the Tangram plugin not active in this process.

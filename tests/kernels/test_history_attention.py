@@ -306,8 +306,12 @@ def test_history_attention_reads_its_switch_and_refuses_a_split_turned_off(monke
     )
     from tangram_sglang.errors import ConfigError
 
-    assert history_attention({}) == "triton"
+    assert history_attention({}) == "auto"
+    assert history_attention({HISTORY_ATTENTION_ENV: ""}) == "auto"
     assert history_attention({HISTORY_ATTENTION_ENV: " FlashInfer "}) == "flashinfer"
+    assert history_attention({HISTORY_ATTENTION_ENV: "TRITON"}) == "triton"
+    # the default with the split turned off is no conflict: it resolves to Tangram's kernel
+    assert history_attention({PREFILL_ATTENTION_ENV: "triton"}) == "auto"
     with pytest.raises(ConfigError, match="TANGRAM_HISTORY_ATTENTION='fa3'"):
         history_attention({HISTORY_ATTENTION_ENV: "fa3"})
     with pytest.raises(ConfigError, match="TANGRAM_PREFILL_ATTENTION=triton"):
@@ -316,7 +320,7 @@ def test_history_attention_reads_its_switch_and_refuses_a_split_turned_off(monke
     monkeypatch.setenv(HISTORY_ATTENTION_ENV, "flashinfer")
     kernels = kernels_for(torch.device("cpu"), None, 1)
     assert kernels.plans_paged_history and kernels.paged_history_min_work == 0
-    monkeypatch.delenv(HISTORY_ATTENTION_ENV)
+    monkeypatch.delenv(HISTORY_ATTENTION_ENV)  # auto: a CPU server keeps the fused reference
     assert not kernels_for(torch.device("cpu"), None, 1).plans_paged_history
     monkeypatch.setenv(HISTORY_ATTENTION_ENV, "paged")
     with pytest.raises(ConfigError, match="TANGRAM_HISTORY_ATTENTION='paged'"):
@@ -451,3 +455,59 @@ def test_a_paged_history_whose_start_up_output_is_not_finite_stays_off(monkeypat
         ("event",),
         ("run", (1, 4, 128), (1, 1, 16, 128)),
     ]
+
+
+def test_the_default_history_takes_flashinfer_where_the_new_tokens_do(monkeypatch, caplog):
+    """``TANGRAM_HISTORY_ATTENTION`` unset (``auto``) on a CUDA server: FlashInfer's paged history
+    when the new tokens go through FlashInfer, none under ``TANGRAM_PREFILL_ATTENTION=triton``;
+    its fallback is logged at info level, the named ``flashinfer``'s as a warning."""
+    from tangram_sglang.backend.layer_ops import TritonKernels
+    from tangram_sglang.kernels import history_attention, new_token_attention
+    from tangram_sglang.kernels.new_token_attention import TorchNewTokens
+    from tangram_sglang.profile import BudgetProfile
+
+    monkeypatch.setattr(
+        torch.cuda, "get_device_properties", lambda d: SimpleNamespace(multi_processor_count=8)
+    )
+
+    class NewTokens(TorchNewTokens):
+        def __init__(self, device, dtype):
+            super().__init__()
+            self.workspace = None
+
+    class History:
+        usable = True
+
+        def __init__(self, workspace, dtype):
+            pass
+
+        def warm_up(self, num_qo_heads, num_kv_heads, head_dim):
+            return True
+
+    class NoRoom(History):
+        def warm_up(self, num_qo_heads, num_kv_heads, head_dim):
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 MiB")
+
+    monkeypatch.setattr(new_token_attention, "FlashInferNewTokens", NewTokens)
+    monkeypatch.setattr(history_attention, "FlashInferPagedHistory", History)
+    profile = BudgetProfile.load("calibration/synthetic/llama3.1-8b-ada-snapkv-r0.25.json")
+    pool = SimpleNamespace(k_pool=torch.zeros(1, dtype=torch.bfloat16))
+    state = SimpleNamespace(profile=profile, memory=SimpleNamespace(kv_pool=pool))
+    cpu = torch.device("cpu")
+    with caplog.at_level("INFO"):
+        kernels = TritonKernels(state, 4, cpu, prefill="auto", history="auto")
+    assert isinstance(kernels.history, History) and kernels.plans_paged_history
+    assert "history flashinfer where planned" in caplog.text
+    kernels = TritonKernels(state, 4, cpu, prefill="triton", history="auto")
+    assert kernels.history is None and not kernels.plans_paged_history
+    assert not TritonKernels(state, 4, cpu, prefill="auto", history="triton").plans_paged_history
+
+    monkeypatch.setattr(history_attention, "FlashInferPagedHistory", NoRoom)
+    for history, level in (("auto", "INFO"), ("flashinfer", "WARNING")):
+        caplog.clear()
+        with caplog.at_level("INFO"):
+            kernels = TritonKernels(state, 4, cpu, prefill="auto", history=history)
+        assert kernels.history is None and not kernels.plans_paged_history
+        fallback = [r for r in caplog.records if "without FlashInfer's paged prefill" in r.message]
+        assert [r.levelname for r in fallback] == [level]
+        assert f"TANGRAM_HISTORY_ATTENTION={history} " in fallback[0].message
