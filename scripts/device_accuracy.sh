@@ -19,7 +19,6 @@
 #      harness's cuda default), CAP_S (each process, s: 3300), TANGRAM_CACHE_DIR (/tmp/tangram-cache),
 #      EVAL_MODEL (qwen2.5-0.5b), DEVICE (cuda; cpu only to try the script on a CPU host).
 set -u -o pipefail
-[ -n "${MODEL:-}" ] || { echo "$0: MODEL is unset: run 'source scripts/device_setup.sh' in this shell first (each device call starts a new shell)" >&2; exit 2; }
 MODE=${1:-start}
 R=${R:-/tmp/acc}; mkdir -p "$R" "${OUT:=/tmp/out}"
 export TANGRAM_CACHE_DIR=${TANGRAM_CACHE_DIR:-/tmp/tangram-cache} HF_HUB_OFFLINE=1

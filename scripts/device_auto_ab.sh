@@ -16,7 +16,9 @@ mkdir -p "$R"
 export PROFILE=$PWD/calibration/synthetic/llama3.1-8b-kvzip-lite-r0.25.json
 part() {  # part NAME PREFILL_ATTENTION SYSTEM
   echo "$(date -u +%T) $1" >> "$R/progress"
-  TANGRAM_PREFILL_ATTENTION=$2 SYSTEMS=$3 WL=${WL:-sharegpt:64x4} WL1=${WL:-sharegpt:64x4} \
+  # the history in Tangram's kernel in every part, so the A/B is the new tokens' attention alone
+  TANGRAM_HISTORY_ATTENTION=triton TANGRAM_PREFILL_ATTENTION=$2 SYSTEMS=$3 WL=${WL:-sharegpt:64x4} \
+    WL1=${WL:-sharegpt:64x4} \
     T=300 CAP_S=420 R=$R/$1 bash scripts/device_never_slower.sh > /dev/null 2>&1
   grep "\[multiturn\].*out tok/s" "$R/$1/progress" >> "$R/progress"
 }

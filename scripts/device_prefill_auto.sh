@@ -20,14 +20,17 @@ timeout 300 python3 -m pytest -q tests/kernels/test_new_token_attention.py > "$R
 tail -2 "$R/gpu-tests.txt" >> "$R/progress"
 for pa in triton flashinfer auto; do
   echo "$(date -u +%T) extend cost, $pa" >> "$R/progress"
-  TANGRAM_PREFILL_ATTENTION=$pa timeout 300 python3 -m tangram_sglang.bench.prefill_profile \
+  # the history in Tangram's kernel: the cases compare the new tokens' attention alone
+  TANGRAM_HISTORY_ATTENTION=triton TANGRAM_PREFILL_ATTENTION=$pa timeout 300 \
+    python3 -m tangram_sglang.bench.prefill_profile \
     --profile "$SYN/llama3.1-8b-ada-snapkv-r0.25.json" --target-ratio 1.0 \
     --cases "${SPLIT_CASES:-1x8192,16x1024,64x128+4096,1x8192+8192,16x1024+1024,4x2048+2048}" \
     --json "$R/split-$pa.json" > "$R/split-$pa.txt" 2>&1
   tail -7 "$R/split-$pa.txt" >> "$R/progress"
 done
 if [ "${NS:-1}" = 1 ]; then
-  TANGRAM_PREFILL_ATTENTION=auto PROFILE=$SYN/llama3.1-8b-kvzip-lite-r0.25.json \
+  TANGRAM_HISTORY_ATTENTION=triton TANGRAM_PREFILL_ATTENTION=auto \
+    PROFILE=$SYN/llama3.1-8b-kvzip-lite-r0.25.json \
     SYSTEMS="tangram:0.25 baseline baseline-flashinfer tangram:1.0" WL=sharegpt:64x4,cliff:64 \
     WL1=sharegpt:64x4,cliff:64 T=300 CAP_S=720 R=$R/ns bash scripts/device_never_slower.sh
 fi

@@ -8,7 +8,6 @@
 # and $OUT/<label>.spy (py-spy raw stacks, read with scripts/spy_summary.py).
 # Env: RATIO (Tangram kept ratio, 0.25), WL (prefill:16x8192), CAP_S (per bench, 240).
 set -u -o pipefail
-[ -n "${MODEL:-}" ] || { echo "$0: MODEL is unset: run 'source scripts/device_setup.sh' in this shell first (each device call starts a new shell)" >&2; exit 2; }
 # without these each run below fails at once and spy() then waits 300 s for a scheduler
 : "${MODEL:?source scripts/device_setup.sh first (MODEL)}" "${PROFILE:?source scripts/device_setup.sh first (PROFILE)}"
 R=/tmp/pf; mkdir -p "$R" "${OUT:=/tmp/out}"

@@ -13,7 +13,6 @@
 # Expects next to the checkout: .carry/$NAME_DIR/pNN (one 60 MiB piece each, within the GPU
 # machine's 64 MiB transfer limit) and .carry/$NAME_DIR/SHA256.
 set -u -o pipefail
-[ -n "${MODEL:-}" ] || { echo "$0: MODEL is unset: run 'source scripts/device_setup.sh' in this shell first (each device call starts a new shell)" >&2; exit 2; }
 NAME=${MODEL_NAME:-qwen2.5-1.5b}
 DIR=.carry/${NAME_DIR:-qwen15}
 SRC=${SOURCE_PROFILE:-calibration/qwen2.5-0.5b/ada-snapkv-r0.25.json}

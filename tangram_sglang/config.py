@@ -214,9 +214,9 @@ def prefill_attention(environ: dict[str, str] | None = None) -> str:
 
     ``triton``: Tangram's extend kernel, history and new tokens in one pass. ``flashinfer``: the
     new tokens' causal attention through FlashInfer's ragged prefill (stock SGLang's flashinfer
-    kernels), the history through Tangram's kernel only when a request of the batch has history,
-    merged by LSE (``kernels.new_token_attention``); refuses a model FlashInfer cannot run
-    (float32). ``auto``: per batch, the FlashInfer split where it pays
+    kernels), the history through Tangram's kernel (or FlashInfer's paged prefill, see
+    :func:`history_attention`) only when a request of the batch has history, merged by LSE
+    (``kernels.new_token_attention``); refuses a model FlashInfer cannot run (float32). ``auto``: per batch, the FlashInfer split where it pays
     (``metadata.split_pays``: a batch without history, or long new segments), Tangram's kernel
     otherwise, and Tangram's kernel everywhere when FlashInfer cannot run the model's dtype, the
     flashinfer package is missing or its 384 MiB workspace does not fit (logged). The default:
@@ -258,16 +258,18 @@ def history_attention(environ: dict[str, str] | None = None) -> str:
     ``flashinfer``: FlashInfer's paged prefill over each (request, KV head)'s single-head pages
     (``kernels.history_attention``), in batches whose history lengths are the same on every
     layer (ratio 1.0, histories kept whole) and long enough to pay for its plan; such a batch
-    is split (new tokens through FlashInfer's ragged prefill). Other batches, float32 models and
-    servers without the flashinfer package keep Tangram's kernel (a warning says why). On CPU,
+    is split (new tokens through FlashInfer's ragged prefill). Other batches keep Tangram's
+    kernel; so does every batch of a float32 model or of a server without the flashinfer package
+    (logged at start-up). On CPU,
     ``flashinfer`` runs the same plans through FlashInfer's semantics in torch
     (``kernels.history_attention.TorchPagedHistory``), with no work floor: a check of the plans
     end to end, not a speed-up. ``auto``: ``flashinfer`` on CUDA servers whose new tokens go
-    through FlashInfer (``TANGRAM_PREFILL_ATTENTION`` not ``triton``), with the same fallbacks
-    logged at info level; ``triton`` on CPU. The default: side by side on an H100 it ran cliff-64
-    at ratio 1.0 at 0.964x stock flashinfer (Tangram's kernel: 0.949x on the H200) and ShareGPT
-    64 x 4 at 0.983x (1.0) and 1.008x (0.25) stock triton (``benchmarks/RESULTS.md``,
-    2026-12-05).
+    through FlashInfer (``TANGRAM_PREFILL_ATTENTION`` not ``triton``), a missing package, a
+    float32 model or no room for it logged at info level rather than as a warning; ``triton``
+    on CPU. The default: side by side with stock on an H100 it ran cliff-64 at ratio 1.0 at
+    0.964x stock flashinfer and ShareGPT 64 x 4 at 0.983x (1.0) and 1.008x (0.25) stock triton,
+    all above the 0.95 bar, where Tangram's kernel had given the cliff 0.949x on the H200 (no
+    same-machine A/B of the two history kernels yet; ``benchmarks/RESULTS.md``, 2026-12-05).
 
     Args:
         environ: the environment to read (default ``os.environ``); unset or empty = ``auto``.

@@ -54,7 +54,7 @@ class ReferenceKernels:
 
     paged_history_min_work = 0  # history work per layer under which no plan is built
 
-    def __init__(self, history: str = "triton") -> None:
+    def __init__(self, history: str = "auto") -> None:
         from tangram_sglang.kernels.history_attention import TorchPagedHistory
         from tangram_sglang.kernels.new_token_attention import TorchNewTokens
 
@@ -167,8 +167,9 @@ class TritonKernels(ReferenceKernels):
         history: who computes the history part (:func:`config.history_attention`):
             ``"triton"`` (Tangram's kernel), ``"flashinfer"`` (FlashInfer's paged prefill in
             batches with a paged-history plan, ``kernels.history_attention``; Tangram's kernel
-            where FlashInfer cannot run, with a warning) or ``"auto"`` (the same, the fallback
-            logged at info level). Either needs the new tokens through FlashInfer
+            where FlashInfer cannot run, with a warning) or ``"auto"`` (the same; a missing
+            package, a float32 pool or no room for it logged at info level, a failed start-up
+            run or plan still a warning). Either needs the new tokens through FlashInfer
             (``prefill`` not ``"triton"``, and FlashInfer usable).
 
     Raises:
@@ -189,7 +190,7 @@ class TritonKernels(ReferenceKernels):
         device: torch.device,
         plan: str = "table",
         prefill: str = "triton",
-        history: str = "triton",
+        history: str = "auto",
     ) -> None:
         from tangram_sglang.kernels.decode_attention import decode_scratch
         from tangram_sglang.kernels.split_table import build_split_tables
@@ -254,6 +255,13 @@ class TritonKernels(ReferenceKernels):
                     exc,
                 )
                 self.history = None
+        elif history == "flashinfer":
+            # the new tokens' FlashInfer is off (the line above says why), and the paged history
+            # shares its workspace and its split
+            logger.warning(
+                "Tangram: TANGRAM_HISTORY_ATTENTION=flashinfer without FlashInfer's new-token "
+                "prefill; the history part stays in Tangram's kernel"
+            )
         logger.info(
             "Tangram: extend attention %s (TANGRAM_PREFILL_ATTENTION), history %s "
             "(TANGRAM_HISTORY_ATTENTION)",

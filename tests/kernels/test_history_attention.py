@@ -312,6 +312,10 @@ def test_history_attention_reads_its_switch_and_refuses_a_split_turned_off(monke
     assert history_attention({HISTORY_ATTENTION_ENV: "TRITON"}) == "triton"
     # the default with the split turned off is no conflict: it resolves to Tangram's kernel
     assert history_attention({PREFILL_ATTENTION_ENV: "triton"}) == "auto"
+    assert (
+        history_attention({HISTORY_ATTENTION_ENV: "auto", PREFILL_ATTENTION_ENV: "triton"})
+        == "auto"
+    )
     with pytest.raises(ConfigError, match="TANGRAM_HISTORY_ATTENTION='fa3'"):
         history_attention({HISTORY_ATTENTION_ENV: "fa3"})
     with pytest.raises(ConfigError, match="TANGRAM_PREFILL_ATTENTION=triton"):
@@ -462,6 +466,7 @@ def test_the_default_history_takes_flashinfer_where_the_new_tokens_do(monkeypatc
     when the new tokens go through FlashInfer, none under ``TANGRAM_PREFILL_ATTENTION=triton``;
     its fallback is logged at info level, the named ``flashinfer``'s as a warning."""
     from tangram_sglang.backend.layer_ops import TritonKernels
+    from tangram_sglang.errors import KernelError
     from tangram_sglang.kernels import history_attention, new_token_attention
     from tangram_sglang.kernels.new_token_attention import TorchNewTokens
     from tangram_sglang.profile import BudgetProfile
@@ -488,6 +493,9 @@ def test_the_default_history_takes_flashinfer_where_the_new_tokens_do(monkeypatc
         def warm_up(self, num_qo_heads, num_kv_heads, head_dim):
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 MiB")
 
+    def NoFlashInfer(device, dtype):
+        raise KernelError("flashinfer is not installed")
+
     monkeypatch.setattr(new_token_attention, "FlashInferNewTokens", NewTokens)
     monkeypatch.setattr(history_attention, "FlashInferPagedHistory", History)
     profile = BudgetProfile.load("calibration/synthetic/llama3.1-8b-ada-snapkv-r0.25.json")
@@ -511,3 +519,32 @@ def test_the_default_history_takes_flashinfer_where_the_new_tokens_do(monkeypatc
         fallback = [r for r in caplog.records if "without FlashInfer's paged prefill" in r.message]
         assert [r.levelname for r in fallback] == [level]
         assert f"TANGRAM_HISTORY_ATTENTION={history} " in fallback[0].message
+
+    # no FlashInfer for the new tokens: the default says nothing more, the named value warns
+    monkeypatch.setattr(new_token_attention, "FlashInferNewTokens", NoFlashInfer)
+    for history, warned in (("auto", False), ("flashinfer", True)):
+        caplog.clear()
+        with caplog.at_level("INFO"):
+            kernels = TritonKernels(state, 4, cpu, prefill="auto", history=history)
+        assert kernels.new_tokens is None and kernels.history is None
+        warnings = [r.message for r in caplog.records if r.levelname == "WARNING"]
+        assert any("without FlashInfer's new-token prefill" in m for m in warnings) == warned
+
+
+def test_a_cuda_server_gets_the_history_switch_it_was_started_with(monkeypatch):
+    """``kernels_for`` hands ``TANGRAM_HISTORY_ATTENTION`` (unset: ``auto``) to the CUDA kernels."""
+    from tangram_sglang.backend import layer_ops
+    from tangram_sglang.config import HISTORY_ATTENTION_ENV, PREFILL_ATTENTION_ENV
+
+    seen = []
+    monkeypatch.setattr(
+        layer_ops,
+        "TritonKernels",
+        lambda state, bs, device, plan, prefill, history: seen.append((prefill, history)),
+    )
+    monkeypatch.delenv(HISTORY_ATTENTION_ENV, raising=False)
+    monkeypatch.delenv(PREFILL_ATTENTION_ENV, raising=False)
+    layer_ops.kernels_for(torch.device("cuda"), None, 1)
+    monkeypatch.setenv(HISTORY_ATTENTION_ENV, "triton")
+    layer_ops.kernels_for(torch.device("cuda"), None, 1)
+    assert seen == [("auto", "auto"), ("auto", "triton")]
