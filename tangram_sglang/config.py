@@ -218,8 +218,9 @@ def prefill_attention(environ: dict[str, str] | None = None) -> str:
     :func:`history_attention`) only when a request of the batch has history, merged by LSE
     (``kernels.new_token_attention``); refuses a model FlashInfer cannot run (float32).
     ``auto``: per batch, the FlashInfer split where it pays (``metadata.split_pays``: a batch
-    without history, or long new segments, or a paged-history plan), Tangram's kernel otherwise, and Tangram's kernel everywhere when FlashInfer cannot run the model's dtype, the
-    flashinfer package is missing or its 384 MiB workspace does not fit (logged). The default:
+    without history, or long new segments, or a paged-history plan), Tangram's kernel otherwise,
+    and Tangram's kernel everywhere when FlashInfer cannot run the model's dtype, the flashinfer
+    package is missing or its 384 MiB workspace does not fit (logged). The default:
     on the H200 it ran 2.9% above ``triton`` on ShareGPT 64 x 4 at kept 0.25, side by side
     (``benchmarks/RESULTS.md``, 2026-12-04). CUDA only: CPU servers keep the torch reference
     whatever the value.
