@@ -367,14 +367,53 @@ def test_flashinfer_paged_history_equals_tangrams_history_kernel(extend_lens):
         assert math.isfinite(float(out.float().sum()))
 
 
+class _FakePagedHistory:
+    """``FlashInferPagedHistory``'s start-up surface, for ``TritonKernels`` on a CPU host."""
+
+    usable = True
+
+    def __init__(self, workspace, dtype):
+        pass
+
+    def warm_up(self, num_qo_heads, num_kv_heads, head_dim):
+        return True
+
+
+class _NoRoomPagedHistory(_FakePagedHistory):
+    def warm_up(self, num_qo_heads, num_kv_heads, head_dim):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 MiB")
+
+
+def _fake_flashinfer(monkeypatch, paged_history):
+    """Stand in for FlashInfer's two wrappers (the new tokens' in torch, ``paged_history`` for
+    the history's) and the GPU's properties, so ``TritonKernels`` starts on a CPU host; returns
+    the state fields it reads (the Llama-3.1-8B-shaped synthetic profile, a bf16 pool)."""
+    from tangram_sglang.kernels import history_attention, new_token_attention
+    from tangram_sglang.kernels.new_token_attention import TorchNewTokens
+    from tangram_sglang.profile import BudgetProfile
+
+    class NewTokens(TorchNewTokens):
+        def __init__(self, device, dtype):
+            super().__init__()
+            self.workspace = None
+
+    monkeypatch.setattr(
+        torch.cuda, "get_device_properties", lambda d: SimpleNamespace(multi_processor_count=8)
+    )
+    monkeypatch.setattr(new_token_attention, "FlashInferNewTokens", NewTokens)
+    monkeypatch.setattr(history_attention, "FlashInferPagedHistory", paged_history)
+    profile = BudgetProfile.load("calibration/synthetic/llama3.1-8b-ada-snapkv-r0.25.json")
+    pool = SimpleNamespace(k_pool=torch.zeros(1, dtype=torch.bfloat16))
+    return SimpleNamespace(profile=profile, memory=SimpleNamespace(kv_pool=pool))
+
+
 def test_a_paged_history_that_fails_its_start_up_run_stays_off_and_says_why(monkeypatch, caplog):
     """``FlashInferPagedHistory.warm_up`` (one query over one page at start-up, so a JIT
     FlashInfer builds the FA2 module then): a wrapper whose plan raises turns the path off with
     the exception in the log; ``TritonKernels`` then plans no paged history."""
     from tangram_sglang.backend.layer_ops import TritonKernels
-    from tangram_sglang.kernels import history_attention, new_token_attention
+    from tangram_sglang.kernels import history_attention
     from tangram_sglang.kernels.history_attention import FlashInferPagedHistory
-    from tangram_sglang.profile import BudgetProfile
 
     class Failing:
         def plan(self, *args, **kwargs):
@@ -388,42 +427,21 @@ def test_a_paged_history_that_fails_its_start_up_run_stays_off_and_says_why(monk
     assert not history.usable
     assert "paged prefill failed its start-up run (RuntimeError: no FA2 kernel" in caplog.text
 
-    monkeypatch.setattr(
-        torch.cuda, "get_device_properties", lambda d: SimpleNamespace(multi_processor_count=8)
-    )
     warmed = []
 
-    class NewTokens(TorchNewTokens):
-        def __init__(self, device, dtype):
-            super().__init__()
-            self.workspace = None
-
-    class History:
-        usable = True
-
-        def __init__(self, workspace, dtype):
-            pass
-
+    class History(_FakePagedHistory):
         def warm_up(self, num_qo_heads, num_kv_heads, head_dim):
             warmed.append((num_qo_heads, num_kv_heads, head_dim))
             self.usable = False
             return False
 
-    monkeypatch.setattr(new_token_attention, "FlashInferNewTokens", NewTokens)
-    monkeypatch.setattr(history_attention, "FlashInferPagedHistory", History)
-    profile = BudgetProfile.load("calibration/synthetic/llama3.1-8b-ada-snapkv-r0.25.json")
-    pool = SimpleNamespace(k_pool=torch.zeros(1, dtype=torch.bfloat16))
-    state = SimpleNamespace(profile=profile, memory=SimpleNamespace(kv_pool=pool))
+    state = _fake_flashinfer(monkeypatch, History)
     kernels = TritonKernels(state, 4, torch.device("cpu"), prefill="auto", history="flashinfer")
-    m = profile.model
+    m = state.profile.model
     assert warmed == [(m.num_qo_heads, m.num_kv_heads, m.head_dim)]
     assert kernels.prefill == "auto" and not kernels.plans_paged_history
 
-    class NoRoom(History):
-        def warm_up(self, num_qo_heads, num_kv_heads, head_dim):
-            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 MiB")
-
-    monkeypatch.setattr(history_attention, "FlashInferPagedHistory", NoRoom)
+    monkeypatch.setattr(history_attention, "FlashInferPagedHistory", _NoRoomPagedHistory)
     kernels = TritonKernels(state, 4, torch.device("cpu"), prefill="auto", history="flashinfer")
     assert kernels.history is None and not kernels.plans_paged_history
 
@@ -468,49 +486,21 @@ def test_the_default_history_takes_flashinfer_where_the_new_tokens_do(monkeypatc
     from tangram_sglang.backend.layer_ops import TritonKernels
     from tangram_sglang.errors import KernelError
     from tangram_sglang.kernels import history_attention, new_token_attention
-    from tangram_sglang.kernels.new_token_attention import TorchNewTokens
-    from tangram_sglang.profile import BudgetProfile
-
-    monkeypatch.setattr(
-        torch.cuda, "get_device_properties", lambda d: SimpleNamespace(multi_processor_count=8)
-    )
-
-    class NewTokens(TorchNewTokens):
-        def __init__(self, device, dtype):
-            super().__init__()
-            self.workspace = None
-
-    class History:
-        usable = True
-
-        def __init__(self, workspace, dtype):
-            pass
-
-        def warm_up(self, num_qo_heads, num_kv_heads, head_dim):
-            return True
-
-    class NoRoom(History):
-        def warm_up(self, num_qo_heads, num_kv_heads, head_dim):
-            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 MiB")
 
     def NoFlashInfer(device, dtype):
         raise KernelError("flashinfer is not installed")
 
-    monkeypatch.setattr(new_token_attention, "FlashInferNewTokens", NewTokens)
-    monkeypatch.setattr(history_attention, "FlashInferPagedHistory", History)
-    profile = BudgetProfile.load("calibration/synthetic/llama3.1-8b-ada-snapkv-r0.25.json")
-    pool = SimpleNamespace(k_pool=torch.zeros(1, dtype=torch.bfloat16))
-    state = SimpleNamespace(profile=profile, memory=SimpleNamespace(kv_pool=pool))
+    state = _fake_flashinfer(monkeypatch, _FakePagedHistory)
     cpu = torch.device("cpu")
     with caplog.at_level("INFO"):
         kernels = TritonKernels(state, 4, cpu, prefill="auto", history="auto")
-    assert isinstance(kernels.history, History) and kernels.plans_paged_history
+    assert isinstance(kernels.history, _FakePagedHistory) and kernels.plans_paged_history
     assert "history flashinfer where planned" in caplog.text
     kernels = TritonKernels(state, 4, cpu, prefill="triton", history="auto")
     assert kernels.history is None and not kernels.plans_paged_history
     assert not TritonKernels(state, 4, cpu, prefill="auto", history="triton").plans_paged_history
 
-    monkeypatch.setattr(history_attention, "FlashInferPagedHistory", NoRoom)
+    monkeypatch.setattr(history_attention, "FlashInferPagedHistory", _NoRoomPagedHistory)
     for history, level in (("auto", "INFO"), ("flashinfer", "WARNING")):
         caplog.clear()
         with caplog.at_level("INFO"):
