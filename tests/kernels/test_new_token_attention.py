@@ -217,7 +217,7 @@ def test_auto_prefill_attention_falls_back_to_tangrams_kernel_where_flashinfer_c
     def kernels(dtype, prefill):
         pool = SimpleNamespace(k_pool=torch.zeros(1, dtype=dtype))
         state = SimpleNamespace(profile=profile, memory=SimpleNamespace(kv_pool=pool))
-        return TritonKernels(state, 4, torch.device("cpu"), prefill=prefill)
+        return TritonKernels(state, 4, torch.device("cpu"), prefill=prefill, history="triton")
 
     k = kernels(torch.float32, "auto")
     assert k.prefill == "triton" and k.new_tokens is None
@@ -288,7 +288,7 @@ def test_flashinfers_prefill_is_run_once_at_start_up_and_a_failing_one_keeps_tan
     def kernels(prefill):
         pool = SimpleNamespace(k_pool=torch.zeros(1, dtype=torch.bfloat16))
         state = SimpleNamespace(profile=profile, memory=SimpleNamespace(kv_pool=pool))
-        return TritonKernels(state, 4, torch.device("cpu"), prefill=prefill)
+        return TritonKernels(state, 4, torch.device("cpu"), prefill=prefill, history="triton")
 
     monkeypatch.setattr(new_token_attention, "FlashInferNewTokens", Recorded)
     k = kernels("auto")
