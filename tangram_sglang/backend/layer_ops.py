@@ -67,6 +67,12 @@ class ReferenceKernels:
                 "through FlashInfer's semantics in torch on this device",
                 history,
             )
+        else:
+            logger.info(
+                "Tangram: history %s (TANGRAM_HISTORY_ATTENTION): every extend runs in the "
+                "fused torch reference on this device",
+                history,
+            )
 
     @property
     def plans_paged_history(self) -> bool:

@@ -297,7 +297,7 @@ def test_triton_kernels_run_the_planned_paged_history_per_layer_and_equal_the_fu
     assert runs == [0, 1] and plans == [plan] and kernels.history_planned
 
 
-def test_history_attention_reads_its_switch_and_refuses_a_split_turned_off(monkeypatch):
+def test_history_attention_reads_its_switch_and_refuses_a_split_turned_off(monkeypatch, caplog):
     from tangram_sglang.backend.layer_ops import kernels_for
     from tangram_sglang.config import (
         HISTORY_ATTENTION_ENV,
@@ -325,7 +325,9 @@ def test_history_attention_reads_its_switch_and_refuses_a_split_turned_off(monke
     kernels = kernels_for(torch.device("cpu"), None, 1)
     assert kernels.plans_paged_history and kernels.paged_history_min_work == 0
     monkeypatch.delenv(HISTORY_ATTENTION_ENV)  # auto: a CPU server keeps the fused reference
-    assert not kernels_for(torch.device("cpu"), None, 1).plans_paged_history
+    with caplog.at_level("INFO"):
+        assert not kernels_for(torch.device("cpu"), None, 1).plans_paged_history
+    assert "history auto (TANGRAM_HISTORY_ATTENTION): every extend runs in the fused" in caplog.text
     monkeypatch.setenv(HISTORY_ATTENTION_ENV, "paged")
     with pytest.raises(ConfigError, match="TANGRAM_HISTORY_ATTENTION='paged'"):
         kernels_for(torch.device("cpu"), None, 1)
