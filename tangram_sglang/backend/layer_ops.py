@@ -61,18 +61,14 @@ class ReferenceKernels:
         self.split = (TorchNewTokens(), TorchPagedHistory()) if history == "flashinfer" else None
         self._planned = None  # the extend plan (metadata) the split was last planned for
         self._history_planned = False  # the paged history is planned for self._planned
-        if self.split is not None:
-            logger.info(
-                "Tangram: history %s (TANGRAM_HISTORY_ATTENTION): the paged-history plans run "
-                "through FlashInfer's semantics in torch on this device",
-                history,
-            )
-        else:
-            logger.info(
-                "Tangram: history %s (TANGRAM_HISTORY_ATTENTION): every extend runs in the "
-                "fused torch reference on this device",
-                history,
-            )
+        runs = (
+            "the paged-history plans run through FlashInfer's semantics in torch"
+            if self.split is not None
+            else "every extend runs in the fused torch reference"
+        )
+        logger.info(
+            "Tangram: history %s (TANGRAM_HISTORY_ATTENTION): %s on this device", history, runs
+        )
 
     @property
     def plans_paged_history(self) -> bool:
