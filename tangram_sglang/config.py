@@ -304,17 +304,20 @@ def history_attention(environ: dict[str, str] | None = None) -> str:
 
 # Environment switch of the decode kernel's split plan (read once per server, at start-up).
 DECODE_PLAN_ENV = "TANGRAM_DECODE_PLAN"
-DECODE_PLANS = ("lengths", "table")
+DECODE_PLANS = ("batch", "lengths", "table")
 
 
 def decode_plan(environ: dict[str, str] | None = None) -> str:
-    """The decode kernel's split plan: ``"table"`` (default) or ``"lengths"``.
+    """The decode kernel's split plan: ``"table"`` (default), ``"lengths"`` or ``"batch"``.
 
     ``table`` uses the static AOT split table (splits proportional to the group ratios), the plan
     every GPU figure so far was measured with; ``lengths`` fits each KV head's split-KV partition
     to the row's real kept lengths inside the kernel every step (better balanced on the CPU
-    model of the plan, ``bench.split_balance``; the default once a GPU A/B shows it is not
-    slower). ``kernels/split_table.py``, docs/design.md §3.3.
+    model of the plan, ``bench.split_balance``); ``batch`` fits it too, with a wider budget per
+    row and a chunk floor computed from the whole batch's lengths, so a long row among short
+    ones is split as finely as the batch (``split_table.batch_chunk_floor``). Either becomes
+    the default once a GPU A/B shows it is not slower. ``kernels/split_table.py``,
+    docs/design.md §3.3.
 
     Args:
         environ: the environment to read (default ``os.environ``); ``TANGRAM_DECODE_PLAN`` unset
@@ -331,7 +334,8 @@ def decode_plan(environ: dict[str, str] | None = None) -> str:
         return "table"
     if raw not in DECODE_PLANS:
         raise ConfigError(
-            f"{DECODE_PLAN_ENV}={raw!r}: use 'table' (the static AOT split table, default) or "
-            "'lengths' (split fitted to each row's kept lengths)"
+            f"{DECODE_PLAN_ENV}={raw!r}: use 'table' (the static AOT split table, default), "
+            "'lengths' (split fitted to each row's kept lengths) or 'batch' (fitted to the "
+            "row with a chunk floor from the whole batch)"
         )
     return raw

@@ -210,7 +210,17 @@ class TangramAttnBackend(AttentionBackend):
             m.head_dim,
             model_runner.dtype,
             self.device,  # attention output: the model's dtype (q's)
+            num_layers=m.num_layers,
         )
+        # TANGRAM_DECODE_PLAN=batch: each step's per-layer chunk floors come from host lengths
+        self._floor_plan = None
+        if getattr(self.kernels, "plan", "table") == "batch":
+            self._floor_plan = (
+                md.heads_per_group_of_layer(
+                    self.state.profile.grouping.cluster_of, self.memory.num_head_groups
+                ),
+                self.kernels.tables.tables[0].launch_ctas,
+            )
 
     def support_triton(self) -> bool:
         """Whether SGLang may run its Triton helpers (``req_to_token`` writes): CUDA only."""
@@ -275,7 +285,10 @@ class TangramAttnBackend(AttentionBackend):
         if self.device.type != "cuda":
             return md.decode_metadata(rows, table.pages, table.lens, ps, self.device, table.flush)
         bs = rows.size if padded_bs is None else padded_bs
-        return self.decode_buffers.fill(rows, bs, table.pages, table.lens, ps, table.flush)
+        floor = None
+        if self._floor_plan is not None:
+            floor = md.decode_chunk_floors(table.lens, rows, *self._floor_plan)
+        return self.decode_buffers.fill(rows, bs, table.pages, table.lens, ps, table.flush, floor)
 
     # ---- CUDA graphs (decode) ------------------------------------------------------------------
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
@@ -384,6 +397,7 @@ class TangramAttnBackend(AttentionBackend):
             layer.scaling,
             lid,
             meta.out,
+            chunk_floor=None if meta.chunk_floor is None else meta.chunk_floor[lid],
         )
         return out.reshape(out.shape[0], -1)
 

@@ -137,9 +137,21 @@ class ReferenceKernels:
         md.write_decode_token(k_pool, v_pool, k, v, meta, goh, coh)
 
     def decode(
-        self, q, k_pool, v_pool, page_table, group_len, rows, goh, coh, sm_scale, lid, out=None
+        self,
+        q,
+        k_pool,
+        v_pool,
+        page_table,
+        group_len,
+        rows,
+        goh,
+        coh,
+        sm_scale,
+        lid,
+        out=None,
+        chunk_floor=None,
     ):
-        """``[bs, H_q, D]`` ragged decode of one layer."""
+        """``[bs, H_q, D]`` ragged decode of one layer (no split plan: ``chunk_floor`` unread)."""
         return reference.decode_reference(
             q, k_pool, v_pool, page_table, group_len, rows, goh, coh, sm_scale
         )
@@ -156,9 +168,10 @@ class TritonKernels(ReferenceKernels):
         state: the server's TangramState (profile: grouping, group ratios, model shape).
         max_batch_size: largest decode batch (requests; SGLang's request rows).
         device: a CUDA device.
-        plan: the decode split plan, ``"table"`` (the static AOT table, default) or
-            ``"lengths"`` (fitted to each row's kept lengths in the kernel);
-            :func:`config.decode_plan`.
+        plan: the decode split plan, ``"table"`` (the static AOT table, default),
+            ``"lengths"`` (fitted to each row's kept lengths in the kernel) or ``"batch"``
+            (fitted, with a chunk floor from the whole batch that the backend computes on the
+            host each step); :func:`config.decode_plan`.
         prefill: who computes an extend's attention (:func:`config.prefill_attention`):
             ``"triton"`` (Tangram's extend kernel), ``"flashinfer"`` (the new tokens through
             FlashInfer, every batch) or ``"auto"`` (split where it pays, ``metadata.split_pays``;
@@ -360,9 +373,22 @@ class TritonKernels(ReferenceKernels):
         write_decode_kv(k, v, k_pool, v_pool, meta.dest_page, meta.dest_slot, goh, coh)
 
     def decode(
-        self, q, k_pool, v_pool, page_table, group_len, rows, goh, coh, sm_scale, lid, out=None
+        self,
+        q,
+        k_pool,
+        v_pool,
+        page_table,
+        group_len,
+        rows,
+        goh,
+        coh,
+        sm_scale,
+        lid,
+        out=None,
+        chunk_floor=None,
     ):
-        """Split-KV ragged decode of layer ``lid`` (this server's plan, the bucket's table)."""
+        """Split-KV ragged decode of layer ``lid`` (this server's plan, the bucket's table;
+        ``chunk_floor``: the layer's int32 [1] floor under the ``batch`` plan)."""
         from tangram_sglang.kernels.decode_attention import ragged_decode_attention
 
         table = self.views[self.tables.for_batch(q.shape[0]).batch_size][lid]
@@ -382,6 +408,7 @@ class TritonKernels(ReferenceKernels):
             self.mid_o,
             self.mid_lse,
             plan=self.plan,
+            chunk_floor=chunk_floor,
         )
 
 

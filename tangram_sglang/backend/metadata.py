@@ -94,6 +94,9 @@ class TangramForwardMetadata:
     # (kernels.history_attention.plan_paged_history), and its page ids on the device
     history: PagedHistoryPlan | None = None
     history_ids: PagedHistoryIds | None = None
+    # decode under TANGRAM_DECODE_PLAN=batch: each layer's chunk floor, an int32 [1] device view
+    # per layer (split_table.batch_chunk_floor of the batch's lengths, uploaded with the plan)
+    chunk_floor: tuple[torch.Tensor, ...] | None = None
 
     @property
     def batch_size(self) -> int:
@@ -302,6 +305,44 @@ PADDING_ROW = 0  # SGLang's req_to_token padding row (never a request): all grou
 PADDING_PAGE = 0  # the pool's padding page (never handed out): padded entries write here
 
 
+def heads_per_group_of_layer(cluster_of: np.ndarray, num_head_groups: int) -> np.ndarray:
+    """int64 ``[G, L]``: how many KV heads of layer ``l`` head group ``g`` holds (start-up).
+
+    Args:
+        cluster_of: int ``[L, H_kv]``: the head group of every (layer, KV head)
+            (``HeadGrouping.cluster_of``).
+        num_head_groups: ``G``.
+    """
+    cluster_of = np.asarray(cluster_of, np.int64)
+    num_layers = cluster_of.shape[0]
+    counts = np.zeros((num_head_groups, num_layers), np.int64)
+    np.add.at(counts, (cluster_of, np.arange(num_layers)[:, None]), 1)
+    return counts
+
+
+def decode_chunk_floors(
+    lens: np.ndarray, rows: np.ndarray, heads_of_layer: np.ndarray, launch_ctas: int
+) -> np.ndarray:
+    """The batch-balanced decode plan's chunk floor of every layer (host, per decode step).
+
+    ``ceil(sum over the batch's rows and the layer's KV heads of the kept length /
+    launch_ctas)``: :func:`~tangram_sglang.kernels.split_table.batch_chunk_floor` of each layer,
+    from the host lengths the scheduler advanced (no device read).
+
+    Args:
+        lens: int ``[max_rows, G]`` host kept lengths (``PageTable.lens``, after
+            ``alloc_decode``: the token being decoded included).
+        rows: int ``[bs]`` the batch's rows.
+        heads_of_layer: int ``[G, L]`` (:func:`heads_per_group_of_layer`).
+        launch_ctas: CTAs one decode launch aims for (``SplitTable.launch_ctas``, >= 1).
+
+    Returns:
+        int64 ``[L]`` floors in tokens (0 for an empty batch).
+    """
+    totals = np.asarray(lens)[np.asarray(rows, np.int64)].sum(axis=0) @ heads_of_layer
+    return -(-totals // int(launch_ctas))
+
+
 @dataclass(slots=True)
 class DecodeGraphBuffers:
     """Static decode-plan buffers for CUDA graphs (built once at start-up, refilled per step).
@@ -315,6 +356,8 @@ class DecodeGraphBuffers:
     dest_page: torch.Tensor  # int64 [max_bs, G], device
     dest_slot: torch.Tensor  # int64 [max_bs, G], device
     out: torch.Tensor  # [max_bs, num_qo_heads, D] decode output, the pool's dtype
+    chunk_floor: torch.Tensor  # int32 [num_layers], device: TANGRAM_DECODE_PLAN=batch's floors
+    floor_views: tuple[torch.Tensor, ...]  # chunk_floor[l : l + 1] per layer, built once
 
     @classmethod
     def create(
@@ -325,22 +368,28 @@ class DecodeGraphBuffers:
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device | str,
+        num_layers: int = 1,
     ) -> DecodeGraphBuffers:
-        """Zeroed buffers (every entry = the padding row / page) for up to ``max_bs`` requests."""
+        """Zeroed buffers (every entry = the padding row / page) for up to ``max_bs`` requests
+        (and ``num_layers`` chunk floors of the batch-balanced decode plan)."""
         ints = dict(dtype=torch.int64, device=device)
+        floor = torch.zeros(num_layers, dtype=torch.int32, device=device)
         return cls(
             req_rows=torch.full((max_bs,), PADDING_ROW, dtype=torch.int32, device=device),
             dest_page=torch.full((max_bs, num_head_groups), PADDING_PAGE, **ints),
             dest_slot=torch.zeros((max_bs, num_head_groups), **ints),
             out=torch.zeros((max_bs, num_qo_heads, head_dim), dtype=dtype, device=device),
+            chunk_floor=floor,
+            floor_views=tuple(floor[layer : layer + 1] for layer in range(num_layers)),
         )
 
     @property
     def max_bs(self) -> int:
         return int(self.req_rows.shape[0])
 
-    def view(self, bs: int) -> TangramForwardMetadata:
-        """The decode plan of a (padded) batch of ``bs``: views of the static buffers."""
+    def view(self, bs: int, with_floor: bool = False) -> TangramForwardMetadata:
+        """The decode plan of a (padded) batch of ``bs``: views of the static buffers (with the
+        per-layer chunk floors when ``with_floor``)."""
         return TangramForwardMetadata(
             mode=DECODE,
             req_rows=self.req_rows[:bs],
@@ -352,6 +401,7 @@ class DecodeGraphBuffers:
             dest_slot=self.dest_slot[:bs],
             max_extend_len=0,
             out=self.out[:bs],
+            chunk_floor=self.floor_views if with_floor else None,
         )
 
     def fill(
@@ -362,6 +412,7 @@ class DecodeGraphBuffers:
         lens: np.ndarray,
         page_size: int,
         upload: Upload | None = None,
+        chunk_floor: np.ndarray | None = None,
     ) -> TangramForwardMetadata:
         """Write the plan of ``rows`` (after ``alloc_decode``) in place; pad up to ``padded_bs``.
 
@@ -377,9 +428,11 @@ class DecodeGraphBuffers:
             pages, lens, page_size: as :func:`decode_destinations`.
             upload: how the host arrays reach the device (default :func:`plain_upload`; the
                 backend passes ``PageTable.flush``).
+            chunk_floor: int ``[num_layers]`` host floors of the batch-balanced decode plan
+                (:func:`decode_chunk_floors`), uploaded with the plan; None for the other plans.
 
         Returns:
-            :meth:`view` of ``padded_bs``.
+            :meth:`view` of ``padded_bs`` (with the floors when ``chunk_floor`` is given).
 
         Raises:
             KernelError: ``padded_bs`` exceeds the buffers or is smaller than the batch.
@@ -398,13 +451,16 @@ class DecodeGraphBuffers:
         if n:
             row_arr[:n] = rows
             page[:n], slot[:n] = decode_destinations(rows, pages, lens, page_size)
-        d_rows, d_page, d_slot = (upload or plain_upload(self.req_rows.device))(
-            [row_arr, page, slot]
-        )
-        self.req_rows[:padded_bs].copy_(d_rows)
-        self.dest_page[:padded_bs].copy_(d_page)
-        self.dest_slot[:padded_bs].copy_(d_slot)
-        return self.view(padded_bs)
+        arrays = [row_arr, page, slot]
+        if chunk_floor is not None:
+            arrays.append(np.asarray(chunk_floor, np.int64).reshape(-1))
+        uploaded = (upload or plain_upload(self.req_rows.device))(arrays)
+        self.req_rows[:padded_bs].copy_(uploaded[0])
+        self.dest_page[:padded_bs].copy_(uploaded[1])
+        self.dest_slot[:padded_bs].copy_(uploaded[2])
+        if chunk_floor is not None:
+            self.chunk_floor.copy_(uploaded[3])
+        return self.view(padded_bs, with_floor=chunk_floor is not None)
 
 
 def write_decode_token(

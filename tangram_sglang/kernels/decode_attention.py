@@ -13,6 +13,10 @@ the real lengths):
     finds its head by a prefix sum of the heads' split counts. A grid of
     ``num_ctas = min(N + H_kv, H_kv * cap)`` always suffices; CTAs past the row's split count
     exit at once. Rule, bound and sources: ``split_table.py``'s docstring.
+  - ``"batch"``: the ``"lengths"`` rule with the table's wider row budget (``batch_budget``,
+    ``batch_cap``) and a chunk floor from the whole batch (``chunk_floor``, computed on the
+    host from the scheduler's lengths), so a long row among short ones splits as finely as the
+    batch as a whole (``split_table.py``'s docstring).
   - ``"table"`` (default): the static AOT table (``cta_head[c]``, ``cta_split[c]``,
     ``splits[head]``; splits proportional to the group ratios); balanced when the lengths follow
     the ratios. Also the uniform baseline's plan.
@@ -24,12 +28,13 @@ the real lengths):
   once for the whole GQA group. Online softmax in fp32 gives a normalised partial output and its
   LSE per (b, query head, split).
 * Stage 2, grid ``(bs, num_qo_heads)``: merge the head's split partials by log-sum-exp into
-  ``out``; under ``"lengths"`` it recomputes the split count with the same helpers
+  ``out``; under ``"lengths"`` and ``"batch"`` it recomputes the split count with the same helpers
   (:func:`_fitted_chunk`, :func:`_fitted_num_splits`), so the stages never disagree.
 
-Only ``group_len`` (device) and static per-bucket numbers drive the launch: no host planning, no
-host sync, no allocation (``out`` and the two scratch tensors come from the caller), so a decode
-step can be captured in a CUDA graph and replayed with new lengths. Empty groups (``L = 0``) give
+Only ``group_len`` (device), static per-bucket numbers and (``"batch"``) the floor the host
+uploads with the step's plan drive the launch: no host sync, no allocation (``out`` and the two
+scratch tensors come from the caller), so a decode step can be captured in a CUDA graph and
+replayed with new lengths. Empty groups (``L = 0``) give
 zeros; an empty split writes ``lse = -inf``.
 
 Sources: Dao et al., "Flash-Decoding for long-context inference" (2023); SGLang 0.5.17
@@ -72,15 +77,17 @@ def _fitted_chunk(
     group_of_head_ptr,
     cta_budget,
     split_cap,
+    floor,
     NUM_KV_HEADS: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
-    """Tokens per CTA of one request row under the length-fitted plan (a multiple of BLOCK_N).
+    """Tokens per CTA of one request row under the fitted plans (a multiple of BLOCK_N).
 
     ``gl_row_ptr``: the row's ``group_len`` entries. ``chunk = BLOCK_N * max(1, ceil(max(
-    ceil(total / cta_budget), ceil(longest / split_cap)) / BLOCK_N))`` over the KV heads' kept
-    lengths; ``split_table.fitted_splits`` is the numpy twin. Scalar loads in an unrolled loop:
-    no block-wide reduction, so the attention loop keeps its registers (ptxas, sm_90a).
+    ceil(total / cta_budget), ceil(longest / split_cap), floor) / BLOCK_N))`` over the KV heads'
+    kept lengths (``floor``: 0 under ``"lengths"``, the launch's chunk floor under ``"batch"``);
+    ``split_table.fitted_splits`` is the numpy twin. Scalar loads in an unrolled loop: no
+    block-wide reduction, so the attention loop keeps its registers (ptxas, sm_90a).
     """
     total = 0
     longest = 0
@@ -89,7 +96,17 @@ def _fitted_chunk(
         total += length
         longest = tl.maximum(longest, length)
     chunk = tl.maximum(tl.cdiv(total, cta_budget), tl.cdiv(longest, split_cap))
+    chunk = tl.maximum(chunk, floor)
     return tl.maximum(tl.cdiv(chunk, BLOCK_N), 1) * BLOCK_N
+
+
+@triton.jit
+def _chunk_floor(chunk_floor_ptr, BATCH_FLOOR: tl.constexpr):
+    """The launch's chunk floor: ``chunk_floor[0]`` under ``"batch"``, else 0 (no load)."""
+    if BATCH_FLOOR:
+        return tl.load(chunk_floor_ptr)
+    else:
+        return 0
 
 
 @triton.jit
@@ -113,6 +130,7 @@ def _decode_stage1(
     cta_split_ptr,
     mid_o_ptr,
     mid_lse_ptr,
+    chunk_floor_ptr,
     sm_scale_log2,
     cta_budget,
     split_cap,
@@ -138,15 +156,22 @@ def _decode_stage1(
     UPCAST_DOT: tl.constexpr,
     NUM_KV_HEADS: tl.constexpr,
     FIT_LENGTHS: tl.constexpr,
+    BATCH_FLOOR: tl.constexpr,
 ):
-    """One (batch entry, CTA): one split of one KV head (the module docstring's two plans)."""
+    """One (batch entry, CTA): one split of one KV head (the module docstring's plans)."""
     b = tl.program_id(0)
     c = tl.program_id(1)
     row = tl.load(req_rows_ptr + b).to(tl.int64)
     if FIT_LENGTHS:
         gl_row_ptr = group_len_ptr + row * stride_gl_row
         row_chunk = _fitted_chunk(
-            gl_row_ptr, group_of_head_ptr, cta_budget, split_cap, NUM_KV_HEADS, BLOCK_N
+            gl_row_ptr,
+            group_of_head_ptr,
+            cta_budget,
+            split_cap,
+            _chunk_floor(chunk_floor_ptr, BATCH_FLOOR),
+            NUM_KV_HEADS,
+            BLOCK_N,
         )
         # CTA c -> the head h with E_{h-1} <= c < E_h (E: inclusive prefix sum of the splits).
         head = 0
@@ -235,6 +260,7 @@ def _decode_stage2(
     req_rows_ptr,
     group_of_head_ptr,
     out_ptr,
+    chunk_floor_ptr,
     cta_budget,
     split_cap,
     stride_gl_row,
@@ -250,6 +276,7 @@ def _decode_stage2(
     NUM_KV_HEADS: tl.constexpr,
     BLOCK_N: tl.constexpr,
     FIT_LENGTHS: tl.constexpr,
+    BATCH_FLOOR: tl.constexpr,
 ):
     """One (batch entry, query head): LSE-merge the head's split partials into ``out``."""
     b = tl.program_id(0)
@@ -258,7 +285,13 @@ def _decode_stage2(
         row = tl.load(req_rows_ptr + b).to(tl.int64)
         gl_row_ptr = group_len_ptr + row * stride_gl_row
         chunk = _fitted_chunk(
-            gl_row_ptr, group_of_head_ptr, cta_budget, split_cap, NUM_KV_HEADS, BLOCK_N
+            gl_row_ptr,
+            group_of_head_ptr,
+            cta_budget,
+            split_cap,
+            _chunk_floor(chunk_floor_ptr, BATCH_FLOOR),
+            NUM_KV_HEADS,
+            BLOCK_N,
         )
         length = tl.load(gl_row_ptr + tl.load(group_of_head_ptr + qh // GQA_SIZE))
         num_splits = _fitted_num_splits(length, chunk)
@@ -318,10 +351,18 @@ def _check_decode_args(
     mid_o,
     mid_lse,
     plan,
+    chunk_floor,
 ) -> tuple[int, int, int]:
     """Launcher checks (host metadata only); returns (bs, num_qo_heads, gqa_size)."""
     if plan not in PLANS:
         raise KernelError(f"plan={plan!r} must be one of {', '.join(map(repr, PLANS))}")
+    if plan == "batch":
+        if chunk_floor is None:
+            raise KernelError(
+                "plan='batch' needs chunk_floor, an int32 [1] tensor on q's device holding "
+                "split_table.batch_chunk_floor(lens, table.launch_ctas) of this launch"
+            )
+        _checks.check_tensor("chunk_floor", chunk_floor, (1,), (torch.int32,), q.device)
     bs, num_qo_heads = _checks.check_query(q, k_pool)
     device = q.device
     _checks.check_pools(k_pool, v_pool, device)
@@ -341,7 +382,7 @@ def _check_decode_args(
     _checks.check_tensor(
         "mid_o", mid_o, (None, num_qo_heads, None, head_dim), (torch.float32,), device
     )
-    need_splits = table.split_cap if plan == "lengths" else table.max_splits
+    need_splits = {"lengths": table.split_cap, "batch": table.batch_cap}.get(plan, table.max_splits)
     if mid_o.shape[0] < bs or mid_o.shape[2] < need_splits:
         raise KernelError(
             f"mid_o has shape {list(mid_o.shape)} but this launch needs batch >= {bs} and "
@@ -367,6 +408,7 @@ def ragged_decode_attention(
     mid_o: torch.Tensor,
     mid_lse: torch.Tensor,
     plan: str = "table",
+    chunk_floor: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Decode attention of one layer over ragged per-group page lists (per layer, per step).
 
@@ -386,18 +428,23 @@ def ragged_decode_attention(
         sm_scale: softmax scale (usually ``D ** -0.5``).
         out: ``[bs, num_qo_heads, D]`` in q's dtype, written in place (every element).
         mid_o: float32 ``[>= bs, num_qo_heads, >= S, D]`` scratch; ``S = table.split_cap``
-            (``"lengths"``) or ``table.max_splits`` (``"table"``);
-            ``SplitTables.scratch_splits`` fits both.
+            (``"lengths"``), ``table.batch_cap`` (``"batch"``) or ``table.max_splits``
+            (``"table"``); ``SplitTables.scratch_splits`` fits all three.
         mid_lse: float32 ``[mid_o.shape[0], num_qo_heads, mid_o.shape[2]]`` scratch.
-        plan: ``"table"`` (the static AOT split table, default) or ``"lengths"`` (split fitted
-            to the row's kept lengths in the kernel); see the module docstring.
+        plan: ``"table"`` (the static AOT split table, default), ``"lengths"`` (split fitted
+            to the row's kept lengths in the kernel) or ``"batch"`` (fitted with the table's
+            wider row budget ``batch_budget`` and a chunk floor); see the module docstring.
+        chunk_floor: int32 ``[1]`` on q's device, plan ``"batch"`` only (ignored otherwise):
+            the launch's chunk floor in tokens, ``split_table.batch_chunk_floor(lens,
+            table.launch_ctas)`` of this batch's kept lengths at this layer. Read on the device,
+            so a CUDA graph replays with the floor of each step.
 
     Returns:
         ``out``. A KV head whose group has 0 kept tokens gives zeros (never NaN).
 
     Raises:
-        KernelError: a shape, dtype, device or stride does not match the above, or an unknown
-            ``plan``.
+        KernelError: a shape, dtype, device or stride does not match the above, an unknown
+            ``plan``, or ``plan="batch"`` without ``chunk_floor``.
 
     Source: this module's docstring.
     """
@@ -415,18 +462,30 @@ def ragged_decode_attention(
         mid_o,
         mid_lse,
         plan,
+        chunk_floor,
     )
     _checks.check_sm_scale(sm_scale)
     if bs == 0:
         return out
     head_dim, page_size = k_pool.shape[3], k_pool.shape[2]
     num_kv_heads = group_of_head.shape[0]
-    fit = plan == "lengths"
+    batch = plan == "batch"
     plan_consts = {
         "NUM_KV_HEADS": num_kv_heads,
-        "FIT_LENGTHS": fit,
+        "FIT_LENGTHS": plan != "table",
+        "BATCH_FLOOR": batch,
     }
-    _decode_stage1[(bs, table.fitted_ctas if fit else table.num_ctas)](
+    if batch:
+        budget, cap, ctas, floor = (
+            table.batch_budget,
+            table.batch_cap,
+            table.batch_ctas,
+            chunk_floor,
+        )
+    else:
+        budget, cap, floor = table.cta_budget, table.split_cap, table.splits  # floor: unread
+        ctas = table.fitted_ctas if plan == "lengths" else table.num_ctas
+    _decode_stage1[(bs, ctas)](
         q,
         k_pool,
         v_pool,
@@ -440,9 +499,10 @@ def ragged_decode_attention(
         table.cta_split,
         mid_o,
         mid_lse,
+        floor,
         sm_scale * LOG2E,
-        table.cta_budget,
-        table.split_cap,
+        budget,
+        cap,
         q.stride(0),
         q.stride(1),
         k_pool.stride(0),
@@ -475,8 +535,9 @@ def ragged_decode_attention(
         req_rows,
         group_of_head,
         out,
-        table.cta_budget,
-        table.split_cap,
+        floor,
+        budget,
+        cap,
         group_len.stride(0),
         mid_o.stride(0),
         mid_o.stride(1),

@@ -67,6 +67,28 @@ grid: since ``ceil(L / chunk) <= floor(L / chunk) + 1`` and ``chunk >= total / N
 CTAs past a row's ``sum_h splits_h`` exit at once. :func:`fitted_splits` and
 :func:`fitted_cta_spans` are the numpy twins of the kernel's helper (tests, balance report).
 
+Batch-balanced plan (``TANGRAM_DECODE_PLAN=batch``)
+--------------------------------------------------
+
+The length-fitted plan balances the CTAs of one row; at large batches its budget ``N`` falls to
+about one or two CTAs per head, so the longest row of a chat batch (a few thousand tokens among
+rows of a few hundred) walks its whole length in one or two CTAs while the rest of the launch
+has finished. The batch-balanced plan runs the same in-kernel split with a wider row budget and
+a chunk floor shared by the launch::
+
+    R        = max(N, BATCH_ROW_SPLITS * H_kv)     CTA budget per row (per bucket, AOT)
+    cap_R    = min(max_splits_per_head, R)
+    floor_l  = ceil(sum over the batch's rows and KV heads of L / (CTAS_PER_SM * S))   (host)
+    chunk    = BLOCK_N * max(1, ceil(max(ceil(total / R), ceil(max_h L_h / cap_R), floor_l)
+                                     / BLOCK_N))
+
+The floor is the chunk that spreads the layer's whole batch over the CTAs one launch aims for
+(FlashInfer's decode planner and SGLang's ``get_num_kv_splits`` size their chunks from the
+batch, not the row): a short row keeps one CTA per head, a long row splits into up to ``R``
+CTAs. The host computes the floor of every layer from the lengths the scheduler advanced (no
+device read) and uploads it with the step's plan; the grid bound is the length-fitted one with
+``R``: ``(bs, min(R + H_kv, H_kv * cap_R))``.
+
 This module is CPU-only numpy at build time; :meth:`SplitTable.to` moves the tensors to the device
 once. It owns only the partition; the kernel that reads it is ``decode_attention.py``.
 """
@@ -89,6 +111,10 @@ from tangram_sglang.grouping import HeadGrouping
 CTAS_PER_SM = 8
 # Upper bound on the splits of one KV head; also the split dimension of the stage-1 scratch.
 MAX_SPLITS_PER_HEAD = 64
+# The batch-balanced plan's CTA budget per request row, per KV head: a long row among short
+# ones may take up to this many splits per head on average (SGLang's Triton decode caps a
+# request at 8 splits, ``--triton-attention-num-kv-splits``), whatever the bucket.
+BATCH_ROW_SPLITS = 8
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,6 +132,10 @@ class LayerSplits:
             N)``; the scratch's split dimension must hold it).
         fitted_ctas: the length-fitted plan's CTAs per request row (its stage-1 grid's second
             dimension): ``min(N + num_kv_heads, num_kv_heads * split_cap)``.
+        batch_budget, batch_cap, batch_ctas: the batch-balanced plan's CTA budget per row
+            (``R``), cap on one head's splits and CTAs per row (grid), the same rule with ``R``.
+        launch_ctas: the CTAs a whole launch aims for (``CTAS_PER_SM * num_sms``), the
+            denominator of the batch-balanced plan's chunk floor (:func:`batch_chunk_floor`).
     """
 
     splits: torch.Tensor
@@ -116,6 +146,10 @@ class LayerSplits:
     cta_budget: int
     split_cap: int
     fitted_ctas: int
+    batch_budget: int
+    batch_cap: int
+    batch_ctas: int
+    launch_ctas: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,6 +166,8 @@ class SplitTable:
         uniform: True for the uniform-split baseline table.
         cta_budget: ``N`` of the length-fitted plan (CTAs per request row, the target rule).
         split_cap: the length-fitted plan's cap on one head's splits.
+        launch_ctas: CTAs one launch aims for, ``CTAS_PER_SM * num_sms`` (the batch-balanced
+            plan's chunk floor divides the batch's kept tokens by it).
     """
 
     batch_size: int
@@ -143,6 +179,7 @@ class SplitTable:
     uniform: bool
     cta_budget: int
     split_cap: int
+    launch_ctas: int
 
     @property
     def max_splits(self) -> int:
@@ -151,14 +188,32 @@ class SplitTable:
 
     @property
     def scratch_splits(self) -> int:
-        """Split dimension the stage-1 scratch needs for both plans (table and lengths)."""
-        return max(self.max_splits, self.split_cap)
+        """Split dimension the stage-1 scratch needs for every plan (table, lengths, batch)."""
+        return max(self.max_splits, self.split_cap, self.batch_cap)
 
     @property
     def fitted_ctas(self) -> int:
         """The length-fitted plan's CTAs per request row (see the module docstring's bound)."""
         num_kv_heads = self.splits.shape[1]
         return min(self.cta_budget + num_kv_heads, num_kv_heads * self.split_cap)
+
+    @property
+    def batch_budget(self) -> int:
+        """``R``, the batch-balanced plan's CTA budget per request row:
+        ``max(N, BATCH_ROW_SPLITS * num_kv_heads)``."""
+        return max(self.cta_budget, BATCH_ROW_SPLITS * int(self.splits.shape[1]))
+
+    @property
+    def batch_cap(self) -> int:
+        """The batch-balanced plan's cap on one head's splits: ``min(MAX_SPLITS_PER_HEAD, R)``."""
+        return min(MAX_SPLITS_PER_HEAD, self.batch_budget)
+
+    @property
+    def batch_ctas(self) -> int:
+        """The batch-balanced plan's CTAs per request row (its stage-1 grid's second dimension):
+        ``min(R + num_kv_heads, num_kv_heads * batch_cap)``, the length-fitted bound with ``R``."""
+        num_kv_heads = int(self.splits.shape[1])
+        return min(self.batch_budget + num_kv_heads, num_kv_heads * self.batch_cap)
 
     def layer(self, layer: int) -> LayerSplits:
         """The per-layer view the decode launcher takes (views, no copy, no device read).
@@ -176,6 +231,10 @@ class SplitTable:
             cta_budget=self.cta_budget,
             split_cap=self.split_cap,
             fitted_ctas=self.fitted_ctas,
+            batch_budget=self.batch_budget,
+            batch_cap=self.batch_cap,
+            batch_ctas=self.batch_ctas,
+            launch_ctas=self.launch_ctas,
         )
 
     def to(self, device: torch.device | str) -> SplitTable:
@@ -190,6 +249,7 @@ class SplitTable:
             uniform=self.uniform,
             cta_budget=self.cta_budget,
             split_cap=self.split_cap,
+            launch_ctas=self.launch_ctas,
         )
 
 
@@ -275,7 +335,7 @@ def cta_map(splits: np.ndarray, ratios: np.ndarray) -> tuple[np.ndarray, np.ndar
 
 
 def fitted_splits(
-    lens: np.ndarray, cta_budget: int, split_cap: int, block_n: int
+    lens: np.ndarray, cta_budget: int, split_cap: int, block_n: int, floor: int = 0
 ) -> tuple[np.ndarray, np.ndarray]:
     """Numpy twin of the decode kernel's length-fitted plan (the module docstring's rule).
 
@@ -283,6 +343,9 @@ def fitted_splits(
         lens: int ``[..., num_kv_heads]``: kept tokens of each KV head's group, per row.
         cta_budget: ``N`` (CTAs per row, >= 1). split_cap: cap on one head's splits (>= 1).
         block_n: the kernel's tokens per inner block (``decode_attention.BLOCK_N``).
+        floor: the batch-balanced plan's chunk floor (:func:`batch_chunk_floor`; tokens, >= 0;
+            0 = the length-fitted plan); the batch-balanced plan passes ``R`` and its cap as
+            ``cta_budget`` and ``split_cap``.
 
     Returns:
         ``(splits, head_chunk)``, int64 ``[..., num_kv_heads]`` each: each head's splits, in
@@ -292,6 +355,7 @@ def fitted_splits(
     lens = np.asarray(lens, dtype=np.int64)
     total, longest = lens.sum(axis=-1), lens.max(axis=-1)
     chunk = np.maximum(-(-total // cta_budget), -(-longest // split_cap))
+    chunk = np.maximum(chunk, int(floor))
     chunk = np.maximum(-(-chunk // block_n), 1) * block_n
     splits = np.maximum(-(-lens // chunk[..., None]), 1)
     per_split = -(-lens // splits)
@@ -300,21 +364,26 @@ def fitted_splits(
 
 
 def fitted_cta_spans(
-    lens: np.ndarray, cta_budget: int, split_cap: int, block_n: int, num_ctas: int
+    lens: np.ndarray,
+    cta_budget: int,
+    split_cap: int,
+    block_n: int,
+    num_ctas: int,
+    floor: int = 0,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """What each CTA of one row does under the length-fitted plan (the kernel's lookup, in numpy).
 
     Args:
         lens: int ``[num_kv_heads]``: one row's kept tokens per KV head.
-        cta_budget, split_cap, block_n: as :func:`fitted_splits`.
-        num_ctas: the launch's CTAs per row (``LayerSplits.fitted_ctas``).
+        cta_budget, split_cap, block_n, floor: as :func:`fitted_splits`.
+        num_ctas: the launch's CTAs per row (``LayerSplits.fitted_ctas``, or ``batch_ctas``).
 
     Returns:
         ``(head, start, end)``, int64 ``[num_ctas]`` each: CTA ``c`` attends tokens
         ``[start, end)`` of KV head ``head`` (``head = -1``: idle, the CTA exits at once).
     """
     lens = np.asarray(lens, dtype=np.int64)
-    splits, head_chunk = fitted_splits(lens, cta_budget, split_cap, block_n)
+    splits, head_chunk = fitted_splits(lens, cta_budget, split_cap, block_n, floor)
     ends = np.cumsum(splits)
     c = np.arange(num_ctas)
     head = (ends[None, :] <= c[:, None]).sum(axis=1)
@@ -324,6 +393,30 @@ def fitted_cta_spans(
     start = np.where(busy, split * head_chunk[head_c], 0)
     end = np.where(busy, np.minimum(lens[head_c], start + head_chunk[head_c]), 0)
     return np.where(busy, head, -1), start, end
+
+
+def batch_chunk_floor(lens: np.ndarray, launch_ctas: int) -> int:
+    """The batch-balanced plan's chunk floor of one layer's launch (tokens per CTA, host).
+
+    ``ceil(sum(lens) / launch_ctas)``: the chunk that spreads the whole batch's kept tokens of
+    the layer over the CTAs one launch aims for (``SplitTable.launch_ctas``), as SGLang's Triton
+    decode sizes its chunk from the batch's longest and shortest requests and FlashInfer's
+    decode planner from the batch's total. No row then splits finer than the batch as a whole,
+    and a long row among short ones splits as finely as its row budget allows.
+
+    Args:
+        lens: int ``[bs, num_kv_heads]`` (any shape): the batch's kept tokens per row and KV head.
+        launch_ctas: CTAs per launch (>= 1).
+
+    Returns:
+        The floor (python int, 0 for an empty batch).
+
+    Raises:
+        ConfigError: ``launch_ctas`` not a whole number >= 1.
+    """
+    if isinstance(launch_ctas, bool) or int(launch_ctas) != launch_ctas or launch_ctas < 1:
+        raise ConfigError(f"launch_ctas={launch_ctas!r} must be a whole number >= 1")
+    return -(-int(np.asarray(lens, dtype=np.int64).sum()) // int(launch_ctas))
 
 
 def build_split_table(
@@ -384,6 +477,7 @@ def build_split_table(
         uniform=uniform,
         cta_budget=target,
         split_cap=min(int(max_splits), target),
+        launch_ctas=CTAS_PER_SM * int(num_sms),
     )
 
 

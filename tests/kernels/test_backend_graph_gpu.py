@@ -52,7 +52,9 @@ def make_state() -> TangramState:
     return state
 
 
-def test_decode_step_captured_on_padding_replays_real_batches():
+@pytest.mark.parametrize("plan", ["table", "batch"])
+def test_decode_step_captured_on_padding_replays_real_batches(plan):
+    """Under ``batch`` each replay reads the floors its fill uploaded (the step's lengths)."""
     state = make_state()
     mem = state.memory
     pools = (mem.kv_pool.k_pool, mem.kv_pool.v_pool, mem.table.page_table, mem.table.group_len)
@@ -61,7 +63,19 @@ def test_decode_step_captured_on_padding_replays_real_batches():
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     tables = build_split_tables(profile.grouping, profile.group_ratios, sms, 8).to(DEV)
     mid_o, mid_lse = decode_scratch(8, HQ, tables.scratch_splits, D, DEV)
-    buf = md.DecodeGraphBuffers.create(8, mem.num_head_groups, HQ, D, torch.bfloat16, DEV)
+    buf = md.DecodeGraphBuffers.create(
+        8, mem.num_head_groups, HQ, D, torch.bfloat16, DEV, num_layers=profile.model.num_layers
+    )
+    heads_of_layer = md.heads_per_group_of_layer(profile.grouping.cluster_of, mem.num_head_groups)
+    launch = tables.tables[0].launch_ctas
+
+    def floors(rows):
+        if plan != "batch":
+            return None
+        return md.decode_chunk_floors(
+            mem.table.lens, np.asarray(rows, np.int64), heads_of_layer, launch
+        )
+
     q = torch.zeros(BS, HQ, D, dtype=torch.bfloat16, device=DEV)
     k = torch.zeros(BS, HKV, D, dtype=torch.bfloat16, device=DEV)
     v = torch.zeros_like(k)
@@ -79,9 +93,12 @@ def test_decode_step_captured_on_padding_replays_real_batches():
             meta.out,
             mid_o,
             mid_lse,
+            plan,
+            None if meta.chunk_floor is None else meta.chunk_floor[LAYER],
         )
 
-    meta = buf.fill([], BS, mem.table.pages, mem.table.lens, PAGE)  # capture: all padding
+    # capture: all padding
+    meta = buf.fill([], BS, mem.table.pages, mem.table.lens, PAGE, chunk_floor=floors([]))
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -92,7 +109,9 @@ def test_decode_step_captured_on_padding_replays_real_batches():
         out = step(meta)
     for rows, lens in (([1, 3], [301, 701]), ([2], [46]), ([3, 2, 1], [702, 47, 302])):
         state.allocate_decode(rows, lens)  # host: pages for the new token (outside the graph)
-        buf.fill(rows, BS, mem.table.pages, mem.table.lens, PAGE)
+        buf.fill(rows, BS, mem.table.pages, mem.table.lens, PAGE, chunk_floor=floors(rows))
+        if plan == "batch":
+            assert buf.chunk_floor.tolist() == floors(rows).tolist()
         for t in (q, k, v):
             t.copy_(torch.randn_like(t, dtype=torch.float32))
         graph.replay()

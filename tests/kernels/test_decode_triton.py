@@ -20,7 +20,12 @@ from tangram_sglang.kernels.decode_attention import (
     ragged_decode_attention,
 )
 from tangram_sglang.kernels.reference import decode_reference
-from tangram_sglang.kernels.split_table import LayerSplits, build_split_table, fitted_splits
+from tangram_sglang.kernels.split_table import (
+    LayerSplits,
+    batch_chunk_floor,
+    build_split_table,
+    fitted_splits,
+)
 
 DTYPE_IDS = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
@@ -48,12 +53,23 @@ def layer_table(
     return table.to(DEVICE).layer(0)
 
 
+def chunk_floor_of(layer, req_rows, table) -> tuple[int, torch.Tensor]:
+    """The batch-balanced plan's floor of ``req_rows`` (host twin) and its int32 [1] tensor."""
+    goh = layer.group_of_head.cpu().numpy()
+    lens = layer.group_len.cpu().numpy()[req_rows.cpu().numpy()][:, goh]
+    floor = batch_chunk_floor(lens, table.launch_ctas)
+    return floor, torch.tensor([floor], dtype=torch.int32, device=DEVICE)
+
+
 def decode_and_check(layer, req_rows, q, table, out, mid_o, mid_lse, plan) -> None:
     """Run the Triton decode of ``layer`` with ``plan``; every output element written and within
     the dtype's tolerance of the torch reference."""
     args = layer.paging(req_rows)
     scale = q.shape[-1] ** -0.5
-    ragged_decode_attention(q, *args, table, scale, out, mid_o, mid_lse, plan=plan)
+    floor = chunk_floor_of(layer, req_rows, table)[1] if plan == "batch" else None
+    ragged_decode_attention(
+        q, *args, table, scale, out, mid_o, mid_lse, plan=plan, chunk_floor=floor
+    )
     want = decode_reference(
         q.float(), *(a.float() if a.is_floating_point() else a for a in args), scale
     )
@@ -79,7 +95,7 @@ def run_case(
     req_rows = torch.tensor([3, 0, 1], dtype=torch.int32, device=DEVICE)
     bs, num_qo_heads = 3, num_kv_heads * gqa
     table = layer_table(layer.group_of_head, [0.9, 0.2, 0.5, 0.3][:num_kv_heads], bs, uniform)
-    scratch_splits = max(table.max_splits, table.split_cap)
+    scratch_splits = max(table.max_splits, table.split_cap, table.batch_cap)
     q = torch.randn(bs, num_qo_heads, head_dim, device=DEVICE).to(dtype)
     if strided_out:
         out = torch.empty(bs, num_qo_heads + 3, head_dim, dtype=dtype, device=DEVICE)[:, 1:-2]
@@ -96,8 +112,8 @@ def run_case(
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=DTYPE_IDS.get)
 @pytest.mark.parametrize(
     ("uniform", "plan"),
-    [(False, "table"), (True, "table"), (False, "lengths")],
-    ids=["aot", "uniform", "lengths"],
+    [(False, "table"), (True, "table"), (False, "lengths"), (False, "batch")],
+    ids=["aot", "uniform", "lengths", "batch"],
 )
 def test_decode_dtypes_and_plans(dtype, uniform, plan) -> None:
     run_case(dtype, page_size=16, head_dim=64, uniform=uniform, seed=1, plan=plan)
@@ -116,15 +132,17 @@ def test_decode_head_dim_128_gqa_4_strided_out() -> None:
     )
 
 
-@pytest.mark.parametrize("plan", ["table", "lengths"])
+@pytest.mark.parametrize("plan", ["table", "lengths", "batch"])
 def test_decode_zero_length_group_gives_zeros(plan) -> None:
     lens = np.array([[0, 5]])
     layer = make_paged_layer(lens, 2, 1, 4, 64, torch.float32, seed=2)
     table = layer_table(layer.group_of_head, [0.5, 0.5], 1, uniform=False)
     q = torch.randn(1, 2, 64, device=DEVICE)
     out = torch.full_like(q, float("nan"))
-    mid_o, mid_lse = decode_scratch(1, 2, max(table.max_splits, table.split_cap), 64, DEVICE)
+    splits = max(table.max_splits, table.split_cap, table.batch_cap)
+    mid_o, mid_lse = decode_scratch(1, 2, splits, 64, DEVICE)
     rows = torch.zeros(1, dtype=torch.int32, device=DEVICE)
+    floor = chunk_floor_of(layer, rows, table)[1] if plan == "batch" else None
     ragged_decode_attention(
         q,
         layer.k_pool,
@@ -140,6 +158,7 @@ def test_decode_zero_length_group_gives_zeros(plan) -> None:
         mid_o,
         mid_lse,
         plan=plan,
+        chunk_floor=floor,
     )
     empty_head = int((layer.group_of_head == 0).nonzero()[0])
     assert torch.equal(out[0, empty_head], torch.zeros(64, device=DEVICE))
@@ -181,11 +200,17 @@ def test_decode_launcher_rejects_small_scratch_and_bad_table() -> None:
         table.cta_budget,
         table.split_cap,
         table.fitted_ctas,
+        table.batch_budget,
+        table.batch_cap,
+        table.batch_ctas,
+        table.launch_ctas,
     )
     mid_o, mid_lse = decode_scratch(1, 2, max(table.max_splits, table.split_cap), 64, DEVICE)
     with pytest.raises(KernelError, match="table.splits"):
         ragged_decode_attention(*args, bad, 0.125, torch.empty_like(q), mid_o, mid_lse)
-    with pytest.raises(KernelError, match="plan='ratios' must be one of 'lengths', 'table'"):
+    with pytest.raises(
+        KernelError, match="plan='ratios' must be one of 'batch', 'lengths', 'table'"
+    ):
         ragged_decode_attention(
             *args, table, 0.125, torch.empty_like(q), mid_o, mid_lse, plan="ratios"
         )
@@ -198,6 +223,14 @@ def test_decode_launcher_rejects_small_scratch_and_bad_table() -> None:
             mid_o,
             mid_lse,
         )
+    with pytest.raises(KernelError, match=r"plan='batch' needs chunk_floor"):
+        ragged_decode_attention(*args, table, 0.125, torch.empty_like(q), mid_o, mid_lse, "batch")
+    mid_o, mid_lse = decode_scratch(1, 2, table.batch_cap, 64, DEVICE)
+    for floor in (torch.zeros(1, dtype=torch.int64, device=DEVICE), torch.zeros(2).int()):
+        with pytest.raises(KernelError, match="chunk_floor"):
+            ragged_decode_attention(
+                *args, table, 0.125, torch.empty_like(q), mid_o, mid_lse, "batch", floor
+            )
 
 
 @pytest.mark.parametrize(
@@ -255,8 +288,10 @@ def run_fitted(
     num_sms=2,
     head_dim=64,
     seed=0,
+    plan="lengths",
 ):
-    """Length-fitted decode of every row of ``lens [rows, groups]`` against the reference.
+    """Fitted decode (``plan`` "lengths" or "batch") of every row of ``lens [rows, groups]``
+    against the reference.
 
     Also checks the kernel's plan against the numpy twin: stage 1 writes exactly the first
     ``fitted_splits(...)`` split slots of each head (poisoned scratch), nothing past them.
@@ -269,15 +304,20 @@ def run_fitted(
     req_rows = torch.arange(rows, dtype=torch.int32, device=DEVICE).flip(0)
     ratios = np.linspace(0.9, 0.1, num_kv_heads).tolist()
     table = layer_table(layer.group_of_head, ratios, rows, False, max_splits, num_sms)
+    if plan == "batch":
+        budget, cap, grid = table.batch_budget, table.batch_cap, table.batch_ctas
+        floor = chunk_floor_of(layer, req_rows, table)[0]
+    else:
+        budget, cap, grid, floor = table.cta_budget, table.split_cap, table.fitted_ctas, 0
     num_qo_heads = num_kv_heads * gqa
     q = torch.randn(rows, num_qo_heads, head_dim, device=DEVICE).to(dtype)
     out = torch.full_like(q, float("nan"))
-    mid_o, mid_lse = decode_scratch(rows, num_qo_heads, table.split_cap + 1, head_dim, DEVICE)
+    mid_o, mid_lse = decode_scratch(rows, num_qo_heads, cap + 1, head_dim, DEVICE)
     mid_lse.fill_(float("nan"))
-    decode_and_check(layer, req_rows, q, table, out, mid_o, mid_lse, "lengths")
+    decode_and_check(layer, req_rows, q, table, out, mid_o, mid_lse, plan)
     head_lens = lens[req_rows.cpu().numpy()][:, layer.group_of_head.cpu().numpy()]
-    splits, chunk = fitted_splits(head_lens, table.cta_budget, table.split_cap, BLOCK_N)
-    assert (splits <= table.split_cap).all() and splits.sum(axis=1).max() <= table.fitted_ctas
+    splits, chunk = fitted_splits(head_lens, budget, cap, BLOCK_N, floor)
+    assert (splits <= cap).all() and splits.sum(axis=1).max() <= grid
     written = (~mid_lse.isnan()).sum(dim=2).cpu().numpy()  # [rows, num_qo_heads]
     assert (written == np.repeat(splits, gqa, axis=1)).all(), "kernel plan != numpy twin"
     return splits, chunk
@@ -322,6 +362,19 @@ def test_fitted_several_heads_per_group() -> None:
     run_fitted([[64, 17], [5, 120]], heads_per_group=2, page_size=4, gqa=2)
 
 
+def test_batch_plan_splits_a_long_row_among_short_ones_finer() -> None:
+    """One long row among short ones (1 SM, bucket 4: a row budget of 2 CTAs under the
+    length-fitted plan; 16 and a floor of 106 tokens under the batch-balanced one): the batch
+    plan splits the long row into more, shorter chunks, the short rows stay at one CTA."""
+    lens = [[400, 400], [8, 8], [8, 8], [8, 8]]
+    fit, fit_chunk = run_fitted(lens, page_size=16, num_sms=1, seed=7)
+    bal, bal_chunk = run_fitted(lens, page_size=16, num_sms=1, seed=7, plan="batch")
+    long_row = 3  # req_rows are flipped: the first row of lens is batch entry 3
+    assert bal[long_row].sum() > fit[long_row].sum()
+    assert bal_chunk[long_row].max() < fit_chunk[long_row].max()
+    assert (bal[:long_row] == 1).all()
+
+
 @settings(
     max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )
@@ -330,8 +383,9 @@ def test_fitted_several_heads_per_group() -> None:
     max_splits=st.integers(1, 6),
     num_sms=st.integers(1, 8),
 )
-def test_fitted_random_lengths(lens, max_splits, num_sms) -> None:
-    run_fitted(lens, page_size=8, max_splits=max_splits, num_sms=num_sms)
+@pytest.mark.parametrize("plan", ["lengths", "batch"])
+def test_fitted_random_lengths(lens, max_splits, num_sms, plan) -> None:
+    run_fitted(lens, page_size=8, max_splits=max_splits, num_sms=num_sms, plan=plan)
 
 
 def test_numpy_twins_use_the_kernel_block() -> None:

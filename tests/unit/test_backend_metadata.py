@@ -272,3 +272,27 @@ def test_padded_decode_entries_touch_only_the_padding_page():
     want = reference.decode_reference(qd[:2], *pools, plain.req_rows, goh, coh, 0.35)
     torch.testing.assert_close(got[:2], want)
     assert got[2:].abs().sum() == 0  # row 0 holds nothing: zeros, never NaN
+
+
+def test_chunk_floors_of_every_layer_match_the_kernel_rule():
+    """decode_chunk_floors = split_table.batch_chunk_floor of each layer's heads, from the host
+    lengths of the batch's rows only; fill uploads them into the per-layer views."""
+    from tangram_sglang.kernels.split_table import batch_chunk_floor
+
+    cluster_of = np.array([[0, 0, 1, 1], [2, 3, 3, 3]])  # 2 layers, 4 KV heads, 4 groups
+    heads = md.heads_per_group_of_layer(cluster_of, 4)
+    assert heads.tolist() == [[2, 0], [2, 0], [0, 1], [0, 3]]
+    lens = np.array([[5, 9, 0, 0], [0, 0, 0, 0], [300, 20, 7, 1], [1, 2, 3, 4]], np.int64)
+    rows = np.array([2, 0])
+    got = md.decode_chunk_floors(lens, rows, heads, 16)
+    for layer in range(2):
+        head_lens = lens[rows][:, cluster_of[layer]]
+        assert got[layer] == batch_chunk_floor(head_lens, 16)
+    assert md.decode_chunk_floors(lens, np.zeros(0, np.int64), heads, 16).tolist() == [0, 0]
+    buf = md.DecodeGraphBuffers.create(6, 4, 4, 16, torch.float32, "cpu", num_layers=2)
+    pages = np.zeros((4, 4, 400), np.int64)
+    meta = buf.fill(rows, 3, pages, lens, PAGE, chunk_floor=got)
+    assert buf.chunk_floor.tolist() == got.tolist()
+    assert [v.tolist() for v in meta.chunk_floor] == [[int(f)] for f in got]
+    assert meta.chunk_floor[1].data_ptr() == buf.chunk_floor[1:].data_ptr()  # views, not copies
+    assert buf.fill(rows, 3, pages, lens, PAGE).chunk_floor is None  # other plans: no floor

@@ -249,6 +249,7 @@ def test_decode_plan_env_defaults_to_the_table_and_rejects_other_values(monkeypa
     assert decode_plan({DECODE_PLAN_ENV: ""}) == "table"
     assert decode_plan({DECODE_PLAN_ENV: "table"}) == "table"
     assert decode_plan({DECODE_PLAN_ENV: " Lengths "}) == "lengths"
+    assert decode_plan({DECODE_PLAN_ENV: "batch"}) == "batch"
     with pytest.raises(
         ConfigError, match=r"^TANGRAM_DECODE_PLAN='ratio': use 'table' .* 'lengths'"
     ):

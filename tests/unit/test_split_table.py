@@ -17,6 +17,7 @@ from tangram_sglang.grouping import HeadGrouping
 from tangram_sglang.kernels.split_table import (
     CTAS_PER_SM,
     MAX_SPLITS_PER_HEAD,
+    batch_chunk_floor,
     build_split_table,
     build_split_tables,
     cta_map,
@@ -120,15 +121,16 @@ def test_bad_arguments_raise_config_error() -> None:
         build_split_tables(grouping, grouping.group_ratios(ratio), 132, 0)
 
 
-def check_fitted_plan(lens, cta_budget, split_cap, block_n=BLOCK_N) -> None:
-    """The length-fitted rule on one row: exact coverage, the grid bound, the cap, the balance."""
+def check_fitted_plan(lens, cta_budget, split_cap, block_n=BLOCK_N, floor=0) -> None:
+    """The fitted rules on one row (``floor`` > 0: the batch-balanced plan): exact coverage,
+    the grid bound, the cap, the balance."""
     lens = np.asarray(lens, dtype=np.int64)
     num_kv_heads = lens.size
     grid = min(cta_budget + num_kv_heads, num_kv_heads * split_cap)  # LayerSplits.fitted_ctas
-    splits, head_chunk = fitted_splits(lens, cta_budget, split_cap, block_n)
+    splits, head_chunk = fitted_splits(lens, cta_budget, split_cap, block_n, floor)
     assert splits.sum() <= grid, "the static grid must hold every split"
     assert (splits >= 1).all() and (splits <= split_cap).all()
-    head, start, end = fitted_cta_spans(lens, cta_budget, split_cap, block_n, grid)
+    head, start, end = fitted_cta_spans(lens, cta_budget, split_cap, block_n, grid, floor)
     for h in range(num_kv_heads):
         mine = head == h
         assert mine.sum() == splits[h]
@@ -144,8 +146,8 @@ def check_fitted_plan(lens, cta_budget, split_cap, block_n=BLOCK_N) -> None:
         head_chunk % block_n == 0
     ).all()
     assert (end[busy] > start[busy]).sum() == (splits * (lens > 0)).sum()  # no empty split
-    # balance: every CTA within one block of total / N, unless the split cap binds
-    need = max(-(-int(lens.sum()) // cta_budget), -(-int(lens.max()) // split_cap), 1)
+    # balance: every CTA within one block of total / N, unless the split cap or the floor binds
+    need = max(-(-int(lens.sum()) // cta_budget), -(-int(lens.max()) // split_cap), floor, 1)
     assert head_chunk.max() < need + block_n
 
 
@@ -155,11 +157,12 @@ def check_fitted_plan(lens, cta_budget, split_cap, block_n=BLOCK_N) -> None:
     cta_budget=st.integers(1, 1100),
     split_cap=st.integers(1, 64),
     block_n=st.sampled_from([1, 16, 32]),
+    floor=st.one_of(st.just(0), st.integers(1, 3000)),
 )
 def test_fitted_rule_covers_every_token_once_within_the_grid(
-    lens, cta_budget, split_cap, block_n
+    lens, cta_budget, split_cap, block_n, floor
 ) -> None:
-    check_fitted_plan(lens, cta_budget, split_cap, block_n)
+    check_fitted_plan(lens, cta_budget, split_cap, block_n, floor)
 
 
 @pytest.mark.parametrize(
@@ -217,3 +220,36 @@ def test_split_balance_bad_flags_give_one_line(argv, needle, capsys) -> None:
         status = exc.code
     err = capsys.readouterr().err.strip().splitlines()
     assert status == 2 and needle in err[-1] and "Traceback" not in "\n".join(err)
+
+
+def test_batch_chunk_floor_spreads_the_batch_over_the_launch() -> None:
+    lens = np.array([[3000] * 8] + [[200] * 8] * 63)
+    assert batch_chunk_floor(lens, 1056) == -(-(3000 * 8 + 63 * 200 * 8) // 1056)
+    assert batch_chunk_floor(np.zeros((0, 8), np.int64), 1056) == 0
+    assert batch_chunk_floor(lens, 1) == int(lens.sum())
+    for bad in (0, -3, 2.5, True):
+        with pytest.raises(ConfigError, match="launch_ctas"):
+            batch_chunk_floor(lens, bad)
+
+
+def test_batch_plan_splits_the_long_row_of_a_chat_batch_finer() -> None:
+    """64 rows at ratio 1.0: one 3,000-token row among 200-token rows. The length-fitted plan
+    (a budget of 17 CTAs per row at bucket 64) walks the long row's heads in 3 chunks of about
+    1,000 tokens; the batch-balanced plan splits it to the batch's floor and leaves the short
+    rows no finer than the floor, and the whole launch stays near the CTAs it aims for."""
+    table = table_for(np.ones((1, 8)), batch_size=64)
+    view = table.layer(0)
+    assert view.launch_ctas == CTAS_PER_SM * 132 and view.batch_budget == max(17, 8 * 8)
+    assert view.batch_cap == min(MAX_SPLITS_PER_HEAD, view.batch_budget)
+    assert view.batch_ctas == min(view.batch_budget + 8, 8 * view.batch_cap)
+    assert table.scratch_splits >= view.batch_cap
+    lens = np.array([[3000] * 8] + [[200] * 8] * 63)
+    floor = batch_chunk_floor(lens, view.launch_ctas)
+    fit, fit_chunk = fitted_splits(lens, view.cta_budget, view.split_cap, BLOCK_N)
+    bal, bal_chunk = fitted_splits(lens, view.batch_budget, view.batch_cap, BLOCK_N, floor)
+    assert fit_chunk[0].max() >= 900 and bal_chunk[0].max() <= 400  # 8 splits of 375 tokens
+    assert bal[0].sum() <= view.batch_ctas
+    # no row splits finer than the batch's floor (a short row: 2 chunks of 100 tokens per head)
+    assert (bal_chunk[1:] >= floor).all() and (bal[1:] == 2).all()
+    assert bal.sum() <= view.launch_ctas + lens.size  # the launch's CTAs: about its aim
+    check_fitted_plan(lens[0], view.batch_budget, view.batch_cap, BLOCK_N, floor)
