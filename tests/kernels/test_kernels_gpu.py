@@ -26,7 +26,7 @@ from tangram_sglang.kernels.reference import (
     extend_reference,
     kv_write_reference,
 )
-from tangram_sglang.kernels.split_table import build_split_table, fitted_splits
+from tangram_sglang.kernels.split_table import batch_chunk_floor, build_split_table, fitted_splits
 
 pytestmark = pytest.mark.gpu
 
@@ -119,10 +119,12 @@ def test_decode_cuda_graph_replay_follows_new_lengths(plan) -> None:
         assert not out.isnan().any() and rel_err(out, want) < 1e-2
 
 
-def test_fitted_decode_equal_lengths_in_a_cuda_graph() -> None:
+@pytest.mark.parametrize("plan", ["lengths", "batch"])
+def test_fitted_decode_equal_lengths_in_a_cuda_graph(plan) -> None:
     """The chat case (every group of a row holds the same tokens), captured once and replayed
-    with equal lengths, then skewed ones, then one long group: the length-fitted plan re-plans
-    inside the graph and matches the reference; its split counts match the numpy twin."""
+    with equal lengths, then skewed ones, then one long group: the fitted plans re-plan inside
+    the graph (``batch``: with each step's floor written into its buffer before the replay) and
+    match the reference; their split counts match the numpy twin."""
     num_kv_heads, gqa, head_dim = GEOMETRIES["llama"]
     rows = 16
     lens = np.full((rows, num_kv_heads), 1500)
@@ -133,8 +135,10 @@ def test_fitted_decode_equal_lengths_in_a_cuda_graph() -> None:
     req_rows = torch.arange(rows, dtype=torch.int32, device=DEV)
     q = torch.randn(rows, num_kv_heads * gqa, head_dim, device=DEV, dtype=torch.bfloat16)
     out = torch.empty_like(q)
-    mid_o, mid_lse = decode_scratch(rows, q.shape[1], view.split_cap, head_dim, DEV)
-    args = (q, *layer.paging(req_rows), view, head_dim**-0.5, out, mid_o, mid_lse, "lengths")
+    cap = view.batch_cap if plan == "batch" else view.split_cap
+    mid_o, mid_lse = decode_scratch(rows, q.shape[1], cap, head_dim, DEV)
+    floor = torch.zeros(1, dtype=torch.int32, device=DEV)
+    args = (q, *layer.paging(req_rows), view, head_dim**-0.5, out, mid_o, mid_lse, plan, floor)
     ragged_decode_attention(*args)  # compile outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
@@ -148,6 +152,8 @@ def test_fitted_decode_equal_lengths_in_a_cuda_graph() -> None:
     ]
     for step in steps:
         layer.group_len.copy_(torch.as_tensor(step, dtype=torch.int32))
+        head_lens = step[:, layer.group_of_head.cpu().numpy()]
+        floor.fill_(batch_chunk_floor(head_lens, view.launch_ctas) if plan == "batch" else 0)
         q.copy_(torch.randn_like(q))
         out.fill_(float("nan"))
         mid_lse.fill_(float("nan"))
@@ -155,8 +161,11 @@ def test_fitted_decode_equal_lengths_in_a_cuda_graph() -> None:
         torch.cuda.synchronize()
         want = decode_reference(q.float(), *as_f32(layer.paging(req_rows)), head_dim**-0.5)
         assert not out.isnan().any() and rel_err(out, want) < 1e-2
-        head_lens = step[:, layer.group_of_head.cpu().numpy()]
-        splits, _ = fitted_splits(head_lens, view.cta_budget, view.split_cap, BLOCK_N)
+        if plan == "batch":
+            twin = (view.batch_budget, view.batch_cap, BLOCK_N, int(floor.item()))
+        else:
+            twin = (view.cta_budget, view.split_cap, BLOCK_N)
+        splits, _ = fitted_splits(head_lens, *twin)
         written = (~mid_lse.isnan()).sum(dim=2).cpu().numpy()
         assert (written == np.repeat(splits, gqa, axis=1)).all()
 
