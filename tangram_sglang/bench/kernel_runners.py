@@ -1,16 +1,22 @@
 """GPU side of ``bench/kernels.py``: build each case's buffers, run and time every method.
 
-Timing: Tangram (length-fitted plan, AOT table, uniform table) and SGLang's Triton decode are
-captured in one CUDA graph per
-method (the replicas in sequence, repeated to at least ``MIN_CALLS`` launches) and replayed;
-the median replay time over the launches is the per-call time (CUDA events). FlashInfer's
-``plan()`` + ``run()`` cannot be captured (plan is host work), so it is timed eagerly with
-``triton.testing.do_bench`` (median; do_bench flushes L2 between calls). SGLang and FlashInfer
-are imported lazily; a missing one leaves its column empty with a note.
+Timing: Tangram (length-fitted plan, batch-balanced plan, AOT table, uniform table) and SGLang's
+Triton decode are captured in one CUDA graph per method (the replicas in sequence, repeated to
+at least ``MIN_CALLS`` launches) and replayed; the median replay time over the launches is the
+per-call time (CUDA events). FlashInfer's ``plan()`` + ``run()`` cannot be captured (plan is
+host work), so it is timed eagerly with ``triton.testing.do_bench`` (median; do_bench flushes L2
+between calls). SGLang and FlashInfer are imported lazily; a missing one leaves its column empty
+with a note, as does a kernel without ``plan="batch"`` for the ``batch`` column.
+
+Ragged rows (``skewed``): the pool holds every request row at the longest request's pages per
+KV head, and ``group_len[row, group]`` is that row's kept tokens (the kernels and the reference
+read only those); FlashInfer gets per-(request, KV head) page counts and last-page lengths, and
+SGLang per-request sequence lengths over each request's own slots.
 """
 
 from __future__ import annotations
 
+import inspect
 import statistics
 import time
 from functools import partial
@@ -91,6 +97,7 @@ class RaggedState:
         self.num_sms = num_sms
         dev = "cuda"
         groups = self.grouping.cluster_of[0]
+        # pages per KV head of the longest request; each row reads its own group_len of them
         pages = [-(-k // PAGE_SIZE) for k in case.kept_tokens]
         rows = case.batch * case.replicas_kept
         num_pages = 1 + rows * sum(pages)
@@ -104,9 +111,10 @@ class RaggedState:
             ids = perm[offset : offset + rows * num].view(rows, num)
             self.page_table[:, int(groups[h]), :num] = ids
             offset += rows * num
-        kept = torch.tensor(case.kept_tokens, dtype=torch.int32, device=dev)
+        self.kept = case.row_kept()  # [batch, H_kv], request b's row is b of every replica
+        kept = torch.as_tensor(np.tile(self.kept, (case.replicas_kept, 1)), device=dev)
         self.group_len = torch.zeros(rows, NUM_KV_HEADS, dtype=torch.int32, device=dev)
-        self.group_len[:, torch.as_tensor(groups, device=dev)] = kept
+        self.group_len[:, torch.as_tensor(groups, device=dev)] = kept.int()
         self.group_of_head = torch.as_tensor(groups, dtype=torch.int32, device=dev)
         self.column_of_head = torch.zeros(NUM_KV_HEADS, dtype=torch.int32, device=dev)
         self.req_rows = [
@@ -115,17 +123,28 @@ class RaggedState:
         ]
         self.q = torch.randn(case.batch, NUM_QO_HEADS, HEAD_DIM, device=dev).to(torch.bfloat16)
         self.case = case
+        self.chunk_floor: int | None = None  # plan="batch": tokens per CTA, set by decode_calls
 
     def decode_calls(self, uniform: bool, plan: str = "table") -> tuple[list, torch.Tensor]:
         """One decode launch per replica and the output they write.
 
-        ``plan="table"`` with the AOT (or ``uniform``) table, or ``plan="lengths"`` (the split
-        fitted to the real lengths in the kernel; the AOT table gives its CTA budget).
+        ``plan="table"`` with the AOT (or ``uniform``) table, ``plan="lengths"`` (the split
+        fitted to the real lengths in the kernel; the AOT table gives its CTA budget), or
+        ``plan="batch"`` (the batch-balanced plan; its chunk floor, from the batch's kept tokens
+        and the table's ``launch_ctas``, goes in as an int32 [1] tensor).
         """
-        table = build_split_table(
+        host = build_split_table(
             self.grouping, self.group_ratios, self.num_sms, self.case.batch, uniform=uniform
-        ).to("cuda")
+        )
+        table = host.to("cuda")
         view = table.layer(0)
+        extra: dict[str, torch.Tensor] = {}
+        if plan == "batch":
+            from tangram_sglang.kernels.split_table import batch_chunk_floor
+
+            self.chunk_floor = int(batch_chunk_floor(self.kept, host.launch_ctas))
+            floor = torch.tensor([self.chunk_floor], dtype=torch.int32, device="cuda")
+            extra["chunk_floor"] = floor
         mid_o, mid_lse = decode_scratch(
             self.case.batch, NUM_QO_HEADS, table.scratch_splits, HEAD_DIM, "cuda"
         )
@@ -147,6 +166,7 @@ class RaggedState:
                 mid_o,
                 mid_lse,
                 plan,
+                **extra,
             )
             for rows in self.req_rows
         ]
@@ -176,15 +196,14 @@ def run_flashinfer(state: RaggedState, aot_out: torch.Tensor) -> dict[str, Any]:
     wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
         workspace, kv_layout="HND", use_tensor_cores=True
     )
-    pages = torch.tensor([-(-k // PAGE_SIZE) for k in case.kept_tokens], device=dev)
-    kept = torch.tensor(case.kept_tokens, dtype=torch.int32, device=dev)
+    # one sequence per (request, KV head), request-major: its own kept tokens and pages
+    kept = torch.as_tensor(state.kept, device=dev).int()  # [batch, H_kv]
+    pages = (kept + PAGE_SIZE - 1) // PAGE_SIZE
     max_pages = state.page_table.shape[2]
-    mask = (torch.arange(max_pages, device=dev)[None, :] < pages[:, None])[None].expand(
-        case.batch, -1, -1
-    )
+    mask = torch.arange(max_pages, device=dev) < pages[..., None]  # [batch, H_kv, max_pages]
     indptr = torch.zeros(case.batch * NUM_KV_HEADS + 1, dtype=torch.int32, device=dev)
-    indptr[1:] = torch.cumsum(pages.repeat(case.batch), 0)
-    last_len = (kept - (pages.int() - 1) * PAGE_SIZE).repeat(case.batch).int()
+    indptr[1:] = torch.cumsum(pages.flatten(), 0)
+    last_len = (kept - (pages - 1) * PAGE_SIZE).flatten().int()
     groups = state.group_of_head.long()
     indices = [state.page_table[rows.long()][:, groups][mask].int() for rows in state.req_rows]
     q = state.q.view(case.batch * NUM_KV_HEADS, GQA, HEAD_DIM)
@@ -221,7 +240,11 @@ def run_flashinfer(state: RaggedState, aot_out: torch.Tensor) -> dict[str, Any]:
 
 
 def run_sglang_full_kv(case: Case, num_sms: int) -> dict[str, Any]:
-    """SGLang 0.5.17's Triton decode on the full KV (page_size 1, shuffled slots)."""
+    """SGLang 0.5.17's Triton decode on the full KV (page_size 1, shuffled slots).
+
+    Each request owns ``case.context`` shuffled slots of each replica's region and reads its
+    first ``case.contexts()[b]`` of them (all of them except under ``skewed``).
+    """
     try:
         from sglang.kernels.ops.attention.decode_attention import decode_attention_fwd
         from sglang.kernels.ops.attention.metadata import get_num_kv_splits_triton
@@ -236,14 +259,16 @@ def run_sglang_full_kv(case: Case, num_sms: int) -> dict[str, Any]:
         return {"sglang_note": f"{shape[0]} slots overflow SGLang's int32 KV offsets; skipped"}
     k_buf = torch.empty(shape, dtype=torch.bfloat16, device=dev).normal_()
     v_buf = torch.empty(shape, dtype=torch.bfloat16, device=dev).normal_()
-    indptr = (torch.arange(case.batch + 1, device=dev) * case.context).int()
+    seq_lens = torch.tensor(case.contexts(), dtype=torch.int32, device=dev)
+    indptr = torch.zeros(case.batch + 1, dtype=torch.int32, device=dev)
+    indptr[1:] = torch.cumsum(seq_lens, 0)
+    used = torch.arange(case.context, device=dev) < seq_lens[:, None]  # [batch, context]
     indices = [
-        (torch.randperm(tokens, device=dev) + 1 + r * tokens).int()
+        (torch.randperm(tokens, device=dev) + 1 + r * tokens).view(case.batch, -1)[used].int()
         for r in range(case.replicas_full)
     ]
     max_kv_splits = 8  # sglang 0.5.17 --triton-attention-num-kv-splits default (CUDA)
     num_kv_splits = torch.empty(case.batch, dtype=torch.int32, device=dev)
-    seq_lens = torch.full((case.batch,), case.context, dtype=torch.int32, device=dev)
     get_num_kv_splits_triton[(1,)](
         num_kv_splits,
         seq_lens,
@@ -281,6 +306,17 @@ def run_sglang_full_kv(case: Case, num_sms: int) -> dict[str, Any]:
     return {"sglang_full_kv_ms": time_graph(calls)}
 
 
+def batch_plan_note() -> str:
+    """Why the ``batch`` column cannot run ("" = it can): the kernel or its floor missing."""
+    try:
+        from tangram_sglang.kernels.split_table import batch_chunk_floor  # noqa: F401
+    except ImportError as exc:
+        return f"plan='batch' not available ({exc}); column skipped"
+    if "chunk_floor" not in inspect.signature(ragged_decode_attention).parameters:
+        return "ragged_decode_attention takes no chunk_floor (plan='batch'); column skipped"
+    return ""
+
+
 def run_case(case: Case, num_sms: int, copy_gbs: float, full_cache: dict) -> None:
     """Fill ``case.results`` (times in ms, GB/s, checks)."""
     r = case.results
@@ -300,17 +336,28 @@ def run_case(case: Case, num_sms: int, copy_gbs: float, full_cache: dict) -> Non
     r["lengths_vs_aot_rel_err"] = rel_err(fit_out, aot_out)
     r["aot_has_nan"] = bool(aot_out.isnan().any())
     r["lengths_has_nan"] = bool(fit_out.isnan().any())
+    batch_calls: list = []
+    if note := batch_plan_note():
+        r["batch_note"] = note
+    else:
+        batch_calls, batch_out = state.decode_calls(uniform=False, plan="batch")
+        r["batch_chunk_floor"] = state.chunk_floor
+        r["batch_ms"] = time_graph(batch_calls)
+        batch_calls[0]()
+        r["batch_vs_aot_rel_err"] = rel_err(batch_out, aot_out)
+        r["batch_has_nan"] = bool(batch_out.isnan().any())
     r |= run_flashinfer(state, aot_out)
-    del state, aot_calls, uni_calls, fit_calls
+    del state, aot_calls, uni_calls, fit_calls, batch_calls
     torch.cuda.empty_cache()
-    key = (case.batch, case.context)
+    key = (case.batch, case.context, tuple(case.row_contexts))
     if key not in full_cache:
         full_cache[key] = run_sglang_full_kv(case, num_sms)
         torch.cuda.empty_cache()
     r |= full_cache[key]
     r["roofline_ms"] = case.kept_kv_bytes / (copy_gbs * 1e9) * 1e3
-    for name in ("lengths", "aot", "uniform"):
-        r[f"{name}_gbs"] = case.kept_kv_bytes / (r[f"{name}_ms"] * 1e-3) / 1e9
+    for name in ("lengths", "batch", "aot", "uniform"):
+        if r.get(f"{name}_ms"):
+            r[f"{name}_gbs"] = case.kept_kv_bytes / (r[f"{name}_ms"] * 1e-3) / 1e9
     r["aot_bw_fraction"] = r["aot_gbs"] / copy_gbs
     if r.get("sglang_full_kv_ms"):
         r["sglang_full_kv_gbs"] = case.full_kv_bytes / (r["sglang_full_kv_ms"] * 1e-3) / 1e9

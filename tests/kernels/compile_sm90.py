@@ -79,7 +79,8 @@ def main(dtypes: list[str]) -> int:
             for plan in decode_attention.PLANS:
                 plan_consts = {
                     "NUM_KV_HEADS": 8,
-                    "FIT_LENGTHS": plan == "lengths",
+                    "FIT_LENGTHS": plan != "table",
+                    "BATCH_FLOOR": plan == "batch",
                     "BLOCK_N": decode_attention.BLOCK_N,
                 }
                 lines.append(
