@@ -308,20 +308,20 @@ DECODE_PLANS = ("batch", "lengths", "table")
 
 
 def decode_plan(environ: dict[str, str] | None = None) -> str:
-    """The decode kernel's split plan: ``"table"`` (default), ``"lengths"`` or ``"batch"``.
+    """The decode kernel's split plan: ``"batch"`` (default), ``"lengths"`` or ``"table"``.
 
-    ``table`` uses the static AOT split table (splits proportional to the group ratios), the plan
-    every GPU figure so far was measured with; ``lengths`` fits each KV head's split-KV partition
-    to the row's real kept lengths inside the kernel every step (better balanced on the CPU
-    model of the plan, ``bench.split_balance``); ``batch`` fits it too, with a wider budget per
-    row and a chunk floor computed from the whole batch's lengths, so a long row among short
-    ones is split as finely as the batch (``split_table.batch_chunk_floor``). Either becomes
-    the default once a GPU A/B shows it is not slower. ``kernels/split_table.py``,
-    docs/design.md §3.3.
+    ``batch`` fits each KV head's split-KV partition to the row's real kept lengths inside the
+    kernel every step, with a chunk floor from the whole batch's lengths (computed on the host,
+    ``split_table.batch_chunk_floor``), so a long row among short ones splits as finely as the
+    batch; ``lengths`` fits it to the row alone; ``table`` uses the static AOT split table
+    (splits proportional to the group ratios), the default before ``batch``. On an H200
+    (``bench.kernels``, 16 decode shapes side by side) ``batch`` was at most 1.3% slower than
+    the table and 3-34% faster at 64-128 rows (15-34% at ratio 1.0).
+    ``kernels/split_table.py``, docs/design.md §3.3.
 
     Args:
         environ: the environment to read (default ``os.environ``); ``TANGRAM_DECODE_PLAN`` unset
-            or empty means ``table``.
+            or empty means ``batch``.
 
     Returns:
         One of :data:`DECODE_PLANS`.
@@ -331,11 +331,11 @@ def decode_plan(environ: dict[str, str] | None = None) -> str:
     """
     raw = (os.environ if environ is None else environ).get(DECODE_PLAN_ENV, "").strip().lower()
     if raw == "":
-        return "table"
+        return "batch"
     if raw not in DECODE_PLANS:
         raise ConfigError(
-            f"{DECODE_PLAN_ENV}={raw!r}: use 'table' (the static AOT split table, default), "
-            "'lengths' (split fitted to each row's kept lengths) or 'batch' (fitted to the "
-            "row with a chunk floor from the whole batch)"
+            f"{DECODE_PLAN_ENV}={raw!r}: use 'batch' (the split fitted to each row's kept "
+            "lengths with a chunk floor from the whole batch, default), 'lengths' (fitted to "
+            "the row alone) or 'table' (the static AOT split table)"
         )
     return raw

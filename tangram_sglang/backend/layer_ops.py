@@ -168,10 +168,10 @@ class TritonKernels(ReferenceKernels):
         state: the server's TangramState (profile: grouping, group ratios, model shape).
         max_batch_size: largest decode batch (requests; SGLang's request rows).
         device: a CUDA device.
-        plan: the decode split plan, ``"table"`` (the static AOT table, default),
-            ``"lengths"`` (fitted to each row's kept lengths in the kernel) or ``"batch"``
-            (fitted, with a chunk floor from the whole batch that the backend computes on the
-            host each step); :func:`config.decode_plan`.
+        plan: the decode split plan, ``"batch"`` (default: fitted to each row's kept lengths
+            in the kernel, with a chunk floor from the whole batch that the backend computes on
+            the host each step), ``"lengths"`` (fitted to the row alone) or ``"table"`` (the
+            static AOT table); :func:`config.decode_plan`.
         prefill: who computes an extend's attention (:func:`config.prefill_attention`):
             ``"triton"`` (Tangram's extend kernel), ``"flashinfer"`` (the new tokens through
             FlashInfer, every batch) or ``"auto"`` (split where it pays, ``metadata.split_pays``;
@@ -203,7 +203,7 @@ class TritonKernels(ReferenceKernels):
         state: TangramState,
         max_batch_size: int,
         device: torch.device,
-        plan: str = "table",
+        plan: str = "batch",
         prefill: str = "triton",
         history: str = "auto",
     ) -> None:

@@ -4,10 +4,11 @@ Measures the host work of every decode step: the scheduler allocates one decode 
 group of each row (``TangramState.allocate_decode``, from SGLang's ``alloc_for_decode``; under
 overlap scheduling this runs while the previous batch is on the GPU) and the attention backend
 writes the plan into the static decode buffers (``DecodeGraphBuffers.fill``, the CUDA-graph
-path). Both are timed, apart and together. It also counts the device-to-host reads
-(``Tensor.tolist`` / ``item`` / ``__int__``) the step makes (none is the goal: they would wait
-for the GPU and stop overlap scheduling; ``numpy`` counts the host allocator's own tensors) and
-the host-to-device uploads (one packed copy per step).
+path; under the default ``batch`` plan with the per-layer chunk floors,
+``metadata.decode_chunk_floors``). Both are timed, apart and together. It also counts the
+device-to-host reads (``Tensor.tolist`` / ``item`` / ``__int__``) the step makes (none is the
+goal: they would wait for the GPU and stop overlap scheduling; ``numpy`` counts the host
+allocator's own tensors) and the host-to-device uploads (one packed copy per step).
 
 Setup: the given profile, ``--batch`` rows prefilled with ``--prompt`` tokens each (one segment),
 then ``--steps`` decode steps timed with ``time.perf_counter`` (median and p90, ms per step).
@@ -30,8 +31,13 @@ from contextlib import contextmanager
 import numpy as np
 import torch
 
-from tangram_sglang.backend.metadata import DecodeGraphBuffers
+from tangram_sglang.backend.metadata import (
+    DecodeGraphBuffers,
+    decode_chunk_floors,
+    heads_per_group_of_layer,
+)
 from tangram_sglang.backend.state import TangramState
+from tangram_sglang.kernels.split_table import CTAS_PER_SM
 from tangram_sglang.mem.manager import TangramMemory
 from tangram_sglang.profile import BudgetProfile
 
@@ -81,16 +87,29 @@ def build(profile: BudgetProfile, batch: int, prompt: int, page_size: int, steps
         state.allocate_extend([row], [prompt], [0])
     m = profile.model
     buffers = DecodeGraphBuffers.create(
-        batch + 1, groups, m.num_qo_heads, m.head_dim, torch.float32, "cpu"
+        batch + 1, groups, m.num_qo_heads, m.head_dim, torch.float32, "cpu", m.num_layers
     )
     return state, buffers, rows
 
 
-def run(profile_path: str, batch: int, prompt: int, steps: int, page_size: int) -> dict:
-    """Time ``steps`` decode steps; returns ms per step (median, p90) and host reads per step."""
+def run(
+    profile_path: str,
+    batch: int,
+    prompt: int,
+    steps: int,
+    page_size: int,
+    plan: str = "batch",
+    num_sms: int = 132,
+) -> dict:
+    """Time ``steps`` decode steps; returns ms per step (median, p90) and host reads per step.
+
+    ``plan="batch"`` (the serving default) adds the per-layer chunk floors the backend computes
+    every step (``metadata.decode_chunk_floors`` for ``num_sms`` SMs) to the plan's host work.
+    """
     profile = BudgetProfile.load(profile_path)
     state, buffers, rows = build(profile, batch, prompt, page_size, steps)
     table = state.memory.table
+    heads = heads_per_group_of_layer(profile.grouping.cluster_of, profile.grouping.num_head_groups)
     table.deferred = True  # as the attention backend: one packed flush per step
     table.flush()
     rows = np.asarray(rows, np.int64)
@@ -103,7 +122,10 @@ def run(profile_path: str, batch: int, prompt: int, steps: int, page_size: int) 
             t0 = time.perf_counter()
             state.allocate_decode(rows, seq)  # scheduler (alloc_for_decode)
             t1 = time.perf_counter()
-            buffers.fill(rows, batch, table.pages, table.lens, page_size, table.flush)  # backend
+            floor = None
+            if plan == "batch":
+                floor = decode_chunk_floors(table.lens, rows, heads, CTAS_PER_SM * num_sms)
+            buffers.fill(rows, batch, table.pages, table.lens, page_size, table.flush, floor)
             times.append((time.perf_counter() - t0) * 1e3)
             alloc_times.append((t1 - t0) * 1e3)
     skip = min(5, steps - 1)
@@ -114,6 +136,7 @@ def run(profile_path: str, batch: int, prompt: int, steps: int, page_size: int) 
         "prompt_tokens": prompt,
         "head_groups": profile.grouping.num_head_groups,
         "steps": steps,
+        "plan": plan,
         "ms_per_step_median": round(float(np.median(ms)), 4),
         "ms_per_step_p90": round(float(np.percentile(ms, 90)), 4),
         "ms_allocate_median": round(float(np.median(alloc_ms)), 4),
@@ -131,8 +154,15 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--prompt", type=int, default=1000, help="prefilled tokens per row")
     ap.add_argument("--steps", type=int, default=200, help="decode steps timed")
     ap.add_argument("--page-size", type=int, default=16, help="tokens per page")
+    ap.add_argument(
+        "--plan",
+        choices=["batch", "lengths", "table"],
+        default="batch",
+        help="decode split plan (TANGRAM_DECODE_PLAN); batch adds the per-layer chunk floors",
+    )
     args = ap.parse_args(argv)
-    print(json.dumps(run(args.profile, args.batch, args.prompt, args.steps, args.page_size)))
+    result = run(args.profile, args.batch, args.prompt, args.steps, args.page_size, args.plan)
+    print(json.dumps(result))
 
 
 if __name__ == "__main__":

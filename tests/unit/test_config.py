@@ -244,14 +244,14 @@ def test_summary_numbers(profile_file):
     np.testing.assert_array_equal(restored.ratio, profile.ratio)
 
 
-def test_decode_plan_env_defaults_to_the_table_and_rejects_other_values(monkeypatch):
-    assert decode_plan({}) == "table"
-    assert decode_plan({DECODE_PLAN_ENV: ""}) == "table"
+def test_decode_plan_env_defaults_to_batch_and_rejects_other_values(monkeypatch):
+    assert decode_plan({}) == "batch"
+    assert decode_plan({DECODE_PLAN_ENV: ""}) == "batch"
     assert decode_plan({DECODE_PLAN_ENV: "table"}) == "table"
     assert decode_plan({DECODE_PLAN_ENV: " Lengths "}) == "lengths"
     assert decode_plan({DECODE_PLAN_ENV: "batch"}) == "batch"
     with pytest.raises(
-        ConfigError, match=r"^TANGRAM_DECODE_PLAN='ratio': use 'table' .* 'lengths'"
+        ConfigError, match=r"^TANGRAM_DECODE_PLAN='ratio': use 'batch' .* 'lengths' .* 'table'"
     ):
         decode_plan({DECODE_PLAN_ENV: "ratio"})
     # the server reads it at start-up through kernels_for, on every device
