@@ -83,6 +83,7 @@ MIN_ROW_CONTEXT = 64
 # 4 x the H200's 50 MiB L2: replicate smaller inputs so each timed call reads cold HBM.
 ROTATE_BYTES = 256 << 20
 MAX_REPLICAS = 32
+DEFAULT_JSON = Path("benchmarks/results/kernels-h200.json")
 DEFAULT_MAX_GIB = 110.0  # of the H200's ~139 GiB: leaves room for scratch, graphs, allocator
 
 
@@ -384,7 +385,13 @@ def _comma_list(convert, check, what: str):
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--json", type=Path, default=Path("benchmarks/results/kernels-h200.json"))
+    parser.add_argument(
+        "--json",
+        type=Path,
+        default=None,
+        help=f"result file (default {DEFAULT_JSON} on a GPU run; --plan-only writes one only "
+        "when given)",
+    )
     parser.add_argument("--profile", default=None, help="budget profile JSON (default: synthetic)")
     parser.add_argument("--quick", action="store_true", help="smoke run: 2 small cases")
     parser.add_argument("--plan-only", action="store_true", help="print the cases, no GPU")
@@ -441,8 +448,13 @@ def main(argv: list[str] | None = None) -> int:
         if not kernel_runners.cuda_available():
             print("no CUDA device: use --plan-only on CPU", file=sys.stderr)
             return 2
-        meta |= kernel_runners.run_all(cases, on_case=lambda: write_json(args.json, cases, meta))
-    doc = write_json(args.json, cases, meta)
+        out = args.json or DEFAULT_JSON
+        meta |= kernel_runners.run_all(cases, on_case=lambda: write_json(out, cases, meta))
+        doc = write_json(out, cases, meta)
+    elif args.json is not None:
+        doc = write_json(args.json, cases, meta)
+    else:  # a plan on CPU never overwrites a measured result file by default
+        doc = {"summary": summarize(cases)}
     print(TABLE_HEADER)
     for case in cases:
         print(table_line(case))

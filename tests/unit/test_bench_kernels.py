@@ -234,3 +234,11 @@ def test_cli_rejects_bad_grid_options(tmp_path, argv) -> None:
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU this would run the benchmark")
 def test_quick_run_imports_gpu_side_and_refuses_without_cuda(tmp_path) -> None:
     assert bench.main(["--quick", "--json", str(tmp_path / "k.json")]) == 2
+
+
+def test_plan_only_without_json_writes_no_file(tmp_path, monkeypatch, capsys) -> None:
+    """A CPU plan must not overwrite the measured results file (the GPU run's default path)."""
+    monkeypatch.chdir(tmp_path)
+    assert bench.main(["--plan-only", "--quick"]) == 0
+    assert not any(tmp_path.rglob("*.json"))
+    assert "shape batch" in capsys.readouterr().out
