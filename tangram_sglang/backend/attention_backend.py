@@ -213,13 +213,14 @@ class TangramAttnBackend(AttentionBackend):
             num_layers=m.num_layers,
         )
         # TANGRAM_DECODE_PLAN=batch: each step's per-layer chunk floors come from host lengths
+        # (on CPU too: the reference decode checks that every layer gets its floor)
         self._floor_plan = None
-        if getattr(self.kernels, "plan", "table") == "batch":
+        if self.kernels.plan == "batch":
             self._floor_plan = (
                 md.heads_per_group_of_layer(
                     self.state.profile.grouping.cluster_of, self.memory.num_head_groups
                 ),
-                self.kernels.tables.tables[0].launch_ctas,
+                self.kernels.launch_ctas,
             )
 
     def support_triton(self) -> bool:
@@ -282,12 +283,14 @@ class TangramAttnBackend(AttentionBackend):
         """
         table = self.memory.table
         ps = self.memory.page_size
-        if self.device.type != "cuda":
-            return md.decode_metadata(rows, table.pages, table.lens, ps, self.device, table.flush)
-        bs = rows.size if padded_bs is None else padded_bs
         floor = None
         if self._floor_plan is not None:
             floor = md.decode_chunk_floors(table.lens, rows, *self._floor_plan)
+        if self.device.type != "cuda":
+            return md.decode_metadata(
+                rows, table.pages, table.lens, ps, self.device, table.flush, floor
+            )
+        bs = rows.size if padded_bs is None else padded_bs
         return self.decode_buffers.fill(rows, bs, table.pages, table.lens, ps, table.flush, floor)
 
     # ---- CUDA graphs (decode) ------------------------------------------------------------------

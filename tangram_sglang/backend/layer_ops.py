@@ -28,12 +28,14 @@ from tangram_sglang.backend.state import TangramState
 from tangram_sglang.config import decode_plan, history_attention, prefill_attention
 from tangram_sglang.errors import ConfigError, KernelError
 from tangram_sglang.kernels import reference
+from tangram_sglang.kernels._checks import check_tensor
 from tangram_sglang.kernels.history_attention import (
     PAGED_HISTORY_MIN_WORK,
     PagedHistoryPlan,
     plan_paged_history,
 )
 from tangram_sglang.kernels.new_token_attention import check_finite, flashinfer_fallback
+from tangram_sglang.kernels.split_table import CTAS_PER_SM
 
 logger = logging.getLogger(__name__)
 
@@ -53,11 +55,15 @@ class ReferenceKernels:
     """
 
     paged_history_min_work = 0  # history work per layer under which no plan is built
+    # CTAs one decode launch aims for (the batch plan's floor denominator): nominal on CPU, where
+    # the reference decode only checks that each layer receives its floor
+    launch_ctas = CTAS_PER_SM * 132
 
-    def __init__(self, history: str = "auto") -> None:
+    def __init__(self, history: str = "auto", plan: str = "batch") -> None:
         from tangram_sglang.kernels.history_attention import TorchPagedHistory
         from tangram_sglang.kernels.new_token_attention import TorchNewTokens
 
+        self.plan = plan
         self.split = (TorchNewTokens(), TorchPagedHistory()) if history == "flashinfer" else None
         self._planned = None  # the extend plan (metadata) the split was last planned for
         self._history_planned = False  # the paged history is planned for self._planned
@@ -151,7 +157,20 @@ class ReferenceKernels:
         out=None,
         chunk_floor=None,
     ):
-        """``[bs, H_q, D]`` ragged decode of one layer (no split plan: ``chunk_floor`` unread)."""
+        """``[bs, H_q, D]`` ragged decode of one layer. No split plan here; under the ``batch``
+        plan ``chunk_floor`` (the layer's floor) is checked to be an int32 ``[1]`` tensor, so a
+        CPU server checks the floors' wiring that a GPU server's kernel reads.
+
+        Raises:
+            KernelError: ``plan="batch"`` and ``chunk_floor`` missing or of another shape/dtype.
+        """
+        if self.plan == "batch":
+            if chunk_floor is None:
+                raise KernelError(
+                    f"decode of layer {lid} under TANGRAM_DECODE_PLAN=batch got no chunk floor "
+                    "(the decode plan carries one per layer: metadata.decode_chunk_floors)"
+                )
+            check_tensor("chunk_floor", chunk_floor, (1,), (torch.int32,), q.device)
         return reference.decode_reference(
             q, k_pool, v_pool, page_table, group_len, rows, goh, coh, sm_scale
         )
@@ -217,6 +236,7 @@ class TritonKernels(ReferenceKernels):
         ).to(device)
         m = profile.model
         self.plan = plan
+        self.launch_ctas = self.tables.tables[0].launch_ctas  # the same in every bucket
         # per bucket, every layer's view, built once: decode only indexes them
         self.views = {
             t.batch_size: [t.layer(lid) for lid in range(m.num_layers)] for t in self.tables.tables
@@ -495,7 +515,7 @@ def kernels_for(device: torch.device, state: TangramState, max_batch_size: int) 
     plan, prefill, history = decode_plan(), prefill_attention(), history_attention()
     if device.type == "cuda":
         return TritonKernels(state, max_batch_size, device, plan, prefill, history)
-    return ReferenceKernels(history)
+    return ReferenceKernels(history, plan)
 
 
 def batch_history_plan(

@@ -273,6 +273,7 @@ def decode_metadata(
     page_size: int,
     device: torch.device | str,
     upload: Upload | None = None,
+    chunk_floor: np.ndarray | None = None,
 ) -> TangramForwardMetadata:
     """Plan a decode batch from the memory's host mirror (after ``alloc_decode``).
 
@@ -283,11 +284,20 @@ def decode_metadata(
         page_size: tokens per page.
         device: attention device.
         upload: how the host arrays reach ``device`` (default :func:`plain_upload`).
+        chunk_floor: int ``[num_layers]`` floors of the batch-balanced decode plan
+            (:func:`decode_chunk_floors`), carried as int32 ``[1]`` views per layer; None for
+            the other plans.
     """
     page, slot = decode_destinations(rows, pages, lens, page_size)
-    d_rows, d_page, d_slot = (upload or plain_upload(device))(
-        [np.asarray(rows, np.int64).reshape(-1), page, slot]
-    )
+    arrays = [np.asarray(rows, np.int64).reshape(-1), page, slot]
+    if chunk_floor is not None:
+        arrays.append(np.asarray(chunk_floor, np.int64).reshape(-1))
+    uploaded = (upload or plain_upload(device))(arrays)
+    d_rows, d_page, d_slot = uploaded[:3]
+    floors = None
+    if chunk_floor is not None:
+        d_floor = uploaded[3].to(torch.int32)
+        floors = tuple(d_floor[layer : layer + 1] for layer in range(d_floor.shape[0]))
     return TangramForwardMetadata(
         mode=DECODE,
         req_rows=d_rows.to(torch.int32),
@@ -298,6 +308,7 @@ def decode_metadata(
         dest_page=d_page,
         dest_slot=d_slot,
         max_extend_len=0,
+        chunk_floor=floors,
     )
 
 

@@ -296,3 +296,33 @@ def test_chunk_floors_of_every_layer_match_the_kernel_rule():
     assert [v.tolist() for v in meta.chunk_floor] == [[int(f)] for f in got]
     assert meta.chunk_floor[1].data_ptr() == buf.chunk_floor[1:].data_ptr()  # views, not copies
     assert buf.fill(rows, 3, pages, lens, PAGE).chunk_floor is None  # other plans: no floor
+
+
+def test_cpu_decode_plan_carries_each_layers_floor_and_the_reference_checks_it():
+    """The CPU server's decode path under the default ``batch`` plan: decode_metadata carries one
+    int32 [1] floor per layer, and the reference decode refuses a missing or malformed one (a
+    GPU kernel would read it), so the e2e tests check the wiring on every decode step."""
+    from tangram_sglang.backend.layer_ops import ReferenceKernels
+
+    state = make_state(make_profile(ratio=np.full((2, 2), 0.5)))
+    mem, layer = state.memory, 1
+    for row, n in ((1, 9), (3, 6)):
+        state.allocate_extend([row], [n], [0])
+    state.allocate_decode([1, 3], [10, 7])
+    cluster_of = state.profile.grouping.cluster_of
+    heads = md.heads_per_group_of_layer(cluster_of, mem.num_head_groups)
+    floors = md.decode_chunk_floors(mem.table.lens, np.array([1, 3]), heads, 16)
+    meta = md.decode_metadata([1, 3], mem.table.pages, mem.table.lens, PAGE, "cpu", None, floors)
+    assert [f.tolist() for f in meta.chunk_floor] == [[int(f)] for f in floors]
+    assert all(f.dtype == torch.int32 for f in meta.chunk_floor)
+    kernels = ReferenceKernels(plan="batch")
+    goh, coh = state.group_of_head[layer], state.column_of_head[layer]
+    pools = (mem.kv_pool.k_pool, mem.kv_pool.v_pool, mem.table.page_table, mem.table.group_len)
+    q = torch.randn(2, 4, 16)
+    args = (q, *pools, meta.req_rows, goh, coh, 0.25, layer)
+    got = kernels.decode(*args, chunk_floor=meta.chunk_floor[layer])
+    torch.testing.assert_close(got, ReferenceKernels(plan="table").decode(*args))
+    with pytest.raises(KernelError, match="TANGRAM_DECODE_PLAN=batch got no chunk floor"):
+        kernels.decode(*args)
+    with pytest.raises(KernelError, match="chunk_floor"):
+        kernels.decode(*args, chunk_floor=meta.chunk_floor[layer].long())
