@@ -40,7 +40,7 @@ if [ "${SHAREGPT:-1}" = 1 ]; then
     WL1=sharegpt:64x4 T=300 CAP_S=${CAP_S:-600} R=$R/sg-batch bash scripts/device_never_slower.sh
   python3 -m tangram_sglang.bench.multiturn merge "$R"/sg-batch/mt-*.json \
     "$R/sg-table/mt-baseline-flashinfer.json" --output "$R/sg-batch/never-slower.json" \
-    > /dev/null 2>&1
+    > "$R/sg-batch/merge.txt" 2>&1 || echo "merge failed: $R/sg-batch/merge.txt" >> "$R/progress"
   for part in sg-table sg-batch; do
     cat "$R/$part/progress" >> "$R/progress"
   done

@@ -315,7 +315,7 @@ def decode_plan(environ: dict[str, str] | None = None) -> str:
     ``split_table.batch_chunk_floor``), so a long row among short ones splits as finely as the
     batch; ``lengths`` fits it to the row alone; ``table`` uses the static AOT split table
     (splits proportional to the group ratios), the default before ``batch``. On an H200
-    (``bench.kernels``, 16 decode shapes side by side) ``batch`` was at most 1.3% slower than
+    (``bench.kernels``, 16 decode shapes side by side) ``batch`` was at most 1.4% slower than
     the table and 3-34% faster at 64-128 rows (15-34% at ratio 1.0).
     ``kernels/split_table.py``, docs/design.md §3.3.
 

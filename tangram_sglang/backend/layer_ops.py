@@ -5,8 +5,9 @@ call the same code, so what the profiler times is what the server runs.
 
 * :class:`ReferenceKernels` (CPU, :mod:`tangram_sglang.kernels.reference`) and
   :class:`TritonKernels` (CUDA: Triton extend, kept-KV write, split-KV ragged decode with the
-  static AOT split table, or the split fitted to the real lengths under
-  ``TANGRAM_DECODE_PLAN=lengths``), picked by :func:`kernels_for`;
+  split fitted to the real lengths and a chunk floor from the whole batch, the default
+  ``TANGRAM_DECODE_PLAN=batch``; ``lengths`` and the static AOT table ``table`` by name),
+  picked by :func:`kernels_for`;
 * :func:`extend_layer`: one layer of an extend batch (extend attention over compressed history +
   causal new tokens, scorer + per-head top-``k_g``, kept-KV write).
 

@@ -21,6 +21,8 @@ Decode batch (one new token per request, already counted in group_len)::
     dest_page  int64 [bs, G]      page of the new token in each group's table
     dest_slot  int64 [bs, G]      its slot in that page (tokens)
     out        [bs, H_q, D]       decode output buffer (static; None = the kernel allocates)
+    chunk_floor  L x int32 [1]    per-layer chunk floors of the batch-balanced split
+                                  (TANGRAM_DECODE_PLAN=batch, the default; else None)
 
 CUDA graphs (:class:`DecodeGraphBuffers`): the decode plan lives in static ``[max_bs, ...]``
 buffers refilled in place before every step (host page allocation stays outside the graph); a
@@ -349,7 +351,12 @@ def decode_chunk_floors(
 
     Returns:
         int64 ``[L]`` floors in tokens (0 for an empty batch).
+
+    Raises:
+        KernelError: ``launch_ctas`` not a whole number >= 1.
     """
+    if isinstance(launch_ctas, bool) or int(launch_ctas) != launch_ctas or launch_ctas < 1:
+        raise KernelError(f"launch_ctas={launch_ctas!r} must be a whole number >= 1")
     totals = np.asarray(lens)[np.asarray(rows, np.int64)].sum(axis=0) @ heads_of_layer
     return -(-totals // int(launch_ctas))
 
@@ -379,7 +386,7 @@ class DecodeGraphBuffers:
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device | str,
-        num_layers: int = 1,
+        num_layers: int,
     ) -> DecodeGraphBuffers:
         """Zeroed buffers (every entry = the padding row / page) for up to ``max_bs`` requests
         (and ``num_layers`` chunk floors of the batch-balanced decode plan)."""
@@ -446,7 +453,8 @@ class DecodeGraphBuffers:
             :meth:`view` of ``padded_bs`` (with the floors when ``chunk_floor`` is given).
 
         Raises:
-            KernelError: ``padded_bs`` exceeds the buffers or is smaller than the batch.
+            KernelError: ``padded_bs`` exceeds the buffers or is smaller than the batch, or
+                ``chunk_floor`` is not one floor per layer.
         """
         rows = np.asarray(rows, np.int64).reshape(-1)
         n = rows.size
@@ -464,7 +472,14 @@ class DecodeGraphBuffers:
             page[:n], slot[:n] = decode_destinations(rows, pages, lens, page_size)
         arrays = [row_arr, page, slot]
         if chunk_floor is not None:
-            arrays.append(np.asarray(chunk_floor, np.int64).reshape(-1))
+            chunk_floor = np.asarray(chunk_floor, np.int64)
+            if chunk_floor.shape != tuple(self.chunk_floor.shape):
+                raise KernelError(
+                    f"chunk_floor has shape {list(chunk_floor.shape)}, expected "
+                    f"[{self.chunk_floor.shape[0]}] (one floor per layer: "
+                    "decode_chunk_floors; create the buffers with the model's num_layers)"
+                )
+            arrays.append(chunk_floor)
         uploaded = (upload or plain_upload(self.req_rows.device))(arrays)
         self.req_rows[:padded_bs].copy_(uploaded[0])
         self.dest_page[:padded_bs].copy_(uploaded[1])

@@ -6,7 +6,7 @@ at least ``MIN_CALLS`` launches) and replayed; the median replay time over the l
 per-call time (CUDA events). FlashInfer's ``plan()`` + ``run()`` cannot be captured (plan is
 host work), so it is timed eagerly with ``triton.testing.do_bench`` (median; do_bench flushes L2
 between calls). SGLang and FlashInfer are imported lazily; a missing one leaves its column empty
-with a note, as does a kernel without ``plan="batch"`` for the ``batch`` column.
+with a note.
 
 Ragged rows (``skewed``): the pool holds every request row at the longest request's pages per
 KV head, and ``group_len[row, group]`` is that row's kept tokens (the kernels and the reference
@@ -16,7 +16,6 @@ SGLang per-request sequence lengths over each request's own slots.
 
 from __future__ import annotations
 
-import inspect
 import statistics
 import time
 from functools import partial
@@ -306,17 +305,6 @@ def run_sglang_full_kv(case: Case, num_sms: int) -> dict[str, Any]:
     return {"sglang_full_kv_ms": time_graph(calls)}
 
 
-def batch_plan_note() -> str:
-    """Why the ``batch`` column cannot run ("" = it can): the kernel or its floor missing."""
-    try:
-        from tangram_sglang.kernels.split_table import batch_chunk_floor  # noqa: F401
-    except ImportError as exc:
-        return f"plan='batch' not available ({exc}); column skipped"
-    if "chunk_floor" not in inspect.signature(ragged_decode_attention).parameters:
-        return "ragged_decode_attention takes no chunk_floor (plan='batch'); column skipped"
-    return ""
-
-
 def run_case(case: Case, num_sms: int, copy_gbs: float, full_cache: dict) -> None:
     """Fill ``case.results`` (times in ms, GB/s, checks)."""
     r = case.results
@@ -336,16 +324,12 @@ def run_case(case: Case, num_sms: int, copy_gbs: float, full_cache: dict) -> Non
     r["lengths_vs_aot_rel_err"] = rel_err(fit_out, aot_out)
     r["aot_has_nan"] = bool(aot_out.isnan().any())
     r["lengths_has_nan"] = bool(fit_out.isnan().any())
-    batch_calls: list = []
-    if note := batch_plan_note():
-        r["batch_note"] = note
-    else:
-        batch_calls, batch_out = state.decode_calls(uniform=False, plan="batch")
-        r["batch_chunk_floor"] = state.chunk_floor
-        r["batch_ms"] = time_graph(batch_calls)
-        batch_calls[0]()
-        r["batch_vs_aot_rel_err"] = rel_err(batch_out, aot_out)
-        r["batch_has_nan"] = bool(batch_out.isnan().any())
+    batch_calls, batch_out = state.decode_calls(uniform=False, plan="batch")
+    r["batch_chunk_floor"] = state.chunk_floor
+    r["batch_ms"] = time_graph(batch_calls)
+    batch_calls[0]()
+    r["batch_vs_aot_rel_err"] = rel_err(batch_out, aot_out)
+    r["batch_has_nan"] = bool(batch_out.isnan().any())
     r |= run_flashinfer(state, aot_out)
     del state, aot_calls, uni_calls, fit_calls, batch_calls
     torch.cuda.empty_cache()

@@ -31,10 +31,10 @@ Side by side, one run:
   lengths in the kernel; ``TANGRAM_DECODE_PLAN=lengths``; CUDA-graph replay);
 * ``batch``: the same kernel with ``plan="batch"`` (the length-fitted split with a chunk floor
   from the whole batch: ``split_table.batch_chunk_floor`` of the batch's kept tokens per request
-  and KV head over the table's ``launch_ctas``, passed as ``chunk_floor``; CUDA-graph replay);
-  a kernel without that plan leaves the column empty with a ``batch_note``;
-* ``aot``: the same kernel with the static AOT split table, ``plan="table"`` (the serving
-  default; CUDA-graph replay);
+  and KV head over the table's ``launch_ctas``, passed as ``chunk_floor``; the serving default;
+  CUDA-graph replay);
+* ``aot``: the same kernel with the static AOT split table, ``plan="table"`` (the paper's
+  plan; CUDA-graph replay);
 * ``uniform``: the same kernel with the uniform split table (CUDA-graph replay);
 * ``flashinfer``: FlashInfer 0.6.15's ``BatchDecodeWithPagedKVCacheWrapper`` over the same ragged
   heads (every (request, KV head) one sequence with 1 KV head and 4 query heads, its own page

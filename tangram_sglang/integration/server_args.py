@@ -358,7 +358,7 @@ def check_model(server_args: Any) -> None:
             ``--tp-size`` not dividing the KV heads or head groups that would cross TP ranks,
             ``TANGRAM_GRID_SEGMENTS`` not 0/1 or on with chunked prefill off
             (:func:`tangram_sglang.config.segment_grid`), ``TANGRAM_DECODE_PLAN`` not
-            ``lengths``/``table`` (:func:`tangram_sglang.config.decode_plan`),
+            ``batch``/``lengths``/``table`` (:func:`tangram_sglang.config.decode_plan`),
             ``TANGRAM_PREFILL_ATTENTION`` not ``triton``/``auto``/``flashinfer``
             (:func:`tangram_sglang.config.prefill_attention`), ``TANGRAM_HISTORY_ATTENTION``
             not ``auto``/``triton``/``flashinfer``, or ``flashinfer`` with

@@ -4,8 +4,9 @@ Algorithm (FlashDecoding split-KV; the CTA budget is fixed ahead of time, the sp
 the real lengths):
 
 * Stage 1, grid ``(bs, num_ctas)``. Program ``(b, c)`` maps CTA ``c`` of its request row to a
-  (KV head, split) and processes the split's tokens of that head's group. Two plans, chosen by
-  the launcher's ``plan`` (a constexpr of the kernels):
+  (KV head, split) and processes the split's tokens of that head's group. Three plans, chosen
+  by the launcher's ``plan`` (constexprs of the kernels; serving's default is ``"batch"``,
+  ``config.decode_plan``):
 
   - ``"lengths"``: :func:`_fitted_chunk` reads the row's kept lengths
     ``L_h = group_len[row, group_of_head[h]]`` of every KV head and gives every CTA at most one
@@ -17,9 +18,9 @@ the real lengths):
     ``batch_cap``) and a chunk floor from the whole batch (``chunk_floor``, computed on the
     host from the scheduler's lengths), so a long row among short ones splits as finely as the
     batch as a whole (``split_table.py``'s docstring).
-  - ``"table"`` (default): the static AOT table (``cta_head[c]``, ``cta_split[c]``,
-    ``splits[head]``; splits proportional to the group ratios); balanced when the lengths follow
-    the ratios. Also the uniform baseline's plan.
+  - ``"table"`` (the launcher's default argument; the paper's plan): the static AOT table
+    (``cta_head[c]``, ``cta_split[c]``, ``splits[head]``; splits proportional to the group
+    ratios); balanced when the lengths follow the ratios. Also the uniform baseline's plan.
 
   Either way split ``s`` of a head with ``L`` kept tokens and ``n`` splits covers tokens
   ``[s * chunk, min(L, (s + 1) * chunk))``, ``chunk = roundup(ceil(L / n), BLOCK_N)``.
@@ -62,8 +63,8 @@ from tangram_sglang.kernels.split_table import LayerSplits
 
 # Tokens per inner-loop block. 32 (as SGLang's grouped decode kernel) keeps the K and V tiles,
 # the gathered page offsets and the fp32 accumulator in registers without spills: ptxas for
-# sm_90a reports 128 registers at head_dim 64 and 160 (plan "lengths") / 166 ("table") at 128
-# (BLOCK_N = 64: 226 and 255 with spills), i.e. 3-4 CTAs of 4 warps per SM.
+# sm_90a reports 128 registers at head_dim 64 and 160 (plans "lengths", "batch") / 166 ("table") at
+# 128 (BLOCK_N = 64: 226 and 255 with spills), i.e. 3-4 CTAs of 4 warps per SM.
 BLOCK_N = 32
 # tl.dot needs M >= 16: the GQA query heads of a KV head are padded to at least 16 rows.
 MIN_GQA_PAD = 16

@@ -4,8 +4,9 @@ Decode work of KV head ``h`` is proportional to its kept length, i.e. to its hea
 ``r_g`` times the context. The ratios are static (the budget profile), so the split-KV partition
 is computed once at start-up and the decode kernel only reads it: no per-step planning, no host
 sync (Tangram arXiv 2606.06302, "Ahead-of-time load balancing"; docs/design.md §3.3). The
-table is serving's default plan; ``TANGRAM_DECODE_PLAN=lengths`` keeps only its CTA budget and
-fits the split to the real lengths in the kernel (the length-fitted plan below).
+table is the paper's plan (``TANGRAM_DECODE_PLAN=table``); ``lengths`` keeps only its CTA
+budget and fits the split to the real lengths in the kernel, and ``batch`` (serving's default)
+does the same with a wider row budget and a chunk floor from the whole batch (both below).
 
 Per layer ``l`` and batch bucket the table holds::
 
@@ -84,10 +85,10 @@ a chunk floor shared by the launch::
 
 The floor is the chunk that spreads the layer's whole batch over the CTAs one launch aims for
 (FlashInfer's decode planner and SGLang's ``get_num_kv_splits`` size their chunks from the
-batch, not the row): a short row keeps one CTA per head, a long row splits into up to ``R``
-CTAs. The host computes the floor of every layer from the lengths the scheduler advanced (no
-device read) and uploads it with the step's plan; the grid bound is the length-fitted one with
-``R``: ``(bs, min(R + H_kv, H_kv * cap_R))``.
+batch, not the row): a row no longer than the floor keeps one CTA per head, a long row splits
+into up to ``R`` CTAs. The host computes the floor of every layer from the lengths the
+scheduler advanced (no device read) and uploads it with the step's plan; the grid bound is the
+length-fitted one with ``R``: ``(bs, min(R + H_kv, H_kv * cap_R))``.
 
 This module is CPU-only numpy at build time; :meth:`SplitTable.to` moves the tensors to the device
 once. It owns only the partition; the kernel that reads it is ``decode_attention.py``.
@@ -168,6 +169,8 @@ class SplitTable:
         split_cap: the length-fitted plan's cap on one head's splits.
         launch_ctas: CTAs one launch aims for, ``CTAS_PER_SM * num_sms`` (the batch-balanced
             plan's chunk floor divides the batch's kept tokens by it).
+        split_limit: the cap on one head's splits the table was built with (``max_splits``
+            of :func:`build_split_table`); bounds every plan's splits.
     """
 
     batch_size: int
@@ -180,6 +183,7 @@ class SplitTable:
     cta_budget: int
     split_cap: int
     launch_ctas: int
+    split_limit: int = MAX_SPLITS_PER_HEAD
 
     @property
     def max_splits(self) -> int:
@@ -205,8 +209,8 @@ class SplitTable:
 
     @property
     def batch_cap(self) -> int:
-        """The batch-balanced plan's cap on one head's splits: ``min(MAX_SPLITS_PER_HEAD, R)``."""
-        return min(MAX_SPLITS_PER_HEAD, self.batch_budget)
+        """The batch-balanced plan's cap on one head's splits: ``min(split_limit, R)``."""
+        return min(self.split_limit, self.batch_budget)
 
     @property
     def batch_ctas(self) -> int:
@@ -250,6 +254,7 @@ class SplitTable:
             cta_budget=self.cta_budget,
             split_cap=self.split_cap,
             launch_ctas=self.launch_ctas,
+            split_limit=self.split_limit,
         )
 
 
@@ -266,7 +271,7 @@ class SplitTables:
 
     @property
     def scratch_splits(self) -> int:
-        """Split dimension of a stage-1 scratch shared by every bucket, for both plans."""
+        """Split dimension of a stage-1 scratch shared by every bucket, for every plan."""
         return max(t.scratch_splits for t in self.tables)
 
     def for_batch(self, batch_size: int) -> SplitTable:
@@ -478,6 +483,7 @@ def build_split_table(
         cta_budget=target,
         split_cap=min(int(max_splits), target),
         launch_ctas=CTAS_PER_SM * int(num_sms),
+        split_limit=int(max_splits),
     )
 
 

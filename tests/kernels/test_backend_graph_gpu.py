@@ -16,9 +16,13 @@ from factories import make_profile
 
 from tangram_sglang.backend import metadata as md
 from tangram_sglang.backend.state import TangramState
-from tangram_sglang.kernels.decode_attention import decode_scratch, ragged_decode_attention
+from tangram_sglang.kernels.decode_attention import (
+    BLOCK_N,
+    decode_scratch,
+    ragged_decode_attention,
+)
 from tangram_sglang.kernels.reference import decode_reference
-from tangram_sglang.kernels.split_table import build_split_tables
+from tangram_sglang.kernels.split_table import build_split_tables, fitted_splits
 from tangram_sglang.mem.manager import TangramMemory
 
 pytestmark = pytest.mark.gpu
@@ -54,13 +58,16 @@ def make_state() -> TangramState:
 
 @pytest.mark.parametrize("plan", ["table", "batch"])
 def test_decode_step_captured_on_padding_replays_real_batches(plan):
-    """Under ``batch`` each replay reads the floors its fill uploaded (the step's lengths)."""
+    """Under ``batch`` each replay reads the floors its fill uploaded (the step's lengths): on a
+    launch budget of one SM the floor binds, and the split slots stage 1 writes match the numpy
+    twin with that step's floor."""
     state = make_state()
     mem = state.memory
     pools = (mem.kv_pool.k_pool, mem.kv_pool.v_pool, mem.table.page_table, mem.table.group_len)
     goh, coh = state.group_of_head[LAYER], state.column_of_head[LAYER]
     profile = state.profile
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    # batch: one SM's launch budget (8 CTAs), so the floor, not the row budget, sets the chunk
+    sms = 1 if plan == "batch" else torch.cuda.get_device_properties(0).multi_processor_count
     tables = build_split_tables(profile.grouping, profile.group_ratios, sms, 8).to(DEV)
     mid_o, mid_lse = decode_scratch(8, HQ, tables.scratch_splits, D, DEV)
     buf = md.DecodeGraphBuffers.create(
@@ -114,9 +121,18 @@ def test_decode_step_captured_on_padding_replays_real_batches(plan):
             assert buf.chunk_floor.tolist() == floors(rows).tolist()
         for t in (q, k, v):
             t.copy_(torch.randn_like(t, dtype=torch.float32))
+        mid_lse.fill_(float("nan"))  # poisoned: stage 1 writes only its splits' slots
         graph.replay()
         torch.cuda.synchronize()
         n = len(rows)
+        if plan == "batch":
+            head_lens = mem.table.lens[rows][:, profile.grouping.cluster_of[LAYER]]
+            view = tables.for_batch(BS).layer(LAYER)
+            floor = int(floors(rows)[LAYER])
+            assert floor > -(-int(head_lens.sum(axis=1).max()) // view.batch_budget)  # binds
+            twin = fitted_splits(head_lens, view.batch_budget, view.batch_cap, BLOCK_N, floor)[0]
+            written = (~mid_lse[:n].isnan()).sum(dim=2).cpu().numpy()
+            assert (written == np.repeat(twin, HQ // HKV, axis=1)).all(), "kernel != numpy twin"
         want = decode_reference(
             q[:n].float(),
             pools[0].float(),

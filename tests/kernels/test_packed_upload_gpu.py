@@ -38,7 +38,9 @@ def test_steps_flush_once_each_through_reused_pinned_buffers():
     for row, n in zip(rows.tolist(), (300, 45, 700, 17), strict=True):
         state.allocate_extend([row], [n], [0])
     table.flush()
-    buffers = md.DecodeGraphBuffers.create(8, memory.num_head_groups, 8, 64, torch.bfloat16, DEV)
+    buffers = md.DecodeGraphBuffers.create(
+        8, memory.num_head_groups, 8, 64, torch.bfloat16, DEV, num_layers=2
+    )
     side = torch.cuda.Stream()
     with torch.cuda.stream(side):  # the forward stream of SGLang's overlap scheduler
         for step in range(40):

@@ -228,7 +228,7 @@ def test_graph_buffers_pad_to_the_captured_size_in_place():
     pages[2, 0, :2], pages[2, 1, :1] = [7, 9], [4]
     lens = np.zeros((4, 2), np.int64)
     lens[2] = [5, 4]
-    buf = md.DecodeGraphBuffers.create(6, 2, 4, 16, torch.float32, "cpu")
+    buf = md.DecodeGraphBuffers.create(6, 2, 4, 16, torch.float32, "cpu", num_layers=2)
     addresses = [t.data_ptr() for t in (buf.req_rows, buf.dest_page, buf.dest_slot, buf.out)]
     meta = buf.fill([2], 3, pages, lens, PAGE)
     assert meta.mode == md.DECODE and meta.batch_size == 3 and meta.out.shape == (3, 4, 16)
@@ -243,7 +243,7 @@ def test_graph_buffers_pad_to_the_captured_size_in_place():
 
 @pytest.mark.parametrize("rows,padded", [([1, 2], 1), ([1], 7)], ids=["below-batch", "over-max"])
 def test_graph_buffers_reject_a_bad_padded_size(rows, padded):
-    buf = md.DecodeGraphBuffers.create(6, 2, 4, 16, torch.float32, "cpu")
+    buf = md.DecodeGraphBuffers.create(6, 2, 4, 16, torch.float32, "cpu", num_layers=2)
     lens = np.ones((4, 2), np.int64)
     with pytest.raises(KernelError, match="--cuda-graph-max-bs|max_bs"):
         buf.fill(rows, padded, np.zeros((4, 2, 4), np.int64), lens, PAGE)
@@ -259,7 +259,9 @@ def test_padded_decode_entries_touch_only_the_padding_page():
     mem.kv_pool.k_pool.normal_()
     mem.kv_pool.v_pool.normal_()
     state.allocate_decode([1, 3], [10, 7])
-    buf = md.DecodeGraphBuffers.create(mem.table.max_rows, 2, 4, 16, torch.float32, "cpu")
+    buf = md.DecodeGraphBuffers.create(
+        mem.table.max_rows, 2, 4, 16, torch.float32, "cpu", num_layers=2
+    )
     padded = buf.fill([1, 3], 4, mem.table.pages, mem.table.lens, PAGE)
     plain = md.decode_metadata([1, 3], mem.table.pages, mem.table.lens, PAGE, "cpu")
     qd, kd, vd = torch.randn(4, 4, 16), torch.randn(4, 2, 16), torch.randn(4, 2, 16)
@@ -326,3 +328,16 @@ def test_cpu_decode_plan_carries_each_layers_floor_and_the_reference_checks_it()
         kernels.decode(*args)
     with pytest.raises(KernelError, match="chunk_floor"):
         kernels.decode(*args, chunk_floor=meta.chunk_floor[layer].long())
+
+
+def test_chunk_floors_of_the_wrong_length_or_launch_are_kernel_errors():
+    buf = md.DecodeGraphBuffers.create(6, 2, 4, 16, torch.float32, "cpu", num_layers=3)
+    lens = np.ones((4, 2), np.int64)
+    pages = np.zeros((4, 2, 4), np.int64)
+    for floors in (np.zeros(1, np.int64), np.zeros(4, np.int64), np.zeros((3, 1), np.int64)):
+        with pytest.raises(KernelError, match=r"chunk_floor has shape .* expected \[3\]"):
+            buf.fill([1], 2, pages, lens, PAGE, chunk_floor=floors)
+    heads = md.heads_per_group_of_layer(np.array([[0, 1]]), 2)
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(KernelError, match="launch_ctas"):
+            md.decode_chunk_floors(lens, np.array([1]), heads, bad)

@@ -53,7 +53,7 @@ def test_a_decode_step_and_an_extend_batch_plan_without_reading_the_device():
             hist_len=torch.zeros_like(table.group_len),
         )
         assert meta.req_rows.device.type == "meta" and meta.kept_heads.shape[1] == 3
-        buffers = md.DecodeGraphBuffers.create(6, 2, 4, 16, torch.float32, "meta")
+        buffers = md.DecodeGraphBuffers.create(6, 2, 4, 16, torch.float32, "meta", num_layers=2)
         for step in range(6):
             arr = np.array(rows)
             state.allocate_decode(arr, np.array([10, 7, 14]) + step)
@@ -79,7 +79,7 @@ def test_staged_writes_reach_the_device_in_one_upload_per_flush():
     assert table.group_len[3].tolist() == table.lens[3].tolist()
     state.allocate_decode([3], [10])
     state.allocate_decode([3], [11])
-    buffers = md.DecodeGraphBuffers.create(6, 2, 4, 16, torch.float32, "cpu")
+    buffers = md.DecodeGraphBuffers.create(6, 2, 4, 16, torch.float32, "cpu", num_layers=2)
     plan = buffers.fill([3], 2, table.pages, table.lens, PAGE, table.flush)
     assert table.uploader.num_uploads == before + 2 and not table.has_staged()
     assert torch.equal(table.page_table, torch.from_numpy(table.pages))
