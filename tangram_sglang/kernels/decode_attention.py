@@ -29,8 +29,8 @@ the real lengths):
   once for the whole GQA group. Online softmax in fp32 gives a normalised partial output and its
   LSE per (b, query head, split).
 * Stage 2, grid ``(bs, num_qo_heads)``: merge the head's split partials by log-sum-exp into
-  ``out``; under ``"lengths"`` and ``"batch"`` it recomputes the split count with the same helpers
-  (:func:`_fitted_chunk`, :func:`_fitted_num_splits`), so the stages never disagree.
+  ``out``; under ``"lengths"`` and ``"batch"`` it recomputes the split count with the same
+  helpers (:func:`_row_chunk`, :func:`_fitted_num_splits`), so the stages never disagree.
 
 Only ``group_len`` (device), static per-bucket numbers and (``"batch"``) the floor the host
 uploads with the step's plan drive the launch: no host sync, no allocation (``out`` and the two
@@ -111,6 +111,29 @@ def _chunk_floor(chunk_floor_ptr, BATCH_FLOOR: tl.constexpr):
 
 
 @triton.jit
+def _row_chunk(
+    group_len_ptr,
+    row,
+    stride_gl_row,
+    group_of_head_ptr,
+    cta_budget,
+    split_cap,
+    chunk_floor_ptr,
+    NUM_KV_HEADS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BATCH_FLOOR: tl.constexpr,
+):
+    """``(row's group_len pointer, its chunk)`` under the fitted plans: the one computation
+    both stages make, so they never disagree on a row's splits."""
+    gl_row_ptr = group_len_ptr + row * stride_gl_row
+    floor = _chunk_floor(chunk_floor_ptr, BATCH_FLOOR)
+    chunk = _fitted_chunk(
+        gl_row_ptr, group_of_head_ptr, cta_budget, split_cap, floor, NUM_KV_HEADS, BLOCK_N
+    )
+    return gl_row_ptr, chunk
+
+
+@triton.jit
 def _fitted_num_splits(length, chunk):
     """Splits of a KV head with ``length`` kept tokens under the row's ``chunk`` (>= 1)."""
     return tl.maximum(tl.cdiv(length, chunk), 1)
@@ -164,15 +187,17 @@ def _decode_stage1(
     c = tl.program_id(1)
     row = tl.load(req_rows_ptr + b).to(tl.int64)
     if FIT_LENGTHS:
-        gl_row_ptr = group_len_ptr + row * stride_gl_row
-        row_chunk = _fitted_chunk(
-            gl_row_ptr,
+        gl_row_ptr, row_chunk = _row_chunk(
+            group_len_ptr,
+            row,
+            stride_gl_row,
             group_of_head_ptr,
             cta_budget,
             split_cap,
-            _chunk_floor(chunk_floor_ptr, BATCH_FLOOR),
+            chunk_floor_ptr,
             NUM_KV_HEADS,
             BLOCK_N,
+            BATCH_FLOOR,
         )
         # CTA c -> the head h with E_{h-1} <= c < E_h (E: inclusive prefix sum of the splits).
         head = 0
@@ -284,15 +309,17 @@ def _decode_stage2(
     qh = tl.program_id(1)
     if FIT_LENGTHS:
         row = tl.load(req_rows_ptr + b).to(tl.int64)
-        gl_row_ptr = group_len_ptr + row * stride_gl_row
-        chunk = _fitted_chunk(
-            gl_row_ptr,
+        gl_row_ptr, chunk = _row_chunk(
+            group_len_ptr,
+            row,
+            stride_gl_row,
             group_of_head_ptr,
             cta_budget,
             split_cap,
-            _chunk_floor(chunk_floor_ptr, BATCH_FLOOR),
+            chunk_floor_ptr,
             NUM_KV_HEADS,
             BLOCK_N,
+            BATCH_FLOOR,
         )
         length = tl.load(gl_row_ptr + tl.load(group_of_head_ptr + qh // GQA_SIZE))
         num_splits = _fitted_num_splits(length, chunk)
