@@ -47,6 +47,7 @@ import torch
 
 from tangram_sglang.errors import KernelError
 from tangram_sglang.kernels.history_attention import PagedHistoryIds, PagedHistoryPlan, history_ids
+from tangram_sglang.kernels.split_table import check_launch_ctas
 
 EXTEND = "extend"
 DECODE = "decode"
@@ -353,10 +354,22 @@ def decode_chunk_floors(
         int64 ``[L]`` floors in tokens (0 for an empty batch).
 
     Raises:
-        KernelError: ``launch_ctas`` not a whole number >= 1.
+        KernelError: ``launch_ctas`` not a whole number >= 1, ``rows`` not 1-D whole numbers
+            inside ``lens``, or ``heads_of_layer`` not ``[G, L]`` with ``lens``'s ``G``.
     """
-    if isinstance(launch_ctas, bool) or int(launch_ctas) != launch_ctas or launch_ctas < 1:
-        raise KernelError(f"launch_ctas={launch_ctas!r} must be a whole number >= 1")
+    check_launch_ctas(launch_ctas)
+    rows = np.asarray(rows)
+    lens = np.asarray(lens)
+    heads_of_layer = np.asarray(heads_of_layer)
+    if rows.ndim != 1 or (rows.size and not np.issubdtype(rows.dtype, np.integer)):
+        raise KernelError(f"rows must be 1-D row indices, got {rows.dtype} {list(rows.shape)}")
+    if rows.size and (rows.min() < 0 or rows.max() >= lens.shape[0]):
+        raise KernelError(f"rows must lie in [0, {lens.shape[0]}) (the page table's rows)")
+    if lens.ndim != 2 or heads_of_layer.ndim != 2 or heads_of_layer.shape[0] != lens.shape[1]:
+        raise KernelError(
+            f"heads_of_layer must be [G, L] with lens [max_rows, G]; got "
+            f"{list(heads_of_layer.shape)} and {list(lens.shape)} (heads_per_group_of_layer)"
+        )
     totals = np.asarray(lens)[np.asarray(rows, np.int64)].sum(axis=0) @ heads_of_layer
     return -(-totals // int(launch_ctas))
 
@@ -472,14 +485,23 @@ class DecodeGraphBuffers:
             page[:n], slot[:n] = decode_destinations(rows, pages, lens, page_size)
         arrays = [row_arr, page, slot]
         if chunk_floor is not None:
-            chunk_floor = np.asarray(chunk_floor, np.int64)
+            chunk_floor = np.asarray(chunk_floor)
+            if not np.issubdtype(chunk_floor.dtype, np.integer):
+                raise KernelError(
+                    f"chunk_floor must hold whole tokens, got dtype {chunk_floor.dtype} "
+                    "(decode_chunk_floors)"
+                )
             if chunk_floor.shape != tuple(self.chunk_floor.shape):
                 raise KernelError(
                     f"chunk_floor has shape {list(chunk_floor.shape)}, expected "
                     f"[{self.chunk_floor.shape[0]}] (one floor per layer: "
                     "decode_chunk_floors; create the buffers with the model's num_layers)"
                 )
-            arrays.append(chunk_floor)
+            if chunk_floor.size and (chunk_floor.min() < 0 or chunk_floor.max() >= 1 << 31):
+                raise KernelError(
+                    "chunk_floor values must be tokens in [0, 2**31) (decode_chunk_floors)"
+                )
+            arrays.append(chunk_floor.astype(np.int64))
         uploaded = (upload or plain_upload(self.req_rows.device))(arrays)
         self.req_rows[:padded_bs].copy_(uploaded[0])
         self.dest_page[:padded_bs].copy_(uploaded[1])

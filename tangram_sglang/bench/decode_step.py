@@ -37,6 +37,7 @@ from tangram_sglang.backend.metadata import (
     heads_per_group_of_layer,
 )
 from tangram_sglang.backend.state import TangramState
+from tangram_sglang.errors import TangramError
 from tangram_sglang.kernels.split_table import CTAS_PER_SM
 from tangram_sglang.mem.manager import TangramMemory
 from tangram_sglang.profile import BudgetProfile
@@ -146,14 +147,37 @@ def run(
     }
 
 
+def _at_least(low: int):
+    """An argparse ``type``: a whole number >= ``low``."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(f"{text!r}: want a whole number >= {low}") from exc
+        if value < low:
+            raise argparse.ArgumentTypeError(f"{text!r}: want a whole number >= {low}")
+        return value
+
+    return parse
+
+
+def _power_of_two(text: str) -> int:
+    """An argparse ``type``: a page size, a power of two >= 1 (as the server requires)."""
+    value = _at_least(1)(text)
+    if value & (value - 1):
+        raise argparse.ArgumentTypeError(f"{text!r}: want a power of two (tokens per page)")
+    return value
+
+
 def main(argv: list[str] | None = None) -> None:
     """CLI: print the JSON result of :func:`run`."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--profile", required=True, help="budget profile JSON")
-    ap.add_argument("--batch", type=int, default=64, help="rows decoding together")
-    ap.add_argument("--prompt", type=int, default=1000, help="prefilled tokens per row")
-    ap.add_argument("--steps", type=int, default=200, help="decode steps timed")
-    ap.add_argument("--page-size", type=int, default=16, help="tokens per page")
+    ap.add_argument("--batch", type=_at_least(1), default=64, help="rows decoding together")
+    ap.add_argument("--prompt", type=_at_least(1), default=1000, help="prefilled tokens per row")
+    ap.add_argument("--steps", type=_at_least(2), default=200, help="decode steps timed")
+    ap.add_argument("--page-size", type=_power_of_two, default=16, help="tokens per page")
     ap.add_argument(
         "--plan",
         choices=["batch", "lengths", "table"],
@@ -161,7 +185,10 @@ def main(argv: list[str] | None = None) -> None:
         help="decode split plan (TANGRAM_DECODE_PLAN); batch adds the per-layer chunk floors",
     )
     args = ap.parse_args(argv)
-    result = run(args.profile, args.batch, args.prompt, args.steps, args.page_size, args.plan)
+    try:
+        result = run(args.profile, args.batch, args.prompt, args.steps, args.page_size, args.plan)
+    except TangramError as exc:
+        ap.error(str(exc))
     print(json.dumps(result))
 
 

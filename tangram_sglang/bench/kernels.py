@@ -64,6 +64,7 @@ from typing import Any
 
 import numpy as np
 
+from tangram_sglang.errors import TangramError
 from tangram_sglang.profile import BudgetProfile, kept_len
 
 NUM_QO_HEADS, NUM_KV_HEADS, HEAD_DIM, PAGE_SIZE, DTYPE_BYTES = 32, 8, 128, 16, 2
@@ -84,6 +85,8 @@ MIN_ROW_CONTEXT = 64
 ROTATE_BYTES = 256 << 20
 MAX_REPLICAS = 32
 DEFAULT_JSON = Path("benchmarks/results/kernels-h200.json")
+MAX_BATCH = 4096  # requests per batch the CLI accepts (SGLang's largest CUDA graph is far below)
+MAX_CONTEXT = 1 << 24  # tokens per request the CLI accepts (16M; --max-gib skips big cases)
 DEFAULT_MAX_GIB = 110.0  # of the H200's ~139 GiB: leaves room for scratch, graphs, allocator
 
 
@@ -383,6 +386,17 @@ def _comma_list(convert, check, what: str):
     return parse
 
 
+def _positive_gib(text: str) -> float:
+    """An argparse ``type``: a finite number of GiB > 0."""
+    try:
+        value = float(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"{text!r}: want a number of GiB > 0") from exc
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: want a finite number of GiB > 0")
+    return value
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
@@ -395,7 +409,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--profile", default=None, help="budget profile JSON (default: synthetic)")
     parser.add_argument("--quick", action="store_true", help="smoke run: 2 small cases")
     parser.add_argument("--plan-only", action="store_true", help="print the cases, no GPU")
-    parser.add_argument("--max-gib", type=float, default=DEFAULT_MAX_GIB)
+    parser.add_argument(
+        "--max-gib",
+        type=_positive_gib,
+        default=DEFAULT_MAX_GIB,
+        help=f"skip cases whose buffers need more GiB (default {DEFAULT_MAX_GIB})",
+    )
     parser.add_argument(
         "--shapes",
         type=_comma_list(str, SHAPES.__contains__, f"shapes in {','.join(SHAPES)}"),
@@ -404,13 +423,15 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--batches",
-        type=_comma_list(int, lambda v: v >= 1, "batch sizes >= 1"),
+        type=_comma_list(int, lambda v: 1 <= v <= MAX_BATCH, f"batch sizes in [1, {MAX_BATCH}]"),
         default=None,
         help=f"comma list of requests per batch (default: {','.join(map(str, BATCHES))})",
     )
     parser.add_argument(
         "--contexts",
-        type=_comma_list(int, lambda v: v >= 1, "contexts >= 1 token"),
+        type=_comma_list(
+            int, lambda v: 1 <= v <= MAX_CONTEXT, f"contexts in [1, {MAX_CONTEXT}] tokens"
+        ),
         default=None,
         help="comma list of tokens per request, the longest one under skewed "
         f"(default: {','.join(map(str, CONTEXTS))})",
@@ -422,7 +443,12 @@ def main(argv: list[str] | None = None) -> int:
         help=f"comma list of mean kept fractions (default: {','.join(map(str, BUDGETS))})",
     )
     args = parser.parse_args(argv)
-    profile = load_profile(args.profile)
+    if args.json is not None and args.json.is_dir():
+        parser.error(f"--json {args.json}: a directory; give a file path, e.g. {DEFAULT_JSON}")
+    try:
+        profile = load_profile(args.profile)
+    except TangramError as exc:
+        parser.error(f"--profile: {exc}")
     grid: dict[str, Any] = (
         dict(QUICK)
         if args.quick
@@ -436,7 +462,10 @@ def main(argv: list[str] | None = None) -> int:
     for key in grid:
         if getattr(args, key) is not None:  # an explicit option overrides the grid, --quick's too
             grid[key] = getattr(args, key)
-    cases = plan_cases(profile, max_gib=args.max_gib, **grid)
+    try:
+        cases = plan_cases(profile, max_gib=args.max_gib, **grid)
+    except TangramError as exc:  # e.g. a budget below what the profile's sinks and window keep
+        parser.error(f"--budgets {','.join(map(str, grid['budgets']))}: {exc}")
     meta: dict[str, Any] = {
         "profile": profile.provenance,
         "quick": args.quick,

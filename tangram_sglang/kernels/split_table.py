@@ -102,7 +102,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from tangram_sglang.errors import ConfigError
+from tangram_sglang.errors import ConfigError, KernelError
 from tangram_sglang.grouping import HeadGrouping
 
 # CTAs per SM a decode launch aims for: a memory-bound split-KV CTA (4 warps, ~40 KB of tiles)
@@ -410,18 +410,33 @@ def batch_chunk_floor(lens: np.ndarray, launch_ctas: int) -> int:
     and a long row among short ones splits as finely as its row budget allows.
 
     Args:
-        lens: int ``[bs, num_kv_heads]`` (any shape): the batch's kept tokens per row and KV head.
+        lens: int ``[bs, num_kv_heads]``: the batch's kept tokens per row and KV head (>= 0).
         launch_ctas: CTAs per launch (>= 1).
 
     Returns:
         The floor (python int, 0 for an empty batch).
 
     Raises:
-        ConfigError: ``launch_ctas`` not a whole number >= 1.
+        KernelError: ``launch_ctas`` not a whole number >= 1, or ``lens`` not a 2-D array of
+            whole numbers >= 0.
     """
-    if isinstance(launch_ctas, bool) or int(launch_ctas) != launch_ctas or launch_ctas < 1:
-        raise ConfigError(f"launch_ctas={launch_ctas!r} must be a whole number >= 1")
-    return -(-int(np.asarray(lens, dtype=np.int64).sum()) // int(launch_ctas))
+    check_launch_ctas(launch_ctas)
+    lens = np.asarray(lens)
+    if lens.ndim != 2 or not np.issubdtype(lens.dtype, np.integer) or (lens < 0).any():
+        raise KernelError(
+            f"lens must be whole numbers >= 0 of shape [bs, num_kv_heads], got dtype "
+            f"{lens.dtype} and shape {list(lens.shape)}"
+        )
+    return -(-int(lens.astype(np.int64).sum(dtype=object)) // int(launch_ctas))
+
+
+def check_launch_ctas(launch_ctas) -> None:
+    """Raises KernelError unless ``launch_ctas`` is a whole number >= 1 (no bool)."""
+    ok = isinstance(launch_ctas, (int, np.integer)) and not isinstance(
+        launch_ctas, (bool, np.bool_)
+    )
+    if not ok or launch_ctas < 1:
+        raise KernelError(f"launch_ctas={launch_ctas!r} must be a whole number >= 1")
 
 
 def build_split_table(

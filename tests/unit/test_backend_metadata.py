@@ -337,7 +337,17 @@ def test_chunk_floors_of_the_wrong_length_or_launch_are_kernel_errors():
     for floors in (np.zeros(1, np.int64), np.zeros(4, np.int64), np.zeros((3, 1), np.int64)):
         with pytest.raises(KernelError, match=r"chunk_floor has shape .* expected \[3\]"):
             buf.fill([1], 2, pages, lens, PAGE, chunk_floor=floors)
+    for floors in (np.array([1.5, 2, 3]), np.array([-1, 0, 0]), np.array([2**40, 0, 0])):
+        with pytest.raises(KernelError, match="chunk_floor"):
+            buf.fill([1], 2, pages, lens, PAGE, chunk_floor=floors)
     heads = md.heads_per_group_of_layer(np.array([[0, 1]]), 2)
     for bad in (0, -1, 1.5, True):
         with pytest.raises(KernelError, match="launch_ctas"):
             md.decode_chunk_floors(lens, np.array([1]), heads, bad)
+    for rows, match in (([-1], "rows must lie"), ([4], "rows must lie"), ([1.5], "rows must be")):
+        with pytest.raises(KernelError, match=match):
+            md.decode_chunk_floors(lens, np.array(rows), heads, 8)
+    with pytest.raises(KernelError, match="rows must be 1-D"):
+        md.decode_chunk_floors(lens, np.array([[1]]), heads, 8)
+    with pytest.raises(KernelError, match=r"heads_of_layer must be \[G, L\]"):
+        md.decode_chunk_floors(lens, np.array([1]), heads.T, 8)

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from tangram_sglang.bench.split_balance import BLOCK_N  # the kernel's, without importing triton
 from tangram_sglang.bench.synthetic import skewed_profile
-from tangram_sglang.errors import ConfigError
+from tangram_sglang.errors import ConfigError, KernelError
 from tangram_sglang.grouping import HeadGrouping
 from tangram_sglang.kernels.split_table import (
     CTAS_PER_SM,
@@ -227,9 +227,13 @@ def test_batch_chunk_floor_spreads_the_batch_over_the_launch() -> None:
     assert batch_chunk_floor(lens, 1056) == -(-(3000 * 8 + 63 * 200 * 8) // 1056)
     assert batch_chunk_floor(np.zeros((0, 8), np.int64), 1056) == 0
     assert batch_chunk_floor(lens, 1) == int(lens.sum())
-    for bad in (0, -3, 2.5, True):
-        with pytest.raises(ConfigError, match="launch_ctas"):
+    for bad in (0, -3, 2.5, True, np.True_, None, float("nan")):
+        with pytest.raises(KernelError, match="launch_ctas"):
             batch_chunk_floor(lens, bad)
+    for bad in (-lens, lens.astype(float), lens[None], lens[0]):
+        with pytest.raises(KernelError, match="lens must be whole numbers >= 0"):
+            batch_chunk_floor(bad, 1056)
+    assert batch_chunk_floor(np.full((2, 2), 2**62), 1) == 2**64  # no int64 wrap
 
 
 def test_batch_plan_splits_the_long_row_of_a_chat_batch_finer() -> None:
