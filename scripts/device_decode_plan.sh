@@ -7,12 +7,13 @@
 #   2. bench.kernels on chat-shaped batches (--shapes skewed: 64 rows of lognormal lengths, the
 #      longest at 2,048 and 4,096 tokens, ratio 1.0 and 0.25): the plans' decode time against
 #      SGLang's Triton decode on the full KV and FlashInfer's decode, about 2 minutes;
-#   3. sharegpt:64x4: stock flashinfer and Tangram 1.0 under the table ($R/sg-table; stock
+#   3. sharegpt:64x4: both stock backends and Tangram 1.0 under the table ($R/sg-table; stock
 #      servers ignore the switch), then Tangram 1.0 and 0.25 under batch ($R/sg-batch), each
-#      merged against the stock run ($R/sg-*/never-slower.json), about 9 minutes. SHAREGPT=0
-#      skips it;
-#   4. cliff:64: Tangram 1.0 under batch and stock flashinfer ($R/cliff), about 11 minutes.
-#      CLIFF=0 skips it.
+#      merged against the stock runs ($R/sg-*/never-slower.json: the ratio is to the better
+#      stock backend, which was triton on the H200 and flashinfer on the H100), about 11
+#      minutes. SHAREGPT=0 skips it;
+#   4. cliff:64: Tangram 1.0 under batch and stock flashinfer (the better stock on cliff-64 on
+#      both cards so far; $R/cliff), about 11 minutes. CLIFF=0 skips it.
 # Results in $R; progress lines in $R/progress. Start it in the background, then poll:
 #   setsid nohup bash scripts/device_decode_plan.sh > /tmp/dp.log 2>&1 &
 # Env: R (result folder), KERNELS=0 (skips part 2), SHAREGPT=0, CLIFF=0, CAP_S (each server's
@@ -34,12 +35,12 @@ if [ "${KERNELS:-1}" = 1 ]; then
   grep -A5 "shape batch" "$R/kernels-skewed.txt" >> "$R/progress"
 fi
 if [ "${SHAREGPT:-1}" = 1 ]; then
-  TANGRAM_DECODE_PLAN=table SYSTEMS="baseline-flashinfer tangram:1.0" WL=sharegpt:64x4 \
+  TANGRAM_DECODE_PLAN=table SYSTEMS="baseline baseline-flashinfer tangram:1.0" WL=sharegpt:64x4 \
     WL1=sharegpt:64x4 T=300 CAP_S=${CAP_S:-600} R=$R/sg-table bash scripts/device_never_slower.sh
   TANGRAM_DECODE_PLAN=batch SYSTEMS="tangram:1.0 tangram:0.25" WL=sharegpt:64x4 \
     WL1=sharegpt:64x4 T=300 CAP_S=${CAP_S:-600} R=$R/sg-batch bash scripts/device_never_slower.sh
   python3 -m tangram_sglang.bench.multiturn merge "$R"/sg-batch/mt-*.json \
-    "$R/sg-table/mt-baseline-flashinfer.json" --output "$R/sg-batch/never-slower.json" \
+    "$R"/sg-table/mt-baseline*.json --output "$R/sg-batch/never-slower.json" \
     > "$R/sg-batch/merge.txt" 2>&1 || echo "merge failed: $R/sg-batch/merge.txt" >> "$R/progress"
   for part in sg-table sg-batch; do
     cat "$R/$part/progress" >> "$R/progress"
