@@ -11,6 +11,11 @@ kept lengths ``L_h = k_g(n)`` (the profile's group of head ``h``) under a length
   BLOCK_N)`` tokens, as the kernel's ``plan="table"``;
 * ``lengths``: the length-fitted plan (``split_table.fitted_splits``, the kernel's numpy twin).
 
+A second table (:func:`batch_balance_rows`) takes one chat batch kept whole (ratio 1.0), rows of
+lognormal lengths, and compares the launch's longest CTA with its balanced share (the batch's
+tokens over the CTAs a launch aims for) under the table, ``lengths`` and ``batch`` (the
+batch-balanced plan, serving's default: a chunk floor from the whole batch).
+
 Metric: the longest CTA's tokens / ``(sum_h L_h) / C``, with ``C`` the table's CTAs per row at
 that layer and bucket (the same CTA budget for both plans); 1.0 is a perfect split, and a plan
 with more CTAs than ``C`` can go below 1. Reported as the mean and the max over layers, with each
@@ -33,6 +38,7 @@ import numpy as np
 from tangram_sglang.errors import TangramError
 from tangram_sglang.kernels.split_table import (
     MAX_SPLITS_PER_HEAD,
+    batch_chunk_floor,
     build_split_table,
     fitted_splits,
 )
@@ -108,6 +114,76 @@ def balance_rows(profile: BudgetProfile, num_sms: int = H200_SMS, buckets=BUCKET
     return rows
 
 
+def chat_batch_lengths(bucket: int, mean: int, sigma: float = 0.8, seed: int = 0) -> np.ndarray:
+    """int64 ``[bucket]``: one chat batch's row lengths (tokens), lognormal with ``sigma``,
+    scaled to ``mean``, at least 64 (seeded: ``numpy.random.default_rng(seed)``)."""
+    draw = np.random.default_rng(seed).lognormal(0.0, sigma, bucket)
+    return np.maximum(64, draw / draw.mean() * mean).astype(np.int64)
+
+
+def batch_balance_rows(
+    profile: BudgetProfile,
+    num_sms: int = H200_SMS,
+    buckets=(16, 64, 128),
+    means=(600, 1000),
+) -> list[dict]:
+    """Balance across the rows of one chat batch kept whole (ratio 1.0: every KV head of a row
+    holds its whole length), one dict per (bucket, mean length).
+
+    The metric is the longest CTA of the whole launch over the launch's balanced share (the
+    batch's kept tokens / the CTAs a launch aims for, ``SplitTable.launch_ctas``), for the
+    static table, the length-fitted plan (balanced per row) and the batch-balanced plan (a chunk
+    floor from the whole batch, ``split_table.batch_chunk_floor``), with each plan's CTAs.
+    """
+    num_kv_heads = profile.model.num_kv_heads
+    ratios = np.ones((1, profile.grouping.num_head_groups))
+    rows = []
+    for bucket in buckets:
+        table = build_split_table(profile.grouping, ratios[0], num_sms, bucket)
+        splits = table.splits.numpy()[0].astype(np.int64)
+        view = table.layer(0)
+        for mean in means:
+            lens = np.repeat(chat_batch_lengths(bucket, mean)[:, None], num_kv_heads, axis=1)
+            share = lens.sum() / table.launch_ctas
+            per_split = -(-lens // splits)  # ceil(L / splits) tokens
+            table_chunk = -(-per_split // BLOCK_N) * BLOCK_N
+            fit, fit_chunk = fitted_splits(lens, view.cta_budget, view.split_cap, BLOCK_N)
+            floor = batch_chunk_floor(lens, table.launch_ctas)
+            bal, bal_chunk = fitted_splits(lens, view.batch_budget, view.batch_cap, BLOCK_N, floor)
+            longest = {
+                "table": np.minimum(lens, table_chunk).max(),
+                "lengths": np.minimum(lens, fit_chunk).max(),
+                "batch": np.minimum(lens, bal_chunk).max(),
+            }
+            ctas = {"table": splits.sum() * bucket, "lengths": fit.sum(), "batch": bal.sum()}
+            row = {"bucket": bucket, "mean": mean, "longest_row": int(lens.max()), "share": share}
+            for plan in ("table", "lengths", "batch"):
+                row |= {
+                    f"{plan}_tokens": float(longest[plan]),
+                    f"{plan}_ratio": float(longest[plan] / share),
+                    f"{plan}_ctas": int(ctas[plan]),
+                }
+            rows.append(row)
+    return rows
+
+
+def format_batch_rows(rows: list[dict]) -> str:
+    """A markdown table of :func:`batch_balance_rows`."""
+    lines = [
+        "| rows | mean length | longest row | balanced share (tokens) "
+        "| table: longest/balanced (CTAs) | lengths | batch |",
+        "|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        cells = " | ".join(
+            f"{r[f'{p}_ratio']:.2f} ({r[f'{p}_ctas']})" for p in ("table", "lengths", "batch")
+        )
+        lines.append(
+            f"| {r['bucket']} | {r['mean']} | {r['longest_row']} | {r['share']:.0f} | {cells} |"
+        )
+    return "\n".join(lines)
+
+
 def format_rows(rows: list[dict]) -> str:
     """A markdown table of :func:`balance_rows`."""
     lines = [
@@ -147,6 +223,8 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.num_sms} SMs, BLOCK_N {BLOCK_N}, split cap {MAX_SPLITS_PER_HEAD}"
     )
     print(format_rows(balance_rows(profile, args.num_sms)))
+    print("\nOne chat batch kept whole (ratio 1.0), rows of lognormal lengths (sigma 0.8):")
+    print(format_batch_rows(batch_balance_rows(profile, args.num_sms)))
     return 0
 
 

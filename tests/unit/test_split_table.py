@@ -258,3 +258,23 @@ def test_batch_plan_splits_the_long_row_of_a_chat_batch_finer() -> None:
     assert (bal[1:] <= -(-200 // floor)).all() and (bal[1:] == 2).all()
     assert bal.sum() <= view.launch_ctas + lens.size  # the launch's CTAs: about its aim
     check_fitted_plan(lens[0], view.batch_budget, view.batch_cap, BLOCK_N, floor)
+
+
+def test_split_balance_chat_batch_report():
+    """bench.split_balance's chat-batch table: at 64 and 128 rows the batch-balanced plan's
+    longest CTA is within 15% of the launch's balanced share, the static table's over 3x and
+    the row-balanced plan's in between; the rows are seeded."""
+    from tangram_sglang.bench import split_balance
+    from tangram_sglang.integration.profile_loader import CALIBRATION_DIR
+    from tangram_sglang.profile import BudgetProfile
+
+    profile = BudgetProfile.load(CALIBRATION_DIR / split_balance.DEFAULT_PROFILE)
+    rows = split_balance.batch_balance_rows(profile, 132, buckets=(64, 128), means=(600,))
+    for r in rows:
+        assert r["batch_ratio"] < 1.15 and r["table_ratio"] > 3.0
+        assert r["batch_ratio"] < r["lengths_ratio"] < r["table_ratio"]
+        # the floor keeps the short rows whole-ish: about the CTAs a launch aims for
+        assert r["batch_ctas"] <= CTAS_PER_SM * 132 + r["bucket"] * 8
+    lens = split_balance.chat_batch_lengths(64, 600)
+    assert lens.min() >= 64 and (lens == split_balance.chat_batch_lengths(64, 600)).all()
+    assert "| 64 | 600 |" in split_balance.format_batch_rows(rows)
