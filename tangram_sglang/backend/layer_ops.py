@@ -53,6 +53,9 @@ class ReferenceKernels:
             on the same plan a GPU server gives FlashInfer: a CPU server then checks that plan
             end to end (no speed-up). Every batch with history and one length per
             (request, KV head) on every layer gets a plan (no work floor: nothing to amortise).
+        plan: :func:`config.decode_plan`'s value. The reference decode has no split; under
+            ``"batch"`` the backend still computes each step's chunk floors and :meth:`decode`
+            checks that every layer receives its own.
     """
 
     paged_history_min_work = 0  # history work per layer under which no plan is built
