@@ -370,7 +370,7 @@ def decode_chunk_floors(
             f"heads_of_layer must be [G, L] with lens [max_rows, G]; got "
             f"{list(heads_of_layer.shape)} and {list(lens.shape)} (heads_per_group_of_layer)"
         )
-    totals = np.asarray(lens)[np.asarray(rows, np.int64)].sum(axis=0) @ heads_of_layer
+    totals = lens[rows].sum(axis=0) @ heads_of_layer
     return -(-totals // int(launch_ctas))
 
 
