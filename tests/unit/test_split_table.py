@@ -278,3 +278,16 @@ def test_split_balance_chat_batch_report():
     lens = split_balance.chat_batch_lengths(64, 600)
     assert lens.min() >= 64 and (lens == split_balance.chat_batch_lengths(64, 600)).all()
     assert "| 64 | 600 |" in split_balance.format_batch_rows(rows)
+
+
+def test_batch_plan_honours_the_tables_split_limit():
+    """build_split_table(max_splits=4) caps every plan's splits of one head, batch's too."""
+    ratio = np.ones((1, 8))
+    grouping = HeadGrouping.build(ratio, 1, "per_layer")
+    view = build_split_table(grouping, grouping.group_ratios(ratio), 132, 64, max_splits=4).layer(0)
+    assert view.batch_cap == 4 and view.batch_ctas == min(view.batch_budget + 8, 8 * 4)
+    lens = np.array([[30000] * 8] + [[50] * 8] * 63)
+    splits, _ = fitted_splits(
+        lens, view.batch_budget, view.batch_cap, BLOCK_N, batch_chunk_floor(lens, 1056)
+    )
+    assert splits.max() <= 4
