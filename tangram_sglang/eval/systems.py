@@ -29,6 +29,15 @@ whole first prompt is the compressed part (``tasks.for_protocol``), later turns 
   (:func:`profile_budget_kvzip_press`). Beside ``kvzip`` (one budget over every layer and head
   per request) and ``tangram-kvzip-lite`` (same budgets, same-pass scores) it tells which of
   the two, the scores or the allocation, a gap to KVzip comes from.
+* ``kvzip-group-alloc``: KVzip's scores with a per-request allocation inside the same profile's
+  total (:func:`~tangram_sglang.eval.allocation.group_allocation`: the request keeps as many
+  entries as the static budgets, and the head groups trade them by the request's scores, every
+  head of a group keeping the same count: what a Tangram server could do without changing its
+  footprint).
+* ``kvzip-lite-budgets`` / ``kvzip-lite-group-alloc``: the profile's own same-pass scorer
+  (``kvzip-lite``) run on the transformers model (``calibrate.observe.ScoreObserver``: the
+  post-RoPE queries and keys of the context prefill), with the static budgets (the twin of
+  ``tangram-kvzip-lite``'s selection, outside the server) or with the per-request allocation.
 * ``tangram-kvzip-lite``: the ``--tangram`` server with the shipped ``kvzip-lite`` profile (the
   same-pass query-agnostic scorer, ``scoring/kvzip_lite.py``), rescaled to the ratio.
 * ``tangram-kvzip-replay``: the same with the shipped ``kvzip-replay`` profile (the segment's
@@ -57,18 +66,38 @@ from __future__ import annotations
 
 import copy
 from contextlib import ExitStack
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import requests
 
 from tangram_sglang.errors import TangramError
+from tangram_sglang.eval.allocation import group_allocation
 from tangram_sglang.mem.reservation import segment_kept_lens
 from tangram_sglang.profile import BudgetProfile
 
-PRESS_SYSTEMS = ("dynamic-ada-snapkv", "uniform-snapkv", "kvzip", "kvzip-budgets")
+PRESS_SYSTEMS = (
+    "dynamic-ada-snapkv",
+    "uniform-snapkv",
+    "kvzip",
+    "kvzip-budgets",
+    "kvzip-group-alloc",
+    "kvzip-lite-budgets",
+    "kvzip-lite-group-alloc",
+)
 # press systems whose per-head budgets come from a Tangram profile: system -> its scorer
-PROFILE_BUDGET_SYSTEMS = {"kvzip-budgets": "kvzip-lite"}
+PROFILE_BUDGET_SYSTEMS = {
+    "kvzip-budgets": "kvzip-lite",
+    "kvzip-group-alloc": "kvzip-lite",
+    "kvzip-lite-budgets": "kvzip-lite",
+    "kvzip-lite-group-alloc": "kvzip-lite",
+}
+# of those, the ones that split the profile's total per request (eval.allocation), and the
+# ones scored by the profile's own same-pass scorer (ObservedScorePress) instead of KVzip's
+ALLOCATIONS = ("static", "group")  # of a profile-budget system's kept counts (kept_counts)
+GROUP_ALLOCATION_SYSTEMS = ("kvzip-group-alloc", "kvzip-lite-group-alloc")
+OBSERVED_SCORE_SYSTEMS = ("kvzip-lite-budgets", "kvzip-lite-group-alloc")
 # Tangram systems: system name -> the scorer of its shipped profile (``<scorer>-r<ratio>.json``)
 # Tangram systems on the segment grid (``TANGRAM_GRID_SEGMENTS=1``, cells of ``--grid-cell``
 # tokens): every whole cell is compressed on its own, before any question (query-agnostic).
@@ -184,6 +213,7 @@ class KvpressRunner:
         self.eos_ids = eos_ids
         # press name -> [layer][kv_head] context entries kept by the last ``generate`` (tokens)
         self.kept_per_head: dict[Any, list[list[int]]] = {}
+        self._observers: dict[Any, Any] = {}  # scorer -> calibrate.observe.ScoreObserver
 
     @staticmethod
     def make_press(
@@ -200,7 +230,12 @@ class KvpressRunner:
         if system in PROFILE_BUDGET_SYSTEMS:
             if profile is None:
                 raise TangramError(f"press system {system!r} needs the profile of its budgets")
-            return profile_budget_kvzip_press(profile, compression_ratio)
+            allocation = "group" if system in GROUP_ALLOCATION_SYSTEMS else "static"
+            if system in OBSERVED_SCORE_SYSTEMS:
+                from tangram_sglang.backend.state import build_scorer
+
+                return ObservedScorePress(build_scorer(profile), profile, allocation)
+            return profile_budget_kvzip_press(profile, compression_ratio, allocation)
 
         snap = kvpress.SnapKVPress(
             compression_ratio=compression_ratio,
@@ -252,8 +287,15 @@ class KvpressRunner:
         with torch.inference_mode():
             prompt = torch.tensor([context_ids], device=self.device)
             kvzip = {name: p for name, p in presses.items() if _is_kvzip(p)}
-            same_pass = {name: p for name, p in presses.items() if name not in kvzip}
+            observed = {n: p for n, p in presses.items() if isinstance(p, ObservedScorePress)}
+            same_pass = {  # an observed-score system starts from the full K/V, then masks
+                name: None if name in observed else p
+                for name, p in presses.items()
+                if name not in kvzip
+            }
             logits, caches, masks = self._prefill(prompt, same_pass)
+            for name, press in observed.items():
+                masks[name] = self._observed_masks(context_ids, name, press)
             for name, press in kvzip.items():
                 logits, caches[name], masks[name] = self._prefill_kvzip(prompt, name, press)
             return {
@@ -320,6 +362,24 @@ class KvpressRunner:
                 layer.keys, layer.values = kept[name][i]
             caches[name] = c
         return logits, caches, masks
+
+    def _observed_masks(self, context_ids: list[int], name: Any, press: ObservedScorePress):
+        """The evicted (head, token) pairs per layer of an observed-score system: its scorer on
+        a forward of the context (``ScoreObserver``), then ``press.kept_counts``; records the
+        kept entries per head in ``kept_per_head[name]``."""
+        from tangram_sglang.calibrate.observe import ScoreObserver
+
+        # one observer per scorer (it registers an attention function); scorers are frozen
+        # dataclasses, equal when their options are
+        if press.scorer not in self._observers:
+            self._observers[press.scorer] = ScoreObserver(self.model, press.scorer)
+        scores = self._observers[press.scorer].scores(context_ids)  # [layers, kv_heads, n]
+        kept = press.kept_counts(scores)
+        self.kept_per_head[name] = kept.tolist()
+        return {
+            layer: press.masked_indices(scores[layer], kept[layer], self.device)
+            for layer in range(kept.shape[0])
+        }
 
     def _prefill_kvzip(self, ids: Any, name: Any, press: Any) -> tuple[Any, Any, dict]:
         """KVzip's own prefill of ``ids`` ``[1, n]``: the context forward, then kvpress's
@@ -402,20 +462,92 @@ def _is_kvzip(press: Any) -> bool:
     return any(cls.__name__ == "KVzipPress" for cls in type(press).__mro__)
 
 
-def profile_budget_kvzip_press(profile: BudgetProfile, compression_ratio: float) -> Any:
-    """kvpress's ``KVzipPress`` scores with a Tangram profile's static per-head budgets.
+@dataclass(frozen=True, slots=True)
+class ObservedScorePress:
+    """A Tangram scorer's selection on the transformers model, outside the server.
+
+    The runner prefills the context with the full K/V, runs ``scorer`` on the same context
+    (``calibrate.observe.ScoreObserver``), and masks what each head does not keep (kvpress's
+    attention patch reads ``masked_key_indices``, as for AdaKV).
+
+    Attributes:
+        scorer: the profile's scorer (``backend.state.build_scorer``).
+        profile: the budgets, sinks and recent window.
+        allocation: ``"static"`` (each head keeps its group's ``kept_len``) or ``"group"``
+            (:func:`~tangram_sglang.eval.allocation.group_allocation`).
+    """
+
+    scorer: Any
+    profile: BudgetProfile
+    allocation: str
+
+    def kept_counts(self, scores: np.ndarray) -> np.ndarray:
+        """int64 ``[layers, kv_heads]`` kept per head from float ``[layers, kv_heads, n]``."""
+        return kept_counts(self.profile, scores, self.allocation)
+
+    def masked_indices(self, scores: np.ndarray, kept: np.ndarray, device: Any) -> tuple:
+        """kvpress's ``masked_key_indices`` (batch, head, token) of one layer: the tokens each
+        head does not keep (``scores`` ``[kv_heads, n]``, ``kept`` ``[kv_heads]``)."""
+        return evicted_indices(self.profile, scores, kept, device)
+
+
+def kept_counts(profile: BudgetProfile, scores: np.ndarray, allocation: str) -> np.ndarray:
+    """Kept entries per KV head of a context scored ``[layers, kv_heads, n]`` (float).
+
+    ``static``: the profile's ``group_kept_array(n)`` of each head's group; ``group``:
+    :func:`~tangram_sglang.eval.allocation.group_allocation` (the same total, per request).
+
+    Raises:
+        TangramError: an unknown ``allocation``.
+    """
+    if allocation not in ALLOCATIONS:
+        raise TangramError(f"allocation={allocation!r} is unknown; use one of {ALLOCATIONS}")
+    if allocation == "group":
+        return group_allocation(scores, profile)
+    cluster = np.asarray(profile.grouping.cluster_of)
+    return profile.group_kept_array(np.shape(scores)[-1]).astype(np.int64)[cluster]
+
+
+def evicted_indices(profile: BudgetProfile, scores: Any, kept: np.ndarray, device: Any) -> tuple:
+    """kvpress's ``masked_key_indices`` of one layer: ``(batch, head, token)`` int64 tensors
+    of the (head, token) pairs not kept, each head keeping its ``kept[h]`` best by
+    :func:`~tangram_sglang.scoring.select.select_kept` (sinks and recent window first, as the
+    server does). ``scores``: float ``[kv_heads, n]`` (numpy or torch)."""
+    import torch
+
+    from tangram_sglang.scoring.select import select_kept
+
+    scores = torch.as_tensor(np.asarray(scores, dtype=np.float32))
+    num_kv_heads, n = scores.shape
+    evicted = torch.ones(num_kv_heads, n, dtype=torch.bool)
+    for head in range(num_kv_heads):
+        idx = select_kept(
+            scores[head : head + 1], int(kept[head]), profile.sink_tokens, profile.recent_window
+        )
+        evicted[head, idx[0]] = False
+    heads, seq = evicted.nonzero(as_tuple=True)
+    heads, seq = heads.to(device), seq.to(device)
+    return torch.zeros_like(heads), heads, seq
+
+
+def profile_budget_kvzip_press(
+    profile: BudgetProfile, compression_ratio: float, allocation: str = "static"
+) -> Any:
+    """kvpress's ``KVzipPress`` scores with a Tangram profile's per-head budgets.
 
     KVzip's reconstruction forwards score every (layer, KV head, token) of the context as usual;
     then, instead of one top-k over all of them, KV head h of layer l keeps
-    ``profile.group_kept_array(n)[cluster_of[l][h]]`` tokens (``n`` = context tokens: the
-    footprint Tangram's server holds for that segment), chosen by
-    :func:`~tangram_sglang.scoring.select.select_kept` on KVzip's scores (the profile's sinks
-    and recent window kept first, as the server does).
+    ``profile.group_kept_array(n)[cluster_of[l][h]]`` tokens (``allocation="static"``; ``n`` =
+    context tokens: the footprint Tangram's server holds for that segment) or its group's share
+    of the same total by the request's scores (``"group"``: :func:`~tangram_sglang.eval.
+    allocation.group_allocation`), chosen by :func:`~tangram_sglang.scoring.select.select_kept`
+    on KVzip's scores (the profile's sinks and recent window kept first, as the server does).
 
     Args:
         profile: the budgets (a shipped profile rescaled to the ratio).
         compression_ratio: kvpress's share removed, > 0 (KVzip runs its reconstruction only
             then); the kept counts come from ``profile``, not from it.
+        allocation: ``"static"`` or ``"group"``.
 
     Returns:
         A ``KVzipPress`` instance whose ``compress_post`` applies the profile's budgets.
@@ -424,29 +556,18 @@ def profile_budget_kvzip_press(profile: BudgetProfile, compression_ratio: float)
     each attention module's ``masked_key_indices``); Tangram arXiv 2606.06302 §4.1.
     """
     import kvpress
-    import torch
 
-    from tangram_sglang.scoring.select import select_kept
+    if allocation not in ALLOCATIONS:
+        raise TangramError(f"allocation={allocation!r} is unknown; use one of {ALLOCATIONS}")
 
     class ProfileBudgetKVzipPress(kvpress.KVzipPress):
         def compress_post(self, model: Any) -> None:
-            scores = self.score_val  # float [num_layers, bsz 1, H_kv, n]
-            num_kv_heads, n = scores.shape[2], scores.shape[3]
-            kept = profile.group_kept_array(n)[np.asarray(profile.grouping.cluster_of)]
+            scores = self.score_val[:, 0].detach().float().cpu().numpy()  # [num_layers, H_kv, n]
+            kept = kept_counts(profile, scores, allocation)
             for layer in model.model.layers:
                 module = layer.self_attn
                 lid = int(module.layer_idx)
-                evicted = torch.ones(num_kv_heads, n, dtype=torch.bool)
-                for head in range(num_kv_heads):
-                    idx = select_kept(
-                        scores[lid, 0, head : head + 1].float().cpu(),
-                        int(kept[lid, head]),
-                        profile.sink_tokens,
-                        profile.recent_window,
-                    )
-                    evicted[head, idx[0]] = False
-                heads, seq = evicted.nonzero(as_tuple=True)
-                module.masked_key_indices = (torch.zeros_like(heads), heads, seq)
+                module.masked_key_indices = evicted_indices(profile, scores[lid], kept[lid], "cpu")
 
     return ProfileBudgetKVzipPress(compression_ratio=compression_ratio)
 

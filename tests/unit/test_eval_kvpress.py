@@ -212,3 +212,42 @@ def test_uniform_press_keeps_the_budget_tangram_keeps(smollm2_path):
     assert frac == pytest.approx(manual / (profile.ratio.size * n))
     assert 0.25 < frac < 0.32  # sink 4 + window 32 + group padding on top of 0.25
     assert tangram_kept_fraction(tangram_profile(shipped, 1.0), n) == 1.0
+
+
+def test_group_allocation_and_same_pass_scores_keep_the_profiles_total(setup):
+    """``kvzip-group-alloc`` (KVzip's scores) and ``kvzip-lite-group-alloc`` (the profile's own
+    same-pass scorer on the transformers model) keep the profile's total per request, split by
+    the request's scores group by group; ``kvzip-lite-budgets`` keeps the static counts."""
+    runner, conv = setup
+    profile = tangram_profile(BudgetProfile.load("calibration/smollm2/kvzip-lite-r0.25.json"), 0.5)
+    n = len(conv.context_ids)
+    frac = tangram_kept_fraction(profile, n)
+    systems = ("kvzip-group-alloc", "kvzip-lite-budgets", "kvzip-lite-group-alloc")
+    presses = {s: KvpressRunner.make_press(s, 1 - frac, profile) for s in systems}
+    outs = runner.generate(conv.context_ids, conv.turn_ids, presses, 2)
+    assert set(outs) == set(systems) and all(len(o) == len(conv.turn_ids) for o in outs.values())
+    cluster = profile.grouping.cluster_of.tolist()
+    group_kept = profile.group_kept_lens(n)
+    static = [[group_kept[g] for g in layer] for layer in cluster]
+    assert runner.kept_per_head["kvzip-lite-budgets"] == static
+    total, slack = sum(map(sum, static)), max(profile.grouping.heads_per_group - 1, 0)
+    for system in ("kvzip-group-alloc", "kvzip-lite-group-alloc"):
+        kept = runner.kept_per_head[system]
+        assert total - slack <= sum(map(sum, kept)) <= total, system
+        assert kept != static, system  # the request's own scores moved entries between groups
+        by_group = {}
+        for layer, groups in zip(kept, cluster, strict=True):
+            for k, g in zip(layer, groups, strict=True):
+                by_group.setdefault(g, set()).add(k)
+        assert all(len(ks) == 1 for ks in by_group.values()), system
+    # the same-pass system's masks are what its scorer selects: sinks and window never evicted
+    masks = runner._observed_masks(conv.context_ids, "again", presses["kvzip-lite-group-alloc"])
+    assert runner.kept_per_head["again"] == runner.kept_per_head["kvzip-lite-group-alloc"]
+    for layer, (_, heads, seq) in masks.items():
+        assert not ((seq < profile.sink_tokens) | (seq >= n - profile.recent_window)).any()
+        dropped = torch.bincount(heads, minlength=len(cluster[layer])).tolist()
+        assert [n - d for d in dropped] == runner.kept_per_head["again"][layer]
+    with pytest.raises(Exception, match="allocation='pooled' is unknown"):
+        from tangram_sglang.eval.systems import profile_budget_kvzip_press
+
+        profile_budget_kvzip_press(profile, 0.5, "pooled")

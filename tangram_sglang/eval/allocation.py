@@ -1,0 +1,79 @@
+"""Per-request kept counts at a profile's head-group granularity, inside the profile's total.
+
+A Tangram profile gives every head group ``g`` a static kept length ``k_g(n)`` for a segment of
+``n`` tokens (``BudgetProfile.group_kept_array``); the heads of a group share their pages, so
+they keep the same count. KVzip and Ada-SnapKV instead split a request's budget by the request's
+own scores. :func:`group_allocation` is the allocation a Tangram server could make without
+changing its memory footprint: the request keeps the profile's total number of KV entries
+(``sum_g |g| * k_g(n)``, what admission reserves), and the groups trade entries inside that
+total by the request's scores, every head of a group keeping the same count.
+
+The accuracy harness uses it (``eval.systems``: ``kvzip-group-alloc``, ``kvzip-lite-group-alloc``)
+to tell how much of the gap between a static profile and a per-request method the allocation
+alone closes, before the server is asked to do it.
+
+Rule. Every head keeps its sinks and recent window (``p = min(n, sink + window)`` entries: the
+floor of every group). The rest of the total, ``R = total - p * num_heads``, goes in the order of
+a group's marginal value: the ``t``-th best unprotected score of the group, averaged over its
+heads (``m_g[t]``, non-increasing in ``t``), costs ``|g|`` entries. Taking the ``(g, t)`` pairs
+in descending ``m_g[t]`` while they fit in ``R`` maximises the kept score mass of the group
+means (a fractional knapsack with decreasing marginals; at most ``max |g| - 1`` entries of ``R``
+stay unused). Scores must be comparable across layers, as KVzip's are (it ranks every layer and
+head in one competition; KVzip, arXiv 2505.23416) and as the ``kvzip-lite`` profiles were
+calibrated (``calibrate.observe``: allocation ``global``).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from tangram_sglang.errors import TangramError
+from tangram_sglang.profile import BudgetProfile
+
+
+def group_allocation(scores: np.ndarray, profile: BudgetProfile) -> np.ndarray:
+    """Kept entries per KV head of one request's segment, group by group, by its own scores.
+
+    Args:
+        scores: float ``[num_layers, num_kv_heads, n]``: the request's score of every (layer,
+            KV head, token) of the segment (higher = keep), comparable across layers.
+        profile: the budgets: its grouping (``cluster_of``), ``group_kept_array(n)`` (the
+            total to keep) and its sinks and recent window (always kept).
+
+    Returns:
+        int64 ``[num_layers, num_kv_heads]``: each head's kept count, equal within a group,
+        between ``min(n, sink + window)`` and ``n``; the sum is at most the profile's total for
+        ``n`` tokens and at least that total minus ``max |g| - 1`` (or the floor's sum when the
+        total is below it).
+
+    Raises:
+        TangramError: ``scores`` is not 3-D or its head layout is not the profile's.
+    """
+    scores = np.asarray(scores, dtype=np.float64)
+    cluster = np.asarray(profile.grouping.cluster_of, dtype=np.int64)
+    if scores.ndim != 3 or scores.shape[:2] != cluster.shape:
+        raise TangramError(
+            f"group_allocation: scores shape {scores.shape} must be [layers, kv_heads, n] with "
+            f"[layers, kv_heads] = {cluster.shape}, the profile's grouping"
+        )
+    n = scores.shape[2]
+    num_groups = int(cluster.max()) + 1
+    size = np.bincount(cluster.ravel(), minlength=num_groups)
+    total = int((profile.group_kept_array(n).astype(np.int64) * size).sum())
+    protected = np.zeros(n, dtype=bool)
+    protected[: profile.sink_tokens] = True
+    protected[max(0, n - profile.recent_window) :] = True
+    floor = int(protected.sum())
+    room = total - floor * int(size.sum())
+    kept = np.full(num_groups, floor, dtype=np.int64)
+    if room > 0 and floor < n:
+        # each head's unprotected scores, best first; a group's marginal: their mean per rank
+        ranked = -np.sort(-scores[:, :, ~protected], axis=-1)  # [L, H, n - floor]
+        marginal = np.zeros((num_groups, n - floor))
+        np.add.at(marginal, cluster.ravel(), ranked.reshape(-1, n - floor))
+        marginal /= size[:, None]
+        order = np.argsort(-marginal, axis=None, kind="stable")  # (g, t) pairs, best first
+        cost = np.cumsum(size[order // (n - floor)])
+        taken = order[cost <= room] // (n - floor)
+        kept += np.bincount(taken, minlength=num_groups)
+    return kept[cluster]

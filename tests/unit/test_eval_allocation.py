@@ -1,0 +1,65 @@
+"""``eval.allocation.group_allocation``: a request's kept counts, group by group, inside the
+profile's total (what a Tangram server could trade without changing its footprint)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tangram_sglang.errors import TangramError
+from tangram_sglang.eval.allocation import group_allocation
+from tangram_sglang.profile import BudgetProfile
+
+PROFILE = BudgetProfile.load("calibration/qwen2.5-0.5b/kvzip-lite-r0.5.json")
+CLUSTER = np.asarray(PROFILE.grouping.cluster_of)
+SIZE = np.bincount(CLUSTER.ravel())
+
+
+def _static(n: int) -> np.ndarray:
+    return PROFILE.group_kept_array(n).astype(np.int64)[CLUSTER]
+
+
+@settings(max_examples=40, deadline=None)
+@given(n=st.integers(1, 600), seed=st.integers(0, 2**32 - 1), scale=st.floats(0.0, 4.0))
+def test_counts_stay_inside_the_profiles_total_and_floor(n, seed, scale):
+    rng = np.random.default_rng(seed)
+    scores = (
+        rng.random((*CLUSTER.shape, n))
+        * np.exp(scale * rng.standard_normal(CLUSTER.shape))[..., None]
+    )
+    kept = group_allocation(scores, PROFILE)
+    floor = min(n, PROFILE.sink_tokens + PROFILE.recent_window)
+    assert kept.shape == CLUSTER.shape and kept.dtype == np.int64
+    assert kept.min() >= floor and kept.max() <= n
+    for g in range(SIZE.size):  # the heads of a group share their pages: one count
+        assert len(set(kept[g == CLUSTER].tolist())) == 1
+    total = int(_static(n).sum())
+    if total >= floor * CLUSTER.size:
+        assert total - (SIZE.max() - 1) <= kept.sum() <= total
+    else:
+        assert (kept == floor).all()
+
+
+def test_the_groups_a_request_attends_to_take_the_memory():
+    n = 512
+    rng = np.random.default_rng(0)
+    scores = rng.random((*CLUSTER.shape, n)) * 1e-3
+    rich = int(CLUSTER[3, 0])  # a group of a middle layer: its heads score high on every token
+    scores[rich == CLUSTER] += 1.0
+    kept, static = group_allocation(scores, PROFILE), _static(n)
+    assert (kept[rich == CLUSTER] == n).all() and (static[rich == CLUSTER] < n).all()
+    rest = int(static.sum()) - n * int(SIZE[rich])  # the other groups share what is left
+    assert rest - SIZE.max() < kept[rich != CLUSTER].sum() <= rest
+    # scores equal across groups and tokens: no group's marginal beats another's, the order
+    # (stable) then fills groups in index order, within the same total
+    flat = group_allocation(np.ones((*CLUSTER.shape, n)), PROFILE)
+    assert abs(int(flat.sum()) - int(static.sum())) < SIZE.max()
+
+
+def test_scores_of_another_head_layout_are_refused():
+    with pytest.raises(TangramError, match=r"scores shape .* \[layers, kv_heads, n\]"):
+        group_allocation(np.zeros((CLUSTER.shape[0], CLUSTER.shape[1] + 1, 8)), PROFILE)
+    with pytest.raises(TangramError, match="scores shape"):
+        group_allocation(np.zeros(CLUSTER.shape), PROFILE)
