@@ -31,7 +31,9 @@ from tangram_sglang.errors import TangramError
 from tangram_sglang.profile import BudgetProfile
 
 
-def group_allocation(scores: np.ndarray, profile: BudgetProfile) -> np.ndarray:
+def group_allocation(
+    scores: np.ndarray, profile: BudgetProfile, per_head: bool = False
+) -> np.ndarray:
     """Kept entries per KV head of one request's segment, group by group, by its own scores.
 
     Args:
@@ -39,6 +41,8 @@ def group_allocation(scores: np.ndarray, profile: BudgetProfile) -> np.ndarray:
             KV head, token) of the segment (higher = keep), comparable across layers.
         profile: the budgets: its grouping (``cluster_of``), ``group_kept_array(n)`` (the
             total to keep) and its sinks and recent window (always kept).
+        per_head: split the same total head by head instead (every head its own group: what
+            pages of one KV head each would allow; KVzip's own granularity).
 
     Returns:
         int64 ``[num_layers, num_kv_heads]``: each head's kept count, equal within a group,
@@ -57,9 +61,11 @@ def group_allocation(scores: np.ndarray, profile: BudgetProfile) -> np.ndarray:
             f"[layers, kv_heads] = {cluster.shape}, the profile's grouping"
         )
     n = scores.shape[2]
+    total = int(profile.group_kept_array(n).astype(np.int64)[cluster].sum())
+    if per_head:
+        cluster = np.arange(cluster.size).reshape(cluster.shape)
     num_groups = int(cluster.max()) + 1
     size = np.bincount(cluster.ravel(), minlength=num_groups)
-    total = int((profile.group_kept_array(n).astype(np.int64) * size).sum())
     protected = np.zeros(n, dtype=bool)
     protected[: profile.sink_tokens] = True
     protected[max(0, n - profile.recent_window) :] = True

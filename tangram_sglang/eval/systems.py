@@ -34,6 +34,8 @@ whole first prompt is the compressed part (``tasks.for_protocol``), later turns 
   entries as the static budgets, and the head groups trade them by the request's scores, every
   head of a group keeping the same count: what a Tangram server could do without changing its
   footprint).
+* ``kvzip-head-alloc``: the same, head by head (every KV head its own count: the granularity
+  of KVzip's own allocation, which pages of one head each would allow).
 * ``kvzip-lite-budgets`` / ``kvzip-lite-group-alloc``: the profile's own same-pass scorer
   (``kvzip-lite``) run on the transformers model (``calibrate.observe.ScoreObserver``: the
   post-RoPE queries and keys of the context prefill), with the static budgets (the twin of
@@ -83,6 +85,7 @@ PRESS_SYSTEMS = (
     "kvzip",
     "kvzip-budgets",
     "kvzip-group-alloc",
+    "kvzip-head-alloc",
     "kvzip-lite-budgets",
     "kvzip-lite-group-alloc",
 )
@@ -90,13 +93,19 @@ PRESS_SYSTEMS = (
 PROFILE_BUDGET_SYSTEMS = {
     "kvzip-budgets": "kvzip-lite",
     "kvzip-group-alloc": "kvzip-lite",
+    "kvzip-head-alloc": "kvzip-lite",
     "kvzip-lite-budgets": "kvzip-lite",
     "kvzip-lite-group-alloc": "kvzip-lite",
 }
-# of those, the ones that split the profile's total per request (eval.allocation), and the
-# ones scored by the profile's own same-pass scorer (ObservedScorePress) instead of KVzip's
-ALLOCATIONS = ("static", "group")  # of a profile-budget system's kept counts (kept_counts)
-GROUP_ALLOCATION_SYSTEMS = ("kvzip-group-alloc", "kvzip-lite-group-alloc")
+ALLOCATIONS = ("static", "group", "head")  # of a profile-budget system's counts (kept_counts)
+# of those systems, the ones that split the profile's total per request (eval.allocation):
+# system -> allocation (the rest are "static"); and the ones scored by the profile's own
+# same-pass scorer (ObservedScorePress) instead of KVzip's
+ALLOCATION_OF = {
+    "kvzip-group-alloc": "group",
+    "kvzip-head-alloc": "head",
+    "kvzip-lite-group-alloc": "group",
+}
 OBSERVED_SCORE_SYSTEMS = ("kvzip-lite-budgets", "kvzip-lite-group-alloc")
 # Tangram systems: system name -> the scorer of its shipped profile (``<scorer>-r<ratio>.json``)
 # Tangram systems on the segment grid (``TANGRAM_GRID_SEGMENTS=1``, cells of ``--grid-cell``
@@ -230,7 +239,7 @@ class KvpressRunner:
         if system in PROFILE_BUDGET_SYSTEMS:
             if profile is None:
                 raise TangramError(f"press system {system!r} needs the profile of its budgets")
-            allocation = "group" if system in GROUP_ALLOCATION_SYSTEMS else "static"
+            allocation = ALLOCATION_OF.get(system, "static")
             if system in OBSERVED_SCORE_SYSTEMS:
                 from tangram_sglang.backend.state import build_scorer
 
@@ -473,8 +482,8 @@ class ObservedScorePress:
     Attributes:
         scorer: the profile's scorer (``backend.state.build_scorer``).
         profile: the budgets, sinks and recent window.
-        allocation: ``"static"`` (each head keeps its group's ``kept_len``) or ``"group"``
-            (:func:`~tangram_sglang.eval.allocation.group_allocation`).
+        allocation: ``"static"`` (each head keeps its group's ``kept_len``), ``"group"`` or
+            ``"head"`` (:func:`~tangram_sglang.eval.allocation.group_allocation`).
     """
 
     scorer: Any
@@ -494,16 +503,17 @@ class ObservedScorePress:
 def kept_counts(profile: BudgetProfile, scores: np.ndarray, allocation: str) -> np.ndarray:
     """Kept entries per KV head of a context scored ``[layers, kv_heads, n]`` (float).
 
-    ``static``: the profile's ``group_kept_array(n)`` of each head's group; ``group``:
-    :func:`~tangram_sglang.eval.allocation.group_allocation` (the same total, per request).
+    ``static``: the profile's ``group_kept_array(n)`` of each head's group; ``group`` and
+    ``head``: :func:`~tangram_sglang.eval.allocation.group_allocation` (the same total, per
+    request, one count per group or per head).
 
     Raises:
         TangramError: an unknown ``allocation``.
     """
     if allocation not in ALLOCATIONS:
         raise TangramError(f"allocation={allocation!r} is unknown; use one of {ALLOCATIONS}")
-    if allocation == "group":
-        return group_allocation(scores, profile)
+    if allocation != "static":
+        return group_allocation(scores, profile, per_head=allocation == "head")
     cluster = np.asarray(profile.grouping.cluster_of)
     return profile.group_kept_array(np.shape(scores)[-1]).astype(np.int64)[cluster]
 
@@ -539,15 +549,16 @@ def profile_budget_kvzip_press(
     then, instead of one top-k over all of them, KV head h of layer l keeps
     ``profile.group_kept_array(n)[cluster_of[l][h]]`` tokens (``allocation="static"``; ``n`` =
     context tokens: the footprint Tangram's server holds for that segment) or its group's share
-    of the same total by the request's scores (``"group"``: :func:`~tangram_sglang.eval.
-    allocation.group_allocation`), chosen by :func:`~tangram_sglang.scoring.select.select_kept`
-    on KVzip's scores (the profile's sinks and recent window kept first, as the server does).
+    of the same total by the request's scores (``"group"``, or per head: ``"head"``;
+    :func:`~tangram_sglang.eval.allocation.group_allocation`), chosen by
+    :func:`~tangram_sglang.scoring.select.select_kept` on KVzip's scores (the profile's sinks
+    and recent window kept first, as the server does).
 
     Args:
         profile: the budgets (a shipped profile rescaled to the ratio).
         compression_ratio: kvpress's share removed, > 0 (KVzip runs its reconstruction only
             then); the kept counts come from ``profile``, not from it.
-        allocation: ``"static"`` or ``"group"``.
+        allocation: one of :data:`ALLOCATIONS`.
 
     Returns:
         A ``KVzipPress`` instance whose ``compress_post`` applies the profile's budgets.

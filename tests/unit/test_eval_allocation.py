@@ -63,3 +63,14 @@ def test_scores_of_another_head_layout_are_refused():
         group_allocation(np.zeros((CLUSTER.shape[0], CLUSTER.shape[1] + 1, 8)), PROFILE)
     with pytest.raises(TangramError, match="scores shape"):
         group_allocation(np.zeros(CLUSTER.shape), PROFILE)
+
+
+def test_per_head_splits_the_same_total_head_by_head():
+    n = 300
+    rng = np.random.default_rng(1)
+    scores = rng.random((*CLUSTER.shape, n)) ** (1 + 4 * rng.random((*CLUSTER.shape, 1)))
+    kept = group_allocation(scores, PROFILE, per_head=True)
+    total = int(_static(n).sum())
+    assert kept.sum() == total  # one head per group: every entry of the total is placed
+    paired = [len(set(kept[g == CLUSTER].tolist())) for g in range(SIZE.size)]
+    assert max(paired) > 1  # heads that share a group's pages in the profile now differ
