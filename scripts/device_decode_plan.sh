@@ -36,7 +36,7 @@ if [ "${SHAREGPT:-1}" = 1 ]; then
   cat "$R/sg-batch/progress" >> "$R/progress"
   TANGRAM_DECODE_PLAN=table SYSTEMS="tangram:1.0" WL=sharegpt:64x4 WL1=sharegpt:64x4 T=300 \
     CAP_S=${CAP_S:-600} R=$R/sg-table bash scripts/device_never_slower.sh
-  python3 -m tangram_sglang.bench.multiturn merge "$R"/sg-table/mt-tangram-r1.json \
+  python3 -m tangram_sglang.bench.multiturn merge "$R"/sg-table/mt-tangram-r1.0.json \
     "$R"/sg-batch/mt-baseline*.json --output "$R/sg-table/never-slower.json" \
     > "$R/sg-table/merge.txt" 2>&1 || echo "merge failed: $R/sg-table/merge.txt" >> "$R/progress"
   cat "$R/sg-table/progress" >> "$R/progress"

@@ -8,19 +8,20 @@ changing its memory footprint: the request keeps the profile's total number of K
 (``sum_g |g| * k_g(n)``, what admission reserves), and the groups trade entries inside that
 total by the request's scores, every head of a group keeping the same count.
 
-The accuracy harness uses it (``eval.systems``: ``kvzip-group-alloc``, ``kvzip-lite-group-alloc``)
-to tell how much of the gap between a static profile and a per-request method the allocation
-alone closes, before the server is asked to do it.
+The accuracy harness uses it (``eval.systems``: ``kvzip-group-alloc``, ``kvzip-head-alloc``,
+``kvzip-lite-group-alloc``) to tell how much of the gap between a static profile and a
+per-request method the allocation alone closes, before the server is asked to do it.
 
 Rule. Every head keeps its sinks and recent window (``p = min(n, sink + window)`` entries: the
 floor of every group). The rest of the total, ``R = total - p * num_heads``, goes in the order of
 a group's marginal value: the ``t``-th best unprotected score of the group, averaged over its
-heads (``m_g[t]``, non-increasing in ``t``), costs ``|g|`` entries. Taking the ``(g, t)`` pairs
-in descending ``m_g[t]`` while they fit in ``R`` maximises the kept score mass of the group
-means (a fractional knapsack with decreasing marginals; at most ``max |g| - 1`` entries of ``R``
-stay unused). Scores must be comparable across layers, as KVzip's are (it ranks every layer and
-head in one competition; KVzip, arXiv 2505.23416) and as the ``kvzip-lite`` profiles were
-calibrated (``calibrate.observe``: allocation ``global``).
+heads (``m_g[t]``, non-increasing in ``t``), costs ``|g|`` entries. The ``(g, t)`` pairs are
+taken in descending ``m_g[t]`` up to the first that does not fit in ``R`` (so each group takes a
+prefix of its ranks). With groups of one size (the shipped Qwen2.5 profiles; ``per_head``) that
+maximises the kept score mass; with mixed sizes it is the fractional knapsack's greedy, within
+``max |g| - 1`` entries of its optimum. Scores must be comparable across layers, as KVzip's
+are (it ranks every layer and head in one competition; KVzip, arXiv 2505.23416) and as the
+``kvzip-lite`` profiles were calibrated (``calibrate.observe``: allocation ``global``).
 """
 
 from __future__ import annotations
@@ -47,8 +48,8 @@ def group_allocation(
     Returns:
         int64 ``[num_layers, num_kv_heads]``: each head's kept count, equal within a group,
         between ``min(n, sink + window)`` and ``n``; the sum is at most the profile's total for
-        ``n`` tokens and at least that total minus ``max |g| - 1`` (or the floor's sum when the
-        total is below it).
+        ``n`` tokens and at least that total minus ``max |g| - 1`` (``kept_len`` never falls
+        below the floor).
 
     Raises:
         TangramError: ``scores`` is not 3-D or its head layout is not the profile's.

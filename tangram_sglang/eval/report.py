@@ -223,7 +223,9 @@ def markdown_table(rep: dict[str, Any]) -> str:
     """A RESULTS.md table: one row per (task, ratio), one column per system (points)."""
     systems = ["full", *TANGRAM_SYSTEMS, *GRID_SYSTEMS, "dynamic-ada-snapkv", "uniform-snapkv"]
     present = {s for by_ratio in rep["results"].values() for c in by_ratio.values() for s in c}
-    systems = [s for s in [*systems, "kvzip", "kvzip-budgets", "full-hf"] if s in present]
+    systems = [s for s in [*systems, "kvzip", "kvzip-budgets"] if s in present]
+    # then every other system of the report (the diagnostic presses), full-hf last
+    systems += sorted(present - {*systems, "full-hf"}) + ["full-hf"] * ("full-hf" in present)
     lines = [
         f"| task | ratio | kept | {' | '.join(systems)} | n |",
         "|---|---|---|" + "---|" * len(systems) + "---|",

@@ -59,7 +59,8 @@ from tangram_sglang.serving import CUDA_STOCK_FLAGS
 
 MAX_NEW_TOKENS = {"needle": 28, "squad": 24, "multiturn-squad": 24}
 SYSTEMS = ("full", *TANGRAM_SYSTEMS, *PRESS_SYSTEMS, "full-hf")
-# by default neither the grid systems nor the diagnostic kvzip-budgets (a second KVzip prefill)
+# by default neither the grid systems nor the diagnostic profile-budget presses (kvzip-budgets
+# and the per-request allocations of eval.allocation: a second KVzip prefill or scoring forward)
 DEFAULT_SYSTEMS = tuple(s for s in SYSTEMS if s not in GRID_SYSTEMS | PROFILE_BUDGET_SYSTEMS)
 STARTUP_S = 1800.0  # server start-up limit: minutes on a busy shared CPU
 CHUNKED_PREFILL_TOKENS = 16384  # > any prompt here: the whole prompt is one Tangram segment
@@ -195,7 +196,7 @@ def run(cfg: RunConfig, log: Callable[[str], None] | None = None) -> dict[str, A
         for r in cfg.ratios
     }
     # each Tangram system's own profile (the Ada-SnapKV one above also sets the presses' budget)
-    # and of each press system whose per-head budgets come from a profile (kvzip-budgets)
+    # and of each press system whose per-head budgets come from a profile (kvzip-budgets...)
     server_profiles = {
         (system, r): tangram_profile(shipped_profile(cfg.profile_dir, r, cfg.model_dir, sc), r)
         for system, sc in (TANGRAM_SYSTEMS | PROFILE_BUDGET_SYSTEMS).items()

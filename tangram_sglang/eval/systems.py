@@ -97,7 +97,7 @@ PROFILE_BUDGET_SYSTEMS = {
     "kvzip-lite-budgets": "kvzip-lite",
     "kvzip-lite-group-alloc": "kvzip-lite",
 }
-ALLOCATIONS = ("static", "group", "head")  # of a profile-budget system's counts (kept_counts)
+ALLOCATIONS = ("static", "group", "head")  # a profile-budget system's (profile_kept_counts)
 # of those systems, the ones that split the profile's total per request (eval.allocation):
 # system -> allocation (the rest are "static"); and the ones scored by the profile's own
 # same-pass scorer (ObservedScorePress) instead of KVzip's
@@ -279,7 +279,7 @@ class KvpressRunner:
         Args:
             context_ids: the compressed part (tokens), a prefix of every ``turn_ids`` entry.
             turn_ids: each turn's full prompt (tokens).
-            presses: name -> kvpress press (or None for full KV).
+            presses: name -> kvpress press, :class:`ObservedScorePress`, or None (full KV).
             max_new_tokens: decode steps at most per turn; stops at an eos id.
 
         Returns:
@@ -296,15 +296,16 @@ class KvpressRunner:
         with torch.inference_mode():
             prompt = torch.tensor([context_ids], device=self.device)
             kvzip = {name: p for name, p in presses.items() if _is_kvzip(p)}
-            observed = {n: p for n, p in presses.items() if isinstance(p, ObservedScorePress)}
+            observed = {name: p for name, p in presses.items() if isinstance(p, ObservedScorePress)}
             same_pass = {  # an observed-score system starts from the full K/V, then masks
                 name: None if name in observed else p
                 for name, p in presses.items()
                 if name not in kvzip
             }
             logits, caches, masks = self._prefill(prompt, same_pass)
+            scored: dict[Any, np.ndarray] = {}  # scorer -> its scores of this context
             for name, press in observed.items():
-                masks[name] = self._observed_masks(context_ids, name, press)
+                masks[name] = self._observed_masks(context_ids, name, press, scored)
             for name, press in kvzip.items():
                 logits, caches[name], masks[name] = self._prefill_kvzip(prompt, name, press)
             return {
@@ -372,17 +373,39 @@ class KvpressRunner:
             caches[name] = c
         return logits, caches, masks
 
-    def _observed_masks(self, context_ids: list[int], name: Any, press: ObservedScorePress):
+    def _observed_masks(
+        self,
+        context_ids: list[int],
+        name: Any,
+        press: ObservedScorePress,
+        scored: dict[Any, np.ndarray] | None = None,
+    ) -> dict[int, tuple]:
         """The evicted (head, token) pairs per layer of an observed-score system: its scorer on
         a forward of the context (``ScoreObserver``), then ``press.kept_counts``; records the
-        kept entries per head in ``kept_per_head[name]``."""
+        kept entries per head in ``kept_per_head[name]``.
+
+        Args:
+            context_ids: the context (tokens).
+            name: the system's key in ``kept_per_head``.
+            press: the system.
+            scored: scores already computed for this context, per scorer (float32
+                ``[layers, kv_heads, n]``); this call adds its own, so presses of one scorer
+                (several ratios or allocations) share one scoring forward.
+
+        Returns:
+            layer -> kvpress's ``masked_key_indices`` (:func:`evicted_indices`).
+        """
         from tangram_sglang.calibrate.observe import ScoreObserver
 
-        # one observer per scorer (it registers an attention function); scorers are frozen
-        # dataclasses, equal when their options are
-        if press.scorer not in self._observers:
-            self._observers[press.scorer] = ScoreObserver(self.model, press.scorer)
-        scores = self._observers[press.scorer].scores(context_ids)  # [layers, kv_heads, n]
+        # one observer per scorer (it registers an attention function); the scorers here are
+        # frozen dataclasses of options (kvzip-lite), equal and hashing alike when their
+        # options are (a token scorer holding tensors would not be: OBSERVED_SCORE_SYSTEMS)
+        scored = {} if scored is None else scored
+        if press.scorer not in scored:
+            if press.scorer not in self._observers:
+                self._observers[press.scorer] = ScoreObserver(self.model, press.scorer)
+            scored[press.scorer] = self._observers[press.scorer].scores(context_ids)
+        scores = scored[press.scorer]
         kept = press.kept_counts(scores)
         self.kept_per_head[name] = kept.tolist()
         return {
@@ -471,7 +494,7 @@ def _is_kvzip(press: Any) -> bool:
     return any(cls.__name__ == "KVzipPress" for cls in type(press).__mro__)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, eq=False)
 class ObservedScorePress:
     """A Tangram scorer's selection on the transformers model, outside the server.
 
@@ -492,7 +515,7 @@ class ObservedScorePress:
 
     def kept_counts(self, scores: np.ndarray) -> np.ndarray:
         """int64 ``[layers, kv_heads]`` kept per head from float ``[layers, kv_heads, n]``."""
-        return kept_counts(self.profile, scores, self.allocation)
+        return profile_kept_counts(self.profile, scores, self.allocation)
 
     def masked_indices(self, scores: np.ndarray, kept: np.ndarray, device: Any) -> tuple:
         """kvpress's ``masked_key_indices`` (batch, head, token) of one layer: the tokens each
@@ -500,15 +523,19 @@ class ObservedScorePress:
         return evicted_indices(self.profile, scores, kept, device)
 
 
-def kept_counts(profile: BudgetProfile, scores: np.ndarray, allocation: str) -> np.ndarray:
+def profile_kept_counts(profile: BudgetProfile, scores: np.ndarray, allocation: str) -> np.ndarray:
     """Kept entries per KV head of a context scored ``[layers, kv_heads, n]`` (float).
 
     ``static``: the profile's ``group_kept_array(n)`` of each head's group; ``group`` and
     ``head``: :func:`~tangram_sglang.eval.allocation.group_allocation` (the same total, per
     request, one count per group or per head).
 
+    Returns:
+        int64 ``[layers, kv_heads]`` (tokens).
+
     Raises:
-        TangramError: an unknown ``allocation``.
+        TangramError: an unknown ``allocation``, or scores whose ``[layers, kv_heads]`` are not
+            the profile's (``group_allocation``).
     """
     if allocation not in ALLOCATIONS:
         raise TangramError(f"allocation={allocation!r} is unknown; use one of {ALLOCATIONS}")
@@ -519,10 +546,23 @@ def kept_counts(profile: BudgetProfile, scores: np.ndarray, allocation: str) -> 
 
 
 def evicted_indices(profile: BudgetProfile, scores: Any, kept: np.ndarray, device: Any) -> tuple:
-    """kvpress's ``masked_key_indices`` of one layer: ``(batch, head, token)`` int64 tensors
-    of the (head, token) pairs not kept, each head keeping its ``kept[h]`` best by
-    :func:`~tangram_sglang.scoring.select.select_kept` (sinks and recent window first, as the
-    server does). ``scores``: float ``[kv_heads, n]`` (numpy or torch)."""
+    """kvpress's ``masked_key_indices`` of one layer: the (head, token) pairs not kept.
+
+    Each head keeps its ``kept[h]`` best by :func:`~tangram_sglang.scoring.select.select_kept`
+    (sinks and recent window first, as the server does).
+
+    Args:
+        profile: the sinks and recent window.
+        scores: float ``[kv_heads, n]``, a numpy array (or a CPU float tensor).
+        kept: int ``[kv_heads]`` tokens each head keeps (``1 <= kept[h] <= n``).
+        device: where the indices go (the model's: kvpress indexes the keys with them).
+
+    Returns:
+        ``(batch, head, token)``: three int64 ``[num_evicted]`` tensors on ``device``, batch 0.
+
+    Raises:
+        ConfigError: a ``kept[h]`` outside ``[1, n]`` (``select_kept``).
+    """
     import torch
 
     from tangram_sglang.scoring.select import select_kept
@@ -563,6 +603,9 @@ def profile_budget_kvzip_press(
     Returns:
         A ``KVzipPress`` instance whose ``compress_post`` applies the profile's budgets.
 
+    Raises:
+        TangramError: an unknown ``allocation``.
+
     Source: kvpress 0.5.5 ``presses/kvzip_press.py`` (``compress_post``: evicted pairs go in
     each attention module's ``masked_key_indices``); Tangram arXiv 2606.06302 §4.1.
     """
@@ -574,11 +617,12 @@ def profile_budget_kvzip_press(
     class ProfileBudgetKVzipPress(kvpress.KVzipPress):
         def compress_post(self, model: Any) -> None:
             scores = self.score_val[:, 0].detach().float().cpu().numpy()  # [num_layers, H_kv, n]
-            kept = kept_counts(profile, scores, allocation)
+            kept = profile_kept_counts(profile, scores, allocation)
             for layer in model.model.layers:
                 module = layer.self_attn
                 lid = int(module.layer_idx)
-                module.masked_key_indices = evicted_indices(profile, scores[lid], kept[lid], "cpu")
+                device = next(module.parameters()).device
+                module.masked_key_indices = evicted_indices(profile, scores[lid], kept[lid], device)
 
     return ProfileBudgetKVzipPress(compression_ratio=compression_ratio)
 

@@ -214,7 +214,7 @@ def test_uniform_press_keeps_the_budget_tangram_keeps(smollm2_path):
     assert tangram_kept_fraction(tangram_profile(shipped, 1.0), n) == 1.0
 
 
-def test_group_allocation_and_same_pass_scores_keep_the_profiles_total(setup):
+def test_group_allocation_and_same_pass_scores_keep_the_profiles_total(setup, monkeypatch):
     """``kvzip-group-alloc`` (KVzip's scores) and ``kvzip-lite-group-alloc`` (the profile's own
     same-pass scorer on the transformers model) keep the profile's total per request, split by
     the request's scores group by group; ``kvzip-lite-budgets`` keeps the static counts."""
@@ -247,6 +247,23 @@ def test_group_allocation_and_same_pass_scores_keep_the_profiles_total(setup):
         assert not ((seq < profile.sink_tokens) | (seq >= n - profile.recent_window)).any()
         dropped = torch.bincount(heads, minlength=len(cluster[layer])).tolist()
         assert [n - d for d in dropped] == runner.kept_per_head["again"][layer]
+    # the masks reach the answers: every turn of an observed-score system answers on them
+    seen = []
+    answer = runner._answer
+
+    def spy(cache, masks, *args):
+        seen.append(masks)
+        return answer(cache, masks, *args)
+
+    monkeypatch.setattr(runner, "_answer", spy)
+    runner.generate(conv.context_ids, conv.turn_ids, {"s": presses["kvzip-lite-budgets"]}, 1)
+    assert len(seen) == len(conv.turn_ids)
+    for masks in seen:
+        assert sorted(masks) == list(range(len(cluster)))
+        dropped = [
+            torch.bincount(masks[i][1], minlength=len(c)).tolist() for i, c in enumerate(cluster)
+        ]
+        assert [[n - d for d in layer] for layer in dropped] == static
     with pytest.raises(Exception, match="allocation='pooled' is unknown"):
         from tangram_sglang.eval.systems import profile_budget_kvzip_press
 
