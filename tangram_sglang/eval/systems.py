@@ -36,10 +36,11 @@ whole first prompt is the compressed part (``tasks.for_protocol``), later turns 
   footprint).
 * ``kvzip-head-alloc``: the same, head by head (every KV head its own count: the granularity
   of KVzip's own allocation, which pages of one head each would allow).
-* ``kvzip-lite-budgets`` / ``kvzip-lite-group-alloc``: the profile's own same-pass scorer
-  (``kvzip-lite``) run on the transformers model (``calibrate.observe.ScoreObserver``: the
-  post-RoPE queries and keys of the context prefill), with the static budgets (the twin of
-  ``tangram-kvzip-lite``'s selection, outside the server) or with the per-request allocation.
+* ``kvzip-lite-budgets`` / ``kvzip-lite-group-alloc`` / ``kvzip-lite-head-alloc``: the
+  profile's own same-pass scorer (``kvzip-lite``) run on the transformers model
+  (``calibrate.observe.ScoreObserver``: the post-RoPE queries and keys of the context prefill),
+  with the static budgets (the twin of ``tangram-kvzip-lite``'s selection, outside the server)
+  or with the per-request allocation (per group, per head).
 * ``tangram-kvzip-lite``: the ``--tangram`` server with the shipped ``kvzip-lite`` profile (the
   same-pass query-agnostic scorer, ``scoring/kvzip_lite.py``), rescaled to the ratio.
 * ``tangram-kvzip-replay``: the same with the shipped ``kvzip-replay`` profile (the segment's
@@ -88,6 +89,7 @@ PRESS_SYSTEMS = (
     "kvzip-head-alloc",
     "kvzip-lite-budgets",
     "kvzip-lite-group-alloc",
+    "kvzip-lite-head-alloc",
 )
 # press systems whose per-head budgets come from a Tangram profile: system -> its scorer
 PROFILE_BUDGET_SYSTEMS = {
@@ -96,6 +98,7 @@ PROFILE_BUDGET_SYSTEMS = {
     "kvzip-head-alloc": "kvzip-lite",
     "kvzip-lite-budgets": "kvzip-lite",
     "kvzip-lite-group-alloc": "kvzip-lite",
+    "kvzip-lite-head-alloc": "kvzip-lite",
 }
 ALLOCATIONS = ("static", "group", "head")  # a profile-budget system's (profile_kept_counts)
 # of those systems, the ones that split the profile's total per request (eval.allocation):
@@ -105,8 +108,9 @@ ALLOCATION_OF = {
     "kvzip-group-alloc": "group",
     "kvzip-head-alloc": "head",
     "kvzip-lite-group-alloc": "group",
+    "kvzip-lite-head-alloc": "head",
 }
-OBSERVED_SCORE_SYSTEMS = ("kvzip-lite-budgets", "kvzip-lite-group-alloc")
+OBSERVED_SCORE_SYSTEMS = ("kvzip-lite-budgets", "kvzip-lite-group-alloc", "kvzip-lite-head-alloc")
 # Tangram systems: system name -> the scorer of its shipped profile (``<scorer>-r<ratio>.json``)
 # Tangram systems on the segment grid (``TANGRAM_GRID_SEGMENTS=1``, cells of ``--grid-cell``
 # tokens): every whole cell is compressed on its own, before any question (query-agnostic).
