@@ -54,13 +54,8 @@ def group_allocation(
     Raises:
         TangramError: ``scores`` is not 3-D or its head layout is not the profile's.
     """
-    scores = np.asarray(scores, dtype=np.float64)
+    scores = check_scores(scores, profile).astype(np.float64)
     cluster = np.asarray(profile.grouping.cluster_of, dtype=np.int64)
-    if scores.ndim != 3 or scores.shape[:2] != cluster.shape:
-        raise TangramError(
-            f"group_allocation: scores shape {scores.shape} must be [layers, kv_heads, n] with "
-            f"[layers, kv_heads] = {cluster.shape}, the profile's grouping"
-        )
     n = scores.shape[2]
     total = int(profile.group_kept_array(n).astype(np.int64)[cluster].sum())
     if per_head:
@@ -84,3 +79,25 @@ def group_allocation(
         taken = order[cost <= room] // (n - floor)
         kept += np.bincount(taken, minlength=num_groups)
     return kept[cluster]
+
+
+def check_scores(scores: np.ndarray, profile: BudgetProfile) -> np.ndarray:
+    """``scores`` as a numpy array, checked to be ``[num_layers, num_kv_heads, n]`` with the
+    profile's ``[num_layers, num_kv_heads]`` (its ``grouping.cluster_of``) and ``n >= 1``.
+
+    Raises:
+        TangramError: another number of dims, another head layout, or no tokens.
+    """
+    scores = np.asarray(scores)
+    layout = np.shape(profile.grouping.cluster_of)
+    if scores.ndim != 3:
+        raise TangramError(
+            f"scores have {scores.ndim} dims (shape {scores.shape}); they must be 3-D: "
+            f"[layers, kv_heads, n] with [layers, kv_heads] = {layout}, the profile's grouping"
+        )
+    if scores.shape[:2] != layout or scores.shape[2] < 1:
+        raise TangramError(
+            f"scores shape {scores.shape} must be [layers, kv_heads, n >= 1] with "
+            f"[layers, kv_heads] = {layout}, the profile's grouping"
+        )
+    return scores

@@ -20,6 +20,7 @@ Every flag is checked before a model or server starts; bad values exit 2 with th
 from __future__ import annotations
 
 import argparse
+import difflib
 import shlex
 import sys
 from pathlib import Path
@@ -64,12 +65,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--systems",
         default=",".join(DEFAULT_SYSTEMS),
-        help=f"subset of {SYSTEMS} (default: all but the *-grid ones)",
+        help=f"subset of {SYSTEMS} (default: all but the *-grid ones and the diagnostic "
+        "profile-budget presses: kvzip-budgets and the kvzip*-alloc / kvzip-lite-* ones)",
     )
     p.add_argument(
         "--profile-dir",
         default=None,
-        help="folder with ada-snapkv-r*.json (default calibration/<model>)",
+        help="folder with the shipped profiles: ada-snapkv-r<ratio>.json, and <scorer>-r<ratio>"
+        ".json of each selected Tangram or profile-budget system (default calibration/<model>)",
     )
     p.add_argument(
         "--server-args",
@@ -132,12 +135,17 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
         raise ConfigError(f"--threads must be >= 1, got {args.threads}")
     if not 0 <= args.skip < args.num_samples * len(tasks):
         raise ConfigError(f"--skip must lie in [0, num_samples x tasks), got {args.skip}")
-    ratios = tuple(_split(args.ratios, "--ratios", float))
+    ratios = tuple(dict.fromkeys(_split(args.ratios, "--ratios", float)))
     if any(not 0 < r <= 1 for r in ratios):
         raise ConfigError(f"--ratios must lie in (0, 1], got {args.ratios}")
-    systems = tuple(_split(args.systems, "--systems", str))
-    if any(s not in SYSTEMS for s in systems):
-        raise ConfigError(f"--systems {args.systems!r}: use a subset of {', '.join(SYSTEMS)}")
+    systems = tuple(dict.fromkeys(_split(args.systems, "--systems", str)))
+    for system in systems:
+        if system not in SYSTEMS:
+            near = difflib.get_close_matches(system, SYSTEMS, n=1)
+            hint = f"did you mean {near[0]!r}? " if near else ""
+            raise ConfigError(
+                f"--systems: {system!r} is not a system; {hint}use a subset of {', '.join(SYSTEMS)}"
+            )
     if args.model not in MODELS and not Path(args.model).is_dir():
         raise ConfigError(
             f"--model {args.model!r}: not an embedded model ({', '.join(MODELS)}) "
@@ -276,7 +284,7 @@ def _check_profiles(profile_dir: Path, systems: tuple[str, ...]) -> None:
         ConfigError: a missing profile, with the systems that need it and the fix.
     """
     from tangram_sglang.errors import ConfigError
-    from tangram_sglang.eval.runner import TANGRAM_SYSTEMS
+    from tangram_sglang.eval.runner import TANGRAM_SYSTEMS, profile_candidates
     from tangram_sglang.eval.systems import PROFILE_BUDGET_SYSTEMS
 
     wanted = {"ada-snapkv": []}
@@ -284,13 +292,14 @@ def _check_profiles(profile_dir: Path, systems: tuple[str, ...]) -> None:
         if system in systems:
             wanted.setdefault(scorer, []).append(system)
     for scorer, users in wanted.items():
-        if any(profile_dir.glob(f"{scorer}-r*.json")):
+        if profile_candidates(profile_dir, scorer):
             continue
         fix = f"leave {', '.join(users)} out of --systems, or " if scorer != "ada-snapkv" else ""
         raise ConfigError(
-            f"--profile-dir {profile_dir} holds no {scorer}-r*.json profile "
+            f"--profile-dir {profile_dir} holds no {scorer}-r<ratio>.json profile "
             f"({', '.join(users) or 'every compressed system'}'s budget); {fix}calibrate one: "
-            f"python -m tangram_sglang.calibrate --scorer {scorer} (calibration/README.md)"
+            f"python -m tangram_sglang.calibrate --model-path MODEL --scorer {scorer} "
+            f"--target-ratio R --output {profile_dir}/{scorer}-rR.json (calibration/README.md)"
         )
 
 
@@ -322,7 +331,7 @@ def _split(text: str, flag: str, kind: type) -> list:
     from tangram_sglang.errors import ConfigError
 
     try:
-        values = [kind(x) for x in text.split(",") if x.strip()]
+        values = [kind(x.strip()) for x in text.split(",") if x.strip()]
     except ValueError:
         raise ConfigError(f"{flag} {text!r}: expected a comma list of {kind.__name__}") from None
     if not values:

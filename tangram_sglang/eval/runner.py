@@ -130,23 +130,42 @@ class RunConfig:
         return DEVICE_DTYPES[self.device]
 
 
+def profile_candidates(profile_dir: Path, scorer: str) -> dict[float, Path]:
+    """The ``<scorer>-r<ratio>.json`` profiles of a folder, by target ratio; files whose ratio
+    part is not a number (``kvzip-lite-r0.5.bak.json``) are left out."""
+    found = {}
+    for path in sorted(profile_dir.glob(f"{scorer}-r*.json")):
+        try:
+            found[float(path.stem[len(scorer) + 2 :])] = path
+        except ValueError:
+            continue
+    return found
+
+
 def shipped_profile(
     profile_dir: Path, ratio: float, model_dir: Path, scorer: str = "ada-snapkv"
 ) -> BudgetProfile:
     """The shipped ``scorer`` profile nearest to ``ratio`` (r0.25 or r0.5), for ``model_dir``.
 
     Raises:
-        ConfigError: no such profile in the folder.
+        ConfigError: no such profile in the folder, or the file holds another scorer's profile.
         ProfileError: the profile was calibrated for another model (``check_model``).
     """
-    candidates = sorted(profile_dir.glob(f"{scorer}-r*.json"))
+    candidates = profile_candidates(profile_dir, scorer)
     if not candidates:
         raise ConfigError(
-            f"--profile-dir {profile_dir} holds no {scorer}-r*.json profile; calibrate one "
-            f"(python -m tangram_sglang.calibrate --scorer {scorer}, calibration/README.md)"
+            f"--profile-dir {profile_dir} holds no {scorer}-r<ratio>.json profile; calibrate "
+            f"one (python -m tangram_sglang.calibrate --model-path MODEL --scorer {scorer} "
+            f"--target-ratio R --output {profile_dir}/{scorer}-rR.json; calibration/README.md)"
         )
-    best = min(candidates, key=lambda p: abs(float(p.stem.split("-r")[-1]) - ratio))
-    profile = BudgetProfile.load(best)
+    best = min(candidates, key=lambda r: abs(r - ratio))
+    profile = BudgetProfile.load(candidates[best])
+    if profile.scorer != scorer:
+        raise ConfigError(
+            f"--profile-dir: {candidates[best]} holds a profile of scorer "
+            f"{profile.scorer!r}, not {scorer!r} as its name says; rename it or calibrate a "
+            f"{scorer} profile in its place"
+        )
     local = ModelIdentity.from_hf_config(json.loads((model_dir / "config.json").read_text()))
     profile.check_model(local)
     return profile

@@ -76,7 +76,7 @@ import numpy as np
 import requests
 
 from tangram_sglang.errors import TangramError
-from tangram_sglang.eval.allocation import group_allocation
+from tangram_sglang.eval.allocation import check_scores, group_allocation
 from tangram_sglang.mem.reservation import segment_kept_lens
 from tangram_sglang.profile import BudgetProfile
 
@@ -538,15 +538,16 @@ def profile_kept_counts(profile: BudgetProfile, scores: np.ndarray, allocation: 
         int64 ``[layers, kv_heads]`` (tokens).
 
     Raises:
-        TangramError: an unknown ``allocation``, or scores whose ``[layers, kv_heads]`` are not
-            the profile's (``group_allocation``).
+        TangramError: an unknown ``allocation``, or scores that are not 3-D with the
+            profile's ``[layers, kv_heads]`` (``allocation.check_scores``).
     """
     if allocation not in ALLOCATIONS:
         raise TangramError(f"allocation={allocation!r} is unknown; use one of {ALLOCATIONS}")
     if allocation != "static":
         return group_allocation(scores, profile, per_head=allocation == "head")
+    n = check_scores(scores, profile).shape[2]
     cluster = np.asarray(profile.grouping.cluster_of)
-    return profile.group_kept_array(np.shape(scores)[-1]).astype(np.int64)[cluster]
+    return profile.group_kept_array(n).astype(np.int64)[cluster]
 
 
 def evicted_indices(profile: BudgetProfile, scores: Any, kept: np.ndarray, device: Any) -> tuple:

@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 from tangram_sglang.errors import TangramError
 from tangram_sglang.eval.allocation import group_allocation
+from tangram_sglang.eval.systems import profile_kept_counts
 from tangram_sglang.profile import BudgetProfile
 
 PROFILE = BudgetProfile.load("calibration/qwen2.5-0.5b/kvzip-lite-r0.5.json")
@@ -56,10 +57,12 @@ def test_the_groups_a_request_attends_to_take_the_memory():
 
 
 def test_scores_of_another_head_layout_are_refused():
-    with pytest.raises(TangramError, match=r"scores shape .* \[layers, kv_heads, n\]"):
+    with pytest.raises(TangramError, match=r"scores shape .* \[layers, kv_heads, n >= 1\]"):
         group_allocation(np.zeros((CLUSTER.shape[0], CLUSTER.shape[1] + 1, 8)), PROFILE)
-    with pytest.raises(TangramError, match="scores shape"):
+    with pytest.raises(TangramError, match="scores have 2 dims .* they must be 3-D"):
         group_allocation(np.zeros(CLUSTER.shape), PROFILE)
+    with pytest.raises(TangramError, match="they must be 3-D"):
+        profile_kept_counts(PROFILE, np.zeros(CLUSTER.shape), "static")
 
 
 def test_per_head_splits_the_same_total_head_by_head():

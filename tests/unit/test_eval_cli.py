@@ -23,7 +23,11 @@ REPO = Path(__file__).resolve().parents[2]
         (["--server-args", '"x'], "--server-args '\"x': No closing quotation"),
         (["--ratios", "0"], "--ratios must lie in (0, 1]"),
         (["--task", "nope"], "--task 'nope' is unknown"),
-        (["--systems", "nope"], "--systems 'nope'"),
+        (["--systems", "nope"], "--systems: 'nope' is not a system; use a subset of"),
+        (
+            ["--systems", "full,kvzip-head-alloc,kvzip-lite-head"],
+            "did you mean 'kvzip-lite-head-alloc'",
+        ),
         (["--server-args", "--chunked-prefill-size 64"], "--chunked-prefill-size is set by"),
         (["--lengths", "1024,16000"], "--lengths 16000: contexts must stay under"),
         (["--device", "cuda", "--threads", "2"], "--threads sets CPU threads"),
@@ -75,20 +79,50 @@ def test_a_missing_profile_of_a_selected_system_is_named_before_any_model(
     argv = ["--model", "smollm2", "--profile-dir", str(tmp_path)]
     assert main(argv) == 2
     err = capsys.readouterr().err
-    assert "no kvzip-lite-r*.json profile (tangram-kvzip-lite's budget)" in err
+    assert "no kvzip-lite-r<ratio>.json profile (tangram-kvzip-lite's budget)" in err
     assert "leave tangram-kvzip-lite out of --systems" in err
     from tangram_sglang.eval.cli import config_from_args, parse_args
 
     cfg = config_from_args(parse_args([*argv, "--systems", "full,tangram"]))
     assert cfg.systems == ("full", "tangram")
     assert main([*argv, "--systems", "full,kvzip-budgets"]) == 2  # its budgets: kvzip-lite's
-    assert "no kvzip-lite-r*.json profile (kvzip-budgets's budget)" in capsys.readouterr().err
+    assert "no kvzip-lite-r<ratio>.json profile (kvzip-budgets's budget)" in capsys.readouterr().err
     empty = tmp_path / "empty"
     empty.mkdir()
     assert main(["--model", "smollm2", "--profile-dir", str(empty), "--systems", "full"]) == 2
-    assert "no ada-snapkv-r*.json profile (every compressed system's budget)" in (
+    assert "no ada-snapkv-r<ratio>.json profile (every compressed system's budget)" in (
         capsys.readouterr().err
     )
+
+
+def test_profiles_are_read_by_their_ratio_and_must_hold_the_scorer_they_are_named_for(
+    tmp_path, smollm2_path
+):
+    """A stray ``<scorer>-r<not a number>.json`` is not a profile of the folder; a file named
+    for one scorer that holds another's profile is refused, not run as the other scorer."""
+    import shutil
+
+    from tangram_sglang.errors import ConfigError
+    from tangram_sglang.eval.runner import profile_candidates, shipped_profile
+
+    src = REPO / "calibration" / "smollm2"
+    shutil.copy(src / "kvzip-lite-r0.5.json", tmp_path / "kvzip-lite-r0.5.json")
+    shutil.copy(src / "kvzip-lite-r0.5.json", tmp_path / "kvzip-lite-r0.5.bak.json")
+    assert profile_candidates(tmp_path, "kvzip-lite") == {0.5: tmp_path / "kvzip-lite-r0.5.json"}
+    assert shipped_profile(tmp_path, 0.5, smollm2_path, "kvzip-lite").scorer == "kvzip-lite"
+    shutil.copy(src / "ada-snapkv-r0.25.json", tmp_path / "kvzip-lite-r0.25.json")
+    with pytest.raises(
+        ConfigError, match="holds a profile of scorer 'ada-snapkv', not 'kvzip-lite'"
+    ):
+        shipped_profile(tmp_path, 0.25, smollm2_path, "kvzip-lite")
+
+
+def test_repeated_systems_and_ratios_run_once(smollm2_path):
+    from tangram_sglang.eval.cli import config_from_args, parse_args
+
+    argv = ["--model", "smollm2", "--systems", "full, tangram,full", "--ratios", "0.5,0.50"]
+    cfg = config_from_args(parse_args(argv))
+    assert cfg.systems == ("full", "tangram") and cfg.ratios == (0.5,)
 
 
 def test_unknown_model_is_named_as_such(capsys):
