@@ -9,8 +9,9 @@ changing its memory footprint: the request keeps the profile's total number of K
 total by the request's scores, every head of a group keeping the same count.
 
 The accuracy harness uses it (``eval.systems``: ``kvzip-group-alloc``, ``kvzip-head-alloc``,
-``kvzip-lite-group-alloc``) to tell how much of the gap between a static profile and a
-per-request method the allocation alone closes, before the server is asked to do it.
+``kvzip-lite-group-alloc``, ``kvzip-lite-head-alloc``) to tell how much of the gap between a
+static profile and a per-request method the allocation alone closes, before the server is asked
+to do it.
 
 Rule. Every head keeps its sinks and recent window (``p = min(n, sink + window)`` entries: the
 floor of every group). The rest of the total, ``R = total - p * num_heads``, goes in the order of
@@ -52,7 +53,8 @@ def group_allocation(
         below the floor).
 
     Raises:
-        TangramError: ``scores`` is not 3-D or its head layout is not the profile's.
+        TangramError: ``scores`` is not 3-D, its head layout is not the profile's, or it has no
+            tokens (:func:`check_scores`).
     """
     scores = check_scores(scores, profile).astype(np.float64)
     cluster = np.asarray(profile.grouping.cluster_of, dtype=np.int64)

@@ -276,12 +276,16 @@ def _min_compress_tokens(server_args: tuple[str, ...]) -> int:
 def _check_profiles(profile_dir: Path, systems: tuple[str, ...]) -> None:
     """The shipped profiles the run loads are in ``--profile-dir`` (before any model loads).
 
-    ``ada-snapkv-r*.json`` always (it sets every compressed system's budget), and each selected
-    Tangram system's ``<scorer>-r*.json`` (``runner.TANGRAM_SYSTEMS``) or press system's whose
-    budgets come from a profile (``systems.PROFILE_BUDGET_SYSTEMS``: ``kvzip-budgets``).
+    ``ada-snapkv-r<ratio>.json`` always (it sets every compressed system's budget), and each
+    selected Tangram system's ``<scorer>-r<ratio>.json`` (``runner.TANGRAM_SYSTEMS``) or press
+    system's whose budgets come from a profile (``systems.PROFILE_BUDGET_SYSTEMS``:
+    ``kvzip-budgets`` and the per-request allocations), as ``runner.profile_candidates`` reads
+    them (a ratio that is not a decimal in (0, 1]: not a profile; each file's ``scorer`` field
+    must be the one its name says).
 
     Raises:
-        ConfigError: a missing profile, with the systems that need it and the fix.
+        ConfigError: a missing profile, with the systems that need it and the fix; a profile
+            of another scorer under a scorer's name, or two files of one ratio.
     """
     from tangram_sglang.errors import ConfigError
     from tangram_sglang.eval.runner import TANGRAM_SYSTEMS, profile_candidates

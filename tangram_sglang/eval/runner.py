@@ -23,6 +23,7 @@ model never run at the same time in one process (server phases first, then the k
 from __future__ import annotations
 
 import json
+import re
 import sys
 import tempfile
 import time
@@ -57,6 +58,7 @@ from tangram_sglang.eval.tasks import (
 from tangram_sglang.profile import BudgetProfile, ModelIdentity
 from tangram_sglang.serving import CUDA_STOCK_FLAGS
 
+RATIO_NAME = re.compile(r"\d+(\.\d+)?")  # the ratio part of a profile's file name (0.25)
 MAX_NEW_TOKENS = {"needle": 28, "squad": 24, "multiturn-squad": 24}
 SYSTEMS = ("full", *TANGRAM_SYSTEMS, *PRESS_SYSTEMS, "full-hf")
 # by default neither the grid systems nor the diagnostic profile-budget presses (kvzip-budgets
@@ -131,14 +133,36 @@ class RunConfig:
 
 
 def profile_candidates(profile_dir: Path, scorer: str) -> dict[float, Path]:
-    """The ``<scorer>-r<ratio>.json`` profiles of a folder, by target ratio; files whose ratio
-    part is not a number (``kvzip-lite-r0.5.bak.json``) are left out."""
-    found = {}
+    """The ``<scorer>-r<ratio>.json`` profiles of a folder, by target ratio.
+
+    Files whose ratio part is not a plain decimal in (0, 1] (``kvzip-lite-r0.5.bak.json``) are
+    left out; each kept file's ``scorer`` field is read (a JSON read, no model).
+
+    Raises:
+        ConfigError: two files for one ratio (``r0.5`` and ``r0.50``), or a file that holds
+            another scorer's profile than its name says (it would run as that other scorer).
+    """
+    found: dict[float, Path] = {}
     for path in sorted(profile_dir.glob(f"{scorer}-r*.json")):
-        try:
-            found[float(path.stem[len(scorer) + 2 :])] = path
-        except ValueError:
+        text = path.stem[len(scorer) + 2 :]
+        if not RATIO_NAME.fullmatch(text) or not 0 < float(text) <= 1:
             continue
+        ratio = float(text)
+        if ratio in found:
+            raise ConfigError(
+                f"--profile-dir: {found[ratio].name} and {path.name} are both the {scorer} "
+                f"profile of ratio {ratio}; keep one"
+            )
+        try:
+            named = json.loads(path.read_text()).get("scorer", scorer)
+        except (OSError, ValueError, AttributeError):
+            named = scorer  # not a profile at all: BudgetProfile.load says so when it is used
+        if named != scorer:
+            raise ConfigError(
+                f"--profile-dir: {path} holds a profile of scorer {named!r}, not {scorer!r} as "
+                f"its name says; rename it or calibrate a {scorer} profile in its place"
+            )
+        found[ratio] = path
     return found
 
 
@@ -148,7 +172,7 @@ def shipped_profile(
     """The shipped ``scorer`` profile nearest to ``ratio`` (r0.25 or r0.5), for ``model_dir``.
 
     Raises:
-        ConfigError: no such profile in the folder, or the file holds another scorer's profile.
+        ConfigError: no such profile in the folder, or a bad one (:func:`profile_candidates`).
         ProfileError: the profile was calibrated for another model (``check_model``).
     """
     candidates = profile_candidates(profile_dir, scorer)
@@ -160,12 +184,6 @@ def shipped_profile(
         )
     best = min(candidates, key=lambda r: abs(r - ratio))
     profile = BudgetProfile.load(candidates[best])
-    if profile.scorer != scorer:
-        raise ConfigError(
-            f"--profile-dir: {candidates[best]} holds a profile of scorer "
-            f"{profile.scorer!r}, not {scorer!r} as its name says; rename it or calibrate a "
-            f"{scorer} profile in its place"
-        )
     local = ModelIdentity.from_hf_config(json.loads((model_dir / "config.json").read_text()))
     profile.check_model(local)
     return profile

@@ -96,7 +96,7 @@ def test_a_missing_profile_of_a_selected_system_is_named_before_any_model(
 
 
 def test_profiles_are_read_by_their_ratio_and_must_hold_the_scorer_they_are_named_for(
-    tmp_path, smollm2_path
+    tmp_path, smollm2_path, capsys
 ):
     """A stray ``<scorer>-r<not a number>.json`` is not a profile of the folder; a file named
     for one scorer that holds another's profile is refused, not run as the other scorer."""
@@ -110,11 +110,22 @@ def test_profiles_are_read_by_their_ratio_and_must_hold_the_scorer_they_are_name
     shutil.copy(src / "kvzip-lite-r0.5.json", tmp_path / "kvzip-lite-r0.5.bak.json")
     assert profile_candidates(tmp_path, "kvzip-lite") == {0.5: tmp_path / "kvzip-lite-r0.5.json"}
     assert shipped_profile(tmp_path, 0.5, smollm2_path, "kvzip-lite").scorer == "kvzip-lite"
+    for stray in ("kvzip-lite-rnan.json", "kvzip-lite-r0_5.json", "kvzip-lite-r2.json"):
+        shutil.copy(src / "kvzip-lite-r0.5.json", tmp_path / stray)
+    assert list(profile_candidates(tmp_path, "kvzip-lite")) == [0.5]
+    shutil.copy(src / "kvzip-lite-r0.5.json", tmp_path / "kvzip-lite-r0.50.json")
+    with pytest.raises(ConfigError, match="are both the kvzip-lite profile of ratio 0.5"):
+        profile_candidates(tmp_path, "kvzip-lite")
+    (tmp_path / "kvzip-lite-r0.50.json").unlink()
     shutil.copy(src / "ada-snapkv-r0.25.json", tmp_path / "kvzip-lite-r0.25.json")
-    with pytest.raises(
-        ConfigError, match="holds a profile of scorer 'ada-snapkv', not 'kvzip-lite'"
-    ):
-        shipped_profile(tmp_path, 0.25, smollm2_path, "kvzip-lite")
+    mismatch = "holds a profile of scorer 'ada-snapkv', not 'kvzip-lite'"
+    with pytest.raises(ConfigError, match=mismatch):
+        shipped_profile(tmp_path, 0.5, smollm2_path, "kvzip-lite")
+    # the CLI says so before any model loads
+    shutil.copy(src / "ada-snapkv-r0.5.json", tmp_path / "ada-snapkv-r0.5.json")
+    argv = ["--model", "smollm2", "--profile-dir", str(tmp_path), "--systems", "full,kvzip-budgets"]
+    assert main(argv) == 2
+    assert mismatch in capsys.readouterr().err
 
 
 def test_repeated_systems_and_ratios_run_once(smollm2_path):
