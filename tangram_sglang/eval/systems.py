@@ -385,7 +385,7 @@ class KvpressRunner:
         scored: dict[Any, np.ndarray] | None = None,
     ) -> dict[int, tuple]:
         """The evicted (head, token) pairs per layer of an observed-score system: its scorer on
-        a forward of the context (``ScoreObserver``), then ``press.kept_counts``; records the
+        a forward of the context (``ScoreObserver``), then :func:`profile_kept_counts`; records the
         kept entries per head in ``kept_per_head[name]``.
 
         Args:
@@ -410,10 +410,10 @@ class KvpressRunner:
                 self._observers[press.scorer] = ScoreObserver(self.model, press.scorer)
             scored[press.scorer] = self._observers[press.scorer].scores(context_ids)
         scores = scored[press.scorer]
-        kept = press.kept_counts(scores)
+        kept = profile_kept_counts(press.profile, scores, press.allocation)
         self.kept_per_head[name] = kept.tolist()
         return {
-            layer: press.masked_indices(scores[layer], kept[layer], self.device)
+            layer: evicted_indices(press.profile, scores[layer], kept[layer], self.device)
             for layer in range(kept.shape[0])
         }
 
@@ -517,14 +517,14 @@ class ObservedScorePress:
     profile: BudgetProfile
     allocation: str
 
-    def kept_counts(self, scores: np.ndarray) -> np.ndarray:
-        """int64 ``[layers, kv_heads]`` kept per head from float ``[layers, kv_heads, n]``."""
-        return profile_kept_counts(self.profile, scores, self.allocation)
+    def __post_init__(self) -> None:
+        check_allocation(self.allocation)
 
-    def masked_indices(self, scores: np.ndarray, kept: np.ndarray, device: Any) -> tuple:
-        """kvpress's ``masked_key_indices`` (batch, head, token) of one layer: the tokens each
-        head does not keep (``scores`` ``[kv_heads, n]``, ``kept`` ``[kv_heads]``)."""
-        return evicted_indices(self.profile, scores, kept, device)
+
+def check_allocation(allocation: str) -> None:
+    """Raises TangramError unless ``allocation`` is one of :data:`ALLOCATIONS`."""
+    if allocation not in ALLOCATIONS:
+        raise TangramError(f"allocation={allocation!r} is unknown; use one of {ALLOCATIONS}")
 
 
 def profile_kept_counts(profile: BudgetProfile, scores: np.ndarray, allocation: str) -> np.ndarray:
@@ -541,8 +541,7 @@ def profile_kept_counts(profile: BudgetProfile, scores: np.ndarray, allocation: 
         TangramError: an unknown ``allocation``, or scores that are not 3-D with the
             profile's ``[layers, kv_heads]`` (``allocation.check_scores``).
     """
-    if allocation not in ALLOCATIONS:
-        raise TangramError(f"allocation={allocation!r} is unknown; use one of {ALLOCATIONS}")
+    check_allocation(allocation)
     if allocation != "static":
         return group_allocation(scores, profile, per_head=allocation == "head")
     n = check_scores(scores, profile).shape[2]
@@ -616,8 +615,7 @@ def profile_budget_kvzip_press(
     """
     import kvpress
 
-    if allocation not in ALLOCATIONS:
-        raise TangramError(f"allocation={allocation!r} is unknown; use one of {ALLOCATIONS}")
+    check_allocation(allocation)
 
     class ProfileBudgetKVzipPress(kvpress.KVzipPress):
         def compress_post(self, model: Any) -> None:
