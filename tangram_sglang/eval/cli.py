@@ -191,6 +191,7 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
     model_dir = model_path(args.model) if args.model in MODELS else Path(args.model)
     if not (model_dir / "config.json").is_file():
         raise ConfigError(f"--model {args.model}: no config.json in {model_dir}")
+    _check_profile_models(profile_dir, systems, ratios, model_dir, args.model)
     chunk = _chunk_tokens(max(lengths), args.device, model_dir)
     return RunConfig(
         model=args.model,
@@ -305,6 +306,47 @@ def _check_profiles(profile_dir: Path, systems: tuple[str, ...]) -> None:
             f"python -m tangram_sglang.calibrate --model-path MODEL --scorer {scorer} "
             f"--target-ratio R --output {profile_dir}/{scorer}-rR.json (calibration/README.md)"
         )
+
+
+def _check_profile_models(
+    profile_dir: Path,
+    systems: tuple[str, ...],
+    ratios: tuple[float, ...],
+    model_dir: Path,
+    model: str,
+) -> None:
+    """Every profile the run reads was calibrated for ``--model`` (JSON reads, before any model
+    or server starts; ``BudgetProfile.check_model``).
+
+    Raises:
+        ConfigError: a profile that does not load, or one calibrated for another model (naming
+            the file, ``--model`` and ``--profile-dir``, and the fix).
+    """
+    import json
+
+    from tangram_sglang.errors import ConfigError, ProfileError
+    from tangram_sglang.eval.runner import nearest_profile_path, profile_scorers
+    from tangram_sglang.profile import BudgetProfile, ModelIdentity
+
+    local = ModelIdentity.from_hf_config(json.loads((model_dir / "config.json").read_text()))
+    paths = {
+        nearest_profile_path(profile_dir, r, scorer)
+        for scorer in set(profile_scorers(systems).values())
+        for r in ratios
+    }
+    for path in sorted(paths):
+        try:
+            profile = BudgetProfile.load(path)
+        except ProfileError as exc:
+            raise ConfigError(f"--profile-dir: {exc}") from None
+        try:
+            profile.check_model(local)
+        except ProfileError as exc:
+            raise ConfigError(
+                f"--profile-dir {profile_dir}: {path.name} does not fit --model {model} ({exc}); "
+                f"pass the --profile-dir of this model's profiles (calibration/<model>) or "
+                f"calibrate them"
+            ) from None
 
 
 def _chunk_tokens(max_length: int, device: str, model_dir: Path) -> int:

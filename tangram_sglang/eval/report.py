@@ -39,6 +39,16 @@ LATER = "later_turns_" + METRIC
 SUMMARY_RATIOS = (0.25, 0.5)
 
 
+def _profile_files(cfg: Any) -> dict[str, dict[str, str]] | None:
+    """Which profile file each system read at each ratio (``runner.profile_files``); None for a
+    config without a profile folder."""
+    if getattr(cfg, "profile_dir", None) is None:
+        return None
+    from tangram_sglang.eval.runner import profile_files
+
+    return profile_files(cfg.profile_dir, tuple(cfg.ratios), tuple(cfg.systems))
+
+
 def build(cfg: Any, samples: list, records: list[dict[str, Any]], wall_s: float) -> dict[str, Any]:
     """The report dict written to ``--json``."""
     results = aggregate(records, cfg.ratios)
@@ -68,6 +78,7 @@ def build(cfg: Any, samples: list, records: list[dict[str, Any]], wall_s: float)
             "dtype": cfg.dtype,
             "protocol": cfg.protocol,
             "grid_cell": getattr(cfg, "grid_cell", None),
+            "profiles": _profile_files(cfg),
         },
         "samples": [
             {
@@ -243,6 +254,18 @@ def markdown_table(rep: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _merged_config(reports: list[dict[str, Any]]) -> dict[str, Any]:
+    """The first report's ``config`` with every report's systems, ratios (high to low) and
+    profile files (``profiles``; reports written before that field have none)."""
+    ratios = sorted({r for rep in reports for r in rep["config"]["ratios"]}, reverse=True)
+    systems = list(dict.fromkeys(s for rep in reports for s in rep["config"]["systems"]))
+    profiles: dict[str, dict[str, str]] = {}
+    for rep in reports:
+        for system, files in (rep["config"].get("profiles") or {}).items():
+            profiles.setdefault(system, {}).update(files)
+    return dict(reports[0]["config"], systems=systems, ratios=ratios, profiles=profiles or None)
+
+
 def merge(reports: list[dict[str, Any]]) -> dict[str, Any]:
     """One report from runs of other systems on the first run's samples (or a subset of them).
 
@@ -278,8 +301,7 @@ def merge(reports: list[dict[str, Any]]) -> dict[str, Any]:
     records = common_samples([r for rep in reports for r in rep["records"]])
     ratios = tuple(sorted({r for rep in reports for r in rep["config"]["ratios"]}, reverse=True))
     results = aggregate(records, ratios)
-    systems = list(dict.fromkeys(s for rep in reports for s in rep["config"]["systems"]))
-    config = dict(first["config"], systems=systems, ratios=list(ratios))
+    config = _merged_config(reports)
     scored = sorted({r["sample_id"] for r in records})
     return dict(
         first,

@@ -166,6 +166,52 @@ def profile_candidates(profile_dir: Path, scorer: str) -> dict[float, Path]:
     return found
 
 
+def nearest_profile_path(profile_dir: Path, ratio: float, scorer: str = "ada-snapkv") -> Path:
+    """The ``<scorer>-r<ratio>.json`` file of ``profile_dir`` whose ratio is nearest ``ratio``.
+
+    Raises:
+        ConfigError: no such profile in the folder, or a bad one (:func:`profile_candidates`).
+    """
+    candidates = profile_candidates(profile_dir, scorer)
+    if not candidates:
+        raise ConfigError(
+            f"--profile-dir {profile_dir} holds no {scorer}-r<ratio>.json profile; calibrate "
+            f"one (python -m tangram_sglang.calibrate --model-path MODEL --scorer {scorer} "
+            f"--target-ratio R --output {profile_dir}/{scorer}-rR.json; calibration/README.md)"
+        )
+    return candidates[min(candidates, key=lambda r: abs(r - ratio))]
+
+
+def profile_scorers(systems: tuple[str, ...]) -> dict[str, str]:
+    """The profile each selected system reads, by system: ``budgets`` (the Ada-SnapKV profile
+    that sets every compressed system's budget) -> ``ada-snapkv``, then each Tangram system's
+    scorer (:data:`TANGRAM_SYSTEMS`) and each profile-budget press's (``PROFILE_BUDGET_SYSTEMS``).
+    """
+    own = {
+        system: scorer
+        for system, scorer in (TANGRAM_SYSTEMS | PROFILE_BUDGET_SYSTEMS).items()
+        if system in systems
+    }
+    return {"budgets": "ada-snapkv", **own}
+
+
+def profile_files(
+    profile_dir: Path, ratios: tuple[float, ...], systems: tuple[str, ...]
+) -> dict[str, dict[str, str]]:
+    """Which profile file each system reads at each ratio (for the report's ``config``).
+
+    Returns:
+        ``{system or "budgets": {str(ratio): file name}}`` (:func:`profile_scorers`).
+
+    Raises:
+        ConfigError: as :func:`nearest_profile_path`.
+    """
+    return {
+        system: {str(r): nearest_profile_path(profile_dir, r, scorer).name for r in ratios}
+        for system, scorer in profile_scorers(systems).items()
+    }
+
+
 def shipped_profile(
     profile_dir: Path, ratio: float, model_dir: Path, scorer: str = "ada-snapkv"
 ) -> BudgetProfile:
@@ -175,15 +221,7 @@ def shipped_profile(
         ConfigError: no such profile in the folder, or a bad one (:func:`profile_candidates`).
         ProfileError: the profile was calibrated for another model (``check_model``).
     """
-    candidates = profile_candidates(profile_dir, scorer)
-    if not candidates:
-        raise ConfigError(
-            f"--profile-dir {profile_dir} holds no {scorer}-r<ratio>.json profile; calibrate "
-            f"one (python -m tangram_sglang.calibrate --model-path MODEL --scorer {scorer} "
-            f"--target-ratio R --output {profile_dir}/{scorer}-rR.json; calibration/README.md)"
-        )
-    best = min(candidates, key=lambda r: abs(r - ratio))
-    profile = BudgetProfile.load(candidates[best])
+    profile = BudgetProfile.load(nearest_profile_path(profile_dir, ratio, scorer))
     local = ModelIdentity.from_hf_config(json.loads((model_dir / "config.json").read_text()))
     profile.check_model(local)
     return profile

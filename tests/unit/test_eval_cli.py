@@ -268,3 +268,48 @@ def test_resume_refuses_a_report_of_another_device(smollm2_path, tmp_path):
         _resumed(cuda, {"needle:0"}, print)
     path.write_text(json.dumps(dict(rep, config={})))  # written before --device: cpu
     assert _resumed(_cfg(smollm2_path, json_path=path, resume=True), {"needle:0"}, print) == [rec]
+
+
+def test_profiles_of_another_model_are_named_before_any_model_loads(tmp_path, smollm2_path, capsys):
+    """Qwen2.5-0.5B's profiles under ``--model smollm2``: exit 2 naming the file, the model and
+    ``--profile-dir`` (a JSON read, not a traceback after the tokenizer loads); a corrupt
+    profile is named as such, not as another model's."""
+    import shutil
+
+    qwen = REPO / "calibration" / "qwen2.5-0.5b"
+    shutil.copy(qwen / "ada-snapkv-r0.25.json", tmp_path / "ada-snapkv-r0.25.json")
+    argv = ["--model", "smollm2", "--profile-dir", str(tmp_path), "--systems", "full,tangram"]
+    assert main([*argv, "--ratios", "0.25"]) == 2
+    err = capsys.readouterr().err
+    assert f"--profile-dir {tmp_path}: ada-snapkv-r0.25.json does not fit --model smollm2" in err
+    assert "model.num_layers=24 but the served model has 30" in err
+    (tmp_path / "ada-snapkv-r0.25.json").write_text("{not json")
+    assert main([*argv, "--ratios", "0.25"]) == 2
+    err = capsys.readouterr().err
+    assert "--profile-dir:" in err and "does not fit" not in err
+
+
+def test_the_report_records_which_profile_file_each_system_read(tmp_path, smollm2_path):
+    """``config.profiles``: the nearest-ratio file of each system's scorer, the budgets' one
+    included; ``report.merge`` keeps the union of its reports' records."""
+    from tangram_sglang.eval import report
+    from tangram_sglang.eval.cli import config_from_args, parse_args
+
+    argv = ["--model", "smollm2", "--systems", "full,tangram-kvzip-lite,kvzip-budgets"]
+    cfg = config_from_args(parse_args([*argv, "--ratios", "0.5,0.3"]))
+    files = report.build(cfg, [], [], 0.0)["config"]["profiles"]
+    assert files == {
+        "budgets": {"0.5": "ada-snapkv-r0.5.json", "0.3": "ada-snapkv-r0.25.json"},
+        "tangram-kvzip-lite": {"0.5": "kvzip-lite-r0.5.json", "0.3": "kvzip-lite-r0.25.json"},
+        "kvzip-budgets": {"0.5": "kvzip-lite-r0.5.json", "0.3": "kvzip-lite-r0.25.json"},
+    }
+    other_argv = ["--model", "smollm2", "--systems", "tangram,kvzip-budgets", "--ratios", "0.25"]
+    other = config_from_args(parse_args(other_argv))
+    merged = report._merged_config(
+        [report.build(cfg, [], [], 0.0), report.build(other, [], [], 0.0)]
+    )
+    assert merged["profiles"]["tangram"] == {"0.25": "ada-snapkv-r0.25.json"}
+    assert merged["profiles"]["kvzip-budgets"] == {
+        **files["kvzip-budgets"],
+        "0.25": "kvzip-lite-r0.25.json",
+    }
