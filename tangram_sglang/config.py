@@ -302,6 +302,44 @@ def history_attention(environ: dict[str, str] | None = None) -> str:
     return value
 
 
+# CTAs per SM one decode launch aims for (read once per server, at start-up): sets the split
+# table's CTA budget per row and the batch plan's chunk floor (kernels/split_table.py).
+DECODE_CTAS_ENV = "TANGRAM_DECODE_CTAS_PER_SM"
+DEFAULT_DECODE_CTAS_PER_SM = 8  # split_table.CTAS_PER_SM (the reasoning is there)
+MAX_DECODE_CTAS_PER_SM = 64
+
+
+def decode_ctas_per_sm(environ: dict[str, str] | None = None) -> int:
+    """CTAs per SM a decode launch aims for: ``TANGRAM_DECODE_CTAS_PER_SM``, default
+    :data:`DEFAULT_DECODE_CTAS_PER_SM` (8, ``split_table.CTAS_PER_SM``).
+
+    The decode kernel holds 3 CTAs per SM at head_dim 128 (160-166 registers per thread), so the
+    default launch is about 2.7 waves; whether a launch sized to whole waves decodes faster is
+    what this switch measures (``benchmarks/RESULTS.md``, issue 18). Both decode plans and the
+    static table read it.
+
+    Args:
+        environ: the environment to read (default ``os.environ``); unset or empty means the
+            default.
+
+    Returns:
+        A whole number in ``[1, MAX_DECODE_CTAS_PER_SM]``.
+
+    Raises:
+        ConfigError: anything else, naming the variable.
+    """
+    raw = (os.environ if environ is None else environ).get(DECODE_CTAS_ENV, "").strip()
+    if raw == "":
+        return DEFAULT_DECODE_CTAS_PER_SM
+    if not raw.isdecimal() or not 1 <= int(raw) <= MAX_DECODE_CTAS_PER_SM:
+        raise ConfigError(
+            f"{DECODE_CTAS_ENV}={raw!r}: use a whole number of CTAs per SM in "
+            f"[1, {MAX_DECODE_CTAS_PER_SM}], or unset it for the default "
+            f"({DEFAULT_DECODE_CTAS_PER_SM})"
+        )
+    return int(raw)
+
+
 # Environment switch of the decode kernel's split plan (read once per server, at start-up).
 DECODE_PLAN_ENV = "TANGRAM_DECODE_PLAN"
 DECODE_PLANS = ("batch", "lengths", "table")

@@ -26,7 +26,12 @@ import torch
 from tangram_sglang.backend import metadata as md
 from tangram_sglang.backend.compress import batch_kept_indices
 from tangram_sglang.backend.state import TangramState
-from tangram_sglang.config import decode_plan, history_attention, prefill_attention
+from tangram_sglang.config import (
+    decode_ctas_per_sm,
+    decode_plan,
+    history_attention,
+    prefill_attention,
+)
 from tangram_sglang.errors import ConfigError, KernelError
 from tangram_sglang.kernels import reference
 from tangram_sglang.kernels._checks import check_tensor
@@ -209,6 +214,8 @@ class TritonKernels(ReferenceKernels):
             package, a float32 pool or no room for it logged at info level, a failed start-up
             run or plan still a warning). Either needs the new tokens through FlashInfer
             (``prefill`` not ``"triton"``, and FlashInfer usable).
+        ctas_per_sm: CTAs per SM one decode launch aims for (:func:`config.decode_ctas_per_sm`;
+            the split tables' CTA budgets and the batch plan's ``launch_ctas``).
 
     Raises:
         ConfigError: ``prefill="flashinfer"`` with a float32 pool.
@@ -229,6 +236,7 @@ class TritonKernels(ReferenceKernels):
         plan: str = "batch",
         prefill: str = "triton",
         history: str = "auto",
+        ctas_per_sm: int = CTAS_PER_SM,
     ) -> None:
         from tangram_sglang.kernels.decode_attention import decode_scratch
         from tangram_sglang.kernels.split_table import build_split_tables
@@ -236,7 +244,7 @@ class TritonKernels(ReferenceKernels):
         profile = state.profile
         num_sms = torch.cuda.get_device_properties(device).multi_processor_count
         self.tables = build_split_tables(
-            profile.grouping, profile.group_ratios, num_sms, max_batch_size
+            profile.grouping, profile.group_ratios, num_sms, max_batch_size, ctas_per_sm=ctas_per_sm
         ).to(device)
         m = profile.model
         self.plan = plan
@@ -508,18 +516,21 @@ def _check_layer(layer: int | None) -> None:
 def kernels_for(device: torch.device, state: TangramState, max_batch_size: int) -> ReferenceKernels:
     """Triton kernels on CUDA, the torch reference elsewhere (start-up).
 
-    Reads ``TANGRAM_DECODE_PLAN``, ``TANGRAM_PREFILL_ATTENTION`` and
-    ``TANGRAM_HISTORY_ATTENTION`` once (:func:`config.decode_plan`,
-    :func:`config.prefill_attention`, :func:`config.history_attention`; checked on every device).
+    Reads ``TANGRAM_DECODE_PLAN``, ``TANGRAM_DECODE_CTAS_PER_SM``, ``TANGRAM_PREFILL_ATTENTION``
+    and ``TANGRAM_HISTORY_ATTENTION`` once (:func:`config.decode_plan`,
+    :func:`config.decode_ctas_per_sm`, :func:`config.prefill_attention`,
+    :func:`config.history_attention`; checked on every device).
 
     Raises:
-        ConfigError: a bad ``TANGRAM_DECODE_PLAN``, ``TANGRAM_PREFILL_ATTENTION`` or
-            ``TANGRAM_HISTORY_ATTENTION``.
+        ConfigError: a bad value of any of them.
     """
     plan, prefill, history = decode_plan(), prefill_attention(), history_attention()
+    ctas_per_sm = decode_ctas_per_sm()
     if device.type == "cuda":
-        return TritonKernels(state, max_batch_size, device, plan, prefill, history)
-    return ReferenceKernels(history, plan)
+        return TritonKernels(state, max_batch_size, device, plan, prefill, history, ctas_per_sm)
+    kernels = ReferenceKernels(history, plan)
+    kernels.launch_ctas = ctas_per_sm * 132
+    return kernels
 
 
 def batch_history_plan(

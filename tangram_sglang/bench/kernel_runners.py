@@ -26,6 +26,7 @@ import torch
 import triton
 
 from tangram_sglang.bench.kernels import HEAD_DIM, NUM_KV_HEADS, NUM_QO_HEADS, PAGE_SIZE, Case
+from tangram_sglang.config import decode_ctas_per_sm
 from tangram_sglang.grouping import HeadGrouping
 from tangram_sglang.kernels.decode_attention import decode_scratch, ragged_decode_attention
 from tangram_sglang.kernels.reference import decode_reference
@@ -132,8 +133,16 @@ class RaggedState:
         ``plan="batch"`` (the batch-balanced plan; its chunk floor, from the batch's kept tokens
         and the table's ``launch_ctas``, goes in as an int32 [1] tensor).
         """
+        # the table of the batch's bucket, as a server picks it (the smallest power of two >=
+        # the batch: build_split_tables), so a 23-row case gets the 32-row bucket's budgets
+        bucket = 1 << (self.case.batch - 1).bit_length()
         host = build_split_table(
-            self.grouping, self.group_ratios, self.num_sms, self.case.batch, uniform=uniform
+            self.grouping,
+            self.group_ratios,
+            self.num_sms,
+            bucket,
+            uniform=uniform,
+            ctas_per_sm=decode_ctas_per_sm(),
         )
         table = host.to("cuda")
         view = table.layer(0)

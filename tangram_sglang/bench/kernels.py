@@ -64,6 +64,7 @@ from typing import Any
 
 import numpy as np
 
+from tangram_sglang.config import decode_ctas_per_sm
 from tangram_sglang.errors import TangramError
 from tangram_sglang.profile import BudgetProfile, kept_len
 
@@ -466,10 +467,15 @@ def main(argv: list[str] | None = None) -> int:
         cases = plan_cases(profile, max_gib=args.max_gib, **grid)
     except TangramError as exc:  # e.g. a budget below what the profile's sinks and window keep
         parser.error(f"--budgets {','.join(map(str, grid['budgets']))}: {exc}")
+    try:
+        ctas_per_sm = decode_ctas_per_sm()  # TANGRAM_DECODE_CTAS_PER_SM, as a server reads it
+    except TangramError as exc:
+        parser.error(str(exc))
     meta: dict[str, Any] = {
         "profile": profile.provenance,
         "quick": args.quick,
         "grid": {k: list(v) for k, v in grid.items()},
+        "ctas_per_sm": ctas_per_sm,
     }
     if not args.plan_only:
         from tangram_sglang.bench import kernel_runners

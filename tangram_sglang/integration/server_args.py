@@ -30,6 +30,7 @@ from typing import Any
 
 from tangram_sglang.config import (
     TangramConfig,
+    decode_ctas_per_sm,
     decode_plan,
     history_attention,
     prefill_attention,
@@ -359,6 +360,8 @@ def check_model(server_args: Any) -> None:
             ``TANGRAM_GRID_SEGMENTS`` not 0/1 or on with chunked prefill off
             (:func:`tangram_sglang.config.segment_grid`), ``TANGRAM_DECODE_PLAN`` not
             ``batch``/``lengths``/``table`` (:func:`tangram_sglang.config.decode_plan`),
+            ``TANGRAM_DECODE_CTAS_PER_SM`` not a whole number in [1, 64]
+            (:func:`tangram_sglang.config.decode_ctas_per_sm`),
             ``TANGRAM_PREFILL_ATTENTION`` not ``triton``/``auto``/``flashinfer``
             (:func:`tangram_sglang.config.prefill_attention`), ``TANGRAM_HISTORY_ATTENTION``
             not ``auto``/``triton``/``flashinfer``, or ``flashinfer`` with
@@ -380,6 +383,7 @@ def check_model(server_args: Any) -> None:
     # the start here, in one line, not in a scheduler process after the weights are loaded.
     segment_grid(int(server_args.chunked_prefill_size or 0))
     decode_plan()  # TANGRAM_DECODE_PLAN, likewise read again by each scheduler's kernels
+    decode_ctas_per_sm()  # TANGRAM_DECODE_CTAS_PER_SM, likewise
     prefill_attention()  # TANGRAM_PREFILL_ATTENTION, likewise
     history_attention()  # TANGRAM_HISTORY_ATTENTION (and its pairing with the one above)
     build_scorer(profile)  # the profile's scorer options, checked before any scheduler starts

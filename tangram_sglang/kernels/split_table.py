@@ -102,14 +102,16 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from tangram_sglang.config import DEFAULT_DECODE_CTAS_PER_SM
 from tangram_sglang.errors import ConfigError, KernelError
 from tangram_sglang.grouping import HeadGrouping
 
 # CTAs per SM a decode launch aims for: a memory-bound split-KV CTA (4 warps, ~40 KB of tiles)
 # leaves room for several resident CTAs per SM, and a few waves hide the tail. 8 keeps the
 # per-CTA chunk above ~100 kept tokens at 8k context on 132 SMs, where the fp32 partial output
-# (GQA * D * 4 bytes per CTA) stays under 5% of the KV bytes the CTA reads.
-CTAS_PER_SM = 8
+# (GQA * D * 4 bytes per CTA) stays under 5% of the KV bytes the CTA reads. A server may set
+# another with TANGRAM_DECODE_CTAS_PER_SM (config.decode_ctas_per_sm).
+CTAS_PER_SM = DEFAULT_DECODE_CTAS_PER_SM
 # Upper bound on the splits of one KV head; also the split dimension of the stage-1 scratch.
 MAX_SPLITS_PER_HEAD = 64
 # The batch-balanced plan's CTA budget per request row, per KV head: a long row among short
@@ -446,6 +448,7 @@ def build_split_table(
     batch_size: int,
     uniform: bool = False,
     max_splits: int = MAX_SPLITS_PER_HEAD,
+    ctas_per_sm: int = CTAS_PER_SM,
 ) -> SplitTable:
     """Build the split tables of every layer for one batch bucket. Runs once at start-up.
 
@@ -456,13 +459,15 @@ def build_split_table(
         batch_size: the bucket's batch size (requests per decode launch).
         uniform: build the uniform-split baseline instead of the AOT table.
         max_splits: cap on one head's splits (sizes the scratch).
+        ctas_per_sm: CTAs per SM a launch aims for (:data:`CTAS_PER_SM`; a server reads
+            ``TANGRAM_DECODE_CTAS_PER_SM``, :func:`tangram_sglang.config.decode_ctas_per_sm`).
 
     Returns:
         A :class:`SplitTable` with int32 CPU tensors (call ``.to(device)`` once).
 
     Raises:
-        ConfigError: ``num_sms``, ``batch_size`` or ``max_splits`` not a whole number >= 1, or
-            ratio shape mismatch.
+        ConfigError: ``num_sms``, ``batch_size``, ``max_splits`` or ``ctas_per_sm`` not a whole
+            number >= 1, or ratio shape mismatch.
 
     Source: Tangram arXiv 2606.06302, AOT load balancing; the CTA-count rule in this module's
     docstring.
@@ -471,6 +476,7 @@ def build_split_table(
         ("num_sms", num_sms),
         ("batch_size", batch_size),
         ("max_splits", max_splits),
+        ("ctas_per_sm", ctas_per_sm),
     ):
         if isinstance(value, bool) or int(value) != value or int(value) < 1:
             raise ConfigError(f"{name}={value!r} must be a whole number >= 1")
@@ -478,7 +484,7 @@ def build_split_table(
     if not ((ratios > 0) & (ratios <= 1)).all():
         raise ConfigError("group_ratios must lie in (0, 1]; pass BudgetProfile.group_ratios")
     num_layers, num_kv_heads = ratios.shape
-    target = max(num_kv_heads, math.ceil(CTAS_PER_SM * num_sms / batch_size))
+    target = max(num_kv_heads, math.ceil(int(ctas_per_sm) * num_sms / batch_size))
     splits = np.stack([layer_splits(r, target, uniform, max_splits) for r in ratios])
     maps = [cta_map(splits[layer], ratios[layer]) for layer in range(num_layers)]
     num_ctas = tuple(int(s.sum()) for s in splits)
@@ -497,7 +503,7 @@ def build_split_table(
         uniform=uniform,
         cta_budget=target,
         split_cap=min(int(max_splits), target),
-        launch_ctas=CTAS_PER_SM * int(num_sms),
+        launch_ctas=int(ctas_per_sm) * int(num_sms),
         split_limit=int(max_splits),
     )
 
@@ -509,6 +515,7 @@ def build_split_tables(
     max_batch_size: int,
     uniform: bool = False,
     max_splits: int = MAX_SPLITS_PER_HEAD,
+    ctas_per_sm: int = CTAS_PER_SM,
 ) -> SplitTables:
     """Tables for the batch buckets 1, 2, 4, ... up to ``max_batch_size`` (included).
 
@@ -519,7 +526,7 @@ def build_split_tables(
     buckets = sorted({min(1 << i, max_batch_size) for i in range(max_batch_size.bit_length() + 1)})
     return SplitTables(
         tuple(
-            build_split_table(grouping, group_ratios, num_sms, bs, uniform, max_splits)
+            build_split_table(grouping, group_ratios, num_sms, bs, uniform, max_splits, ctas_per_sm)
             for bs in buckets
         )
     )

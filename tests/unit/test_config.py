@@ -12,12 +12,14 @@ import torch
 from factories import random_profile
 
 from tangram_sglang.config import (
+    DECODE_CTAS_ENV,
     DECODE_PLAN_ENV,
     DEFAULT_MIN_COMPRESS_TOKENS,
     DEFAULT_PAGE_SIZE,
     PREFILL_ATTENTION_ENV,
     SCOPES,
     TangramConfig,
+    decode_ctas_per_sm,
     decode_plan,
     prefill_attention,
 )
@@ -261,6 +263,25 @@ def test_decode_plan_env_defaults_to_batch_and_rejects_other_values(monkeypatch)
     assert isinstance(kernels_for(torch.device("cpu"), None, 1), ReferenceKernels)
     monkeypatch.setenv(DECODE_PLAN_ENV, "static")
     with pytest.raises(ConfigError, match="TANGRAM_DECODE_PLAN='static'"):
+        kernels_for(torch.device("cpu"), None, 1)
+
+
+def test_decode_ctas_env_defaults_to_8_and_rejects_other_values(monkeypatch):
+    assert decode_ctas_per_sm({}) == 8
+    assert decode_ctas_per_sm({DECODE_CTAS_ENV: " "}) == 8
+    assert decode_ctas_per_sm({DECODE_CTAS_ENV: " 20 "}) == 20
+    for bad in ("0", "65", "-3", "2.5", "eight"):
+        with pytest.raises(
+            ConfigError, match=rf"^TANGRAM_DECODE_CTAS_PER_SM='{bad}': use a whole number"
+        ):
+            decode_ctas_per_sm({DECODE_CTAS_ENV: bad})
+    # the server reads it at start-up through kernels_for, on every device
+    from tangram_sglang.backend.layer_ops import kernels_for
+
+    monkeypatch.setenv(DECODE_CTAS_ENV, "12")
+    assert kernels_for(torch.device("cpu"), None, 1).launch_ctas == 12 * 132
+    monkeypatch.setenv(DECODE_CTAS_ENV, "0")
+    with pytest.raises(ConfigError, match="TANGRAM_DECODE_CTAS_PER_SM='0'"):
         kernels_for(torch.device("cpu"), None, 1)
 
 

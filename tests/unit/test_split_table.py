@@ -291,3 +291,28 @@ def test_batch_plan_honours_the_tables_split_limit():
         lens, view.batch_budget, view.batch_cap, BLOCK_N, batch_chunk_floor(lens, 1056)
     )
     assert splits.max() <= 4
+
+
+def test_ctas_per_sm_sets_the_row_budget_and_the_launch() -> None:
+    """``ctas_per_sm`` (``TANGRAM_DECODE_CTAS_PER_SM``) replaces :data:`CTAS_PER_SM` in the row
+    budget ``max(H_kv, ceil(c * S / B))`` and in the batch plan's ``launch_ctas``, so the batch
+    plan's floor at cliff-64's shape (23 rows of 16k tokens, 8 KV heads, the 32-row bucket)
+    gives 15 splits per head at 28 CTAs per SM (2,760 CTAs, 6.97 waves of 3 x 132) against 6
+    at the default (1,104, 2.79 waves)."""
+    ratio = np.ones((2, 8))
+    grouping = HeadGrouping.build(ratio, 1, "per_layer")
+    ratios = grouping.group_ratios(ratio)
+    default = build_split_table(grouping, ratios, 132, 32)
+    assert default.launch_ctas == CTAS_PER_SM * 132 and default.cta_budget == 33
+    wide = build_split_table(grouping, ratios, 132, 32, ctas_per_sm=28)
+    assert wide.launch_ctas == 28 * 132 and wide.cta_budget == math.ceil(28 * 132 / 32)
+    assert build_split_table(grouping, ratios, 132, 32, ctas_per_sm=1).cta_budget == 8  # H_kv
+    lens = np.full((23, 8), 16384)
+    for table, splits in ((default, 6), (wide, 15)):
+        view = table.layer(0)
+        floor = batch_chunk_floor(lens, view.launch_ctas)
+        got, _ = fitted_splits(lens, view.batch_budget, view.batch_cap, BLOCK_N, floor)
+        assert (got == splits).all()
+    for bad in (0, -1, 2.5, True):
+        with pytest.raises(ConfigError, match="ctas_per_sm"):
+            build_split_table(grouping, ratios, 132, 32, ctas_per_sm=bad)
