@@ -6,7 +6,8 @@
 #   1. bench.kernels, one layer, 8 and 23 rows of 16k tokens at ratio 1.0, for each value of
 #      CTAS (default "8 28 12 3"; $R/kernels-c<value>.json, a line per case in $R/progress),
 #      about 3 minutes;
-#   2. cliff:64, Tangram 1.0 under TANGRAM_DECODE_CTAS_PER_SM=$BEST (default 28) and stock
+#   2. cliff:64, Tangram 1.0 under TANGRAM_DECODE_CTAS_PER_SM=$BEST (a preset, default 28: the
+#      wave model's pick at this shape, not read from part 1's figures) and stock
 #      flashinfer ($R/cliff, merged into $R/cliff/never-slower.json), about 13 minutes.
 #      CLIFF=0 skips it;
 #   3. sharegpt:64x4, Tangram 1.0 and 0.25 under $BEST beside both stock backends
@@ -29,11 +30,13 @@ for c in ${CTAS:-8 28 12 3}; do
     || tail -3 "$R/kernels-c$c.txt" >> "$R/progress"
 done
 if [ "${CLIFF:-1}" = 1 ]; then
+  echo "$(date -u +%T) cliff:64, Tangram under TANGRAM_DECODE_CTAS_PER_SM=$BEST" >> "$R/progress"
   TANGRAM_DECODE_CTAS_PER_SM=$BEST SYSTEMS="tangram:1.0 baseline-flashinfer" WL=cliff:64 \
     WL1=cliff:64 T=300 CAP_S=${CAP_S:-600} R=$R/cliff bash scripts/device_never_slower.sh
   cat "$R/cliff/progress" >> "$R/progress"
 fi
 if [ "${SHAREGPT:-1}" = 1 ]; then
+  echo "$(date -u +%T) sharegpt:64x4, Tangram under TANGRAM_DECODE_CTAS_PER_SM=$BEST" >> "$R/progress"
   TANGRAM_DECODE_CTAS_PER_SM=$BEST SYSTEMS="tangram:1.0 tangram:0.25 baseline baseline-flashinfer" \
     WL=sharegpt:64x4 WL1=sharegpt:64x4 T=300 CAP_S=${CAP_S:-600} R=$R/sharegpt \
     bash scripts/device_never_slower.sh

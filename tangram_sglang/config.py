@@ -315,8 +315,8 @@ def decode_ctas_per_sm(environ: dict[str, str] | None = None) -> int:
 
     The decode kernel holds 3 CTAs per SM at head_dim 128 (160-166 registers per thread), so the
     default launch is about 2.7 waves; whether a launch sized to whole waves decodes faster is
-    what this switch measures (``benchmarks/RESULTS.md``, issue 18). Both decode plans and the
-    static table read it.
+    what this switch measures (``benchmarks/RESULTS.md``, issue 18). Every decode plan reads it
+    (``batch``'s floor, every plan's CTA budget per row).
 
     Args:
         environ: the environment to read (default ``os.environ``); unset or empty means the
@@ -331,7 +331,7 @@ def decode_ctas_per_sm(environ: dict[str, str] | None = None) -> int:
     raw = (os.environ if environ is None else environ).get(DECODE_CTAS_ENV, "").strip()
     if raw == "":
         return DEFAULT_DECODE_CTAS_PER_SM
-    if not raw.isdecimal() or not 1 <= int(raw) <= MAX_DECODE_CTAS_PER_SM:
+    if not (raw.isdecimal() and len(raw) <= 2) or not 1 <= int(raw) <= MAX_DECODE_CTAS_PER_SM:
         raise ConfigError(
             f"{DECODE_CTAS_ENV}={raw!r}: use a whole number of CTAs per SM in "
             f"[1, {MAX_DECODE_CTAS_PER_SM}], or unset it for the default "

@@ -44,6 +44,7 @@ from tangram_sglang.kernels.new_token_attention import check_finite, flashinfer_
 from tangram_sglang.kernels.split_table import CTAS_PER_SM
 
 logger = logging.getLogger(__name__)
+NOMINAL_SMS = 132  # SMs of an H100 / H200: the CPU reference's nominal launch size
 
 
 class ReferenceKernels:
@@ -61,18 +62,23 @@ class ReferenceKernels:
         plan: :func:`config.decode_plan`'s value. The reference decode has no split; under
             ``"batch"`` the backend still computes each step's chunk floors and :meth:`decode`
             checks that every layer receives its own.
+        ctas_per_sm: :func:`config.decode_ctas_per_sm`'s value (sets :attr:`launch_ctas` on
+            :data:`NOMINAL_SMS`).
     """
 
     paged_history_min_work = 0  # history work per layer under which no plan is built
-    # CTAs one decode launch aims for (the batch plan's floor denominator): nominal on CPU, where
-    # the reference decode only checks that each layer receives its floor
-    launch_ctas = CTAS_PER_SM * 132
 
-    def __init__(self, history: str = "auto", plan: str = "batch") -> None:
+    def __init__(
+        self, history: str = "auto", plan: str = "batch", ctas_per_sm: int = CTAS_PER_SM
+    ) -> None:
         from tangram_sglang.kernels.history_attention import TorchPagedHistory
         from tangram_sglang.kernels.new_token_attention import TorchNewTokens
 
         self.plan = plan
+        # CTAs one decode launch aims for (the batch plan's floor denominator): nominal on CPU
+        # (an H100's SMs), where the reference decode only checks that each layer receives its
+        # floor
+        self.launch_ctas = int(ctas_per_sm) * NOMINAL_SMS
         self.split = (TorchNewTokens(), TorchPagedHistory()) if history == "flashinfer" else None
         self._planned = None  # the extend plan (metadata) the split was last planned for
         self._history_planned = False  # the paged history is planned for self._planned
@@ -249,6 +255,14 @@ class TritonKernels(ReferenceKernels):
         m = profile.model
         self.plan = plan
         self.launch_ctas = self.tables.tables[0].launch_ctas  # the same in every bucket
+        logger.info(
+            "Tangram decode: plan %s, %d CTAs per SM (TANGRAM_DECODE_CTAS_PER_SM), %d CTAs per "
+            "launch on %d SMs",
+            plan,
+            ctas_per_sm,
+            self.launch_ctas,
+            num_sms,
+        )
         # per bucket, every layer's view, built once: decode only indexes them
         self.views = {
             t.batch_size: [t.layer(lid) for lid in range(m.num_layers)] for t in self.tables.tables
@@ -527,10 +541,10 @@ def kernels_for(device: torch.device, state: TangramState, max_batch_size: int) 
     plan, prefill, history = decode_plan(), prefill_attention(), history_attention()
     ctas_per_sm = decode_ctas_per_sm()
     if device.type == "cuda":
-        return TritonKernels(state, max_batch_size, device, plan, prefill, history, ctas_per_sm)
-    kernels = ReferenceKernels(history, plan)
-    kernels.launch_ctas = ctas_per_sm * 132
-    return kernels
+        return TritonKernels(
+            state, max_batch_size, device, plan, prefill, history, ctas_per_sm=ctas_per_sm
+        )
+    return ReferenceKernels(history, plan, ctas_per_sm)
 
 
 def batch_history_plan(

@@ -319,16 +319,30 @@ def _check_profile_models(
     or server starts; ``BudgetProfile.check_model``).
 
     Raises:
-        ConfigError: a profile that does not load, or one calibrated for another model (naming
-            the file, ``--model`` and ``--profile-dir``, and the fix).
+        ConfigError: an unreadable model ``config.json``, a profile that does not load, or one
+            calibrated for another model (naming the file, ``--model`` and ``--profile-dir``,
+            and the fix).
     """
     import json
 
     from tangram_sglang.errors import ConfigError, ProfileError
     from tangram_sglang.eval.runner import nearest_profile_path, profile_scorers
+    from tangram_sglang.models import MODELS
     from tangram_sglang.profile import BudgetProfile, ModelIdentity
 
-    local = ModelIdentity.from_hf_config(json.loads((model_dir / "config.json").read_text()))
+    try:
+        local = ModelIdentity.from_hf_config(json.loads((model_dir / "config.json").read_text()))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise ConfigError(
+            f"--model {model}: {model_dir}/config.json is not a readable HF model config "
+            f"({type(exc).__name__}: {exc}); pass an HF model folder"
+        ) from None
+    shipped = REPO / "calibration" / model
+    where = (
+        f"--profile-dir {shipped.relative_to(REPO)} (or leave --profile-dir out)"
+        if model in MODELS and shipped.is_dir()
+        else "the --profile-dir of this model's profiles"
+    )
     paths = {
         nearest_profile_path(profile_dir, r, scorer)
         for scorer in set(profile_scorers(systems).values())
@@ -338,14 +352,15 @@ def _check_profile_models(
         try:
             profile = BudgetProfile.load(path)
         except ProfileError as exc:
-            raise ConfigError(f"--profile-dir: {exc}") from None
+            raise ConfigError(
+                f"--profile-dir: {exc}; recalibrate it or move it out of --profile-dir"
+            ) from None
         try:
             profile.check_model(local)
         except ProfileError as exc:
             raise ConfigError(
                 f"--profile-dir {profile_dir}: {path.name} does not fit --model {model} ({exc}); "
-                f"pass the --profile-dir of this model's profiles (calibration/<model>) or "
-                f"calibrate them"
+                f"pass {where}, or calibrate profiles for this model"
             ) from None
 
 

@@ -39,16 +39,6 @@ LATER = "later_turns_" + METRIC
 SUMMARY_RATIOS = (0.25, 0.5)
 
 
-def _profile_files(cfg: Any) -> dict[str, dict[str, str]] | None:
-    """Which profile file each system read at each ratio (``runner.profile_files``); None for a
-    config without a profile folder."""
-    if getattr(cfg, "profile_dir", None) is None:
-        return None
-    from tangram_sglang.eval.runner import profile_files
-
-    return profile_files(cfg.profile_dir, tuple(cfg.ratios), tuple(cfg.systems))
-
-
 def build(cfg: Any, samples: list, records: list[dict[str, Any]], wall_s: float) -> dict[str, Any]:
     """The report dict written to ``--json``."""
     results = aggregate(records, cfg.ratios)
@@ -78,7 +68,7 @@ def build(cfg: Any, samples: list, records: list[dict[str, Any]], wall_s: float)
             "dtype": cfg.dtype,
             "protocol": cfg.protocol,
             "grid_cell": getattr(cfg, "grid_cell", None),
-            "profiles": _profile_files(cfg),
+            "profile_files": getattr(cfg, "profile_files", None),
         },
         "samples": [
             {
@@ -254,16 +244,43 @@ def markdown_table(rep: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def merge_profile_files(
+    mappings: list[dict[str, dict[str, str]] | None],
+) -> dict[str, dict[str, str]] | None:
+    """The union of several runs' ``config.profile_files`` (None entries: runs that recorded
+    none); None when every entry is None.
+
+    Raises:
+        ConfigError: two runs that read different files for one (system, ratio).
+    """
+    from tangram_sglang.errors import ConfigError
+
+    if all(m is None for m in mappings):
+        return None
+    merged: dict[str, dict[str, str]] = {}
+    for mapping in mappings:
+        for system, files in (mapping or {}).items():
+            mine = merged.setdefault(system, {})
+            for ratio, path in files.items():
+                if mine.setdefault(ratio, path) != path:
+                    raise ConfigError(
+                        f"{system} at ratio {ratio} read {mine[ratio]} in one run and {path} in "
+                        "another; run them with the same --profile-dir"
+                    )
+    return merged
+
+
 def _merged_config(reports: list[dict[str, Any]]) -> dict[str, Any]:
     """The first report's ``config`` with every report's systems, ratios (high to low) and
-    profile files (``profiles``; reports written before that field have none)."""
+    profile files (:func:`merge_profile_files`; reports written before that field have none).
+
+    Raises:
+        ConfigError: as :func:`merge_profile_files`.
+    """
     ratios = sorted({r for rep in reports for r in rep["config"]["ratios"]}, reverse=True)
     systems = list(dict.fromkeys(s for rep in reports for s in rep["config"]["systems"]))
-    profiles: dict[str, dict[str, str]] = {}
-    for rep in reports:
-        for system, files in (rep["config"].get("profiles") or {}).items():
-            profiles.setdefault(system, {}).update(files)
-    return dict(reports[0]["config"], systems=systems, ratios=ratios, profiles=profiles or None)
+    files = merge_profile_files([rep["config"].get("profile_files") for rep in reports])
+    return dict(reports[0]["config"], systems=systems, ratios=ratios, profile_files=files)
 
 
 def merge(reports: list[dict[str, Any]]) -> dict[str, Any]:
@@ -277,7 +294,8 @@ def merge(reports: list[dict[str, Any]]) -> dict[str, Any]:
 
     Raises:
         ConfigError: a run used samples the first run does not hold, two runs hold the same
-            (system, ratio, sample), or the runs used different protocols or devices.
+            (system, ratio, sample), the runs used different protocols or devices, or two
+            runs read different profile files for one (system, ratio).
     """
     from tangram_sglang.errors import ConfigError
 

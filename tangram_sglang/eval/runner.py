@@ -103,6 +103,8 @@ class RunConfig:
             prompt so that each compressed part is one segment.
         grid_cell: cell of the ``*-grid`` systems (tokens): their servers run with
             ``TANGRAM_GRID_SEGMENTS=1`` and ``--chunked-prefill-size grid_cell``.
+        profile_files: which profile file each system read at each ratio (set by :func:`run`
+            for the report's ``config.profile_files``; :func:`profile_files`).
     """
 
     model: str
@@ -125,6 +127,7 @@ class RunConfig:
     protocol: str = "query-agnostic"
     chunked_prefill_tokens: int = CHUNKED_PREFILL_TOKENS
     grid_cell: int = GRID_CELL_TOKENS
+    profile_files: dict[str, dict[str, str]] | None = None
 
     @property
     def dtype(self) -> str:
@@ -183,9 +186,16 @@ def nearest_profile_path(profile_dir: Path, ratio: float, scorer: str = "ada-sna
 
 
 def profile_scorers(systems: tuple[str, ...]) -> dict[str, str]:
-    """The profile each selected system reads, by system: ``budgets`` (the Ada-SnapKV profile
-    that sets every compressed system's budget) -> ``ada-snapkv``, then each Tangram system's
-    scorer (:data:`TANGRAM_SYSTEMS`) and each profile-budget press's (``PROFILE_BUDGET_SYSTEMS``).
+    """The scorer of the profiles each selected system reads.
+
+    Args:
+        systems: the run's systems (:data:`SYSTEMS` names).
+
+    Returns:
+        ``{"budgets": "ada-snapkv", system: scorer, ...}``: ``budgets`` is the Ada-SnapKV
+        profile that sets every compressed system's kept budget, then each selected Tangram
+        system's scorer (:data:`TANGRAM_SYSTEMS`) and profile-budget press's
+        (``PROFILE_BUDGET_SYSTEMS``).
     """
     own = {
         system: scorer
@@ -198,18 +208,32 @@ def profile_scorers(systems: tuple[str, ...]) -> dict[str, str]:
 def profile_files(
     profile_dir: Path, ratios: tuple[float, ...], systems: tuple[str, ...]
 ) -> dict[str, dict[str, str]]:
-    """Which profile file each system reads at each ratio (for the report's ``config``).
+    """Which profile file each system reads at each ratio (the report's ``config.profile_files``).
+
+    Args:
+        profile_dir: the ``--profile-dir`` folder.
+        ratios: the run's kept ratios in (0, 1].
+        systems: the run's systems.
 
     Returns:
-        ``{system or "budgets": {str(ratio): file name}}`` (:func:`profile_scorers`).
+        ``{system or "budgets": {str(ratio): path}}`` (:func:`profile_scorers`); a path inside
+        this repository is relative to its root (``calibration/smollm2/ada-snapkv-r0.5.json``),
+        any other absolute.
 
     Raises:
         ConfigError: as :func:`nearest_profile_path`.
     """
     return {
-        system: {str(r): nearest_profile_path(profile_dir, r, scorer).name for r in ratios}
+        system: {str(r): _shown(nearest_profile_path(profile_dir, r, scorer)) for r in ratios}
         for system, scorer in profile_scorers(systems).items()
     }
+
+
+def _shown(path: Path) -> str:
+    """``path`` relative to the repository root when inside it, else absolute."""
+    path = path.resolve()
+    root = Path(__file__).resolve().parents[2]
+    return str(path.relative_to(root)) if path.is_relative_to(root) else str(path)
 
 
 def shipped_profile(
@@ -266,6 +290,7 @@ def run(cfg: RunConfig, log: Callable[[str], None] | None = None) -> dict[str, A
     samples = [s for group in zip(*per_task, strict=True) for s in group]
     samples = samples[cfg.skip :]
     prompts = {s.sample_id: for_protocol(conversation_ids(s, tok), cfg.protocol) for s in samples}
+    files = profile_files(cfg.profile_dir, cfg.ratios, cfg.systems)
     profiles = {
         r: tangram_profile(shipped_profile(cfg.profile_dir, r, cfg.model_dir), r)
         for r in cfg.ratios
@@ -280,8 +305,11 @@ def run(cfg: RunConfig, log: Callable[[str], None] | None = None) -> dict[str, A
     }
     eos = GenerationConfig.from_pretrained(cfg.model_dir).eos_token_id
     eos_ids = set(eos if isinstance(eos, list) else [eos]) | {tok.eos_token_id}
-    records = _resumed(cfg, {s.sample_id for s in samples}, log)
-    report_cfg = with_resumed_cells(cfg, records)
+    records, resumed_files = _resumed(cfg, {s.sample_id for s in samples}, log)
+    report_cfg = replace(
+        with_resumed_cells(cfg, records),
+        profile_files=report.merge_profile_files([resumed_files, files]),
+    )
     ctx = _Context(
         cfg, tok, samples, prompts, profiles, server_profiles, records, log, t0, report_cfg
     )
@@ -313,10 +341,13 @@ def with_resumed_cells(cfg: RunConfig, records: list[dict[str, Any]]) -> RunConf
     return replace(cfg, ratios=tuple(sorted(ratios, reverse=True)), systems=tuple(systems))
 
 
-def _resumed(cfg: RunConfig, sample_ids: set[str], log: Callable[[str], None]) -> list[dict]:
-    """The records of ``cfg.json_path`` to keep when resuming (none otherwise)."""
+def _resumed(
+    cfg: RunConfig, sample_ids: set[str], log: Callable[[str], None]
+) -> tuple[list[dict], dict[str, dict[str, str]] | None]:
+    """The records of ``cfg.json_path`` to keep when resuming, and the profile files its report
+    recorded (``config.profile_files``; None when it has none): nothing otherwise."""
     if not cfg.resume or cfg.json_path is None or not cfg.json_path.is_file():
-        return []
+        return [], None
     try:
         rep = report.load_report(cfg.json_path)
     except ConfigError as exc:
@@ -334,7 +365,7 @@ def _resumed(cfg: RunConfig, sample_ids: set[str], log: Callable[[str], None]) -
                 "use another --json"
             )
     log(f"[eval] resuming: {len(records)} records kept from {cfg.json_path}")
-    return records
+    return records, rep["config"].get("profile_files")
 
 
 @dataclass

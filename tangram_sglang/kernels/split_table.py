@@ -21,14 +21,15 @@ pair of a layer appears exactly once. CTAs are ordered by decreasing per-CTA wor
 ratio first), so the heaviest CTAs are dispatched first (longest-processing-time order) and the
 tail of the launch is made of short CTAs.
 
-Rule for the total CTA count (one batch bucket ``B``, ``S`` SMs, ``W = sum_h r_h`` of the layer)::
+Rule for the total CTA count (one batch bucket ``B``, ``S`` SMs, ``W = sum_h r_h`` of the layer,
+``c`` CTAs per SM: :data:`CTAS_PER_SM` unless ``TANGRAM_DECODE_CTAS_PER_SM`` sets another)::
 
-    target  = max(num_kv_heads, ceil(CTAS_PER_SM * S / B))       CTAs per request row
+    target  = max(num_kv_heads, ceil(c * S / B))                 CTAs per request row
     scale   = min(target / W, max_splits_per_head / max_h r_h)
     splits_h = clamp(round(r_h * scale), 1, max_splits_per_head)   (AOT: proportional to r_h)
     splits_h = clamp(round(sum_h aot_splits_h / num_kv_heads), 1, max_splits_per_head)  (uniform)
 
-So a launch has about ``CTAS_PER_SM * S`` CTAs whatever the batch (enough to fill every SM a few
+So a launch has about ``c * S`` CTAs whatever the batch (enough to fill every SM a few
 times over; fewer at tiny batches, where the cap on the longest head binds), and each AOT CTA
 covers about the same number of kept tokens. The uniform baseline gets the SAME number of CTAs
 per row, split evenly over the heads (FlashDecoding's static split at equal resources), so its
@@ -79,7 +80,7 @@ a chunk floor shared by the launch::
 
     R        = max(N, BATCH_ROW_SPLITS * H_kv)     CTA budget per row (per bucket, AOT)
     cap_R    = min(max_splits_per_head, R)
-    floor_l  = ceil(sum over the batch's rows and KV heads of L / (CTAS_PER_SM * S))   (host)
+    floor_l  = ceil(sum over the batch's rows and KV heads of L / (c * S))   (host)
     chunk    = BLOCK_N * max(1, ceil(max(ceil(total / R), ceil(max_h L_h / cap_R), floor_l)
                                      / BLOCK_N))
 
@@ -137,7 +138,7 @@ class LayerSplits:
             dimension): ``min(N + num_kv_heads, num_kv_heads * split_cap)``.
         batch_budget, batch_cap, batch_ctas: the batch-balanced plan's CTA budget per row
             (``R``), cap on one head's splits and CTAs per row (grid), the same rule with ``R``.
-        launch_ctas: the CTAs a whole launch aims for (``CTAS_PER_SM * num_sms``), the
+        launch_ctas: the CTAs a whole launch aims for (``ctas_per_sm * num_sms``), the
             denominator of the batch-balanced plan's chunk floor (:func:`batch_chunk_floor`).
     """
 
@@ -169,7 +170,7 @@ class SplitTable:
         uniform: True for the uniform-split baseline table.
         cta_budget: ``N`` of the length-fitted plan (CTAs per request row, the target rule).
         split_cap: the length-fitted plan's cap on one head's splits.
-        launch_ctas: CTAs one launch aims for, ``CTAS_PER_SM * num_sms`` (the batch-balanced
+        launch_ctas: CTAs one launch aims for, ``ctas_per_sm * num_sms`` (the batch-balanced
             plan's chunk floor divides the batch's kept tokens by it).
         split_limit: the cap on one head's splits the table was built with (``max_splits``
             of :func:`build_split_table`); bounds every plan's splits.

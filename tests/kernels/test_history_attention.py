@@ -524,19 +524,24 @@ def test_the_default_history_takes_flashinfer_where_the_new_tokens_do(monkeypatc
 
 
 def test_a_cuda_server_gets_the_history_switch_it_was_started_with(monkeypatch):
-    """``kernels_for`` hands ``TANGRAM_HISTORY_ATTENTION`` (unset: ``auto``) to the CUDA kernels."""
+    """``kernels_for`` hands ``TANGRAM_HISTORY_ATTENTION`` (unset: ``auto``) and
+    ``TANGRAM_DECODE_CTAS_PER_SM`` (unset: 8) to the CUDA kernels."""
     from tangram_sglang.backend import layer_ops
-    from tangram_sglang.config import HISTORY_ATTENTION_ENV, PREFILL_ATTENTION_ENV
+    from tangram_sglang.config import DECODE_CTAS_ENV, HISTORY_ATTENTION_ENV, PREFILL_ATTENTION_ENV
 
     seen = []
     monkeypatch.setattr(
         layer_ops,
         "TritonKernels",
-        lambda state, bs, device, plan, prefill, history: seen.append((prefill, history)),
+        lambda state, bs, device, plan, prefill, history, ctas_per_sm: seen.append(
+            (prefill, history, ctas_per_sm)
+        ),
     )
     monkeypatch.delenv(HISTORY_ATTENTION_ENV, raising=False)
     monkeypatch.delenv(PREFILL_ATTENTION_ENV, raising=False)
+    monkeypatch.delenv(DECODE_CTAS_ENV, raising=False)
     layer_ops.kernels_for(torch.device("cuda"), None, 1)
     monkeypatch.setenv(HISTORY_ATTENTION_ENV, "triton")
+    monkeypatch.setenv(DECODE_CTAS_ENV, "28")
     layer_ops.kernels_for(torch.device("cuda"), None, 1)
-    assert seen == [("auto", "auto"), ("auto", "triton")]
+    assert seen == [("auto", "auto", 8), ("auto", "triton", 28)]

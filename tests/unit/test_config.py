@@ -270,10 +270,8 @@ def test_decode_ctas_env_defaults_to_8_and_rejects_other_values(monkeypatch):
     assert decode_ctas_per_sm({}) == 8
     assert decode_ctas_per_sm({DECODE_CTAS_ENV: " "}) == 8
     assert decode_ctas_per_sm({DECODE_CTAS_ENV: " 20 "}) == 20
-    for bad in ("0", "65", "-3", "2.5", "eight"):
-        with pytest.raises(
-            ConfigError, match=rf"^TANGRAM_DECODE_CTAS_PER_SM='{bad}': use a whole number"
-        ):
+    for bad in ("0", "65", "-3", "2.5", "eight", "008", "9" * 5000):
+        with pytest.raises(ConfigError, match=r"^TANGRAM_DECODE_CTAS_PER_SM='.*': use a whole"):
             decode_ctas_per_sm({DECODE_CTAS_ENV: bad})
     # the server reads it at start-up through kernels_for, on every device
     from tangram_sglang.backend.layer_ops import kernels_for

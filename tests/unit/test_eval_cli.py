@@ -250,7 +250,7 @@ def test_resume_refuses_a_report_of_another_protocol(smollm2_path, tmp_path):
     ):
         _resumed(aware, {"needle:0"}, print)
     path.write_text(json.dumps(dict(rep, protocol="query-aware")))
-    assert _resumed(aware, {"needle:0"}, print) == [rec]
+    assert _resumed(aware, {"needle:0"}, print) == ([rec], None)
 
 
 def test_resume_refuses_a_report_of_another_device(smollm2_path, tmp_path):
@@ -267,15 +267,32 @@ def test_resume_refuses_a_report_of_another_device(smollm2_path, tmp_path):
     with pytest.raises(ConfigError, match="--resume: .* --device cpu, not cuda"):
         _resumed(cuda, {"needle:0"}, print)
     path.write_text(json.dumps(dict(rep, config={})))  # written before --device: cpu
-    assert _resumed(_cfg(smollm2_path, json_path=path, resume=True), {"needle:0"}, print) == [rec]
+    assert _resumed(_cfg(smollm2_path, json_path=path, resume=True), {"needle:0"}, print) == (
+        [rec],
+        None,
+    )
+    files = {"budgets": {"0.5": "calibration/smollm2/ada-snapkv-r0.5.json"}}
+    path.write_text(json.dumps(dict(rep, config={"profile_files": files})))
+    assert _resumed(_cfg(smollm2_path, json_path=path, resume=True), {"needle:0"}, print) == (
+        [rec],
+        files,
+    )
 
 
-def test_profiles_of_another_model_are_named_before_any_model_loads(tmp_path, smollm2_path, capsys):
+def test_profiles_of_another_model_are_named_before_any_model_loads(
+    tmp_path, smollm2_path, capsys, monkeypatch
+):
     """Qwen2.5-0.5B's profiles under ``--model smollm2``: exit 2 naming the file, the model and
     ``--profile-dir`` (a JSON read, not a traceback after the tokenizer loads); a corrupt
     profile is named as such, not as another model's."""
     import shutil
 
+    import tangram_sglang.eval.cli as cli
+
+    def no_run(cfg):
+        raise AssertionError("the run started: the check must come before any model loads")
+
+    monkeypatch.setattr(cli, "run", no_run)
     qwen = REPO / "calibration" / "qwen2.5-0.5b"
     shutil.copy(qwen / "ada-snapkv-r0.25.json", tmp_path / "ada-snapkv-r0.25.json")
     argv = ["--model", "smollm2", "--profile-dir", str(tmp_path), "--systems", "full,tangram"]
@@ -283,33 +300,68 @@ def test_profiles_of_another_model_are_named_before_any_model_loads(tmp_path, sm
     err = capsys.readouterr().err
     assert f"--profile-dir {tmp_path}: ada-snapkv-r0.25.json does not fit --model smollm2" in err
     assert "model.num_layers=24 but the served model has 30" in err
+    assert "pass --profile-dir calibration/smollm2 (or leave --profile-dir out)" in err
     (tmp_path / "ada-snapkv-r0.25.json").write_text("{not json")
     assert main([*argv, "--ratios", "0.25"]) == 2
     err = capsys.readouterr().err
     assert "--profile-dir:" in err and "does not fit" not in err
+    assert "recalibrate it or move it out of --profile-dir" in err
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text('{"num_hidden_layers": 2')  # truncated
+    shipped = str(REPO / "calibration" / "smollm2")
+    argv = ["--model", str(model), "--profile-dir", shipped, "--systems", "full,tangram"]
+    assert main(argv) == 2
+    assert f"--model {model}: {model}/config.json is not a readable HF model config" in (
+        capsys.readouterr().err
+    )
 
 
 def test_the_report_records_which_profile_file_each_system_read(tmp_path, smollm2_path):
-    """``config.profiles``: the nearest-ratio file of each system's scorer, the budgets' one
-    included; ``report.merge`` keeps the union of its reports' records."""
+    """``profile_files``: the nearest-ratio file of each system's scorer, the budgets' one
+    included, repository paths relative to its root; the report copies what the run recorded
+    (no file read when it is written), and ``report.merge`` keeps the union of its reports'
+    records and refuses two files for one (system, ratio)."""
+    import shutil
+    from dataclasses import replace
+
+    from tangram_sglang.errors import ConfigError
     from tangram_sglang.eval import report
     from tangram_sglang.eval.cli import config_from_args, parse_args
+    from tangram_sglang.eval.runner import profile_files
 
-    argv = ["--model", "smollm2", "--systems", "full,tangram-kvzip-lite,kvzip-budgets"]
-    cfg = config_from_args(parse_args([*argv, "--ratios", "0.5,0.3"]))
-    files = report.build(cfg, [], [], 0.0)["config"]["profiles"]
+    systems = ("full", "tangram-kvzip-lite", "kvzip-budgets")
+    src = "calibration/smollm2/"
+    files = profile_files(REPO / src, (0.5, 0.3), systems)
     assert files == {
-        "budgets": {"0.5": "ada-snapkv-r0.5.json", "0.3": "ada-snapkv-r0.25.json"},
-        "tangram-kvzip-lite": {"0.5": "kvzip-lite-r0.5.json", "0.3": "kvzip-lite-r0.25.json"},
-        "kvzip-budgets": {"0.5": "kvzip-lite-r0.5.json", "0.3": "kvzip-lite-r0.25.json"},
+        "budgets": {"0.5": src + "ada-snapkv-r0.5.json", "0.3": src + "ada-snapkv-r0.25.json"},
+        "tangram-kvzip-lite": {
+            "0.5": src + "kvzip-lite-r0.5.json",
+            "0.3": src + "kvzip-lite-r0.25.json",
+        },
+        "kvzip-budgets": {
+            "0.5": src + "kvzip-lite-r0.5.json",
+            "0.3": src + "kvzip-lite-r0.25.json",
+        },
     }
-    other_argv = ["--model", "smollm2", "--systems", "tangram,kvzip-budgets", "--ratios", "0.25"]
-    other = config_from_args(parse_args(other_argv))
-    merged = report._merged_config(
-        [report.build(cfg, [], [], 0.0), report.build(other, [], [], 0.0)]
-    )
-    assert merged["profiles"]["tangram"] == {"0.25": "ada-snapkv-r0.25.json"}
-    assert merged["profiles"]["kvzip-budgets"] == {
-        **files["kvzip-budgets"],
-        "0.25": "kvzip-lite-r0.25.json",
+    shutil.copy(REPO / src / "ada-snapkv-r0.5.json", tmp_path / "ada-snapkv-r0.5.json")
+    assert profile_files(tmp_path, (0.5,), ("full",)) == {
+        "budgets": {"0.5": str((tmp_path / "ada-snapkv-r0.5.json").resolve())}
     }
+    cfg = config_from_args(parse_args(["--model", "smollm2", "--systems", ",".join(systems)]))
+    assert report.build(cfg, [], [], 0.0)["config"]["profile_files"] is None  # not yet run
+    ran = replace(cfg, profile_files=files)
+    ran = replace(ran, profile_dir=tmp_path / "nowhere")  # the report reads no profile folder
+    first = report.build(ran, [], [], 0.0)
+    assert first["config"]["profile_files"] == files
+    later = {"tangram": {"0.25": src + "ada-snapkv-r0.25.json"}}
+    later["kvzip-budgets"] = {"0.25": src + "kvzip-lite-r0.25.json"}
+    second = report.build(replace(ran, profile_files=later), [], [], 0.0)
+    merged = report.merge([first, second])["config"]["profile_files"]
+    assert merged["tangram"] == later["tangram"]
+    assert merged["kvzip-budgets"] == {**files["kvzip-budgets"], **later["kvzip-budgets"]}
+    old = report.build(replace(ran, profile_files=None), [], [], 0.0)  # before the field
+    assert report.merge([old, first])["config"]["profile_files"] == files
+    clash = {"budgets": {"0.5": "elsewhere/ada-snapkv-r0.5.json"}}
+    with pytest.raises(ConfigError, match="budgets at ratio 0.5 read calibration/smollm2/"):
+        report.merge([first, report.build(replace(ran, profile_files=clash), [], [], 0.0)])

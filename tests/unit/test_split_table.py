@@ -316,3 +316,9 @@ def test_ctas_per_sm_sets_the_row_budget_and_the_launch() -> None:
     for bad in (0, -1, 2.5, True):
         with pytest.raises(ConfigError, match="ctas_per_sm"):
             build_split_table(grouping, ratios, 132, 32, ctas_per_sm=bad)
+    # every bucket a server builds takes it
+    tables = build_split_tables(grouping, ratios, 132, 64, ctas_per_sm=28)
+    assert {t.launch_ctas for t in tables.tables} == {28 * 132}
+    assert [t.cta_budget for t in tables.tables] == [
+        max(8, math.ceil(28 * 132 / t.batch_size)) for t in tables.tables
+    ]
