@@ -40,7 +40,7 @@ python3 -m tangram_sglang.bench.multiturn merge $(ls "$R"/mt-*.json) --output "$
   >> "$R/progress" 2>&1
 for f in "$R"/*.server.log; do
   echo "=== $f"
-  grep -E "Error|Traceback|error|Capture|max_total_num_tokens=|Tangram KV pool|extend attention|overlap|retract|paged-history plan|prefill ready" "$f" | head -40
+  grep -E "Error|Traceback|error|Capture|max_total_num_tokens=|Tangram KV pool|Tangram decode|extend attention|overlap|retract|paged-history plan|prefill ready" "$f" | head -40
   grep -E "Decode batch" "$f" | awk 'NR % 25 == 0' | tail -20
   tail -8 "$f"
 done > "$R/server-logs.txt" 2>&1

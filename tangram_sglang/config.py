@@ -331,7 +331,8 @@ def decode_ctas_per_sm(environ: dict[str, str] | None = None) -> int:
     raw = (os.environ if environ is None else environ).get(DECODE_CTAS_ENV, "").strip()
     if raw == "":
         return DEFAULT_DECODE_CTAS_PER_SM
-    if not (raw.isdecimal() and len(raw) <= 2) or not 1 <= int(raw) <= MAX_DECODE_CTAS_PER_SM:
+    ok = raw.isascii() and raw.isdigit() and len(raw) <= 3
+    if not ok or not 1 <= int(raw) <= MAX_DECODE_CTAS_PER_SM:
         raise ConfigError(
             f"{DECODE_CTAS_ENV}={raw!r}: use a whole number of CTAs per SM in "
             f"[1, {MAX_DECODE_CTAS_PER_SM}], or unset it for the default "

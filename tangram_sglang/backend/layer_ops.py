@@ -41,7 +41,7 @@ from tangram_sglang.kernels.history_attention import (
     plan_paged_history,
 )
 from tangram_sglang.kernels.new_token_attention import check_finite, flashinfer_fallback
-from tangram_sglang.kernels.split_table import CTAS_PER_SM
+from tangram_sglang.kernels.split_table import CTAS_PER_SM, check_launch_ctas
 
 logger = logging.getLogger(__name__)
 NOMINAL_SMS = 132  # SMs of an H100 / H200: the CPU reference's nominal launch size
@@ -78,6 +78,7 @@ class ReferenceKernels:
         # CTAs one decode launch aims for (the batch plan's floor denominator): nominal on CPU
         # (an H100's SMs), where the reference decode only checks that each layer receives its
         # floor
+        check_launch_ctas(ctas_per_sm)  # a KernelError now, not at the first decode
         self.launch_ctas = int(ctas_per_sm) * NOMINAL_SMS
         self.split = (TorchNewTokens(), TorchPagedHistory()) if history == "flashinfer" else None
         self._planned = None  # the extend plan (metadata) the split was last planned for

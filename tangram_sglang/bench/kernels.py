@@ -47,7 +47,10 @@ Side by side, one run:
 
 Tangram's plans use the split table of the batch's bucket, as a server does (the smallest power
 of two >= the batch: a 23-row case gets the 32-row bucket's CTA budgets), and the CTAs per SM of
-``TANGRAM_DECODE_CTAS_PER_SM`` (default 8; recorded as ``meta.ctas_per_sm``).
+``TANGRAM_DECODE_CTAS_PER_SM`` (default 8; recorded as ``meta.ctas_per_sm``). A server whose
+largest bucket is not a power of two (``--cuda-graph-max-bs`` 100, say) uses that size instead
+for its largest batches; this benchmark does not.
+
 Inputs smaller than ``ROTATE_BYTES`` are replicated and rotated so timings never run from L2.
 Cases whose buffers exceed ``--max-gib`` are skipped with a note. The JSON holds ``meta`` (with
 the ``grid`` run), ``cases`` (one row per configuration; times in ms, bandwidth in GB/s) and a

@@ -332,7 +332,7 @@ def _check_profile_models(
 
     try:
         local = ModelIdentity.from_hf_config(json.loads((model_dir / "config.json").read_text()))
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, ArithmeticError) as exc:
         raise ConfigError(
             f"--model {model}: {model_dir}/config.json is not a readable HF model config "
             f"({type(exc).__name__}: {exc}); pass an HF model folder"
@@ -340,12 +340,12 @@ def _check_profile_models(
     shipped = REPO / "calibration" / model
     where = (
         f"--profile-dir {shipped.relative_to(REPO)} (or leave --profile-dir out)"
-        if model in MODELS and shipped.is_dir()
+        if model in MODELS and shipped.is_dir() and shipped.resolve() != profile_dir.resolve()
         else "the --profile-dir of this model's profiles"
     )
     paths = {
         nearest_profile_path(profile_dir, r, scorer)
-        for scorer in set(profile_scorers(systems).values())
+        for scorer in {"ada-snapkv", *profile_scorers(systems).values()}  # run() loads ada-snapkv
         for r in ratios
     }
     for path in sorted(paths):
@@ -353,7 +353,7 @@ def _check_profile_models(
             profile = BudgetProfile.load(path)
         except ProfileError as exc:
             raise ConfigError(
-                f"--profile-dir: {exc}; recalibrate it or move it out of --profile-dir"
+                f"--profile-dir: {exc} (to run without it, move it out of --profile-dir)"
             ) from None
         try:
             profile.check_model(local)

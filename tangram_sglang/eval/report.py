@@ -251,7 +251,8 @@ def merge_profile_files(
     none); None when every entry is None.
 
     Raises:
-        ConfigError: two runs that read different files for one (system, ratio).
+        ConfigError: a mapping of another shape, or two runs that read different files for one
+            (system, ratio).
     """
     from tangram_sglang.errors import ConfigError
 
@@ -259,6 +260,18 @@ def merge_profile_files(
         return None
     merged: dict[str, dict[str, str]] = {}
     for mapping in mappings:
+        ok = mapping is None or (
+            isinstance(mapping, dict)
+            and all(
+                isinstance(files, dict) and all(isinstance(p, str) for p in files.values())
+                for files in mapping.values()
+            )
+        )
+        if not ok:
+            raise ConfigError(
+                "config.profile_files must map each system to {ratio: profile path}; "
+                f"got {str(mapping)[:80]}"
+            )
         for system, files in (mapping or {}).items():
             mine = merged.setdefault(system, {})
             for ratio, path in files.items():

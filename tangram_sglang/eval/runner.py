@@ -193,16 +193,19 @@ def profile_scorers(systems: tuple[str, ...]) -> dict[str, str]:
 
     Returns:
         ``{"budgets": "ada-snapkv", system: scorer, ...}``: ``budgets`` is the Ada-SnapKV
-        profile that sets every compressed system's kept budget, then each selected Tangram
-        system's scorer (:data:`TANGRAM_SYSTEMS`) and profile-budget press's
-        (``PROFILE_BUDGET_SYSTEMS``).
+        profile whose kept share the kvpress presses without a profile of their own use
+        (``dynamic-ada-snapkv``, ``uniform-snapkv``, ``kvzip``; present only when one of them
+        is selected), then each selected Tangram system's scorer (:data:`TANGRAM_SYSTEMS`) and
+        profile-budget press's (``PROFILE_BUDGET_SYSTEMS``).
     """
     own = {
         system: scorer
         for system, scorer in (TANGRAM_SYSTEMS | PROFILE_BUDGET_SYSTEMS).items()
         if system in systems
     }
-    return {"budgets": "ada-snapkv", **own}
+    if any(s in systems and s not in PROFILE_BUDGET_SYSTEMS for s in PRESS_SYSTEMS):
+        return {"budgets": "ada-snapkv", **own}
+    return own
 
 
 def profile_files(
@@ -305,11 +308,8 @@ def run(cfg: RunConfig, log: Callable[[str], None] | None = None) -> dict[str, A
     }
     eos = GenerationConfig.from_pretrained(cfg.model_dir).eos_token_id
     eos_ids = set(eos if isinstance(eos, list) else [eos]) | {tok.eos_token_id}
-    records, resumed_files = _resumed(cfg, {s.sample_id for s in samples}, log)
-    report_cfg = replace(
-        with_resumed_cells(cfg, records),
-        profile_files=report.merge_profile_files([resumed_files, files]),
-    )
+    records, merged_files = _resumed(cfg, {s.sample_id for s in samples}, log, files)
+    report_cfg = replace(with_resumed_cells(cfg, records), profile_files=merged_files)
     ctx = _Context(
         cfg, tok, samples, prompts, profiles, server_profiles, records, log, t0, report_cfg
     )
@@ -342,12 +342,22 @@ def with_resumed_cells(cfg: RunConfig, records: list[dict[str, Any]]) -> RunConf
 
 
 def _resumed(
-    cfg: RunConfig, sample_ids: set[str], log: Callable[[str], None]
+    cfg: RunConfig,
+    sample_ids: set[str],
+    log: Callable[[str], None],
+    files: dict[str, dict[str, str]] | None = None,
 ) -> tuple[list[dict], dict[str, dict[str, str]] | None]:
-    """The records of ``cfg.json_path`` to keep when resuming, and the profile files its report
-    recorded (``config.profile_files``; None when it has none): nothing otherwise."""
+    """The records of ``cfg.json_path`` to keep when resuming, and this run's profile ``files``
+    (:func:`profile_files`) joined with those its report recorded (``config.profile_files``,
+    :func:`report.merge_profile_files`); without resuming, no records and ``files``.
+
+    Raises:
+        ConfigError: the report cannot be resumed (another protocol, device or samples, an
+            unreadable file), or it read another profile file for a (system, ratio) than this
+            run would.
+    """
     if not cfg.resume or cfg.json_path is None or not cfg.json_path.is_file():
-        return [], None
+        return [], files
     try:
         rep = report.load_report(cfg.json_path)
     except ConfigError as exc:
@@ -364,8 +374,19 @@ def _resumed(
                 f"--resume: {cfg.json_path} was run with {flag} {theirs}, not {mine}; "
                 "use another --json"
             )
+    try:
+        merged = report.merge_profile_files([rep["config"].get("profile_files"), files])
+    except ConfigError as exc:
+        raise ConfigError(
+            f"--resume: {cfg.json_path}: {exc}; pass that run's --profile-dir or use another --json"
+        ) from None
+    if records and rep["config"].get("profile_files") is None:
+        log(
+            f"[eval] {cfg.json_path} predates config.profile_files: the files its "
+            f"{len(records)} records read are not known"
+        )
     log(f"[eval] resuming: {len(records)} records kept from {cfg.json_path}")
-    return records, rep["config"].get("profile_files")
+    return records, merged
 
 
 @dataclass

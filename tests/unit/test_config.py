@@ -270,7 +270,8 @@ def test_decode_ctas_env_defaults_to_8_and_rejects_other_values(monkeypatch):
     assert decode_ctas_per_sm({}) == 8
     assert decode_ctas_per_sm({DECODE_CTAS_ENV: " "}) == 8
     assert decode_ctas_per_sm({DECODE_CTAS_ENV: " 20 "}) == 20
-    for bad in ("0", "65", "-3", "2.5", "eight", "008", "9" * 5000):
+    assert decode_ctas_per_sm({DECODE_CTAS_ENV: "08"}) == 8
+    for bad in ("0", "65", "-3", "2.5", "eight", "0008", "\uff18", "\u0668", "9" * 5000):
         with pytest.raises(ConfigError, match=r"^TANGRAM_DECODE_CTAS_PER_SM='.*': use a whole"):
             decode_ctas_per_sm({DECODE_CTAS_ENV: bad})
     # the server reads it at start-up through kernels_for, on every device
@@ -281,6 +282,11 @@ def test_decode_ctas_env_defaults_to_8_and_rejects_other_values(monkeypatch):
     monkeypatch.setenv(DECODE_CTAS_ENV, "0")
     with pytest.raises(ConfigError, match="TANGRAM_DECODE_CTAS_PER_SM='0'"):
         kernels_for(torch.device("cpu"), None, 1)
+    from tangram_sglang.backend.layer_ops import ReferenceKernels
+    from tangram_sglang.errors import KernelError
+
+    with pytest.raises(KernelError, match="launch_ctas=0"):
+        ReferenceKernels(ctas_per_sm=0)
 
 
 def test_prefill_attention_env_defaults_to_auto_and_rejects_other_values(monkeypatch):

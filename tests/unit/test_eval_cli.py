@@ -277,6 +277,14 @@ def test_resume_refuses_a_report_of_another_device(smollm2_path, tmp_path):
         [rec],
         files,
     )
+    # this run's files join the report's; another file for one (system, ratio) stops the run
+    # here, before any server starts, naming --resume and the report
+    more = {"tangram": {"0.5": "calibration/smollm2/ada-snapkv-r0.5.json"}}
+    resumed = _cfg(smollm2_path, json_path=path, resume=True)
+    assert _resumed(resumed, {"needle:0"}, print, more) == ([rec], files | more)
+    other = {"budgets": {"0.5": "/elsewhere/ada-snapkv-r0.5.json"}}
+    with pytest.raises(ConfigError, match=rf"^--resume: {path}: budgets at ratio 0.5 read"):
+        _resumed(resumed, {"needle:0"}, print, other)
 
 
 def test_profiles_of_another_model_are_named_before_any_model_loads(
@@ -305,7 +313,7 @@ def test_profiles_of_another_model_are_named_before_any_model_loads(
     assert main([*argv, "--ratios", "0.25"]) == 2
     err = capsys.readouterr().err
     assert "--profile-dir:" in err and "does not fit" not in err
-    assert "recalibrate it or move it out of --profile-dir" in err
+    assert "(to run without it, move it out of --profile-dir)" in err
     model = tmp_path / "model"
     model.mkdir()
     (model / "config.json").write_text('{"num_hidden_layers": 2')  # truncated
@@ -318,8 +326,8 @@ def test_profiles_of_another_model_are_named_before_any_model_loads(
 
 
 def test_the_report_records_which_profile_file_each_system_read(tmp_path, smollm2_path):
-    """``profile_files``: the nearest-ratio file of each system's scorer, the budgets' one
-    included, repository paths relative to its root; the report copies what the run recorded
+    """``profile_files``: the nearest-ratio file of each system's scorer (the budgets' one when
+    a kvpress press without a profile of its own runs), repository paths relative to its root; the report copies what the run recorded
     (no file read when it is written), and ``report.merge`` keeps the union of its reports'
     records and refuses two files for one (system, ratio)."""
     import shutil
@@ -333,8 +341,7 @@ def test_the_report_records_which_profile_file_each_system_read(tmp_path, smollm
     systems = ("full", "tangram-kvzip-lite", "kvzip-budgets")
     src = "calibration/smollm2/"
     files = profile_files(REPO / src, (0.5, 0.3), systems)
-    assert files == {
-        "budgets": {"0.5": src + "ada-snapkv-r0.5.json", "0.3": src + "ada-snapkv-r0.25.json"},
+    assert files == {  # no "budgets": no kvpress press without a profile of its own runs
         "tangram-kvzip-lite": {
             "0.5": src + "kvzip-lite-r0.5.json",
             "0.3": src + "kvzip-lite-r0.25.json",
@@ -345,7 +352,8 @@ def test_the_report_records_which_profile_file_each_system_read(tmp_path, smollm
         },
     }
     shutil.copy(REPO / src / "ada-snapkv-r0.5.json", tmp_path / "ada-snapkv-r0.5.json")
-    assert profile_files(tmp_path, (0.5,), ("full",)) == {
+    assert profile_files(tmp_path, (0.5,), ("full", "full-hf")) == {}  # no profile read
+    assert profile_files(tmp_path, (0.5,), ("full", "uniform-snapkv")) == {
         "budgets": {"0.5": str((tmp_path / "ada-snapkv-r0.5.json").resolve())}
     }
     cfg = config_from_args(parse_args(["--model", "smollm2", "--systems", ",".join(systems)]))
@@ -362,6 +370,8 @@ def test_the_report_records_which_profile_file_each_system_read(tmp_path, smollm
     assert merged["kvzip-budgets"] == {**files["kvzip-budgets"], **later["kvzip-budgets"]}
     old = report.build(replace(ran, profile_files=None), [], [], 0.0)  # before the field
     assert report.merge([old, first])["config"]["profile_files"] == files
-    clash = {"budgets": {"0.5": "elsewhere/ada-snapkv-r0.5.json"}}
-    with pytest.raises(ConfigError, match="budgets at ratio 0.5 read calibration/smollm2/"):
+    clash = {"kvzip-budgets": {"0.5": "elsewhere/kvzip-lite-r0.5.json"}}
+    with pytest.raises(ConfigError, match="kvzip-budgets at ratio 0.5 read calibration/smollm2/"):
         report.merge([first, report.build(replace(ran, profile_files=clash), [], [], 0.0)])
+    with pytest.raises(ConfigError, match="config.profile_files must map each system"):
+        report.merge([first, report.build(replace(ran, profile_files={"x": ["bad"]}), [], [], 0.0)])
