@@ -326,10 +326,11 @@ def test_profiles_of_another_model_are_named_before_any_model_loads(
 
 
 def test_the_report_records_which_profile_file_each_system_read(tmp_path, smollm2_path):
-    """``profile_files``: the nearest-ratio file of each system's scorer (the budgets' one when
-    a kvpress press without a profile of its own runs), repository paths relative to its root; the report copies what the run recorded
-    (no file read when it is written), and ``report.merge`` keeps the union of its reports'
-    records and refuses two files for one (system, ratio)."""
+    """``profile_files``: the nearest-ratio file of each system's scorer (the budgets' one
+    when a kvpress press without a profile of its own runs), repository paths relative to its
+    root; the report copies what the run recorded (no file read when it is written), and
+    ``report.merge`` keeps the union of its reports' records and refuses two files for one
+    (system, ratio)."""
     import shutil
     from dataclasses import replace
 
