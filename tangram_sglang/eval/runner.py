@@ -406,7 +406,7 @@ class _Context:
         rep = report.build(self.report_cfg, self.samples, self.records, time.monotonic() - self.t0)
         if self.cfg.json_path is not None:
             self.cfg.json_path.parent.mkdir(parents=True, exist_ok=True)
-            self.cfg.json_path.write_text(json.dumps(rep, indent=1) + "\n")
+            self.cfg.json_path.write_text(report.dumps(rep))
         return rep
 
     def server_phase(self, system: str, ratio: float | None) -> None:

@@ -289,3 +289,23 @@ def test_a_resumed_run_at_one_ratio_keeps_the_files_other_ratios_in_its_summary(
     # full KV's ratio-free records count at both ratios, the file's 0.5 cell is kept
     assert rep["summary"]["later_questions_minus_full_points"] == {"0.25": -25.0, "0.5": -25.0}
     assert with_resumed_cells(cfg, []) == cfg  # nothing resumed: the command's own cells
+
+
+def test_a_report_is_written_one_line_per_record_and_reads_back_the_same():
+    """``report.dumps``: indented, except one line per record; ``json.loads`` gives the report
+    back, non-ASCII predictions included; a report without records is plain indented JSON."""
+    import json
+
+    from tangram_sglang.eval.report import dumps
+
+    records = [
+        {"sample_id": "needle:0", "output_ids": [1, 2, 3], "prediction": "Zürich"},
+        {"sample_id": "needle:1", "output_ids": [], "prediction": "a\nb"},
+    ]
+    rep = {"metric": "contains_answer", "summary": {"x": [1, 2]}, "records": records}
+    text = dumps(rep)
+    assert json.loads(text) == rep
+    lines = text.splitlines()
+    assert lines[-3:] == ["  " + json.dumps(records[1], ensure_ascii=False), " ]", "}"]
+    assert len(lines) == len(json.dumps({**rep, "records": 0}, indent=1).splitlines()) + 3
+    assert json.loads(dumps({**rep, "records": []})) == {**rep, "records": []}
