@@ -37,8 +37,8 @@ from tangram_sglang.backend.metadata import (
     heads_per_group_of_layer,
 )
 from tangram_sglang.backend.state import TangramState
+from tangram_sglang.config import decode_ctas_per_sm
 from tangram_sglang.errors import TangramError
-from tangram_sglang.kernels.split_table import CTAS_PER_SM
 from tangram_sglang.mem.manager import TangramMemory
 from tangram_sglang.profile import BudgetProfile
 
@@ -125,7 +125,8 @@ def run(
             t1 = time.perf_counter()
             floor = None
             if plan == "batch":
-                floor = decode_chunk_floors(table.lens, rows, heads, CTAS_PER_SM * num_sms)
+                launch = decode_ctas_per_sm() * num_sms  # TANGRAM_DECODE_CTAS_PER_SM
+                floor = decode_chunk_floors(table.lens, rows, heads, launch)
             buffers.fill(rows, batch, table.pages, table.lens, page_size, table.flush, floor)
             times.append((time.perf_counter() - t0) * 1e3)
             alloc_times.append((t1 - t0) * 1e3)

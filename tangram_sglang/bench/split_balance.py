@@ -3,6 +3,7 @@
     python -m tangram_sglang.bench.split_balance                      # Llama-3.1-8B, 132 SMs
     python -m tangram_sglang.bench.split_balance --profile P.json --num-sms 108
 
+The tables take the CTAs per SM of ``TANGRAM_DECODE_CTAS_PER_SM`` (default 8), as a server does.
 For every batch bucket (1, 2, 4, ... 64) and layer of the profile, one request row's per-KV-head
 kept lengths ``L_h = k_g(n)`` (the profile's group of head ``h``) under a length shape, split by
 
@@ -35,6 +36,7 @@ import sys
 
 import numpy as np
 
+from tangram_sglang.config import decode_ctas_per_sm
 from tangram_sglang.errors import TangramError
 from tangram_sglang.kernels.split_table import (
     MAX_SPLITS_PER_HEAD,
@@ -80,7 +82,9 @@ def longest_ctas(
         float64 ``[num_layers]`` arrays ``table``, ``lengths`` (longest CTA, tokens),
         ``table_ctas`` and ``lengths_ctas`` (CTAs per row that do work).
     """
-    table = build_split_table(profile.grouping, profile.group_ratios, num_sms, bucket)
+    table = build_split_table(
+        profile.grouping, profile.group_ratios, num_sms, bucket, ctas_per_sm=decode_ctas_per_sm()
+    )
     splits = table.splits.numpy().astype(np.int64)
     per_split = -(-lens // splits)
     table_chunk = -(-per_split // BLOCK_N) * BLOCK_N
@@ -139,7 +143,9 @@ def batch_balance_rows(
     ratios = np.ones((1, profile.grouping.num_head_groups))
     rows = []
     for bucket in buckets:
-        table = build_split_table(profile.grouping, ratios[0], num_sms, bucket)
+        table = build_split_table(
+            profile.grouping, ratios[0], num_sms, bucket, ctas_per_sm=decode_ctas_per_sm()
+        )
         splits = table.splits.numpy()[0].astype(np.int64)
         view = table.layer(0)
         for mean in means:
