@@ -21,6 +21,7 @@ from tangram_sglang.kernels.decode_attention import (
 )
 from tangram_sglang.kernels.reference import decode_reference
 from tangram_sglang.kernels.split_table import (
+    CTAS_PER_SM,
     LayerSplits,
     batch_chunk_floor,
     build_split_table,
@@ -37,6 +38,7 @@ def layer_table(
     uniform: bool,
     max_splits: int = 64,
     num_sms: int = 2,
+    ctas_per_sm: int = CTAS_PER_SM,
 ):
     """A split table for one layer whose heads have the given group ratios (2 SMs: few CTAs)."""
     num_kv_heads = group_of_head.numel()
@@ -48,6 +50,7 @@ def layer_table(
         batch_size,
         uniform=uniform,
         max_splits=max_splits,
+        ctas_per_sm=ctas_per_sm,
     )
     assert table.splits.shape == (1, num_kv_heads)
     return table.to(DEVICE).layer(0)
@@ -289,6 +292,7 @@ def run_fitted(
     head_dim=64,
     seed=0,
     plan="lengths",
+    ctas_per_sm=CTAS_PER_SM,
 ):
     """Fitted decode (``plan`` "lengths" or "batch") of every row of ``lens [rows, groups]``
     against the reference.
@@ -303,7 +307,7 @@ def run_fitted(
     layer = make_paged_layer(lens, num_kv_heads, heads_per_group, page_size, head_dim, dtype, seed)
     req_rows = torch.arange(rows, dtype=torch.int32, device=DEVICE).flip(0)
     ratios = np.linspace(0.9, 0.1, num_kv_heads).tolist()
-    table = layer_table(layer.group_of_head, ratios, rows, False, max_splits, num_sms)
+    table = layer_table(layer.group_of_head, ratios, rows, False, max_splits, num_sms, ctas_per_sm)
     if plan == "batch":
         budget, cap, grid = table.batch_budget, table.batch_cap, table.batch_ctas
         floor = chunk_floor_of(layer, req_rows, table)[0]
@@ -373,6 +377,18 @@ def test_batch_plan_splits_a_long_row_among_short_ones_finer() -> None:
     assert bal[long_row].sum() > fit[long_row].sum()
     assert bal_chunk[long_row].max() < fit_chunk[long_row].max()
     assert (bal[:long_row] == 1).all()
+
+
+def test_batch_plan_with_more_ctas_per_sm_splits_finer_and_stays_exact() -> None:
+    """``TANGRAM_DECODE_CTAS_PER_SM`` above the default (28, the wave sweep's value): the launch
+    aims for more CTAs, so the batch plan's floor falls and equal rows split into more chunks;
+    the kernel still matches the reference and writes the numpy twin's split slots."""
+    lens = [[200, 200]] * 4
+    default, default_chunk = run_fitted(lens, page_size=16, num_sms=1, seed=3, plan="batch")
+    wide, wide_chunk = run_fitted(
+        lens, page_size=16, num_sms=1, seed=3, plan="batch", ctas_per_sm=28
+    )
+    assert (wide > default).all() and wide_chunk.max() < default_chunk.max()
 
 
 @settings(
