@@ -353,7 +353,8 @@ def _check_profile_models(
             profile = BudgetProfile.load(path)
         except ProfileError as exc:
             raise ConfigError(
-                f"--profile-dir: {exc} (to run without it, move it out of --profile-dir)"
+                f"--profile-dir: {exc} (replace it with a new calibration, or move it out of "
+                "--profile-dir to use the nearest other ratio's profile)"
             ) from None
         try:
             profile.check_model(local)

@@ -313,7 +313,7 @@ def test_profiles_of_another_model_are_named_before_any_model_loads(
     assert main([*argv, "--ratios", "0.25"]) == 2
     err = capsys.readouterr().err
     assert "--profile-dir:" in err and "does not fit" not in err
-    assert "(to run without it, move it out of --profile-dir)" in err
+    assert "or move it out of --profile-dir to use the nearest other ratio" in err
     model = tmp_path / "model"
     model.mkdir()
     (model / "config.json").write_text('{"num_hidden_layers": 2')  # truncated
