@@ -343,9 +343,8 @@ def merge(reports: list[dict[str, Any]]) -> dict[str, Any]:
             raise ConfigError(f"merge: (system, ratio, sample) {twice} in two reports")
         seen |= cells
     records = common_samples([r for rep in reports for r in rep["records"]])
-    ratios = tuple(sorted({r for rep in reports for r in rep["config"]["ratios"]}, reverse=True))
-    results = aggregate(records, ratios)
     config = _merged_config(reports)
+    results = aggregate(records, tuple(config["ratios"]))
     scored = sorted({r["sample_id"] for r in records})
     return dict(
         first,
