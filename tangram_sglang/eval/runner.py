@@ -38,6 +38,7 @@ from tangram_sglang.eval import report
 from tangram_sglang.eval.scoring import score
 from tangram_sglang.eval.systems import (
     DEVICE_DTYPES,
+    DIAGNOSTIC_PRESS_SYSTEMS,
     GRID_CELL_TOKENS,
     GRID_SYSTEMS,
     PRESS_SYSTEMS,
@@ -61,9 +62,14 @@ from tangram_sglang.serving import CUDA_STOCK_FLAGS
 RATIO_NAME = re.compile(r"\d+(\.\d+)?")  # the ratio part of a profile's file name (0.25)
 MAX_NEW_TOKENS = {"needle": 28, "squad": 24, "multiturn-squad": 24}
 SYSTEMS = ("full", *TANGRAM_SYSTEMS, *PRESS_SYSTEMS, "full-hf")
-# by default neither the grid systems nor the diagnostic profile-budget presses (kvzip-budgets
-# and the per-request allocations of eval.allocation: a second KVzip prefill or scoring forward)
-DEFAULT_SYSTEMS = tuple(s for s in SYSTEMS if s not in GRID_SYSTEMS | PROFILE_BUDGET_SYSTEMS)
+# by default neither the grid systems nor the diagnostic presses (kvzip-budgets and the
+# per-request allocations of eval.allocation: a second KVzip prefill or scoring forward; the
+# Expected Attention presses)
+DEFAULT_SYSTEMS = tuple(
+    s
+    for s in SYSTEMS
+    if s not in GRID_SYSTEMS | PROFILE_BUDGET_SYSTEMS and s not in DIAGNOSTIC_PRESS_SYSTEMS
+)
 STARTUP_S = 1800.0  # server start-up limit: minutes on a busy shared CPU
 CHUNKED_PREFILL_TOKENS = 16384  # > any prompt here: the whole prompt is one Tangram segment
 TEMPLATE_MARGIN = 1024  # tokens the chat template, questions and multi-turn history add at most

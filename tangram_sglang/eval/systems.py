@@ -47,6 +47,12 @@ whole first prompt is the compressed part (``tasks.for_protocol``), later turns 
   own queries at KVzip's replay positions, ``scoring/replay.py``).
 * ``tangram-kvzip-gate``: the same with the shipped ``kvzip-gate`` profile (KVzip's scores
   predicted by a per-head linear gate on each token's key and value, ``scoring/kvzip_gate.py``).
+* ``expected-attention`` / ``dynamic-ada-expected-attention``: kvpress
+  ``ExpectedAttentionPress`` (query-agnostic in the same pass: each key scored by the attention
+  the mean and covariance of the context's pre-RoPE queries, rotated to the next 512 positions,
+  would pay it, times the value's norm; Devoto et al. 2025), every head the same count, or
+  inside ``AdaKVPress`` (heads of a layer compete for the layer's budget). Diagnostics: is a
+  same-pass query-agnostic score near KVzip's on later questions?
 * ``full-hf``: the same transformers model without a press (a diagnostic: HF vs SGLang numerics).
 
 kvpress on transformers 5.12.1 (checked 2026-11-30): ``with press(model): model.generate(...)``
@@ -90,7 +96,11 @@ PRESS_SYSTEMS = (
     "kvzip-lite-budgets",
     "kvzip-lite-group-alloc",
     "kvzip-lite-head-alloc",
+    "expected-attention",
+    "dynamic-ada-expected-attention",
 )
+# diagnostic press systems left out of the default run
+DIAGNOSTIC_PRESS_SYSTEMS = ("expected-attention", "dynamic-ada-expected-attention")
 # press systems whose per-head budgets come from a Tangram profile: system -> its scorer
 PROFILE_BUDGET_SYSTEMS = {
     "kvzip-budgets": "kvzip-lite",
@@ -261,6 +271,11 @@ class KvpressRunner:
             return kvpress.AdaKVPress(snap, alpha_safeguard=ADAKV_ALPHA)
         if system == "kvzip":
             return kvpress.KVzipPress(compression_ratio=compression_ratio)
+        if system in DIAGNOSTIC_PRESS_SYSTEMS:
+            expected = kvpress.ExpectedAttentionPress(compression_ratio=compression_ratio)
+            if system == "expected-attention":
+                return expected
+            return kvpress.AdaKVPress(expected, alpha_safeguard=ADAKV_ALPHA)
         raise TangramError(f"unknown press system {system!r}; use one of {PRESS_SYSTEMS}")
 
     def generate(
@@ -357,6 +372,9 @@ class KvpressRunner:
                 if press is not None:
                     press.post_init_from_model(self.model)
             for layer in layers:
+                # what kvpress's own ``press(model)`` sets: Expected Attention rotates its query
+                # statistics with the layer's rotary embedding (transformers 5 keeps it on the model)
+                layer.self_attn.rotary_emb = self.model.model.rotary_emb
                 handle = layer.self_attn.register_forward_hook(fan_out, with_kwargs=True)
                 stack.callback(handle.remove)
             pos = torch.arange(n, device=self.device)

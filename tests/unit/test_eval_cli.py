@@ -209,6 +209,8 @@ def test_grid_systems_get_the_grid_cell_as_their_chunk_and_are_not_run_by_defaul
     assert plain[plain.index("--chunked-prefill-size") + 1] == "16384"
     assert {"tangram-grid", "tangram-kvzip-lite-grid"} <= set(SYSTEMS)
     assert not {"tangram-grid", "tangram-kvzip-lite-grid"} & set(DEFAULT_SYSTEMS)
+    assert not {"expected-attention", "dynamic-ada-expected-attention"} & set(DEFAULT_SYSTEMS)
+    assert {"expected-attention", "dynamic-ada-expected-attention"} <= set(SYSTEMS)
 
 
 def test_only_grid_systems_get_the_grid_switch():

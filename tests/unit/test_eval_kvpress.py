@@ -73,20 +73,25 @@ def test_shared_context_prefill_equals_each_press_run_alone(setup):
         "full": None,
         "uniform": KvpressRunner.make_press("uniform-snapkv", 0.6),
         "dynamic": KvpressRunner.make_press("dynamic-ada-snapkv", 0.6),
+        "expected": KvpressRunner.make_press("expected-attention", 0.6),
+        "dynamic-expected": KvpressRunner.make_press("dynamic-ada-expected-attention", 0.6),
     }
     outs = runner.generate(conv.context_ids, conv.turn_ids, presses, MAX_NEW)
     for name, press in presses.items():
         ref, cache = _reference(runner, press, conv.context_ids, ids)
         assert outs[name] == [ref], name
-        if name == "uniform":  # the context was compressed (the question was not)
+        if name in ("uniform", "expected"):  # the context was compressed (the question not)
             n, q = len(conv.context_ids), len(ids) - len(conv.context_ids)
             assert cache.layers[0].keys.shape[2] == int(n * 0.4) + q + len(ref) - 1
-    assert cache.layers[0].keys.shape[2] == len(ids) + len(ref) - 1  # AdaKV masks, never frees
+        if name.startswith("dynamic"):  # AdaKV masks, never frees
+            assert cache.layers[0].keys.shape[2] == len(ids) + len(ref) - 1
     k, heads = int(len(conv.context_ids) * 0.4), runner.model.config.num_key_value_heads
-    assert all(per_layer == [k] * heads for per_layer in runner.kept_per_head["uniform"])
-    dynamic = runner.kept_per_head["dynamic"]  # AdaKV: a layer's heads share heads * k slots
-    assert all(sum(per_layer) == heads * k for per_layer in dynamic)
-    assert any(len(set(per_layer)) > 1 for per_layer in dynamic)  # and split them unevenly
+    for name in ("uniform", "expected"):
+        assert all(per_layer == [k] * heads for per_layer in runner.kept_per_head[name])
+    for name in ("dynamic", "dynamic-expected"):  # AdaKV: a layer's heads share heads * k slots
+        dynamic = runner.kept_per_head[name]
+        assert all(sum(per_layer) == heads * k for per_layer in dynamic)
+        assert any(len(set(per_layer)) > 1 for per_layer in dynamic)  # and split them unevenly
     generated = runner.model.generate(torch.tensor([ids]), max_new_tokens=MAX_NEW, do_sample=False)
     assert generated[0, len(ids) :].tolist()[: len(outs["full"][0])] == outs["full"][0]
 
