@@ -5,22 +5,24 @@
 # Most important first, so that a run cut short keeps what matters:
 #   1. bench.kernels, one layer, 8 and 23 rows of 16k tokens at ratio 1.0, for each value of
 #      CTAS (default "8 28 12 3"; $R/kernels-c<value>.json, a line per case in $R/progress),
-#      about 3 minutes;
-#   2. cliff:64, Tangram 1.0 under TANGRAM_DECODE_CTAS_PER_SM=$BEST (a preset, default 28: the
-#      wave model's pick at this shape, not read from part 1's figures) and stock
+#      about 3 minutes. KERNELS=0 skips it;
+#   2. cliff:64, Tangram 1.0 under TANGRAM_DECODE_CTAS_PER_SM=$BEST (a preset, default 12: the
+#      server's default, chosen from an H100 sweep; not read from part 1's figures) and stock
 #      flashinfer ($R/cliff, merged into $R/cliff/never-slower.json), about 13 minutes.
 #      CLIFF=0 skips it;
 #   3. sharegpt:64x4, Tangram 1.0 and 0.25 under $BEST beside both stock backends
 #      ($R/sharegpt), about 7 minutes. SHAREGPT=0 skips it.
 # Start it in the background, then poll $R/progress:
 #   setsid nohup bash scripts/device_decode_waves.sh > /tmp/dw.log 2>&1 &
-# Env: R (result folder, default /tmp/dw), CTAS, BEST, CLIFF=0, SHAREGPT=0, CAP_S, PROFILE.
+# Env: R (result folder, default /tmp/dw), CTAS, KERNELS=0, BEST, CLIFF=0, SHAREGPT=0, CAP_S,
+# PROFILE.
 set -u
 [ -n "${MODEL:-}" ] || { echo "$0: MODEL is unset: run 'source scripts/device_setup.sh' in this shell first (each device call starts a new shell)" >&2; exit 2; }
 R=${R:-/tmp/dw}
 mkdir -p "$R"
 export PROFILE=${PROFILE:-$PWD/calibration/synthetic/llama3.1-8b-kvzip-lite-r0.25.json}
-BEST=${BEST:-28}
+BEST=${BEST:-12}
+[ "${KERNELS:-1}" = 1 ] || CTAS=" "  # a blank list: no kernel case
 for c in ${CTAS:-8 28 12 3}; do
   echo "$(date -u +%T) kernels, TANGRAM_DECODE_CTAS_PER_SM=$c" >> "$R/progress"
   TANGRAM_DECODE_CTAS_PER_SM=$c timeout 300 python3 -m tangram_sglang.bench.kernels \

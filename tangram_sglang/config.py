@@ -305,18 +305,18 @@ def history_attention(environ: dict[str, str] | None = None) -> str:
 # CTAs per SM one decode launch aims for (read once per server, at start-up): sets the split
 # table's CTA budget per row and the batch plan's chunk floor (kernels/split_table.py).
 DECODE_CTAS_ENV = "TANGRAM_DECODE_CTAS_PER_SM"
-DEFAULT_DECODE_CTAS_PER_SM = 8  # split_table.CTAS_PER_SM (the reasoning is there)
+DEFAULT_DECODE_CTAS_PER_SM = 12  # split_table.CTAS_PER_SM (the measurements are there)
 MAX_DECODE_CTAS_PER_SM = 64
 
 
 def decode_ctas_per_sm(environ: dict[str, str] | None = None) -> int:
     """CTAs per SM a decode launch aims for: ``TANGRAM_DECODE_CTAS_PER_SM``, default
-    :data:`DEFAULT_DECODE_CTAS_PER_SM` (8, ``split_table.CTAS_PER_SM``).
+    :data:`DEFAULT_DECODE_CTAS_PER_SM` (12, ``split_table.CTAS_PER_SM``).
 
-    The decode kernel holds 3 CTAs per SM at head_dim 128 (160-166 registers per thread), so the
-    default launch is about 2.7 waves; whether a launch sized to whole waves decodes faster is
-    what this switch measures (``benchmarks/RESULTS.md``, issue 18). Every decode plan reads it
-    (``batch``'s floor, every plan's CTA budget per row).
+    Every decode plan reads it (``batch``'s floor, every plan's CTA budget per row). 12 was at or
+    near the fastest of 3, 8, 12 and 28 in six decode shapes on an H100 (8 was 13-14% slower at 8
+    and 23 rows of 16k tokens; ``benchmarks/RESULTS.md``, issue 18); another GPU or head size may
+    prefer another value, which ``bench.kernels`` under this variable measures.
 
     Args:
         environ: the environment to read (default ``os.environ``); unset or empty means the

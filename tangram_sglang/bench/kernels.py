@@ -47,7 +47,7 @@ Side by side, one run:
 
 Tangram's plans use the split table of the batch's bucket, as a server does (the smallest power
 of two >= the batch: a 23-row case gets the 32-row bucket's CTA budgets), and the CTAs per SM of
-``TANGRAM_DECODE_CTAS_PER_SM`` (default 8; recorded as ``meta.ctas_per_sm``). A server whose
+``TANGRAM_DECODE_CTAS_PER_SM`` (default 12; recorded as ``meta.ctas_per_sm``). A server whose
 largest bucket is not a power of two (``--cuda-graph-max-bs`` 100, say) uses that size instead
 for its largest batches; this benchmark does not.
 

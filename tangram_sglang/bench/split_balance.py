@@ -3,7 +3,7 @@
     python -m tangram_sglang.bench.split_balance                      # Llama-3.1-8B, 132 SMs
     python -m tangram_sglang.bench.split_balance --profile P.json --num-sms 108
 
-The tables take the CTAs per SM of ``TANGRAM_DECODE_CTAS_PER_SM`` (default 8), as a server does.
+The tables take the CTAs per SM of ``TANGRAM_DECODE_CTAS_PER_SM`` (default 12), as a server does.
 For every batch bucket (1, 2, 4, ... 64) and layer of the profile, one request row's per-KV-head
 kept lengths ``L_h = k_g(n)`` (the profile's group of head ``h``) under a length shape, split by
 

@@ -372,8 +372,9 @@ class KvpressRunner:
                 if press is not None:
                     press.post_init_from_model(self.model)
             for layer in layers:
-                # what kvpress's own ``press(model)`` sets: Expected Attention rotates its query
-                # statistics with the layer's rotary embedding (transformers 5 keeps it on the model)
+                # what kvpress's own ``press(model)`` sets: Expected Attention rotates its
+                # query statistics with the layer's rotary embedding (transformers 5 keeps it
+                # on the model)
                 layer.self_attn.rotary_emb = self.model.model.rotary_emb
                 handle = layer.self_attn.register_forward_hook(fan_out, with_kwargs=True)
                 stack.callback(handle.remove)

@@ -107,11 +107,14 @@ from tangram_sglang.config import DEFAULT_DECODE_CTAS_PER_SM
 from tangram_sglang.errors import ConfigError, KernelError
 from tangram_sglang.grouping import HeadGrouping
 
-# CTAs per SM a decode launch aims for: a memory-bound split-KV CTA (4 warps, ~40 KB of tiles)
-# leaves room for several resident CTAs per SM, and a few waves hide the tail. 8 keeps the
-# per-CTA chunk above ~100 kept tokens at 8k context on 132 SMs, where the fp32 partial output
-# (GQA * D * 4 bytes per CTA) stays under 5% of the KV bytes the CTA reads. A server may set
-# another with TANGRAM_DECODE_CTAS_PER_SM (config.decode_ctas_per_sm).
+# CTAs per SM a decode launch aims for. The kernel holds 3 CTAs per SM at head_dim 128 (160-166
+# registers per thread), so a launch is several waves of 3 x SMs CTAs. Measured on an H100
+# (benchmarks/RESULTS.md, issue 18: bench.kernels, batch plan, 8/23 equal rows of 16k and 64
+# skewed rows of 4k/16k at kept 1.0 and 0.25): 12 was within 1% of the fastest of 3, 8, 12 and
+# 28 in all six shapes, where 8 (the earlier value) was 13-14% slower at 8 and 23 rows of 16k
+# and 28 2-4% slower at 64 skewed rows. The fp32 partial output (GQA * D * 4 bytes per CTA) stays
+# a few percent of the KV bytes a CTA reads. A server may set another with
+# TANGRAM_DECODE_CTAS_PER_SM (config.decode_ctas_per_sm).
 CTAS_PER_SM = DEFAULT_DECODE_CTAS_PER_SM
 # Upper bound on the splits of one KV head; also the split dimension of the stage-1 scratch.
 MAX_SPLITS_PER_HEAD = 64

@@ -525,7 +525,7 @@ def test_the_default_history_takes_flashinfer_where_the_new_tokens_do(monkeypatc
 
 def test_a_cuda_server_gets_the_history_switch_it_was_started_with(monkeypatch):
     """``kernels_for`` hands ``TANGRAM_HISTORY_ATTENTION`` (unset: ``auto``) and
-    ``TANGRAM_DECODE_CTAS_PER_SM`` (unset: 8) to the CUDA kernels."""
+    ``TANGRAM_DECODE_CTAS_PER_SM`` (unset: 12) to the CUDA kernels."""
     from tangram_sglang.backend import layer_ops
     from tangram_sglang.config import DECODE_CTAS_ENV, HISTORY_ATTENTION_ENV, PREFILL_ATTENTION_ENV
 
@@ -544,4 +544,4 @@ def test_a_cuda_server_gets_the_history_switch_it_was_started_with(monkeypatch):
     monkeypatch.setenv(HISTORY_ATTENTION_ENV, "triton")
     monkeypatch.setenv(DECODE_CTAS_ENV, "28")
     layer_ops.kernels_for(torch.device("cuda"), None, 1)
-    assert seen == [("auto", "auto", 8), ("auto", "triton", 28)]
+    assert seen == [("auto", "auto", 12), ("auto", "triton", 28)]

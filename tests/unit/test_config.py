@@ -266,9 +266,9 @@ def test_decode_plan_env_defaults_to_batch_and_rejects_other_values(monkeypatch)
         kernels_for(torch.device("cpu"), None, 1)
 
 
-def test_decode_ctas_env_defaults_to_8_and_rejects_other_values(monkeypatch):
-    assert decode_ctas_per_sm({}) == 8
-    assert decode_ctas_per_sm({DECODE_CTAS_ENV: " "}) == 8
+def test_decode_ctas_env_defaults_to_12_and_rejects_other_values(monkeypatch):
+    assert decode_ctas_per_sm({}) == 12
+    assert decode_ctas_per_sm({DECODE_CTAS_ENV: " "}) == 12
     assert decode_ctas_per_sm({DECODE_CTAS_ENV: " 20 "}) == 20
     assert decode_ctas_per_sm({DECODE_CTAS_ENV: "08"}) == 8
     for bad in ("0", "65", "-3", "2.5", "eight", "0008", "\uff18", "\u0668", "9" * 5000):
@@ -277,7 +277,9 @@ def test_decode_ctas_env_defaults_to_8_and_rejects_other_values(monkeypatch):
     # the server reads it at start-up through kernels_for, on every device
     from tangram_sglang.backend.layer_ops import kernels_for
 
-    monkeypatch.setenv(DECODE_CTAS_ENV, "12")
+    monkeypatch.setenv(DECODE_CTAS_ENV, "20")
+    assert kernels_for(torch.device("cpu"), None, 1).launch_ctas == 20 * 132
+    monkeypatch.delenv(DECODE_CTAS_ENV)
     assert kernels_for(torch.device("cpu"), None, 1).launch_ctas == 12 * 132
     monkeypatch.setenv(DECODE_CTAS_ENV, "0")
     with pytest.raises(ConfigError, match="TANGRAM_DECODE_CTAS_PER_SM='0'"):

@@ -199,7 +199,8 @@ def test_split_balance_report_on_the_llama_profile() -> None:
     assert rows["whole"]["table_mean"] > 1.4 and rows["whole"]["lengths_mean"] < 1.1
     for row in rows.values():
         assert row["lengths_mean"] <= row["table_mean"] + 1e-9
-        assert row["lengths_ctas"] <= 17 + 8  # N + H_kv at bucket 64 on 132 SMs
+        # N + H_kv at bucket 64 on 132 SMs (N = ceil(CTAS_PER_SM * 132 / 64))
+        assert row["lengths_ctas"] <= math.ceil(CTAS_PER_SM * 132 / 64) + 8
     assert "| whole | 64 |" in split_balance.format_rows(list(rows.values()))
 
 
@@ -251,29 +252,40 @@ def test_batch_plan_splits_the_long_row_of_a_chat_batch_finer() -> None:
     floor = batch_chunk_floor(lens, view.launch_ctas)
     fit, fit_chunk = fitted_splits(lens, view.cta_budget, view.split_cap, BLOCK_N)
     bal, bal_chunk = fitted_splits(lens, view.batch_budget, view.batch_cap, BLOCK_N, floor)
-    assert fit_chunk[0].max() >= 900 and bal_chunk[0].max() <= 400  # 8 splits of 375 tokens
+    # the row budget at bucket 64 (ceil(CTAS_PER_SM * 132 / 64) CTAs) splits each 3,000-token
+    # head in 2-4; the batch plan in 8 splits of 375 tokens
+    assert fit_chunk[0].max() >= 2 * bal_chunk[0].max() and bal_chunk[0].max() <= 400
     assert bal[0].sum() <= view.batch_ctas
     # a row's chunk is never below the floor, so no head splits more than ceil(L / floor) times
-    # (a 200-token head: 2 splits; each split's share is then evened out, 100 tokens here)
-    assert (bal[1:] <= -(-200 // floor)).all() and (bal[1:] == 2).all()
+    # (a 200-token head: 3 splits at the default's floor of 79 tokens, a chunk of 96; each
+    # split's share is then evened out)
+    assert (bal[1:] <= -(-200 // floor)).all() and (bal[1:] == bal[1, 0]).all()
     assert bal.sum() <= view.launch_ctas + lens.size  # the launch's CTAs: about its aim
     check_fitted_plan(lens[0], view.batch_budget, view.batch_cap, BLOCK_N, floor)
 
 
-def test_split_balance_chat_batch_report():
-    """bench.split_balance's chat-batch table: at 64 and 128 rows the batch-balanced plan's
-    longest CTA is within 15% of the launch's balanced share, the static table's over 3x and
-    the row-balanced plan's in between; the rows are seeded."""
+def test_split_balance_chat_batch_report(monkeypatch):
+    """bench.split_balance's chat-batch table, at 8 CTAs per SM: at 64 and 128 rows the
+    batch-balanced plan's longest CTA is within 15% of the launch's balanced share, the static
+    table's over 3x and the row-balanced plan's in between. At the default (12 per SM, more
+    CTAs than one wave holds) the share is smaller and the order still holds; the rows are
+    seeded."""
     from tangram_sglang.bench import split_balance
+    from tangram_sglang.config import DECODE_CTAS_ENV
     from tangram_sglang.integration.profile_loader import CALIBRATION_DIR
     from tangram_sglang.profile import BudgetProfile
 
     profile = BudgetProfile.load(CALIBRATION_DIR / split_balance.DEFAULT_PROFILE)
+    monkeypatch.setenv(DECODE_CTAS_ENV, "8")
     rows = split_balance.batch_balance_rows(profile, 132, buckets=(64, 128), means=(600,))
     for r in rows:
         assert r["batch_ratio"] < 1.15 and r["table_ratio"] > 3.0
         assert r["batch_ratio"] < r["lengths_ratio"] < r["table_ratio"]
         # the floor keeps the short rows whole-ish: about the CTAs a launch aims for
+        assert r["batch_ctas"] <= 8 * 132 + r["bucket"] * 8
+    monkeypatch.delenv(DECODE_CTAS_ENV)
+    for r in split_balance.batch_balance_rows(profile, 132, buckets=(64, 128), means=(600,)):
+        assert r["batch_ratio"] < r["lengths_ratio"] <= r["table_ratio"]
         assert r["batch_ctas"] <= CTAS_PER_SM * 132 + r["bucket"] * 8
     lens = split_balance.chat_batch_lengths(64, 600)
     assert lens.min() >= 64 and (lens == split_balance.chat_batch_lengths(64, 600)).all()
@@ -297,18 +309,21 @@ def test_ctas_per_sm_sets_the_row_budget_and_the_launch() -> None:
     """``ctas_per_sm`` (``TANGRAM_DECODE_CTAS_PER_SM``) replaces :data:`CTAS_PER_SM` in the row
     budget ``max(H_kv, ceil(c * S / B))`` and in the batch plan's ``launch_ctas``, so the batch
     plan's floor at cliff-64's shape (23 rows of 16k tokens, 8 KV heads, the 32-row bucket)
-    gives 15 splits per head at 28 CTAs per SM (2,760 CTAs, 6.97 waves of 3 x 132) against 6
-    at the default (1,104, 2.79 waves)."""
+    gives 15 splits per head at 28 CTAs per SM (2,760 CTAs, 6.97 waves of 3 x 132), 8 at the
+    default 12 (1,472 CTAs, 3.72 waves) and 6 at 8 (1,104, 2.79 waves)."""
     ratio = np.ones((2, 8))
     grouping = HeadGrouping.build(ratio, 1, "per_layer")
     ratios = grouping.group_ratios(ratio)
     default = build_split_table(grouping, ratios, 132, 32)
-    assert default.launch_ctas == CTAS_PER_SM * 132 and default.cta_budget == 33
+    assert CTAS_PER_SM == 12
+    assert default.launch_ctas == 12 * 132 and default.cta_budget == 50
+    eight = build_split_table(grouping, ratios, 132, 32, ctas_per_sm=8)
+    assert eight.launch_ctas == 8 * 132 and eight.cta_budget == 33
     wide = build_split_table(grouping, ratios, 132, 32, ctas_per_sm=28)
     assert wide.launch_ctas == 28 * 132 and wide.cta_budget == math.ceil(28 * 132 / 32)
     assert build_split_table(grouping, ratios, 132, 32, ctas_per_sm=1).cta_budget == 8  # H_kv
     lens = np.full((23, 8), 16384)
-    for table, splits in ((default, 6), (wide, 15)):
+    for table, splits in ((eight, 6), (default, 8), (wide, 15)):
         view = table.layer(0)
         floor = batch_chunk_floor(lens, view.launch_ctas)
         got, _ = fitted_splits(lens, view.batch_budget, view.batch_cap, BLOCK_N, floor)
