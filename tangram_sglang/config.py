@@ -309,6 +309,11 @@ DEFAULT_DECODE_CTAS_PER_SM = 12  # split_table.CTAS_PER_SM (the measurements are
 MAX_DECODE_CTAS_PER_SM = 64
 
 
+def _clip(text: str, limit: int = 40) -> str:
+    """``text`` cut to ``limit`` characters (an ellipsis marks the cut), for error messages."""
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
 def decode_ctas_per_sm(environ: dict[str, str] | None = None) -> int:
     """CTAs per SM a decode launch aims for: ``TANGRAM_DECODE_CTAS_PER_SM``, default
     :data:`DEFAULT_DECODE_CTAS_PER_SM` (12, ``split_table.CTAS_PER_SM``).
@@ -334,7 +339,7 @@ def decode_ctas_per_sm(environ: dict[str, str] | None = None) -> int:
     ok = raw.isascii() and raw.isdigit() and len(raw) <= 3
     if not ok or not 1 <= int(raw) <= MAX_DECODE_CTAS_PER_SM:
         raise ConfigError(
-            f"{DECODE_CTAS_ENV}={raw!r}: use a whole number of CTAs per SM in "
+            f"{DECODE_CTAS_ENV}={_clip(raw)!r}: use a whole number of CTAs per SM in "
             f"[1, {MAX_DECODE_CTAS_PER_SM}], or unset it for the default "
             f"({DEFAULT_DECODE_CTAS_PER_SM})"
         )

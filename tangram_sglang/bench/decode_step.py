@@ -105,8 +105,15 @@ def run(
     """Time ``steps`` decode steps; returns ms per step (median, p90) and host reads per step.
 
     ``plan="batch"`` (the serving default) adds the per-layer chunk floors the backend computes
-    every step (``metadata.decode_chunk_floors`` for ``num_sms`` SMs) to the plan's host work.
+    every step (``metadata.decode_chunk_floors`` for ``num_sms`` SMs, at
+    ``TANGRAM_DECODE_CTAS_PER_SM`` CTAs per SM) to the plan's host work.
+
+    Raises:
+        ConfigError: ``TANGRAM_DECODE_CTAS_PER_SM`` is set to something a server would refuse
+            (checked for every plan, as a server checks it at start-up).
+        TangramError: the profile cannot be read.
     """
+    launch = decode_ctas_per_sm() * num_sms  # read once, as a server reads it at start-up
     profile = BudgetProfile.load(profile_path)
     state, buffers, rows = build(profile, batch, prompt, page_size, steps)
     table = state.memory.table
@@ -125,7 +132,6 @@ def run(
             t1 = time.perf_counter()
             floor = None
             if plan == "batch":
-                launch = decode_ctas_per_sm() * num_sms  # TANGRAM_DECODE_CTAS_PER_SM
                 floor = decode_chunk_floors(table.lens, rows, heads, launch)
             buffers.fill(rows, batch, table.pages, table.lens, page_size, table.flush, floor)
             times.append((time.perf_counter() - t0) * 1e3)
@@ -183,7 +189,8 @@ def main(argv: list[str] | None = None) -> None:
         "--plan",
         choices=["batch", "lengths", "table"],
         default="batch",
-        help="decode split plan (TANGRAM_DECODE_PLAN); batch adds the per-layer chunk floors",
+        help="decode split plan (TANGRAM_DECODE_PLAN); batch adds the per-layer chunk floors "
+        "(TANGRAM_DECODE_CTAS_PER_SM CTAs per SM, default 12)",
     )
     args = ap.parse_args(argv)
     try:

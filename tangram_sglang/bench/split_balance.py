@@ -219,6 +219,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.num_sms < 1:
         parser.error(f"--num-sms {args.num_sms} must be >= 1 (the device's SM count)")
     try:
+        ctas_per_sm = decode_ctas_per_sm()  # the tables below read it again; checked once here
+    except TangramError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    try:
         profile = BudgetProfile.load(args.profile)
     except TangramError as exc:
         print(f"error: --profile: {exc}", file=sys.stderr)
@@ -226,7 +231,8 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"profile {args.profile}: {profile.model.num_layers} layers, "
         f"{profile.model.num_kv_heads} KV heads, {profile.grouping.num_head_groups} head groups; "
-        f"{args.num_sms} SMs, BLOCK_N {BLOCK_N}, split cap {MAX_SPLITS_PER_HEAD}"
+        f"{args.num_sms} SMs, {ctas_per_sm} CTAs per SM (TANGRAM_DECODE_CTAS_PER_SM), BLOCK_N "
+        f"{BLOCK_N}, split cap {MAX_SPLITS_PER_HEAD}"
     )
     print(format_rows(balance_rows(profile, args.num_sms)))
     print("\nOne chat batch kept whole (ratio 1.0), rows of lognormal lengths (sigma 0.8):")

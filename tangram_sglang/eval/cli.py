@@ -144,6 +144,8 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
         if system not in SYSTEMS:
             near = difflib.get_close_matches(system, SYSTEMS, n=1)
             hint = f"did you mean {near[0]!r}? " if near else ""
+            if any(sep in system for sep in " ;\t"):
+                hint = "separate the systems with commas; "
             raise ConfigError(
                 f"--systems: {system!r} is not a system; {hint}use a subset of {', '.join(SYSTEMS)}"
             )

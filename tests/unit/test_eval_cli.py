@@ -28,6 +28,12 @@ REPO = Path(__file__).resolve().parents[2]
             ["--systems", "full,kvzip-head-alloc,kvzip-lite-head"],
             "did you mean 'kvzip-lite-head-alloc'",
         ),
+        (
+            ["--systems", "full,expected-atention"],
+            "did you mean 'expected-attention'",
+        ),
+        (["--systems", "full kvzip"], "'full kvzip' is not a system; separate the systems with"),
+        (["--systems", "full;kvzip"], "separate the systems with commas"),
         (["--server-args", "--chunked-prefill-size 64"], "--chunked-prefill-size is set by"),
         (["--lengths", "1024,16000"], "--lengths 16000: contexts must stay under"),
         (["--device", "cuda", "--threads", "2"], "--threads sets CPU threads"),

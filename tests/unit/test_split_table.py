@@ -223,6 +223,30 @@ def test_split_balance_bad_flags_give_one_line(argv, needle, capsys) -> None:
     assert status == 2 and needle in err[-1] and "Traceback" not in "\n".join(err)
 
 
+@pytest.mark.parametrize("value", ["0", "65", "12.0", "abc", "9" * 5000])
+def test_bench_clis_refuse_a_bad_ctas_per_sm_before_any_output(value, monkeypatch, capsys):
+    """``TANGRAM_DECODE_CTAS_PER_SM`` that a server would refuse: ``bench.split_balance`` and
+    ``bench.decode_step`` (under every plan, not only ``batch``, which reads it) exit 2 with one
+    line naming the variable, nothing printed before it, the value cut short."""
+    from tangram_sglang.bench import decode_step, split_balance
+    from tangram_sglang.config import DECODE_CTAS_ENV
+    from tangram_sglang.integration.profile_loader import CALIBRATION_DIR
+
+    monkeypatch.setenv(DECODE_CTAS_ENV, value)
+    assert split_balance.main([]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and len(err.strip().splitlines()) == 1
+    assert err.startswith("error: TANGRAM_DECODE_CTAS_PER_SM=") and len(err) < 200
+    profile = str(CALIBRATION_DIR / split_balance.DEFAULT_PROFILE)
+    for plan in ("table", "lengths", "batch"):
+        argv = ["--profile", profile, "--batch", "2", "--prompt", "64", "--steps", "3"]
+        with pytest.raises(SystemExit) as exc:
+            decode_step.main([*argv, "--plan", plan])
+        out, err = capsys.readouterr()
+        assert exc.value.code == 2 and out == ""
+        assert "error: TANGRAM_DECODE_CTAS_PER_SM=" in err.strip().splitlines()[-1]
+
+
 def test_batch_chunk_floor_spreads_the_batch_over_the_launch() -> None:
     lens = np.array([[3000] * 8] + [[200] * 8] * 63)
     assert batch_chunk_floor(lens, 1056) == -(-(3000 * 8 + 63 * 200 * 8) // 1056)
