@@ -318,10 +318,11 @@ def decode_ctas_per_sm(environ: dict[str, str] | None = None) -> int:
     """CTAs per SM a decode launch aims for: ``TANGRAM_DECODE_CTAS_PER_SM``, default
     :data:`DEFAULT_DECODE_CTAS_PER_SM` (12, ``split_table.CTAS_PER_SM``).
 
-    Every decode plan reads it (``batch``'s floor, every plan's CTA budget per row). 12 was at or
-    near the fastest of 3, 8, 12 and 28 in six decode shapes on an H100 (8 was 13-14% slower at 8
-    and 23 rows of 16k tokens; ``benchmarks/RESULTS.md``, issue 18); another GPU or head size may
-    prefer another value, which ``bench.kernels`` under this variable measures.
+    Every decode plan reads it (``batch``'s floor, every plan's CTA budget per row). Under the
+    ``batch`` plan, 12 was within 1.1% of the fastest value tried (3, 8, 12, 28) in each of six
+    decode shapes on an H100, and 13-14% faster than 8 on 8 and 23 rows of 16k tokens
+    (``benchmarks/RESULTS.md``, issue 18); another GPU or head size may prefer another value,
+    which ``bench.kernels`` under this variable measures.
 
     Args:
         environ: the environment to read (default ``os.environ``); unset or empty means the

@@ -110,9 +110,9 @@ from tangram_sglang.grouping import HeadGrouping
 # CTAs per SM a decode launch aims for. The kernel holds 3 CTAs per SM at head_dim 128 (160-166
 # registers per thread), so a launch is several waves of 3 x SMs CTAs. Measured on an H100
 # (benchmarks/RESULTS.md, issue 18: bench.kernels, batch plan, 8/23 equal rows of 16k and 64
-# skewed rows of 4k/16k at kept 1.0 and 0.25): 12 was within 1% of the fastest of 3, 8, 12 and
-# 28 in all six shapes, where 8 (the earlier value) was 13-14% slower at 8 and 23 rows of 16k
-# and 28 2-4% slower at 64 skewed rows. The fp32 partial output (GQA * D * 4 bytes per CTA) stays
+# skewed rows of 4k/16k at kept 1.0 and 0.25): 12 was within 1.1% of the fastest value tried
+# (3, 8, 12, 28; 3 on the equal rows only) in each of the six shapes, 13-14% faster than 8 (the
+# earlier value) at 8 and 23 rows of 16k, and up to 5% faster than 28 at 64 skewed rows. The fp32 partial output (GQA * D * 4 bytes per CTA) stays
 # a few percent of the KV bytes a CTA reads. A server may set another with
 # TANGRAM_DECODE_CTAS_PER_SM (config.decode_ctas_per_sm).
 CTAS_PER_SM = DEFAULT_DECODE_CTAS_PER_SM

@@ -66,7 +66,7 @@ def test_decode_step_captured_on_padding_replays_real_batches(plan):
     pools = (mem.kv_pool.k_pool, mem.kv_pool.v_pool, mem.table.page_table, mem.table.group_len)
     goh, coh = state.group_of_head[LAYER], state.column_of_head[LAYER]
     profile = state.profile
-    # batch: one SM's launch budget (8 CTAs), so the floor, not the row budget, sets the chunk
+    # batch: one SM's launch budget (12 CTAs), so the floor, not the row budget, sets the chunk
     sms = 1 if plan == "batch" else torch.cuda.get_device_properties(0).multi_processor_count
     tables = build_split_tables(profile.grouping, profile.group_ratios, sms, 8).to(DEV)
     mid_o, mid_lse = decode_scratch(8, HQ, tables.scratch_splits, D, DEV)

@@ -354,7 +354,7 @@ def test_fitted_one_group_empty() -> None:
 
 def test_fitted_one_group_much_longer_hits_the_split_cap() -> None:
     splits, chunk = run_fitted([[300, 2, 5, 1]], page_size=16, max_splits=3, num_sms=16)
-    # N = 128 CTAs would allow 3-token chunks; the cap of 3 splits sets ceil(300 / 3) -> 128.
+    # N = 192 CTAs (12 per SM on 16 SMs) would allow 2-token chunks; the cap of 3 splits sets ceil(300 / 3) -> 128.
     assert splits.max() == 3 and chunk.max() == 4 * BLOCK_N
 
 
@@ -367,8 +367,8 @@ def test_fitted_several_heads_per_group() -> None:
 
 
 def test_batch_plan_splits_a_long_row_among_short_ones_finer() -> None:
-    """One long row among short ones (1 SM, bucket 4: a row budget of 2 CTAs under the
-    length-fitted plan; 16 and a floor of 106 tokens under the batch-balanced one): the batch
+    """One long row among short ones (1 SM, bucket 4: a row budget of 3 CTAs under the
+    length-fitted plan; 16 and a floor of 71 tokens under the batch-balanced one): the batch
     plan splits the long row into more, shorter chunks, the short rows stay at one CTA."""
     lens = [[400, 400], [8, 8], [8, 8], [8, 8]]
     fit, fit_chunk = run_fitted(lens, page_size=16, num_sms=1, seed=7)
@@ -380,7 +380,7 @@ def test_batch_plan_splits_a_long_row_among_short_ones_finer() -> None:
 
 
 def test_batch_plan_with_more_ctas_per_sm_splits_finer_and_stays_exact() -> None:
-    """``TANGRAM_DECODE_CTAS_PER_SM`` above the default (28, the wave sweep's value): the launch
+    """``TANGRAM_DECODE_CTAS_PER_SM`` above the default (28 against 12): the launch
     aims for more CTAs, so the batch plan's floor falls and equal rows split into more chunks;
     the kernel still matches the reference and writes the numpy twin's split slots."""
     lens = [[200, 200]] * 4

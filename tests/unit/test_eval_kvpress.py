@@ -21,7 +21,7 @@ from tangram_sglang.eval.tasks import build_samples, conversation_ids, for_proto
 from tangram_sglang.profile import BudgetProfile
 
 MAX_NEW = 8
-pytestmark = pytest.mark.slow  # ~20 s on a quiet 2-core CPU (model load + 7 short runs)
+pytestmark = pytest.mark.slow  # ~20 s on a quiet 2-core CPU (model load + about ten short runs)
 
 
 @pytest.fixture(scope="module")

@@ -263,12 +263,14 @@ def test_batch_chunk_floor_spreads_the_batch_over_the_launch() -> None:
 
 def test_batch_plan_splits_the_long_row_of_a_chat_batch_finer() -> None:
     """64 rows at ratio 1.0: one 3,000-token row among 200-token rows. The length-fitted plan
-    (a budget of 17 CTAs per row at bucket 64) walks the long row's heads in 3 chunks of about
-    1,000 tokens; the batch-balanced plan splits it to the batch's floor and leaves the short
-    rows no finer than the floor, and the whole launch stays near the CTAs it aims for."""
+    (a budget of 25 CTAs per row at bucket 64, 12 CTAs per SM) walks the long row's heads in 4
+    chunks of 750 tokens; the batch-balanced plan splits it in 8 (its widened row budget) and
+    leaves the short rows no finer than the floor, and the whole launch stays near the CTAs it
+    aims for."""
     table = table_for(np.ones((1, 8)), batch_size=64)
     view = table.layer(0)
-    assert view.launch_ctas == CTAS_PER_SM * 132 and view.batch_budget == max(17, 8 * 8)
+    budget = math.ceil(CTAS_PER_SM * 132 / 64)
+    assert view.launch_ctas == CTAS_PER_SM * 132 and view.batch_budget == max(budget, 8 * 8)
     assert view.batch_cap == min(MAX_SPLITS_PER_HEAD, view.batch_budget)
     assert view.batch_ctas == min(view.batch_budget + 8, 8 * view.batch_cap)
     assert table.scratch_splits >= view.batch_cap
@@ -276,14 +278,15 @@ def test_batch_plan_splits_the_long_row_of_a_chat_batch_finer() -> None:
     floor = batch_chunk_floor(lens, view.launch_ctas)
     fit, fit_chunk = fitted_splits(lens, view.cta_budget, view.split_cap, BLOCK_N)
     bal, bal_chunk = fitted_splits(lens, view.batch_budget, view.batch_cap, BLOCK_N, floor)
-    # the row budget at bucket 64 (ceil(CTAS_PER_SM * 132 / 64) CTAs) splits each 3,000-token
-    # head in 2-4; the batch plan in 8 splits of 375 tokens
-    assert fit_chunk[0].max() >= 2 * bal_chunk[0].max() and bal_chunk[0].max() <= 400
+    # the row budget at bucket 64 splits each 3,000-token head in 4; the batch plan in 8 of 375
+    assert (fit[0] == 4).all() and (bal[0] == 8).all()
+    assert fit_chunk[0].max() > bal_chunk[0].max() and bal_chunk[0].max() <= 400
     assert bal[0].sum() <= view.batch_ctas
     # a row's chunk is never below the floor, so no head splits more than ceil(L / floor) times
-    # (a 200-token head: 3 splits at the default's floor of 79 tokens, a chunk of 96; each
-    # split's share is then evened out)
-    assert (bal[1:] <= -(-200 // floor)).all() and (bal[1:] == bal[1, 0]).all()
+    # (a 200-token head: 3 splits at the default's floor of 79 tokens, rounded up to a chunk of
+    # 96; each split's share is then evened out)
+    chunk = -(-floor // BLOCK_N) * BLOCK_N
+    assert (bal[1:] <= -(-200 // floor)).all() and (bal[1:] == -(-200 // chunk)).all()
     assert bal.sum() <= view.launch_ctas + lens.size  # the launch's CTAs: about its aim
     check_fitted_plan(lens[0], view.batch_budget, view.batch_cap, BLOCK_N, floor)
 
