@@ -382,13 +382,12 @@ def check_model(server_args: Any) -> None:
     # TANGRAM_GRID_SEGMENTS is read again by each scheduler's TangramState; a bad value must stop
     # the start here, in one line, not in a scheduler process after the weights are loaded.
     segment_grid(int(server_args.chunked_prefill_size or 0))
-    decode_plan()  # TANGRAM_DECODE_PLAN, likewise read again by each scheduler's kernels
-    decode_ctas_per_sm()  # TANGRAM_DECODE_CTAS_PER_SM, likewise
-    prefill_attention()  # TANGRAM_PREFILL_ATTENTION, likewise
-    history_attention()  # TANGRAM_HISTORY_ATTENTION (and its pairing with the one above)
+    # TANGRAM_DECODE_PLAN, _DECODE_CTAS_PER_SM, _PREFILL_ATTENTION, _HISTORY_ATTENTION: likewise
+    # read again by each scheduler's kernels; checked here, and kept in the summary
+    switches = kernel_switches()
     build_scorer(profile)  # the profile's scorer options, checked before any scheduler starts
     ensure_active()
-    summary = profile_loader.profile_summary(profile, config)
+    summary = profile_loader.profile_summary(profile, config) | switches
     if layout is not None:
         summary |= layout.summary()
     server_args.tangram_profile = config.profile_path
@@ -508,6 +507,28 @@ def rank_profile_from_server_args(server_args: Any, tp_rank: int | None = None) 
     return TensorParallelLayout.build(profile, tp_size).rank_profile(profile, tp_rank)
 
 
+def kernel_switches() -> dict[str, object]:
+    """The kernel switches a server runs with, from its environment (checked; start-up).
+
+    ``/server_info`` carries them in the ``tangram`` block, so a benchmark result records the
+    decode plan and launch size each Tangram server ran under.
+
+    Returns:
+        ``decode_plan``, ``decode_ctas_per_sm``, ``prefill_attention``, ``history_attention``.
+
+    Raises:
+        ConfigError: any of ``TANGRAM_DECODE_PLAN``, ``TANGRAM_DECODE_CTAS_PER_SM``,
+            ``TANGRAM_PREFILL_ATTENTION``, ``TANGRAM_HISTORY_ATTENTION`` set to a value a server
+            refuses (:mod:`tangram_sglang.config`).
+    """
+    return {
+        "decode_plan": decode_plan(),
+        "decode_ctas_per_sm": decode_ctas_per_sm(),
+        "prefill_attention": prefill_attention(),
+        "history_attention": history_attention(),
+    }
+
+
 def summary_from_server_args(server_args: Any) -> dict[str, object]:
     """The start-up summary (``/server_info`` key ``tangram``) of a Tangram server.
 
@@ -519,7 +540,7 @@ def summary_from_server_args(server_args: Any) -> dict[str, object]:
         return dict(summary)
     config = config_from_server_args(server_args)
     profile = profile_from_server_args(server_args)
-    summary = profile_loader.profile_summary(profile, config)
+    summary = profile_loader.profile_summary(profile, config) | kernel_switches()
     tp_size = int(getattr(server_args, "tp_size", 1) or 1)
     if tp_size > 1:
         summary |= TensorParallelLayout.build(profile, tp_size).summary()

@@ -112,9 +112,9 @@ from tangram_sglang.grouping import HeadGrouping
 # (benchmarks/RESULTS.md, issue 18: bench.kernels, batch plan, 8/23 equal rows of 16k and 64
 # skewed rows of 4k/16k at kept 1.0 and 0.25): 12 was within 1.1% of the fastest value tried
 # (3, 8, 12, 28; 3 on the equal rows only) in each of the six shapes, 13-14% faster than 8 (the
-# earlier value) at 8 and 23 rows of 16k, and up to 5% faster than 28 at 64 skewed rows. The fp32 partial output (GQA * D * 4 bytes per CTA) stays
-# a few percent of the KV bytes a CTA reads. A server may set another with
-# TANGRAM_DECODE_CTAS_PER_SM (config.decode_ctas_per_sm).
+# earlier value) at 8 and 23 rows of 16k, and up to 5% faster than 28 at 64 skewed rows. The fp32
+# partial output (GQA * D * 4 bytes per CTA) stays a few percent of the KV bytes a CTA reads. A
+# server may set another with TANGRAM_DECODE_CTAS_PER_SM (config.decode_ctas_per_sm).
 CTAS_PER_SM = DEFAULT_DECODE_CTAS_PER_SM
 # Upper bound on the splits of one KV head; also the split dimension of the stage-1 scratch.
 MAX_SPLITS_PER_HEAD = 64

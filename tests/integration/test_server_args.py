@@ -125,6 +125,29 @@ def test_engine_kwargs_path_and_pickling(patched_sglang, smollm2_path, smollm2_p
     )
 
 
+def test_the_summary_records_the_kernel_switches(
+    patched_sglang, smollm2_path, smollm2_profile, monkeypatch
+):
+    """``/server_info``'s ``tangram`` block carries the decode plan, CTAs per SM and attention
+    switches the server started under (defaults, then the environment's), stashed or rebuilt."""
+    from tangram_sglang.config import DECODE_CTAS_ENV, DECODE_PLAN_ENV
+
+    for name in (DECODE_CTAS_ENV, DECODE_PLAN_ENV):
+        monkeypatch.delenv(name, raising=False)
+    args = make_args(patched_sglang, smollm2_path, smollm2_profile)
+    summary = summary_from_server_args(args)
+    assert (summary["decode_plan"], summary["decode_ctas_per_sm"]) == ("batch", 12)
+    assert summary["prefill_attention"] and summary["history_attention"]
+    monkeypatch.setenv(DECODE_CTAS_ENV, "28")
+    monkeypatch.setenv(DECODE_PLAN_ENV, "table")
+    args = make_args(patched_sglang, smollm2_path, smollm2_profile)
+    assert summary_from_server_args(args)["decode_ctas_per_sm"] == 28
+    unstashed = copy.copy(args)
+    object.__delattr__(unstashed, SUMMARY_STASH)
+    assert summary_from_server_args(unstashed) == summary_from_server_args(args)
+    assert summary_from_server_args(unstashed)["decode_plan"] == "table"
+
+
 def test_min_compress_tokens_reaches_the_scheduler_profile(
     patched_sglang, smollm2_path, smollm2_profile
 ):

@@ -354,7 +354,8 @@ def test_fitted_one_group_empty() -> None:
 
 def test_fitted_one_group_much_longer_hits_the_split_cap() -> None:
     splits, chunk = run_fitted([[300, 2, 5, 1]], page_size=16, max_splits=3, num_sms=16)
-    # N = 192 CTAs (12 per SM on 16 SMs) would allow 2-token chunks; the cap of 3 splits sets ceil(300 / 3) -> 128.
+    # N = 192 CTAs (12 per SM on 16 SMs) would allow 2-token chunks; the cap of 3 splits sets
+    # ceil(300 / 3) -> 128.
     assert splits.max() == 3 and chunk.max() == 4 * BLOCK_N
 
 
