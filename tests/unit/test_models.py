@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import shutil
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -182,5 +184,8 @@ def test_a_missing_wheel_is_an_install_error_naming_the_command(tmp_path, monkey
     with pytest.raises(ModelError) as err:
         models.model_path("qwen2.5-0.5b", verbose=False)
     assert "no-such-dist-xyz==1.0, which is not installed" in str(err.value)
-    assert "`python -m tangram_sglang.models install qwen2.5-0.5b`" in str(err.value)
+    # the command names the interpreter that runs this (.venv/bin/python after make install)
+    command = str(err.value).split("run `")[-1].split("`")[0].split()
+    assert command[1:] == ["-m", "tangram_sglang.models", "install", "qwen2.5-0.5b"]
+    assert Path.cwd() / command[0] == Path(sys.executable) or command[0] == sys.executable
     assert not (models.cache_dir() / "smollm2").exists()  # nothing converted, nothing installed
