@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import os
+import reprlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -307,11 +308,8 @@ def history_attention(environ: dict[str, str] | None = None) -> str:
 DECODE_CTAS_ENV = "TANGRAM_DECODE_CTAS_PER_SM"
 DEFAULT_DECODE_CTAS_PER_SM = 12  # split_table.CTAS_PER_SM (the measurements are there)
 MAX_DECODE_CTAS_PER_SM = 64
-
-
-def _clip(text: str, limit: int = 40) -> str:
-    """``text`` cut to ``limit`` characters (an ellipsis marks the cut), for error messages."""
-    return text if len(text) <= limit else text[:limit] + "..."
+_SHORT_REPR = reprlib.Repr()  # a long bad value, cut short in its error message
+_SHORT_REPR.maxstring = 40  # (keyword arguments to Repr() need Python 3.12)
 
 
 def decode_ctas_per_sm(environ: dict[str, str] | None = None) -> int:
@@ -340,7 +338,7 @@ def decode_ctas_per_sm(environ: dict[str, str] | None = None) -> int:
     ok = raw.isascii() and raw.isdigit() and len(raw) <= 3
     if not ok or not 1 <= int(raw) <= MAX_DECODE_CTAS_PER_SM:
         raise ConfigError(
-            f"{DECODE_CTAS_ENV}={_clip(raw)!r}: use a whole number of CTAs per SM in "
+            f"{DECODE_CTAS_ENV}={_SHORT_REPR.repr(raw)}: use a whole number of CTAs per SM in "
             f"[1, {MAX_DECODE_CTAS_PER_SM}], or unset it for the default "
             f"({DEFAULT_DECODE_CTAS_PER_SM})"
         )

@@ -69,7 +69,7 @@ def shape_lengths(profile: BudgetProfile, shape: str) -> np.ndarray:
 
 
 def longest_ctas(
-    lens: np.ndarray, profile: BudgetProfile, num_sms: int, bucket: int
+    lens: np.ndarray, profile: BudgetProfile, num_sms: int, bucket: int, ctas_per_sm: int
 ) -> dict[str, np.ndarray]:
     """Per layer: the longest CTA's tokens under each plan, the table's CTAs, the plans' CTAs.
 
@@ -77,13 +77,14 @@ def longest_ctas(
         lens: int ``[num_layers, num_kv_heads]`` kept tokens of one request row.
         profile: the budget profile (grouping, group ratios).
         num_sms: the device's SM count. bucket: the batch bucket (requests per launch).
+        ctas_per_sm: CTAs per SM a launch aims for (``TANGRAM_DECODE_CTAS_PER_SM``).
 
     Returns:
         float64 ``[num_layers]`` arrays ``table``, ``lengths`` (longest CTA, tokens),
         ``table_ctas`` and ``lengths_ctas`` (CTAs per row that do work).
     """
     table = build_split_table(
-        profile.grouping, profile.group_ratios, num_sms, bucket, ctas_per_sm=decode_ctas_per_sm()
+        profile.grouping, profile.group_ratios, num_sms, bucket, ctas_per_sm=ctas_per_sm
     )
     splits = table.splits.numpy().astype(np.int64)
     per_split = -(-lens // splits)
@@ -97,13 +98,24 @@ def longest_ctas(
     }
 
 
-def balance_rows(profile: BudgetProfile, num_sms: int = H200_SMS, buckets=BUCKETS) -> list[dict]:
-    """One dict per (shape, bucket): mean/max over layers of longest CTA / balanced share."""
+def balance_rows(
+    profile: BudgetProfile,
+    num_sms: int = H200_SMS,
+    buckets=BUCKETS,
+    ctas_per_sm: int | None = None,
+) -> list[dict]:
+    """One dict per (shape, bucket): mean/max over layers of longest CTA / balanced share.
+
+    ``ctas_per_sm``: CTAs per SM a launch aims for (None: ``TANGRAM_DECODE_CTAS_PER_SM``, as a
+    server reads it).
+    """
+    if ctas_per_sm is None:
+        ctas_per_sm = decode_ctas_per_sm()
     rows = []
     for shape in ("compressed", "chat", "whole"):
         lens = shape_lengths(profile, shape)
         for bucket in buckets:
-            r = longest_ctas(lens, profile, num_sms, bucket)
+            r = longest_ctas(lens, profile, num_sms, bucket, ctas_per_sm)
             share = lens.sum(axis=1) / r["table_ctas"]
             row = {"shape": shape, "bucket": bucket, "share": float(share.mean())}
             for plan in ("table", "lengths"):
@@ -130,6 +142,7 @@ def batch_balance_rows(
     num_sms: int = H200_SMS,
     buckets=(16, 64, 128),
     means=(600, 1000),
+    ctas_per_sm: int | None = None,
 ) -> list[dict]:
     """Balance across the rows of one chat batch kept whole (ratio 1.0: every KV head of a row
     holds its whole length), one dict per (bucket, mean length).
@@ -138,13 +151,16 @@ def batch_balance_rows(
     batch's kept tokens / the CTAs a launch aims for, ``SplitTable.launch_ctas``), for the
     static table, the length-fitted plan (balanced per row) and the batch-balanced plan (a chunk
     floor from the whole batch, ``split_table.batch_chunk_floor``), with each plan's CTAs.
+    ``ctas_per_sm``: as in :func:`balance_rows`.
     """
+    if ctas_per_sm is None:
+        ctas_per_sm = decode_ctas_per_sm()
     num_kv_heads = profile.model.num_kv_heads
     ratios = np.ones((1, profile.grouping.num_head_groups))
     rows = []
     for bucket in buckets:
         table = build_split_table(
-            profile.grouping, ratios[0], num_sms, bucket, ctas_per_sm=decode_ctas_per_sm()
+            profile.grouping, ratios[0], num_sms, bucket, ctas_per_sm=ctas_per_sm
         )
         splits = table.splits.numpy()[0].astype(np.int64)
         view = table.layer(0)
@@ -219,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.num_sms < 1:
         parser.error(f"--num-sms {args.num_sms} must be >= 1 (the device's SM count)")
     try:
-        ctas_per_sm = decode_ctas_per_sm()  # the tables below read it again; checked once here
+        ctas_per_sm = decode_ctas_per_sm()  # read once, before any output
     except TangramError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -234,9 +250,9 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.num_sms} SMs, {ctas_per_sm} CTAs per SM (TANGRAM_DECODE_CTAS_PER_SM), BLOCK_N "
         f"{BLOCK_N}, split cap {MAX_SPLITS_PER_HEAD}"
     )
-    print(format_rows(balance_rows(profile, args.num_sms)))
+    print(format_rows(balance_rows(profile, args.num_sms, ctas_per_sm=ctas_per_sm)))
     print("\nOne chat batch kept whole (ratio 1.0), rows of lognormal lengths (sigma 0.8):")
-    print(format_batch_rows(batch_balance_rows(profile, args.num_sms)))
+    print(format_batch_rows(batch_balance_rows(profile, args.num_sms, ctas_per_sm=ctas_per_sm)))
     return 0
 
 

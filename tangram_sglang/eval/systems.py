@@ -86,6 +86,8 @@ from tangram_sglang.eval.allocation import check_scores, group_allocation
 from tangram_sglang.mem.reservation import segment_kept_lens
 from tangram_sglang.profile import BudgetProfile
 
+# diagnostic press systems left out of the default run
+DIAGNOSTIC_PRESS_SYSTEMS = ("expected-attention", "dynamic-ada-expected-attention")
 PRESS_SYSTEMS = (
     "dynamic-ada-snapkv",
     "uniform-snapkv",
@@ -96,11 +98,8 @@ PRESS_SYSTEMS = (
     "kvzip-lite-budgets",
     "kvzip-lite-group-alloc",
     "kvzip-lite-head-alloc",
-    "expected-attention",
-    "dynamic-ada-expected-attention",
+    *DIAGNOSTIC_PRESS_SYSTEMS,
 )
-# diagnostic press systems left out of the default run
-DIAGNOSTIC_PRESS_SYSTEMS = ("expected-attention", "dynamic-ada-expected-attention")
 # press systems whose per-head budgets come from a Tangram profile: system -> its scorer
 PROFILE_BUDGET_SYSTEMS = {
     "kvzip-budgets": "kvzip-lite",
@@ -233,6 +232,10 @@ class KvpressRunner:
             .to(self.device)
             .eval()
         )
+        for layer in self.model.model.layers:
+            # what kvpress's own ``press(model)`` sets: Expected Attention rotates its query
+            # statistics with the layer's rotary embedding (transformers 5 keeps it on the model)
+            layer.self_attn.rotary_emb = self.model.model.rotary_emb
         self.eos_ids = eos_ids
         # press name -> [layer][kv_head] context entries kept by the last ``generate`` (tokens)
         self.kept_per_head: dict[Any, list[list[int]]] = {}
@@ -372,10 +375,6 @@ class KvpressRunner:
                 if press is not None:
                     press.post_init_from_model(self.model)
             for layer in layers:
-                # what kvpress's own ``press(model)`` sets: Expected Attention rotates its
-                # query statistics with the layer's rotary embedding (transformers 5 keeps it
-                # on the model)
-                layer.self_attn.rotary_emb = self.model.model.rotary_emb
                 handle = layer.self_attn.register_forward_hook(fan_out, with_kwargs=True)
                 stack.callback(handle.remove)
             pos = torch.arange(n, device=self.device)
