@@ -55,6 +55,7 @@ SCORERS = (
     "kvzip-lite",
     "kvzip-replay",
     "kvzip-gate",
+    "kvzip",
 )
 # Guard against ratio * n landing a hair above an integer (0.3 * 10 = 3.0000000000000004).
 _CEIL_EPS = 1e-9

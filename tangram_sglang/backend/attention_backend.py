@@ -47,9 +47,12 @@ from sglang.srt.server_args import add_attention_backend_choices
 
 from tangram_sglang.backend import metadata as md
 from tangram_sglang.backend.layer_ops import batch_history_plan, extend_layer, kernels_for
+from tangram_sglang.backend.replay import check_replay_lens, replay_layout
 from tangram_sglang.backend.state import TangramState
 from tangram_sglang.errors import ConfigError, KernelError
+from tangram_sglang.integration.replay import ReplayPrompts
 from tangram_sglang.mem.manager import TangramMemory
+from tangram_sglang.scoring.kvzip import needs_replay
 from tangram_sglang.scoring.kvzip_gate import is_token_scorer
 from tangram_sglang.scoring.replay import RopeShift, bind_rope, check_rope_span, needs_rope
 
@@ -95,9 +98,26 @@ def tangram_state_of(model_runner: ModelRunner) -> TangramState:
             state.scorer = bind_rope(state.scorer, model_rope(model_runner.model))
         if is_token_scorer(state.scorer):
             check_gate_rope(model_runner.model)
+        if needs_replay(state.scorer):
+            state.replay_prompts = ReplayPrompts.from_tokenizer(_tokenizer(model_runner))
         pool.tangram_state = state
         req_pool.tangram_state = state
     return pool.tangram_state
+
+
+def _tokenizer(model_runner: ModelRunner):
+    """The server's tokenizer (None under ``--skip-tokenizer-init``), loaded as SGLang's
+    scheduler loads it."""
+    args = model_runner.server_args
+    if getattr(args, "skip_tokenizer_init", False):
+        return None
+    from sglang.srt.utils.hf_transformers.tokenizer import get_tokenizer
+
+    return get_tokenizer(
+        args.tokenizer_path or args.model_path,
+        tokenizer_mode=args.tokenizer_mode,
+        trust_remote_code=args.trust_remote_code,
+    )
 
 
 def _rotary_modules(model: torch.nn.Module):
@@ -255,7 +275,12 @@ class TangramAttnBackend(AttentionBackend):
             self.forward_metadata = self._plan_decode(rows)
         elif mode.is_extend() and not mode.is_mixed():
             extend_lens = list(forward_batch.extend_seq_lens_cpu)
-            start, kept = self.state.extend_plan_for(rows, extend_lens)
+            replay = self.state.host_replay_lens  # replay tokens before each segment
+            segment_lens = extend_lens
+            if replay is not None:
+                check_replay_lens(np.asarray(extend_lens, np.int64), replay)
+                segment_lens = (np.asarray(extend_lens, np.int64) - replay).tolist()
+            start, kept = self.state.extend_plan_for(rows, segment_lens)
             history = batch_history_plan(self.kernels, self.state, rows, extend_lens, start)
             self.forward_metadata = md.extend_metadata(
                 rows,
@@ -269,6 +294,8 @@ class TangramAttnBackend(AttentionBackend):
                 history=history,
                 page_table=table.page_table,
             )
+            if replay is not None:
+                self.forward_metadata.replay = replay_layout(extend_lens, replay, self.device)
         else:
             raise ConfigError(f"the {BACKEND_NAME} backend does not run forward mode {mode.name}")
 

@@ -156,6 +156,7 @@ def batch_kept_indices(
     window_kernel: bool | None = None,
     v_new: torch.Tensor | None = None,
     layer_id: int | None = None,
+    token_scores: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Kept token indices of every request of an extend batch, per KV head (per layer).
 
@@ -182,6 +183,10 @@ def batch_kept_indices(
             token scorer (``kvzip-gate``: one ``token_scores`` call over the whole batch, then
             the same buckets or runs as the SnapKV family, without queries).
         layer_id: the layer's index (a token scorer's weights are per layer).
+        token_scores: float32 ``[H_kv, num_tokens]`` scores of every new token computed
+            before the call (``kvzip``: from the replay pass, ``scoring.kvzip``); taken as a
+            token scorer's batch scores, so ``q`` and ``lse`` are not read. Columns of segments
+            kept whole are not read.
 
     Returns:
         int64 ``[bs, H_kv, max_k]`` (``kept_idx`` of the kv-write kernel): head h of request i
@@ -196,8 +201,8 @@ def batch_kept_indices(
 
     Source: docs/contracts.md (``Scorer.score``, ``select_kept``).
     """
-    token = is_token_scorer(scorer)
-    if token and (v_new is None or layer_id is None):
+    token = token_scores is not None or is_token_scorer(scorer)
+    if token_scores is None and token and (v_new is None or layer_id is None):
         raise KernelError(
             f"batch_kept_indices: scorer {scorer.name!r} scores tokens from k and v per layer; "
             "pass v_new and layer_id"
@@ -246,8 +251,8 @@ def batch_kept_indices(
             return torch.zeros(bs, num_kv_heads, out_width, dtype=torch.int64, device=device)
         if whole.all():  # ratio 1.0, short turns: a view of the cached fill
             return plan.whole_fill.expand(bs, num_kv_heads, out_width)
-    tok = None  # a token scorer's [H_kv, num_tokens] scores of the whole batch
-    if token and (plan.runs or plan.buckets):
+    tok = token_scores  # a token scorer's [H_kv, num_tokens] scores of the whole batch
+    if tok is None and token and (plan.runs or plan.buckets):
         tok = _token_scores(scorer, k_new, v_new, layer_id)
     if plan.whole_rows is None and plan.runs == [(0, bs)]:  # one run of every request
         windows = (sink_tokens, recent_window)

@@ -25,6 +25,7 @@ import torch
 
 from tangram_sglang.backend import metadata as md
 from tangram_sglang.backend.compress import batch_kept_indices
+from tangram_sglang.backend.replay import replay_token_scores
 from tangram_sglang.backend.state import TangramState
 from tangram_sglang.config import (
     decode_ctas_per_sm,
@@ -623,6 +624,9 @@ def extend_layer(
     table = memory.table
     goh, coh = state.group_of_head[layer_id], state.column_of_head[layer_id]
     hist = table.group_len if meta.hist_len is None else meta.hist_len  # lengths before
+    replay = meta.replay
+    if replay is not None:  # each row's segment, then its replay (backend.replay)
+        q3, k3, v3 = (x.index_select(0, replay.to_logical) for x in (q3, k3, v3))
     out, lse = kernels.extend(
         q3,
         k3,
@@ -642,12 +646,18 @@ def extend_layer(
     )
     profile = state.profile
     kept_host, kept_dev = meta.layer_kept(layer_id, profile.grouping.cluster_of[layer_id])
+    bounds, indptr, token_scores = meta.bounds, meta.qo_indptr, None
+    if replay is not None:  # score the segments by their replay; keep segment tokens only
+        token_scores = replay_token_scores(state.scorer, q3, k3, lse, replay, sm_scale)
+        segment = replay.segment_tokens
+        q3, k3, v3, lse = (x.index_select(0, segment) for x in (q3, k3, v3, lse))
+        bounds, indptr = replay.segment_bounds, replay.segment_indptr
     kept_idx = batch_kept_indices(
         state.scorer,
         q3,
         k3,
         lse,
-        meta.bounds,
+        bounds,
         kept_host,
         sm_scale,
         profile.sink_tokens,
@@ -655,11 +665,12 @@ def extend_layer(
         kept_dev,
         v_new=v3,
         layer_id=layer_id,
+        token_scores=token_scores,
     )
     kernels.kv_write(
         k3,
         v3,
-        meta.qo_indptr,
+        indptr,
         kept_idx,
         meta.kept_count,
         memory.kv_pool.k_pool,
@@ -670,4 +681,4 @@ def extend_layer(
         goh,
         coh,
     )
-    return out
+    return out if replay is None else out.index_select(0, replay.to_flat)

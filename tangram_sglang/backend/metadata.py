@@ -45,6 +45,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from tangram_sglang.backend.replay import ReplayLayout
 from tangram_sglang.errors import KernelError
 from tangram_sglang.kernels.history_attention import PagedHistoryIds, PagedHistoryPlan, history_ids
 from tangram_sglang.kernels.split_table import check_launch_ctas
@@ -100,6 +101,9 @@ class TangramForwardMetadata:
     # decode under TANGRAM_DECODE_PLAN=batch: each layer's chunk floor, an int32 [1] device view
     # per layer (split_table.batch_chunk_floor of the batch's lengths, uploaded with the plan)
     chunk_floor: tuple[torch.Tensor, ...] | None = None
+    # extend under a replay scorer: where each row's replay tokens sit (backend.replay); None
+    # when no row of the batch replays
+    replay: ReplayLayout | None = None
 
     @property
     def batch_size(self) -> int:

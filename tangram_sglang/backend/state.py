@@ -249,22 +249,32 @@ class TangramState:
         # from the schedule batch's CPU copies (set_host_batch); read by the attention backend.
         self.host_rows: np.ndarray | None = None
         self.host_seq_lens: np.ndarray | None = None
+        self.host_replay_lens: np.ndarray | None = None  # int64 [bs] replay tokens (extend)
+        # the repeat prompts of a replay scorer (integration.replay.ReplayPrompts), bound at
+        # start-up from the server's tokenizer; None under any other scorer
+        self.replay_prompts: Any = None
+        self.replay_tokens = 0  # replay tokens run since start (/server_info)
         # row -> the radix node its matched prefix ends at (the extend batch being allocated;
         # SGLang's req.last_node), so a new row finds its compressed prefix without a device read.
         self.host_prefix_nodes: dict[int, Any] = {}
 
     # ---- the batch about to run (host copies) ------------------------------------------------
-    def set_host_batch(self, rows: Any, seq_lens: Any) -> None:
+    def set_host_batch(self, rows: Any, seq_lens: Any, replay_lens: Any = None) -> None:
         """Record the next forward's rows and sequence lengths (host tensors or arrays).
 
         Called when SGLang builds the ``ForwardBatch`` (``integration`` hook on
         ``ForwardBatch.init_new``) from ``ScheduleBatch.req_pool_indices_cpu`` /
         ``seq_lens_cpu``, so planning never reads the device tensors (a GPU sync that would
-        stop overlap scheduling). None clears the record.
+        stop overlap scheduling). None clears the record. ``replay_lens`` (int ``[bs]``, an
+        extend batch under a replay scorer: ``integration.replay``) are the replay tokens each
+        row runs before its segment; None when no row replays.
         """
         self.host_rows = None if rows is None else np.asarray(rows, np.int64).reshape(-1)
         self.host_seq_lens = (
             None if seq_lens is None else (np.asarray(seq_lens, np.int64).reshape(-1))
+        )
+        self.host_replay_lens = (
+            None if replay_lens is None else np.asarray(replay_lens, np.int64).reshape(-1)
         )
 
     def host_batch_for(self, forward_batch: Any, num_rows: int) -> tuple[np.ndarray, np.ndarray]:
@@ -705,5 +715,6 @@ class TangramState:
             "requests_released": self.num_released,
             "last_release": None if self.last_release is None else self.last_release.to_dict(),
             "page_retractions": self.num_page_retractions,
+            "replay_tokens": self.replay_tokens,
             "radix": None if self.radix is None else self.radix.stats(),
         }

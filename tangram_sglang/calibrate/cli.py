@@ -247,7 +247,8 @@ def calibrate(args: argparse.Namespace, command: str) -> BudgetProfile:
         )
         rounded = np.vectorize(lambda x: float(f"{x:.6g}"))(weights.astype(np.float64))
         scorer = get_scorer(args.scorer, weights=rounded.tolist())
-    observer = ScoreObserver(model, scorer)
+    kvzip_cache = _kvzip_cache(args, identity, path) if scorer.name == "kvzip" else None
+    observer = ScoreObserver(model, scorer, kvzip_cache)
     allocation = args.allocation or DEFAULT_ALLOCATION[args.scorer]
     t_fitted = time.perf_counter()
     cache = _cache_folder(args, identity, path, scorer)
@@ -330,19 +331,19 @@ def check_args(args: argparse.Namespace) -> None:
             f"--scorer {args.scorer} with --obs-window {args.obs_window} and --kernel-size "
             f"{args.kernel_size} (None: the scorer's default): {exc}"
         ) from None
-    if scorer.name == "kvzip-gate":
+    if scorer.name in ("kvzip-gate", "kvzip"):
         if args.allocation in WINDOWED_ALLOCATIONS:
             raise ConfigError(
                 f"--allocation {args.allocation} reads an observation window's attention, which "
-                "kvzip-gate (scores from each token's key and value) has none of; use --allocation "
-                "global (its default), layer or uniform"
+                f"{scorer.name} (scores from KVzip's reconstruction) has none of; use "
+                "--allocation global (its default), layer or uniform"
             )
         import importlib.util
 
         if importlib.util.find_spec("kvpress") is None:
             raise ConfigError(
-                "--scorer kvzip-gate fits its gate on KVzip's scores, which need kvpress; install "
-                "it with `bash scripts/install_calibrate_deps.sh` (make install runs it)"
+                f"--scorer {scorer.name} calibrates on KVzip's scores, which need kvpress; "
+                "install it with `bash scripts/install_calibrate_deps.sh` (make install runs it)"
             )
     if args.allocation in WINDOWED_ALLOCATIONS and scorer.obs_window > args.min_tokens:
         # pyramid and duo place the scorer's window at the end of each sample; a window over

@@ -42,6 +42,7 @@ from tangram_sglang.scoring import (
 from tangram_sglang.scoring.ada_snapkv import ALPHA_SAFEGUARD
 from tangram_sglang.scoring.base import Scorer
 from tangram_sglang.scoring.duo import nonlocal_mass, retrieval_heads
+from tangram_sglang.scoring.kvzip import needs_replay
 
 ALLOCATIONS = ("layer", "global", "pyramid", "duo", "uniform")
 DEFAULT_ALLOCATION = {
@@ -52,6 +53,7 @@ DEFAULT_ALLOCATION = {
     "kvzip-lite": "global",  # KVzip ranks (layer, head, token) triples in one competition
     "kvzip-replay": "global",
     "kvzip-gate": "global",  # predicted log KVzip scores: comparable across layers and heads
+    "kvzip": "global",  # KVzip's own scores (the server runs its replay)
 }
 
 
@@ -63,12 +65,13 @@ class ScoreObserver:
         scorer: the scorer to apply at every layer.
     """
 
-    def __init__(self, model: Any, scorer: Scorer) -> None:
+    def __init__(self, model: Any, scorer: Scorer, kvzip_cache: Any = None) -> None:
         from transformers import AttentionInterface
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
         from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
         self.model = model
+        self.kvzip_cache = kvzip_cache  # folder of cached KVzip scores (replay scorers), or None
         self.scorer = bind_rope(scorer, rope_from_hf(model)) if needs_rope(scorer) else scorer
         self.num_layers = int(model.config.num_hidden_layers)
         self._scores: list[torch.Tensor | None] = [None] * self.num_layers
@@ -97,6 +100,10 @@ class ScoreObserver:
             ConfigError: the model's attention did not go through the observer (unsupported
                 architecture).
         """
+        if needs_replay(self.scorer):  # KVzip's own reconstruction scores (kvpress)
+            from tangram_sglang.calibrate.gate import kvzip_scores_cached
+
+            return kvzip_scores_cached(self.model, list(input_ids), self.kvzip_cache)[0]
         self._scores = [None] * self.num_layers
         device = next(self.model.parameters()).device
         ids = torch.tensor([list(input_ids)], dtype=torch.long, device=device)

@@ -12,6 +12,9 @@ take a Tangram server down:
   into a ``[bs, vocab_size + 1]`` tensor (out of bounds on CPU, a device-side assert on CUDA);
 * ``top_logprobs_num`` (OpenAI ``top_logprobs``) above ``vocab_size``: ``torch.topk`` raises
   "selected index k out of range" in ``logprob_processor.py``;
+* logprobs on a server whose scorer replays each compressed segment (``--tangram-scorer
+  kvzip``): the replay tokens share the extend forward and would shift SGLang's logprob
+  arithmetic (refused, not crashed);
 * a grammar-constrained request (``regex``, ``json_schema``, ``ebnf``, ``structural_tag``;
   OpenAI ``response_format``) with the ``xgrammar`` backend on a CPU server: its token bitmask
   is allocated in pinned memory and applied with a GPU kernel, both of which raise on CPU.
@@ -59,6 +62,31 @@ def check_request(manager: Any, obj: Any, input_ids: Any = None, *args: Any, **k
             f"size of the served model; ask for at most {vocab}"
         )
     check_grammar(obj.sampling_params or {}, server_args)
+    if obj.return_logprob and serves_replay(server_args):
+        raise ValueError(
+            "logprobs (return_logprob; OpenAI logprobs / top_logprobs) are not available on a "
+            "server whose scorer replays each compressed segment (--tangram-scorer kvzip): the "
+            "replay tokens share the forward with the prompt; send the request without "
+            "logprobs, or serve with another scorer (kvzip-lite)"
+        )
+
+
+def serves_replay(server_args: Any) -> bool:
+    """Whether the server's profile scorer runs the replay pass (``scoring.kvzip``)."""
+    from tangram_sglang.integration.server_args import PROFILE_STASH, profile_from_server_args
+
+    key = getattr(server_args, PROFILE_STASH, None)
+    if key is None or key not in _REPLAY_SERVED:
+        from tangram_sglang.scoring.kvzip import needs_replay
+
+        served = needs_replay(profile_from_server_args(server_args).scorer)
+        if key is None:
+            return served
+        _REPLAY_SERVED[key] = served
+    return _REPLAY_SERVED[key]
+
+
+_REPLAY_SERVED: dict[str, bool] = {}  # profile JSON -> whether its scorer replays
 
 
 def check_token_ids(input_ids: list[Any], vocab_size: int, field: str = "input_ids") -> None:

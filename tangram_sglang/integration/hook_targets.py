@@ -108,6 +108,12 @@ HOOKS: tuple[HookTarget, ...] = (
         purpose="the scheduler allocates an extend batch's pages and advances its group lengths",
     ),
     HookTarget(
+        target="sglang.srt.managers.schedule_batch.ScheduleBatch.prepare_for_extend",
+        hook_type="after",
+        body="tangram_sglang.integration.hooks:add_tangram_replay",
+        purpose="a replay scorer's repeat prompt and segment copy added to each compressed row",
+    ),
+    HookTarget(
         target="sglang.srt.mem_cache.allocation.alloc_for_decode",
         hook_type="after",
         body="tangram_sglang.integration.hooks:allocate_tangram_decode",
@@ -343,6 +349,7 @@ SEAMS: dict[str, tuple[str, ...]] = {
     "sglang.srt.mem_cache.memory_pool.ReqToTokenPool.alloc": ("self", "reqs"),
     "sglang.srt.mem_cache.memory_pool.ReqToTokenPool.free": ("self", "req"),
     "sglang.srt.mem_cache.allocation.alloc_for_extend": ("batch",),
+    "sglang.srt.managers.schedule_batch.ScheduleBatch.prepare_for_extend": ("self",),
     "sglang.srt.mem_cache.allocation.alloc_for_decode": ("batch", "token_per_req"),
     "sglang.srt.mem_cache.common.release_kv_cache": ("req", "tree_cache", "is_insert"),
     # admission and decode growth

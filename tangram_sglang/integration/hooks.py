@@ -83,6 +83,14 @@ def allocate_tangram_extend(result: Any, batch: Any, *args: Any, **kwargs: Any) 
     sglang_adapters.allocate_extend(result, batch)
 
 
+def add_tangram_replay(result: Any, batch: Any, *args: Any, **kwargs: Any) -> None:
+    """AFTER ``ScheduleBatch.prepare_for_extend(self)``: a replay scorer's replay tokens.
+
+    See ``sglang_adapters.add_replay``.
+    """
+    sglang_adapters.add_replay(batch)
+
+
 def allocate_tangram_decode(result: Any, batch: Any, *args: Any, **kwargs: Any) -> None:
     """AFTER ``allocation.alloc_for_decode(batch, token_per_req)``: the step's pages.
 

@@ -40,9 +40,11 @@ from typing import Any
 import torch
 from sglang.srt.mem_cache.memory_pool import NoOpMHATokenToKVPool
 
+from tangram_sglang.backend.replay import replay_positions
 from tangram_sglang.backend.state import PrefillAsk
 from tangram_sglang.errors import ConfigError
-from tangram_sglang.integration import profile_loader
+from tangram_sglang.host_copy import host_to_device
+from tangram_sglang.integration import profile_loader, replay
 from tangram_sglang.integration.server_args import rank_profile_from_server_args
 from tangram_sglang.mem.kv_pool import KVPool, bytes_per_page, num_pages_for_budget
 from tangram_sglang.mem.reservation import admission_decode_tokens
@@ -188,6 +190,14 @@ def allocate_extend(result: Any, batch: Any) -> None:
     state.allocate_extend(rows.numpy(), batch.extend_lens, batch.prefix_lens, nodes)
 
 
+def add_replay(batch: Any) -> None:
+    """AFTER ``ScheduleBatch.prepare_for_extend``: under a replay scorer, each compressed
+    row's replay tokens go in front of its segment (``integration.replay``)."""
+    state = _tangram_state(batch)
+    if state is not None:
+        replay.add_replay_tokens(batch, state)
+
+
 def allocate_decode(batch: Any, token_per_req: int) -> None:
     """AFTER ``alloc_for_decode(batch, token_per_req)``: one decode token's pages per row.
 
@@ -219,13 +229,21 @@ def record_host_batch(forward_batch: Any, batch: Any, model_runner: Any) -> None
     the forward that follows (also through a CUDA-graph replay, which hands the backend a view
     without the schedule batch).
     """
-    del forward_batch  # the record lives on the state: graph replays pass a different view
     state = getattr(getattr(model_runner, "token_to_kv_pool", None), "tangram_state", None)
     if state is None:
         return
+    replay_lens = getattr(batch, replay.REPLAY_ATTR, None)
+    mode = forward_batch.forward_mode
+    if replay_lens is not None and not (mode.is_extend() and not mode.is_mixed()):
+        replay_lens = None  # a stale record on a batch that now decodes
     state.set_host_batch(
-        getattr(batch, "req_pool_indices_cpu", None), getattr(batch, "seq_lens_cpu", None)
+        getattr(batch, "req_pool_indices_cpu", None),
+        getattr(batch, "seq_lens_cpu", None),
+        replay_lens,
     )
+    if replay_lens is not None:  # replay tokens first in the row, at positions after it
+        positions = replay_positions(batch.prefix_lens, batch.extend_lens, replay_lens)
+        forward_batch.positions = host_to_device(positions, forward_batch.positions.device)
 
 
 def state_of(scheduler: Any) -> Any:

@@ -16,6 +16,7 @@ This module owns the protocol and the registry only; each scorer lives in its ow
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Protocol, runtime_checkable
 
@@ -69,8 +70,10 @@ _REGISTRY: dict[str, ScorerFactory] = {}
 def option_names(scorer: object) -> tuple[str, ...]:
     """A scorer's profile options: its dataclass fields but ``name`` and the model-bound ones
     (field metadata ``runtime``, e.g. kvzip-replay's RoPE), which no profile stores."""
-    fields = getattr(type(scorer), "__dataclass_fields__", {})
-    return tuple(k for k, f in fields.items() if k != "name" and not f.metadata.get("runtime"))
+    if not dataclasses.is_dataclass(scorer):
+        return ()
+    fields = dataclasses.fields(scorer)  # ClassVar markers (kvzip's ``replay``) are not fields
+    return tuple(f.name for f in fields if f.name != "name" and not f.metadata.get("runtime"))
 
 
 def register_scorer(name: str, factory: ScorerFactory) -> None:
@@ -118,6 +121,7 @@ def _load_builtin() -> None:
     from tangram_sglang.scoring import (  # noqa: F401
         ada_snapkv,
         duo,
+        kvzip,
         kvzip_gate,
         kvzip_lite,
         pyramidkv,

@@ -1,0 +1,169 @@
+"""The replay pass inside an extend batch: token layout, positions and scores (``kvzip``).
+
+Under a replay scorer (``scoring.kvzip``) the scheduler adds, to each row whose segment is
+compressed, ``m`` replay tokens (KVzip's repeat prompt, then the segment's ids again;
+``integration.replay``). SGLang samples each row's next token from the row's last token in the
+flat batch, so the replay tokens come *first* in the row and the segment last::
+
+    flat row i (what the model runs):   [ replay_0 .. replay_{m-1} | seg_0 .. seg_{n-1} ]
+    logical row i (what attention sees): [ seg_0 .. seg_{n-1} | replay_0 .. replay_{m-1} ]
+    positions:                            prefix + 0 .. prefix + n + m - 1 (logical order)
+
+The attention backend gathers q, k and v into the logical order (:attr:`ReplayLayout.to_logical`),
+so one causal extend gives the segment exactly its attention without replay (it precedes the
+replay) and each replay query its attention over the history, the segment and the replay before
+it, as in KVzip's second forward. It then scores the segment's keys by the replay queries
+(:func:`replay_token_scores`), keeps each head's top ``k_g`` segment tokens, writes only their
+K/V, and gathers the output back into the flat order (:attr:`ReplayLayout.to_flat`). A row
+without replay (``m = 0``: kept whole) is the same in both orders.
+
+Source: KVzip (arXiv 2505.23416) §3; kvpress 0.5.5 ``KVzipPress`` (prompts, chunked replay).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from tangram_sglang.errors import KernelError
+from tangram_sglang.host_copy import host_to_device
+
+
+@dataclass(frozen=True, slots=True)
+class ReplayLayout:
+    """How one extend batch's replay tokens sit among its segments (module docstring).
+
+    Attributes:
+        to_logical: int64 ``[T]`` device: logical token ``j`` is flat token ``to_logical[j]``.
+        to_flat: int64 ``[T]`` device: flat token ``t`` is logical token ``to_flat[t]``.
+        segment_tokens: int64 ``[S]`` device: the logical indices of the segments' tokens, in
+            order (``S`` = the batch's segment tokens).
+        segment_bounds: host ``bs + 1`` ints: each row's segment in the segment-only order.
+        segment_indptr: int32 ``[bs + 1]`` device copy of ``segment_bounds``.
+        replayed: host ``(row, logical start, n, m, segment start)`` of each row with replay.
+    """
+
+    to_logical: torch.Tensor
+    to_flat: torch.Tensor
+    segment_tokens: torch.Tensor
+    segment_bounds: list[int]
+    segment_indptr: torch.Tensor
+    replayed: tuple[tuple[int, int, int, int, int], ...]
+
+
+def check_replay_lens(flat_lens: np.ndarray, replay_lens: np.ndarray) -> None:
+    """Each row's replay fits in its flat length and leaves a segment.
+
+    Raises:
+        KernelError: different sizes, a negative replay, or a replayed row with no segment.
+    """
+    if flat_lens.shape != replay_lens.shape:
+        raise KernelError(
+            f"replay: {replay_lens.size} replay lengths for {flat_lens.size} rows; the "
+            "scheduler's replay record does not match the batch"
+        )
+    bad = (replay_lens < 0) | ((replay_lens > 0) & (replay_lens >= flat_lens))
+    if bad.any():
+        i = int(np.nonzero(bad)[0][0])
+        raise KernelError(
+            f"replay: row {i} has {int(replay_lens[i])} replay tokens of {int(flat_lens[i])} "
+            "in the batch; a replay needs a segment after it"
+        )
+
+
+def replay_positions(
+    prefix_lens: np.ndarray, flat_lens: np.ndarray, replay_lens: np.ndarray
+) -> np.ndarray:
+    """int64 ``[T]`` RoPE position of every flat token (module docstring's layout).
+
+    Args:
+        prefix_lens: int ``[bs]`` tokens before each row's segment (cached or earlier chunks).
+        flat_lens: int ``[bs]`` tokens each row runs (segment + replay).
+        replay_lens: int ``[bs]`` replay tokens of each row (0 = none).
+
+    Raises:
+        KernelError: see :func:`check_replay_lens`.
+    """
+    prefix = np.asarray(prefix_lens, np.int64)
+    flat = np.asarray(flat_lens, np.int64)
+    replay = np.asarray(replay_lens, np.int64)
+    check_replay_lens(flat, replay)
+    start = np.repeat(np.cumsum(flat) - flat, flat)
+    t = np.arange(int(flat.sum()), dtype=np.int64) - start  # index within the flat row
+    m = np.repeat(replay, flat)
+    n = np.repeat(flat - replay, flat)
+    logical = np.where(t < m, n + t, t - m)  # replay tokens after the segment
+    return np.repeat(prefix, flat) + logical
+
+
+def replay_layout(
+    flat_lens: np.ndarray, replay_lens: np.ndarray, device: torch.device | str
+) -> ReplayLayout:
+    """The gather indices of one extend batch with replay (module docstring's layout).
+
+    Args:
+        flat_lens: int ``[bs]`` tokens each row runs (segment + replay).
+        replay_lens: int ``[bs]`` replay tokens of each row (0 = none).
+        device: where the indices go (one non-blocking copy each).
+
+    Raises:
+        KernelError: see :func:`check_replay_lens`.
+    """
+    flat = np.asarray(flat_lens, np.int64)
+    replay = np.asarray(replay_lens, np.int64)
+    check_replay_lens(flat, replay)
+    seg = flat - replay
+    row_start = np.cumsum(flat) - flat
+    start = np.repeat(row_start, flat)
+    j = np.arange(int(flat.sum()), dtype=np.int64) - start  # index within the row
+    m, n = np.repeat(replay, flat), np.repeat(seg, flat)
+    to_logical = start + np.where(j < n, m + j, j - n)  # logical j reads this flat token
+    to_flat = start + np.where(j < m, n + j, j - m)  # flat j sits at this logical index
+    segment_tokens = start[j < n] + j[j < n]
+    bounds = np.concatenate([[0], np.cumsum(seg)])
+    replayed = tuple(
+        (i, int(row_start[i]), int(seg[i]), int(replay[i]), int(bounds[i]))
+        for i in np.nonzero(replay > 0)[0].tolist()
+    )
+    return ReplayLayout(
+        to_logical=host_to_device(to_logical, device),
+        to_flat=host_to_device(to_flat, device),
+        segment_tokens=host_to_device(segment_tokens, device),
+        segment_bounds=bounds.tolist(),
+        segment_indptr=host_to_device(bounds.astype(np.int32), device),
+        replayed=replayed,
+    )
+
+
+def replay_token_scores(
+    scorer,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    lse: torch.Tensor,
+    layout: ReplayLayout,
+    sm_scale: float,
+) -> torch.Tensor:
+    """float32 ``[H_kv, S]`` scores of every segment token of the batch, from its replay.
+
+    Args:
+        scorer: a replay scorer (``scoring.kvzip.KVzipScorer``).
+        q: ``[T, H_q, D]`` post-RoPE queries in the logical order.
+        k: ``[T, H_kv, D]`` post-RoPE keys in the logical order.
+        lse: float32 ``[T, H_q]`` natural-log LSE of each query over everything it attends to.
+        layout: the batch's :class:`ReplayLayout`.
+        sm_scale: softmax scale.
+
+    Returns:
+        Scores in the segment-only order (:attr:`ReplayLayout.segment_bounds`); columns of rows
+        without replay are 0 (those rows are kept whole and not read).
+    """
+    total = layout.segment_bounds[-1]
+    out = torch.zeros(k.shape[1], total, dtype=torch.float32, device=k.device)
+    for _, start, n, m, seg_start in layout.replayed:
+        q_rep = q[start + n : start + n + m].transpose(0, 1)  # [H_q, m, D]
+        k_seg = k[start : start + n].transpose(0, 1)  # [H_kv, n, D]
+        lse_rep = lse[start + n : start + n + m].transpose(0, 1)  # [H_q, m]
+        out[:, seg_start : seg_start + n] = scorer.score(q_rep, k_seg, sm_scale, lse_rep)
+    return out
