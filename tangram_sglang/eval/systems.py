@@ -47,6 +47,8 @@ whole first prompt is the compressed part (``tasks.for_protocol``), later turns 
   own queries at KVzip's replay positions, ``scoring/replay.py``).
 * ``tangram-kvzip-gate``: the same with the shipped ``kvzip-gate`` profile (KVzip's scores
   predicted by a per-head linear gate on each token's key and value, ``scoring/kvzip_gate.py``).
+* ``tangram-kvzip``: the same with the shipped ``kvzip`` profile (KVzip's own scores: the
+  server replays each compressed segment in its extend forward, ``scoring/kvzip.py``).
 * ``expected-attention`` / ``dynamic-ada-expected-attention``: kvpress
   ``ExpectedAttentionPress`` (query-agnostic in the same pass: each key scored by the attention
   the mean and covariance of the context's pre-RoPE queries, rotated to the next 512 positions,
@@ -129,6 +131,7 @@ TANGRAM_SYSTEMS = {
     "tangram-kvzip-lite": "kvzip-lite",
     "tangram-kvzip-replay": "kvzip-replay",
     "tangram-kvzip-gate": "kvzip-gate",
+    "tangram-kvzip": "kvzip",
     **GRID_SYSTEMS,
 }
 GRID_CELL_TOKENS = 256  # default cell: a 1k-token CPU document spans whole cells
