@@ -33,7 +33,13 @@ from tangram_sglang.eval.tasks import PROTOCOLS
 
 FULL_SYSTEMS = ("full", "full-hf")
 # summary: best of
-TANGRAM_SYSTEMS = ("tangram", "tangram-kvzip-lite", "tangram-kvzip-replay", "tangram-kvzip-gate")
+TANGRAM_SYSTEMS = (
+    "tangram",
+    "tangram-kvzip-lite",
+    "tangram-kvzip-replay",
+    "tangram-kvzip-gate",
+    "tangram-kvzip",
+)
 GRID_SYSTEMS = ("tangram-grid", "tangram-kvzip-lite-grid")  # eval.systems.GRID_SYSTEMS' names
 MULTITURN_TASK = "multiturn-squad"
 LATER = "later_turns_" + METRIC

@@ -107,17 +107,15 @@ def add_replay_tokens(batch: Any, state: Any) -> None:
     in ``state.replay_tokens``.
 
     Raises:
-        KernelError: a row without the scheduler's allocation of its segment, or a batch that
-            returns logprobs (the edge check refuses those requests under a replay scorer).
+        KernelError: a row without the scheduler's allocation of its segment, a batch that
+            returns logprobs (the edge check refuses those requests under a replay scorer), or
+            one without token ids (``input_embeds``).
     """
     setattr(batch, REPLAY_ATTR, None)
     prompts = state.replay_prompts
     if prompts is None or not batch.forward_mode.is_extend() or batch.forward_mode.is_mixed():
         return
     rows = np.asarray(batch.req_pool_indices_cpu, np.int64).reshape(-1).tolist()
-    flat = batch.prefill_input_ids_cpu
-    if flat is None or len(rows) != len(batch.reqs):
-        return
     replays: list[list[int]] = []
     for req, row, n, prefix in zip(
         batch.reqs, rows, batch.extend_lens, batch.prefix_lens, strict=True
@@ -133,6 +131,12 @@ def add_replay_tokens(batch: Any, state: Any) -> None:
         replays.append(prompts.ids_for(fill, int(prefix), int(n)) if compressed else [])
     if not any(replays):
         return
+    flat = batch.prefill_input_ids_cpu
+    if flat is None:
+        raise KernelError(
+            "Tangram replay: an extend batch without token ids (input_embeds) has segments to "
+            "compress; --tangram-scorer kvzip replays token ids only (serve it with kvzip-lite)"
+        )
     if batch.return_logprob:
         raise KernelError(
             "Tangram replay: a batch that returns logprobs reached the replay; the edge check "
