@@ -47,7 +47,11 @@ from sglang.srt.server_args import add_attention_backend_choices
 
 from tangram_sglang.backend import metadata as md
 from tangram_sglang.backend.layer_ops import batch_history_plan, extend_layer, kernels_for
-from tangram_sglang.backend.replay import check_replay_lens, replay_layout
+from tangram_sglang.backend.replay import (
+    check_every_compressed_row_replays,
+    check_replay_lens,
+    replay_layout,
+)
 from tangram_sglang.backend.state import TangramState
 from tangram_sglang.errors import ConfigError, KernelError
 from tangram_sglang.integration.replay import ReplayPrompts
@@ -100,14 +104,16 @@ def tangram_state_of(model_runner: ModelRunner) -> TangramState:
             check_gate_rope(model_runner.model)
         if needs_replay(state.scorer):
             state.replay_prompts = ReplayPrompts.from_tokenizer(_tokenizer(model_runner))
+            tables = [int(cache.shape[0]) for _, _, cache in _rotary_modules(model_runner.model)]
+            state.replay_max_positions = min(tables) if tables else None
         pool.tangram_state = state
         req_pool.tangram_state = state
     return pool.tangram_state
 
 
 def _tokenizer(model_runner: ModelRunner):
-    """The server's tokenizer (None under ``--skip-tokenizer-init``), loaded as SGLang's
-    scheduler loads it."""
+    """The server's tokenizer (None under ``--skip-tokenizer-init``), with the arguments SGLang's
+    scheduler passes (``Scheduler.init_tokenizer``); the model's own chat template."""
     args = model_runner.server_args
     if getattr(args, "skip_tokenizer_init", False):
         return None
@@ -117,6 +123,8 @@ def _tokenizer(model_runner: ModelRunner):
         args.tokenizer_path or args.model_path,
         tokenizer_mode=args.tokenizer_mode,
         trust_remote_code=args.trust_remote_code,
+        revision=getattr(args, "revision", None),
+        tokenizer_backend=getattr(args, "tokenizer_backend", None) or "huggingface",
     )
 
 
@@ -281,6 +289,8 @@ class TangramAttnBackend(AttentionBackend):
                 check_replay_lens(np.asarray(extend_lens, np.int64), replay)
                 segment_lens = (np.asarray(extend_lens, np.int64) - replay).tolist()
             start, kept = self.state.extend_plan_for(rows, segment_lens)
+            if needs_replay(self.state.scorer):
+                check_every_compressed_row_replays(segment_lens, kept, replay)
             history = batch_history_plan(self.kernels, self.state, rows, extend_lens, start)
             self.forward_metadata = md.extend_metadata(
                 rows,

@@ -564,7 +564,8 @@ def batch_history_plan(
     Args:
         kernels: :func:`kernels_for`'s kernels.
         state: the server's TangramState.
-        rows: ``bs`` page-table rows; extend_lens: ``bs`` segment lengths (tokens).
+        rows: ``bs`` page-table rows; extend_lens: ``bs`` tokens each request runs (its
+            queries: the segment, plus its replay tokens under a replay scorer).
         start_lens: int ``[bs, G]`` kept lengths before the segments (the scheduler's plan).
 
     Raises:

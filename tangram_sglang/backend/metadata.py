@@ -140,7 +140,8 @@ def extend_metadata(
 
     Args:
         rows: ``bs`` request rows (req_pool_idx).
-        extend_lens: ``bs`` segment lengths (tokens).
+        extend_lens: ``bs`` tokens each request runs (tokens; its segment, plus its replay
+            tokens under a replay scorer: ``backend.replay``).
         kept_lens: int ``[bs, num_head_groups]`` kept tokens per group (from ``alloc_extend``).
         device: attention device.
         group_of_head: optional int ``[num_layers, H_kv]`` head-group map of every layer: then

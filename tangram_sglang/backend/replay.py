@@ -42,7 +42,8 @@ class ReplayLayout:
             order (``S`` = the batch's segment tokens).
         segment_bounds: host ``bs + 1`` ints: each row's segment in the segment-only order.
         segment_indptr: int32 ``[bs + 1]`` device copy of ``segment_bounds``.
-        replayed: host ``(row, logical start, n, m, segment start)`` of each row with replay.
+        replayed: host ``(batch index, logical start, n, m, segment start)`` of each row with
+            replay.
     """
 
     to_logical: torch.Tensor
@@ -73,8 +74,38 @@ def check_replay_lens(flat_lens: np.ndarray, replay_lens: np.ndarray) -> None:
         )
 
 
+def check_every_compressed_row_replays(
+    segment_lens: list[int], kept_lens: np.ndarray, replay_lens: np.ndarray | None
+) -> None:
+    """Under a replay scorer, every row whose segment is compressed (some head group keeps
+    fewer than its ``n`` tokens) runs a replay.
+
+    Args:
+        segment_lens: ``bs`` segment lengths (tokens).
+        kept_lens: int ``[bs, G]`` kept tokens per head group (the scheduler's allocation).
+        replay_lens: int ``[bs]`` replay tokens per row, or None (no row replays).
+
+    Raises:
+        KernelError: naming the first compressed row without replay (the scheduler's replay
+            hook did not run for this batch).
+    """
+    seg = np.asarray(segment_lens, np.int64)
+    compressed = (np.asarray(kept_lens, np.int64) < seg[:, None]).any(axis=1)
+    missing = compressed if replay_lens is None else compressed & (replay_lens == 0)
+    if missing.any():
+        i = int(np.nonzero(missing)[0][0])
+        raise KernelError(
+            f"Tangram backend: request {i} of the batch compresses its {int(seg[i])}-token "
+            "segment without a replay; the kvzip scorer needs the replay tokens the plugin's "
+            "ScheduleBatch.prepare_for_extend hook adds (start the server with --tangram)"
+        )
+
+
 def replay_positions(
-    prefix_lens: np.ndarray, flat_lens: np.ndarray, replay_lens: np.ndarray
+    prefix_lens: np.ndarray,
+    flat_lens: np.ndarray,
+    replay_lens: np.ndarray,
+    max_positions: int | None = None,
 ) -> np.ndarray:
     """int64 ``[T]`` RoPE position of every flat token (module docstring's layout).
 
@@ -82,6 +113,10 @@ def replay_positions(
         prefix_lens: int ``[bs]`` tokens before each row's segment (cached or earlier chunks).
         flat_lens: int ``[bs]`` tokens each row runs (segment + replay).
         replay_lens: int ``[bs]`` replay tokens of each row (0 = none).
+        max_positions: rows of the model's RoPE table (positions ``0 .. max_positions - 1``);
+            a replay that would run past it starts earlier, so that its last token sits at
+            ``max_positions - 1`` (its offset to the segment shrinks; none below position 0).
+            None = no limit.
 
     Raises:
         KernelError: see :func:`check_replay_lens`.
@@ -90,12 +125,17 @@ def replay_positions(
     flat = np.asarray(flat_lens, np.int64)
     replay = np.asarray(replay_lens, np.int64)
     check_replay_lens(flat, replay)
+    seg = flat - replay
+    first = prefix + seg  # the first replay token's position
+    if max_positions is not None:
+        first = np.clip(np.minimum(first, int(max_positions) - replay), 0, None)
     start = np.repeat(np.cumsum(flat) - flat, flat)
     t = np.arange(int(flat.sum()), dtype=np.int64) - start  # index within the flat row
     m = np.repeat(replay, flat)
-    n = np.repeat(flat - replay, flat)
-    logical = np.where(t < m, n + t, t - m)  # replay tokens after the segment
-    return np.repeat(prefix, flat) + logical
+    positions = np.where(t < m, np.repeat(first, flat) + t, np.repeat(prefix, flat) + t - m)
+    if max_positions is not None:
+        positions = np.minimum(positions, int(max_positions) - 1)
+    return positions
 
 
 def replay_layout(

@@ -254,6 +254,7 @@ class TangramState:
         # start-up from the server's tokenizer; None under any other scorer
         self.replay_prompts: Any = None
         self.replay_tokens = 0  # replay tokens run since start (/server_info)
+        self.replay_max_positions: int | None = None  # rows of the model's RoPE table
         # row -> the radix node its matched prefix ends at (the extend batch being allocated;
         # SGLang's req.last_node), so a new row finds its compressed prefix without a device read.
         self.host_prefix_nodes: dict[int, Any] = {}

@@ -100,7 +100,8 @@ class ScoreObserver:
             ConfigError: the model's attention did not go through the observer (unsupported
                 architecture).
         """
-        if needs_replay(self.scorer):  # KVzip's own reconstruction scores (kvpress)
+        if needs_replay(self.scorer):  # KVzip's own reconstruction scores (kvpress; the
+            # chat-template head it leaves unscored stays in, at 0: docs/scorers.md)
             from tangram_sglang.calibrate.gate import kvzip_scores_cached
 
             return kvzip_scores_cached(self.model, list(input_ids), self.kvzip_cache)[0]

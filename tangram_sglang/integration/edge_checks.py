@@ -12,9 +12,9 @@ take a Tangram server down:
   into a ``[bs, vocab_size + 1]`` tensor (out of bounds on CPU, a device-side assert on CUDA);
 * ``top_logprobs_num`` (OpenAI ``top_logprobs``) above ``vocab_size``: ``torch.topk`` raises
   "selected index k out of range" in ``logprob_processor.py``;
-* logprobs on a server whose scorer replays each compressed segment (``--tangram-scorer
-  kvzip``): the replay tokens share the extend forward and would shift SGLang's logprob
-  arithmetic (refused, not crashed);
+* logprobs, hidden states or input embeddings on a server whose scorer replays each
+  compressed segment (``--tangram-scorer kvzip``): the replay tokens share the extend forward
+  and would shift SGLang's per-token arithmetic for them;
 * a grammar-constrained request (``regex``, ``json_schema``, ``ebnf``, ``structural_tag``;
   OpenAI ``response_format``) with the ``xgrammar`` backend on a CPU server: its token bitmask
   is allocated in pinned memory and applied with a GPU kernel, both of which raise on CPU.
@@ -62,12 +62,23 @@ def check_request(manager: Any, obj: Any, input_ids: Any = None, *args: Any, **k
             f"size of the served model; ask for at most {vocab}"
         )
     check_grammar(obj.sampling_params or {}, server_args)
-    if obj.return_logprob and serves_replay(server_args):
+    asked = [
+        name
+        for name, on in (
+            ("logprobs (return_logprob; OpenAI logprobs / top_logprobs)", obj.return_logprob),
+            (
+                "every token's hidden states (return_hidden_states: true)",
+                getattr(obj, "return_hidden_states", False) is True,
+            ),
+            ("input embeddings (input_embeds)", getattr(obj, "input_embeds", None) is not None),
+        )
+        if on
+    ]
+    if asked and serves_replay(server_args):
         raise ValueError(
-            "logprobs (return_logprob; OpenAI logprobs / top_logprobs) are not available on a "
-            "server whose scorer replays each compressed segment (--tangram-scorer kvzip): the "
-            "replay tokens share the forward with the prompt; send the request without "
-            "logprobs, or serve with another scorer (kvzip-lite)"
+            f"{asked[0]} are not available on a server whose scorer replays each compressed "
+            "segment (--tangram-scorer kvzip): the replay tokens share the forward with the "
+            "prompt; send the request without them, or serve with another scorer (kvzip-lite)"
         )
 
 

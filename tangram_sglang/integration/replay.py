@@ -6,7 +6,8 @@ compresses is scored by a replay of it, run in the same forward: after SGLang's
 ``alloc_for_extend``), :func:`add_replay_tokens` puts, in front of each compressed row's
 segment, the repeat prompt and the segment's ids again. The replay tokens need no KV slot and no
 page (their K/V are never stored), so the radix tree, the prefix lengths and admission see the
-batch as before; only the flat ``input_ids``, ``extend_lens`` and ``extend_num_tokens`` grow,
+batch as before; only the flat ``input_ids``, ``extend_lens``, ``extend_num_tokens`` and
+``out_cache_loc`` (SGLang's padding slot 0 for each replay token) grow,
 and the batch records the replay lengths (:data:`REPLAY_ATTR`) for the attention backend and the
 positions (``backend.replay``). SGLang samples from each row's last flat token, which is still
 the segment's last.
@@ -17,9 +18,11 @@ turn after a cached prefix) after "Repeat the part of the previous context exact
 with" and the 8 tokens before the segment. Both end with the chat template's assistant header
 where the tokenizer has a chat template, as in KVzip.
 
-Rows of a batch that returns logprobs are never replayed: the edge check refuses such requests
-under a replay scorer (``edge_checks``), since the replay tokens would shift SGLang's input
-logprob arithmetic.
+Requests that return logprobs or hidden states, or send input embeddings, are refused at the
+HTTP edge under a replay scorer (``edge_checks``): the replay tokens would shift SGLang's
+per-token arithmetic for them. SGLang's prefill metrics (``total_prefill_uncached_tokens``,
+the prefill throughput of its log lines) count the replay tokens as prompt tokens; the replay
+tokens alone are in ``/server_info``'s ``tangram_pool.replay_tokens``.
 """
 
 from __future__ import annotations
@@ -75,7 +78,8 @@ class ReplayPrompts:
                 add_generation_prompt=True,
                 tokenize=False,
             )
-            suffix = encode(text.split(marker)[-1])
+            if marker in text:  # a template that drops the marker leaves no suffix to find
+                suffix = encode(text.split(marker)[-1])
         return cls(encode(FIRST_PROMPT), encode(LATER_PROMPT), suffix)
 
     def ids_for(self, fill_ids: list[int], prefix_len: int, segment_len: int) -> list[int]:
@@ -108,8 +112,8 @@ def add_replay_tokens(batch: Any, state: Any) -> None:
 
     Raises:
         KernelError: a row without the scheduler's allocation of its segment, a batch that
-            returns logprobs (the edge check refuses those requests under a replay scorer), or
-            one without token ids (``input_embeds``).
+            returns logprobs or carries input embeddings (the edge check refuses both under a
+            replay scorer).
     """
     setattr(batch, REPLAY_ATTR, None)
     prompts = state.replay_prompts
@@ -132,10 +136,12 @@ def add_replay_tokens(batch: Any, state: Any) -> None:
     if not any(replays):
         return
     flat = batch.prefill_input_ids_cpu
-    if flat is None:
+    embeds = batch.input_embeds is not None or getattr(batch, "replace_embeds", None) is not None
+    if flat is None or embeds:
         raise KernelError(
-            "Tangram replay: an extend batch without token ids (input_embeds) has segments to "
-            "compress; --tangram-scorer kvzip replays token ids only (serve it with kvzip-lite)"
+            "Tangram replay: an extend batch with input embeddings has segments to compress; "
+            "--tangram-scorer kvzip replays token ids only (the edge check refuses "
+            "input_embeds under it)"
         )
     if batch.return_logprob:
         raise KernelError(

@@ -242,7 +242,9 @@ def record_host_batch(forward_batch: Any, batch: Any, model_runner: Any) -> None
         replay_lens,
     )
     if replay_lens is not None:  # replay tokens first in the row, at positions after it
-        positions = replay_positions(batch.prefix_lens, batch.extend_lens, replay_lens)
+        positions = replay_positions(
+            batch.prefix_lens, batch.extend_lens, replay_lens, state.replay_max_positions
+        )
         forward_batch.positions = host_to_device(positions, forward_batch.positions.device)
 
 

@@ -97,6 +97,10 @@ def test_the_kvzip_replay_runs_for_each_compressed_segment_and_changes_no_reply_
     _first_token(kvzip, short)
     assert pool()["replay_tokens"] == after
     # the segment's own attention is the same with the replay after it
+    # the demo's chat: turn 2 asks about turn 1's notes, whose tokens KVzip's replay kept
+    kvzip.flush_cache().raise_for_status()
+    turns = chat(kvzip.base_url, DEMO_TURNS)
+    assert "Rome" in turns[1].reply, turns[1].reply
     lite = servers.get(_kvzip_args("kvzip-lite"), "tangram-kvzip-lite")
     lite.flush_cache().raise_for_status()
     assert _first_token(lite, messages)[0] == token

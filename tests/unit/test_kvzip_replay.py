@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -12,12 +14,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tangram_sglang.backend.replay import (
+    check_every_compressed_row_replays,
     replay_layout,
     replay_positions,
     replay_token_scores,
 )
 from tangram_sglang.errors import ConfigError, KernelError
-from tangram_sglang.integration.replay import ReplayPrompts
+from tangram_sglang.integration.replay import ReplayPrompts, _with_replay_slots
 from tangram_sglang.scoring import get_scorer
 from tangram_sglang.scoring.kvzip import KVzipScorer, needs_replay
 
@@ -194,3 +197,83 @@ def test_replay_prompts_of_a_chat_model(smollm2_path):
     prompts = ReplayPrompts.from_tokenizer(tok)
     assert tok.decode(list(prompts.first)) == "\n\nRepeat the previous context exactly."
     assert "assistant" in tok.decode(list(prompts.suffix))  # the chat template's header
+
+
+def test_a_replay_past_the_rope_table_ends_on_its_last_position():
+    # row 0: prefix 90, n 4, m 6 -> replay would take 94..99, table of 97 rows: 91..96
+    flat, replay, prefix = np.array([10, 3]), np.array([6, 0]), np.array([90, 5])
+    positions = replay_positions(prefix, flat, replay, max_positions=97)
+    assert positions.tolist() == [91, 92, 93, 94, 95, 96, 90, 91, 92, 93, 5, 6, 7]
+    # no limit: KVzip's geometry, the replay right after the segment
+    free = replay_positions(prefix, flat, replay)
+    assert free.tolist()[:6] == [94, 95, 96, 97, 98, 99]
+    # a replay longer than the table starts at 0 and is clamped
+    tight = replay_positions(np.array([0]), np.array([9]), np.array([6]), max_positions=4)
+    assert tight.max() == 3 and tight.min() == 0
+
+
+def test_every_compressed_row_must_replay():
+    kept = np.array([[4, 2], [3, 3], [1, 1]])
+    check_every_compressed_row_replays([4, 3, 2], kept, np.array([5, 0, 4]))
+    with pytest.raises(KernelError, match="request 2 of the batch compresses its 2-token"):
+        check_every_compressed_row_replays([4, 3, 2], kept, np.array([5, 0, 0]))
+    with pytest.raises(KernelError, match="request 0 of the batch"):
+        check_every_compressed_row_replays([4, 3, 2], kept, None)
+    check_every_compressed_row_replays([2, 3], np.array([[2, 2], [3, 3]]), None)  # all whole
+
+
+def test_replay_slots_pad_each_replay_with_slot_zero():
+    loc = torch.tensor([11, 12, 13, 21, 22, 31])  # segments of 3, 2 and 1 tokens
+    out = _with_replay_slots(loc, [3, 2, 1], [2, 0, 3])
+    assert out.tolist() == [0, 0, 11, 12, 13, 21, 22, 0, 0, 0, 31]
+
+
+class _ChatTokenizer(_Tokenizer):
+    chat_template = "a template"
+
+    def __init__(self, keeps_marker: bool):
+        self.keeps_marker = keeps_marker
+
+    def apply_chat_template(self, messages, add_generation_prompt, tokenize):
+        assert add_generation_prompt and not tokenize
+        content = messages[0]["content"] if self.keeps_marker else "no marker"
+        return f"<user>{content}</user><bot>"
+
+
+def test_replay_prompts_take_the_assistant_header_after_the_user_turn():
+    prompts = ReplayPrompts.from_tokenizer(_ChatTokenizer(keeps_marker=True))
+    assert "".join(map(chr, prompts.suffix)) == "</user><bot>"
+    assert prompts.ids_for([7, 8, 9], 0, 3)[-6:] == [*map(ord, "<bot>"), 7, 8, 9][-6:]
+    assert ReplayPrompts.from_tokenizer(_ChatTokenizer(keeps_marker=False)).suffix == ()
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "named"),
+    [
+        ("return_logprob", True, "logprobs"),
+        ("return_hidden_states", True, "hidden states"),
+        ("input_embeds", [[0.0] * 8] * 3, "input embeddings"),
+    ],
+)
+def test_the_edge_refuses_per_token_outputs_and_embeddings_under_kvzip(field, value, named):
+    """HTTP-side check (``edge_checks.check_request``) on SGLang's own request object: what the
+    replay tokens would shift is refused with the field's name; other scorers let it through
+    (SGLang applies its own checks to hidden states and embeddings before this one)."""
+    from sglang.srt.managers.io_struct import GenerateReqInput
+
+    from tangram_sglang.integration.edge_checks import check_request
+    from tangram_sglang.integration.server_args import PROFILE_STASH
+
+    def manager(scorer: str):
+        profile = Path(__file__).parents[2] / f"calibration/smollm2/{scorer}-r0.25.json"
+        args = SimpleNamespace(tangram=True, device="cpu", grammar_backend=None)
+        setattr(args, PROFILE_STASH, profile.read_text())
+        return SimpleNamespace(server_args=args, model_config=SimpleNamespace(vocab_size=100))
+
+    kwargs = {field: value} if field == "input_embeds" else {"text": "Hi!", field: value}
+    obj = GenerateReqInput(sampling_params={"max_new_tokens": 2}, **kwargs)
+    obj.normalize_batch_and_arguments()
+    ids = None if field == "input_embeds" else [1, 2, 3]
+    with pytest.raises(ValueError, match=f"{named}.*--tangram-scorer kvzip"):
+        check_request(manager("kvzip"), obj, ids)
+    check_request(manager("kvzip-lite"), obj, ids)
