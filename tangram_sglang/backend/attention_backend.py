@@ -54,9 +54,8 @@ from tangram_sglang.backend.replay import (
 )
 from tangram_sglang.backend.state import TangramState
 from tangram_sglang.errors import ConfigError, KernelError
-from tangram_sglang.integration.replay import ReplayPrompts
 from tangram_sglang.mem.manager import TangramMemory
-from tangram_sglang.scoring.kvzip import needs_replay
+from tangram_sglang.scoring.kvzip import ReplayPrompts, needs_replay
 from tangram_sglang.scoring.kvzip_gate import is_token_scorer
 from tangram_sglang.scoring.replay import RopeShift, bind_rope, check_rope_span, needs_rope
 

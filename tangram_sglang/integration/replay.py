@@ -27,79 +27,15 @@ tokens alone are in ``/server_info``'s ``tangram_pool.replay_tokens``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
-from tangram_sglang.errors import ConfigError, KernelError
+from tangram_sglang.errors import KernelError
 from tangram_sglang.host_copy import host_to_device
-from tangram_sglang.scoring.kvzip import FIRST_PROMPT, LATER_PROMPT, PREVIOUS_TAIL_TOKENS
 
 REPLAY_ATTR = "_tangram_replay_lens"  # ScheduleBatch attribute: replay tokens per row, or None
-
-
-@dataclass(frozen=True, slots=True)
-class ReplayPrompts:
-    """Token ids of KVzip's repeat prompts for one tokenizer.
-
-    Attributes:
-        first: ids of :data:`~tangram_sglang.scoring.kvzip.FIRST_PROMPT`.
-        later: ids of :data:`~tangram_sglang.scoring.kvzip.LATER_PROMPT`.
-        suffix: the chat template's assistant header after a user message (may be empty).
-    """
-
-    first: tuple[int, ...]
-    later: tuple[int, ...]
-    suffix: tuple[int, ...]
-
-    @classmethod
-    def from_tokenizer(cls, tokenizer: Any) -> ReplayPrompts:
-        """Encode the prompts with ``tokenizer`` (no special tokens), as kvpress does.
-
-        Raises:
-            ConfigError: no tokenizer (``--skip-tokenizer-init``).
-        """
-        if tokenizer is None:
-            raise ConfigError(
-                "--tangram-scorer kvzip encodes KVzip's repeat prompt with the model's "
-                "tokenizer; drop --skip-tokenizer-init or pick another scorer (kvzip-lite)"
-            )
-
-        def encode(text: str) -> tuple[int, ...]:
-            return tuple(int(t) for t in tokenizer.encode(text, add_special_tokens=False))
-
-        suffix: tuple[int, ...] = ()
-        if getattr(tokenizer, "chat_template", None):
-            marker = "\n" + "#" * 13  # KVzipPress's split of a dummy user turn
-            text = tokenizer.apply_chat_template(
-                [{"role": "user", "content": "dummy context" + marker}],
-                add_generation_prompt=True,
-                tokenize=False,
-            )
-            if marker in text:  # a template that drops the marker leaves no suffix to find
-                suffix = encode(text.split(marker)[-1])
-        return cls(encode(FIRST_PROMPT), encode(LATER_PROMPT), suffix)
-
-    def ids_for(self, fill_ids: list[int], prefix_len: int, segment_len: int) -> list[int]:
-        """The replay tokens of the segment ``fill_ids[prefix_len : prefix_len + n]``.
-
-        Args:
-            fill_ids: the request's tokens up to the segment's end (SGLang's ``fill_ids``).
-            prefix_len: tokens before the segment (cached prefix or earlier chunks).
-            segment_len: the segment's tokens (n >= 1).
-
-        Returns:
-            The prompt, then the segment's ids (a list of ``c + n`` ints).
-        """
-        segment = list(fill_ids[prefix_len : prefix_len + segment_len])
-        if prefix_len == 0:
-            prompt = list(self.first)
-        else:
-            tail = fill_ids[max(prefix_len - PREVIOUS_TAIL_TOKENS, 0) : prefix_len]
-            prompt = list(self.later) + list(tail)
-        return prompt + list(self.suffix) + segment
 
 
 def add_replay_tokens(batch: Any, state: Any) -> None:

@@ -20,9 +20,9 @@ from tangram_sglang.backend.replay import (
     replay_token_scores,
 )
 from tangram_sglang.errors import ConfigError, KernelError
-from tangram_sglang.integration.replay import ReplayPrompts, _with_replay_slots
+from tangram_sglang.integration.replay import _with_replay_slots
 from tangram_sglang.scoring import get_scorer
-from tangram_sglang.scoring.kvzip import KVzipScorer, needs_replay
+from tangram_sglang.scoring.kvzip import KVzipScorer, ReplayPrompts, needs_replay
 
 
 def _explicit_scores(q_rep, k_hist, k_seg, k_rep, scale, group):
