@@ -277,3 +277,77 @@ def test_the_edge_refuses_per_token_outputs_and_embeddings_under_kvzip(field, va
     with pytest.raises(ValueError, match=f"{named}.*--tangram-scorer kvzip"):
         check_request(manager("kvzip"), obj, ids)
     check_request(manager("kvzip-lite"), obj, ids)
+
+
+def _causal_attention(q, k, v, scale, group):
+    """[T, H_q, D] outputs of plain causal attention of one sequence (no history)."""
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    logits = torch.einsum("thd,shd->hts", q, k) * scale
+    t = q.shape[0]
+    logits = logits.masked_fill(~torch.ones(t, t, dtype=torch.bool).tril(), -math.inf)
+    return torch.einsum("hts,shd->thd", torch.softmax(logits, -1), v)
+
+
+def test_extend_layer_with_replay_attends_in_kvzip_order_and_keeps_segment_tokens_only():
+    """One extend layer on the CPU reference kernels with two replayed rows: the segment's
+    outputs are its plain causal attention (the replay after it changes nothing), each replay
+    token attends to the whole segment and the replay before it, the outputs come back in the
+    flat order, and each head's kept count is its group's budget of the segment."""
+    from tangram_sglang.backend import metadata as md
+    from tangram_sglang.backend.layer_ops import ReferenceKernels, extend_layer
+    from tangram_sglang.backend.state import TangramState
+    from tangram_sglang.grouping import HeadGrouping
+    from tangram_sglang.mem.manager import TangramMemory
+    from tangram_sglang.profile import BudgetProfile, ModelIdentity
+
+    model = ModelIdentity(
+        "LlamaForCausalLM", num_layers=1, num_kv_heads=2, num_qo_heads=4, head_dim=16
+    )
+    ratio = np.array([[0.5, 0.25]])
+    profile = BudgetProfile(
+        model=model,
+        scorer="kvzip",
+        target_ratio=0.4,
+        ratio=ratio,
+        sink_tokens=1,
+        recent_window=1,
+        grouping=HeadGrouping.build(ratio, 1, "global"),
+        provenance={"scorer_options": {}},
+    )
+    memory = TangramMemory.create(
+        profile,
+        memory_bytes=64 * 2 * 4 * 16 * 4,
+        page_size=4,
+        max_rows=4,
+        max_context_tokens=128,
+        dtype=torch.float32,
+    )
+    state = TangramState(memory, full_kv_bytes_per_token=2 * 2 * 16 * 4, device="cpu")
+    seg, replay = np.array([12, 8]), np.array([5, 7])
+    flat = seg + replay
+    plan = state.allocate_extend([1, 2], seg.tolist(), [0, 0])
+    assert (plan.kept_lens < seg[:, None]).all()  # both rows compressed: both replay
+    meta = md.extend_metadata(
+        [1, 2],
+        flat.tolist(),
+        plan.kept_lens,
+        "cpu",
+        profile.grouping.cluster_of,
+        start_lens=plan.start_lens,
+        hist_len=torch.zeros_like(memory.table.group_len),
+    )
+    meta.replay = replay_layout(flat, replay, "cpu")
+    torch.manual_seed(3)
+    total = int(flat.sum())
+    q, k, v = torch.randn(total, 4, 16), torch.randn(total, 2, 16), torch.randn(total, 2, 16)
+    out = extend_layer(ReferenceKernels(), state, meta, q, k, v, 0, 0.25)
+    start = 0
+    for n, m in zip(seg.tolist(), replay.tolist(), strict=True):
+        rows = slice(start, start + n + m)
+        logical = torch.cat([torch.arange(m, m + n), torch.arange(m)]) + start  # seg, replay
+        expected = _causal_attention(q[logical], k[logical], v[logical], 0.25, 2)
+        torch.testing.assert_close(out[rows][m:], expected[:n], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(out[rows][:m], expected[n:], rtol=1e-5, atol=1e-5)
+        start += n + m
+    kept = memory.table.group_len[[1, 2]].numpy()
+    assert (kept == plan.kept_lens).all()  # the segment's budgets, not segment + replay
