@@ -47,11 +47,7 @@ from sglang.srt.server_args import add_attention_backend_choices
 
 from tangram_sglang.backend import metadata as md
 from tangram_sglang.backend.layer_ops import batch_history_plan, extend_layer, kernels_for
-from tangram_sglang.backend.replay import (
-    check_every_compressed_row_replays,
-    check_replay_lens,
-    replay_layout,
-)
+from tangram_sglang.backend.replay import check_every_compressed_row_replays, replay_layout
 from tangram_sglang.backend.state import TangramState
 from tangram_sglang.errors import ConfigError, KernelError
 from tangram_sglang.mem.manager import TangramMemory
@@ -283,10 +279,10 @@ class TangramAttnBackend(AttentionBackend):
         elif mode.is_extend() and not mode.is_mixed():
             extend_lens = list(forward_batch.extend_seq_lens_cpu)
             replay = self.state.host_replay_lens  # replay tokens before each segment
-            segment_lens = extend_lens
+            layout, segment_lens = None, extend_lens
             if replay is not None:
-                check_replay_lens(np.asarray(extend_lens, np.int64), replay)
-                segment_lens = (np.asarray(extend_lens, np.int64) - replay).tolist()
+                layout = replay_layout(extend_lens, replay, self.device)  # checks the lengths
+                segment_lens = np.diff(layout.segment_bounds).tolist()
             start, kept = self.state.extend_plan_for(rows, segment_lens)
             if needs_replay(self.state.scorer):
                 check_every_compressed_row_replays(segment_lens, kept, replay)
@@ -303,8 +299,7 @@ class TangramAttnBackend(AttentionBackend):
                 history=history,
                 page_table=table.page_table,
             )
-            if replay is not None:
-                self.forward_metadata.replay = replay_layout(extend_lens, replay, self.device)
+            self.forward_metadata.replay = layout
         else:
             raise ConfigError(f"the {BACKEND_NAME} backend does not run forward mode {mode.name}")
 

@@ -54,6 +54,14 @@ class ReplayLayout:
     replayed: tuple[tuple[int, int, int, int, int], ...]
 
 
+def row_offsets(lens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """int64 ``(row start, index within the row)`` of every token of rows ``lens`` long, laid
+    one after another (each ``[sum(lens)]``)."""
+    lens = np.asarray(lens, np.int64)
+    start = np.repeat(np.cumsum(lens) - lens, lens)
+    return start, np.arange(int(lens.sum()), dtype=np.int64) - start
+
+
 def check_replay_lens(flat_lens: np.ndarray, replay_lens: np.ndarray) -> None:
     """Each row's replay fits in its flat length and leaves a segment.
 
@@ -129,8 +137,7 @@ def replay_positions(
     first = prefix + seg  # the first replay token's position
     if max_positions is not None:
         first = np.clip(np.minimum(first, int(max_positions) - replay), 0, None)
-    start = np.repeat(np.cumsum(flat) - flat, flat)
-    t = np.arange(int(flat.sum()), dtype=np.int64) - start  # index within the flat row
+    _, t = row_offsets(flat)  # index within the flat row
     m = np.repeat(replay, flat)
     positions = np.where(t < m, np.repeat(first, flat) + t, np.repeat(prefix, flat) + t - m)
     if max_positions is not None:
@@ -156,8 +163,7 @@ def replay_layout(
     check_replay_lens(flat, replay)
     seg = flat - replay
     row_start = np.cumsum(flat) - flat
-    start = np.repeat(row_start, flat)
-    j = np.arange(int(flat.sum()), dtype=np.int64) - start  # index within the row
+    start, j = row_offsets(flat)  # j: index within the row
     m, n = np.repeat(replay, flat), np.repeat(seg, flat)
     to_logical = start + np.where(j < n, m + j, j - n)  # logical j reads this flat token
     to_flat = start + np.where(j < m, n + j, j - m)  # flat j sits at this logical index

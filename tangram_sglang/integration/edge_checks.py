@@ -26,6 +26,7 @@ take a Tangram server down:
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 GRAMMAR_FIELDS = ("regex", "json_schema", "ebnf", "structural_tag")
@@ -86,18 +87,21 @@ def serves_replay(server_args: Any) -> bool:
     """Whether the server's profile scorer runs the replay pass (``scoring.kvzip``)."""
     from tangram_sglang.integration.server_args import PROFILE_STASH, profile_from_server_args
 
-    key = getattr(server_args, PROFILE_STASH, None)
-    if key is None or key not in _REPLAY_SERVED:
-        from tangram_sglang.scoring.kvzip import needs_replay
+    stash = getattr(server_args, PROFILE_STASH, None)
+    if stash is not None:  # the HTTP process: the profile JSON stashed at start-up
+        return _scorer_replays(stash)
+    from tangram_sglang.scoring.kvzip import needs_replay
 
-        served = needs_replay(profile_from_server_args(server_args).scorer)
-        if key is None:
-            return served
-        _REPLAY_SERVED[key] = served
-    return _REPLAY_SERVED[key]
+    return needs_replay(profile_from_server_args(server_args).scorer)
 
 
-_REPLAY_SERVED: dict[str, bool] = {}  # profile JSON -> whether its scorer replays
+@functools.lru_cache(maxsize=4)
+def _scorer_replays(profile_json: str) -> bool:
+    """Whether the profile (its JSON text) names a replay scorer; parsed once per profile."""
+    from tangram_sglang.integration.profile_loader import profile_from_json
+    from tangram_sglang.scoring.kvzip import needs_replay
+
+    return needs_replay(profile_from_json(profile_json).scorer)
 
 
 def check_token_ids(input_ids: list[Any], vocab_size: int, field: str = "input_ids") -> None:

@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from tangram_sglang.backend.replay import row_offsets
 from tangram_sglang.errors import KernelError
 from tangram_sglang.host_copy import host_to_device
 
@@ -110,8 +111,7 @@ def _with_replay_slots(
     seg = np.asarray(segment_lens, np.int64)
     replay = np.asarray(replay_lens, np.int64)
     flat = seg + replay
-    row_start = np.repeat(np.cumsum(flat) - flat, flat)
-    t = np.arange(int(flat.sum()), dtype=np.int64) - row_start  # index within the flat row
+    _, t = row_offsets(flat)  # index within the flat row
     m = np.repeat(replay, flat)
     old_start = np.repeat(np.cumsum(seg) - seg, flat)
     index = np.where(t < m, 0, 1 + old_start + t - m)  # 0: the padding slot

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from pathlib import Path
 from types import SimpleNamespace
@@ -293,27 +294,16 @@ def test_extend_layer_with_replay_attends_in_kvzip_order_and_keeps_segment_token
     outputs are its plain causal attention (the replay after it changes nothing), each replay
     token attends to the whole segment and the replay before it, the outputs come back in the
     flat order, and each head's kept count is its group's budget of the segment."""
+    from factories import make_profile
+
     from tangram_sglang.backend import metadata as md
     from tangram_sglang.backend.layer_ops import ReferenceKernels, extend_layer
     from tangram_sglang.backend.state import TangramState
-    from tangram_sglang.grouping import HeadGrouping
     from tangram_sglang.mem.manager import TangramMemory
-    from tangram_sglang.profile import BudgetProfile, ModelIdentity
 
-    model = ModelIdentity(
-        "LlamaForCausalLM", num_layers=1, num_kv_heads=2, num_qo_heads=4, head_dim=16
-    )
-    ratio = np.array([[0.5, 0.25]])
-    profile = BudgetProfile(
-        model=model,
-        scorer="kvzip",
-        target_ratio=0.4,
-        ratio=ratio,
-        sink_tokens=1,
-        recent_window=1,
-        grouping=HeadGrouping.build(ratio, 1, "global"),
-        provenance={"scorer_options": {}},
-    )
+    # 1 layer, 2 KV heads of 16 dims, GQA 2; the heads keep half and a quarter
+    profile = make_profile([[0.5, 0.25]], 1, "global", 1, 1, head_dim=16, gqa_size=2)
+    profile = dataclasses.replace(profile, scorer="kvzip", provenance={})
     memory = TangramMemory.create(
         profile,
         memory_bytes=64 * 2 * 4 * 16 * 4,
