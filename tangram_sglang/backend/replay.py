@@ -29,6 +29,10 @@ import torch
 
 from tangram_sglang.errors import KernelError
 from tangram_sglang.host_copy import host_to_device
+from tangram_sglang.kernels.replay_scores import replay_max_scores
+from tangram_sglang.kernels.replay_scores import supported as replay_kernel_supported
+from tangram_sglang.scoring.kvzip import KVzipScorer
+from tangram_sglang.scoring.snapkv import reduce_gqa
 
 
 @dataclass(frozen=True, slots=True)
@@ -193,6 +197,10 @@ def replay_token_scores(
 ) -> torch.Tensor:
     """float32 ``[H_kv, S]`` scores of every segment token of the batch, from its replay.
 
+    On CUDA the KVzip scorer's maxima come from ``kernels.replay_scores.replay_max_scores`` (one
+    launch per replayed row and layer, tensor-core dot products); elsewhere, and for any other
+    replay scorer, from ``scorer.score`` (torch ops, float32).
+
     Args:
         scorer: a replay scorer (``scoring.kvzip.KVzipScorer``).
         q: ``[T, H_q, D]`` post-RoPE queries in the logical order.
@@ -211,5 +219,10 @@ def replay_token_scores(
         q_rep = q[start + n : start + n + m].transpose(0, 1)  # [H_q, m, D]
         k_seg = k[start : start + n].transpose(0, 1)  # [H_kv, n, D]
         lse_rep = lse[start + n : start + n + m].transpose(0, 1)  # [H_q, m]
-        out[:, seg_start : seg_start + n] = scorer.score(q_rep, k_seg, sm_scale, lse_rep)
+        if type(scorer) is KVzipScorer and q.is_cuda and replay_kernel_supported(q_rep, k_seg):
+            best = replay_max_scores(q_rep, k_seg, lse_rep, sm_scale)  # [H_q, n]
+            scores = reduce_gqa(best, k_seg.shape[0], scorer.gqa_reduce)
+        else:
+            scores = scorer.score(q_rep, k_seg, sm_scale, lse_rep)
+        out[:, seg_start : seg_start + n] = scores
     return out
