@@ -3,7 +3,8 @@
 # `kvzip` scorer (KVzip's replay in the extend forward, its scores from
 # kernels/replay_scores.py) costs beside `kvzip-lite`, issue 20's cost figures. Most important
 # first, so that a run cut short keeps what matters:
-#   1. the GPU tests (tests/kernels and tests/unit, -m gpu, short tracebacks: $R/gpu-tests.txt);
+#   1. the GPU tests (tests/kernels and tests/unit, -m gpu, short tracebacks: $R/gpu-tests.txt),
+#      then every case of the replay-score kernel compiled ($R/replay-tests.txt);
 #   2. one layer of replay scores, the kernel against the torch scorer (bench.replay_scores);
 #   3. the prefill wall of 4 prompts of 16,384 tokens under each scorer's synthetic 0.25 profile
 #      (bench.prefill_trace --no-trace; a server each; $R/wall-<scorer>.json);
@@ -25,6 +26,10 @@ echo "$(date -u +%T) GPU tests" >> "$R/progress"
 timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu --tb=short tests/kernels tests/unit \
   > "$R/gpu-tests.txt" 2>&1
 tail -3 "$R/gpu-tests.txt" >> "$R/progress"
+# every case of the replay-score kernel compiled (float32 at 1e-4, the 16-bit dtypes, NaN)
+timeout 200 python3 -m pytest -q -p no:cacheprovider --tb=short \
+  tests/kernels/test_replay_scores_triton.py > "$R/replay-tests.txt" 2>&1
+tail -3 "$R/replay-tests.txt" >> "$R/progress"
 echo "$(date -u +%T) replay scores, one layer" >> "$R/progress"
 timeout 120 python3 -m tangram_sglang.bench.replay_scores --tokens 8192 > "$R/replay-scores.json" 2>&1
 tail -1 "$R/replay-scores.json" >> "$R/progress"

@@ -22,6 +22,8 @@ Source: KVzip (arXiv 2505.23416) §3; kvpress 0.5.5 ``KVzipPress`` (prompts, chu
 
 from __future__ import annotations
 
+import functools
+import logging
 from dataclasses import dataclass
 
 import numpy as np
@@ -33,6 +35,8 @@ from tangram_sglang.kernels.replay_scores import replay_max_scores
 from tangram_sglang.kernels.replay_scores import supported as replay_kernel_supported
 from tangram_sglang.scoring.kvzip import KVzipScorer
 from tangram_sglang.scoring.snapkv import reduce_gqa
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -198,8 +202,9 @@ def replay_token_scores(
     """float32 ``[H_kv, S]`` scores of every segment token of the batch, from its replay.
 
     On CUDA the KVzip scorer's maxima come from ``kernels.replay_scores.replay_max_scores`` (one
-    launch per replayed row and layer, tensor-core dot products); elsewhere, and for any other
-    replay scorer, from ``scorer.score`` (torch ops, float32).
+    launch per replayed row and layer, tensor-core dot products); elsewhere, for a head shape
+    the kernel does not take (logged once, about 15x slower) and for any other replay scorer,
+    from ``scorer.score`` (torch ops, float32).
 
     Args:
         scorer: a replay scorer (``scoring.kvzip.KVzipScorer``).
@@ -219,10 +224,25 @@ def replay_token_scores(
         q_rep = q[start + n : start + n + m].transpose(0, 1)  # [H_q, m, D]
         k_seg = k[start : start + n].transpose(0, 1)  # [H_kv, n, D]
         lse_rep = lse[start + n : start + n + m].transpose(0, 1)  # [H_q, m]
-        if type(scorer) is KVzipScorer and q.is_cuda and replay_kernel_supported(q_rep, k_seg):
+        kernel = type(scorer) is KVzipScorer and q.is_cuda
+        if kernel and replay_kernel_supported(q_rep, k_seg):
             best = replay_max_scores(q_rep, k_seg, lse_rep, sm_scale)  # [H_q, n]
             scores = reduce_gqa(best, k_seg.shape[0], scorer.gqa_reduce)
         else:
+            if kernel:
+                _log_torch_scores(tuple(q_rep.shape[::2]), tuple(k_seg.shape[::2]))
             scores = scorer.score(q_rep, k_seg, sm_scale, lse_rep)
         out[:, seg_start : seg_start + n] = scores
     return out
+
+
+@functools.cache
+def _log_torch_scores(q_heads_dim: tuple[int, int], k_heads_dim: tuple[int, int]) -> None:
+    """Say once per head shape that the replay scores take the torch scorer on a GPU."""
+    logger.warning(
+        "kvzip: [query heads, head_dim] %s and [KV heads, head_dim] %s do not fit the replay "
+        "score kernel (kernels.replay_scores.supported); scoring with torch ops, about 15x "
+        "slower per layer",
+        list(q_heads_dim),
+        list(k_heads_dim),
+    )

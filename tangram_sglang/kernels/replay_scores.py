@@ -5,11 +5,13 @@ softmax probability any query of the segment's replay (the repeat prompt and the
 again) pays it. Done with torch ops (``scoring.kvzip.KVzipScorer.score``), that is a float32
 product of every replay query with every segment key, ``H_q * m * n`` logits written to memory
 and read back three times (the LSE subtraction, the max, the exp), on CUDA cores: on an H100 the
-torch path took about four fifths of a 16k-token prefill (benchmarks/RESULTS.md, issue 20). This
-kernel computes the same ``[H_q, n]`` maxima the way flash attention computes a row of attention:
-each program holds a block of keys in registers and streams the replay queries through tensor
-cores (``tl.dot`` in the inputs' dtype, float32 accumulation, as the extend attention kernel
-itself computes these logits); logits never reach memory.
+torch path took about three fifths of a 16k-token prefill (benchmarks/RESULTS.md, issue 20).
+This kernel computes the same ``[H_q, n]`` maxima the way flash attention computes a row of
+attention: each program holds a block of keys and streams the replay queries through tensor
+cores (``_triton_common.mma``: bfloat16/float16 products with float32 accumulation, as the
+extend attention kernel computes these logits; exact float32 products for float32 inputs);
+logits never reach memory. A NaN anywhere in a key's products makes its score NaN, as in the
+torch scorer.
 
 For query head ``h`` (KV head ``h // gqa``) and segment key ``j``::
 
@@ -33,11 +35,20 @@ import triton.language as tl
 
 from tangram_sglang.errors import KernelError
 from tangram_sglang.kernels import _checks
+from tangram_sglang.kernels._triton_common import dot_precision, interpreted, mma
 
 BLOCK_N = 128  # keys per program
 BLOCK_M = 64  # replay queries per step of a program's loop
 NUM_WARPS = 8
 NUM_STAGES = 2
+# the largest head dim: a program's keys and two stages of queries stay within an H100's
+# shared memory up to 128 float32 (or 256 16-bit) lanes; larger heads take the torch scorer
+MAX_HEAD_DIM = 128
+
+
+@triton.jit
+def _max_keep_nan(a, b):
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
 
 
 @triton.jit
@@ -59,6 +70,8 @@ def _replay_max_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_M: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    UPCAST_DOT: tl.constexpr,
 ):
     """One (block of BLOCK_N segment keys, query head): the max over all replay queries."""
     block = tl.program_id(0)
@@ -66,8 +79,12 @@ def _replay_max_kernel(
     offs_n = block * BLOCK_N + tl.arange(0, BLOCK_N)
     in_seg = offs_n < N
     offs_d = tl.arange(0, HEAD_DIM)
+    # int64 token offsets: a long replay's m * stride passes 2^31 elements
     keys = tl.load(
-        k_ptr + (head // GQA) * stride_k_h + offs_n[:, None] * stride_k_t + offs_d[None, :],
+        k_ptr
+        + (head // GQA) * stride_k_h
+        + offs_n.to(tl.int64)[:, None] * stride_k_t
+        + offs_d[None, :],
         mask=in_seg[:, None],
         other=0.0,
     )  # [BLOCK_N, D], the inputs' dtype
@@ -76,31 +93,36 @@ def _replay_max_kernel(
         offs_m = first + tl.arange(0, BLOCK_M)
         in_replay = offs_m < M
         q = tl.load(
-            q_ptr + head * stride_q_h + offs_m[:, None] * stride_q_t + offs_d[None, :],
+            q_ptr + head * stride_q_h + offs_m.to(tl.int64)[:, None] * stride_q_t + offs_d[None, :],
             mask=in_replay[:, None],
             other=0.0,
         )  # [BLOCK_M, D]
         lse = tl.load(
-            lse_ptr + head * stride_lse_h + offs_m * stride_lse_t, mask=in_replay, other=0.0
+            lse_ptr + head * stride_lse_h + offs_m.to(tl.int64) * stride_lse_t,
+            mask=in_replay,
+            other=0.0,
         )
-        logits = tl.dot(q, tl.trans(keys)) * sm_scale - lse[:, None]  # float32 [BLOCK_M, BLOCK_N]
+        # float32 [BLOCK_M, BLOCK_N]
+        logits = mma(q, tl.trans(keys), DOT_PRECISION, UPCAST_DOT) * sm_scale - lse[:, None]
         logits = tl.where(in_replay[:, None], logits, float("-inf"))
-        best = tl.maximum(best, tl.max(logits, axis=0))
+        best = _max_keep_nan(best, tl.reduce(logits, 0, _max_keep_nan))
     tl.store(out_ptr + head * N + offs_n, tl.exp(best), mask=in_seg)
 
 
 def supported(q: torch.Tensor, k: torch.Tensor) -> bool:
     """Whether :func:`replay_max_scores` takes these ``[H, tokens, D]`` tensors: a head dim that
-    is a power of two >= 16 (``tl.dot``), query heads a multiple of KV heads, a CUDA device or
-    the interpreter (``TRITON_INTERPRET=1``)."""
+    is a power of two in [16, :data:`MAX_HEAD_DIM`] (``tl.dot``, shared memory), at least one KV
+    head and query heads a multiple of them, a CUDA device or the interpreter
+    (``TRITON_INTERPRET=1``)."""
+    if q.dim() != 3 or k.dim() != 3:
+        return False
     dim = q.shape[-1]
     return (
         (q.is_cuda or os.environ.get("TRITON_INTERPRET") == "1")
-        and q.dim() == 3
-        and k.dim() == 3
-        and dim >= 16
+        and 16 <= dim <= MAX_HEAD_DIM
         and dim & (dim - 1) == 0
         and k.shape[-1] == dim
+        and k.shape[0] >= 1
         and q.shape[0] % k.shape[0] == 0
     )
 
@@ -120,19 +142,22 @@ def replay_max_scores(
         sm_scale: softmax scale of the layer.
 
     Returns:
-        float32 ``[H_q, n]`` in [0, 1] (the max before KVzip's GQA reduction). Equal to
+        float32 ``[H_q, n]`` in [0, 1] (the max before KVzip's GQA reduction); zeros when
+        ``m == 0`` and an empty ``[H_q, 0]`` when ``n == 0``. Equal to
         ``scoring.kvzip.KVzipScorer.score`` before ``reduce_gqa``, up to the dot products'
-        precision (the inputs' dtype, float32 accumulation).
+        precision (16-bit inputs: their own dtype with float32 accumulation).
 
     Raises:
-        KernelError: shapes, dtypes or devices that do not fit (host checks, no sync).
+        KernelError: shapes, dtypes, devices or a softmax scale that do not fit (host checks,
+            no sync).
     """
     if not supported(q, k):
         raise KernelError(
             f"replay_max_scores: q {list(q.shape)} must be [H_q, m, D] and k {list(k.shape)} "
-            "[H_kv, n, D] with D a power of two >= 16 and H_q a multiple of H_kv, on CUDA (or "
-            "TRITON_INTERPRET=1); use scoring.kvzip.KVzipScorer.score"
+            f"[H_kv, n, D] with D a power of two in [16, {MAX_HEAD_DIM}] and H_q a multiple of "
+            "H_kv >= 1, on CUDA (or TRITON_INTERPRET=1); use scoring.kvzip.KVzipScorer.score"
         )
+    _checks.check_sm_scale(sm_scale)
     num_qo_heads, m, dim = q.shape
     num_kv_heads, n = k.shape[0], k.shape[1]
     _checks.check_tensor("q", q, (num_qo_heads, m, dim), _checks.KV_DTYPES, q.device)
@@ -164,6 +189,8 @@ def replay_max_scores(
         HEAD_DIM=dim,
         BLOCK_N=BLOCK_N,
         BLOCK_M=BLOCK_M,
+        DOT_PRECISION=dot_precision(q.dtype),
+        UPCAST_DOT=interpreted(),
         num_warps=NUM_WARPS,
         num_stages=NUM_STAGES,
     )
