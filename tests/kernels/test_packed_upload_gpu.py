@@ -37,12 +37,16 @@ def test_steps_flush_once_each_through_reused_pinned_buffers():
     rows = np.array([1, 2, 5, 7])
     for row, n in zip(rows.tolist(), (300, 45, 700, 17), strict=True):
         state.allocate_extend([row], [n], [0])
-    table.flush()
     buffers = md.DecodeGraphBuffers.create(
         8, memory.num_head_groups, 8, 64, torch.bfloat16, DEV, num_layers=2
     )
     side = torch.cuda.Stream()
-    with torch.cuda.stream(side):  # the forward stream of SGLang's overlap scheduler
+    # the forward stream of SGLang's overlap scheduler; every upload and every kernel that reads
+    # it on this one stream (PackedUpload's contract): a first flush on the default stream
+    # would let the loop's fourth upload rewrite that flush's device buffer on `side` while the
+    # default stream may still be reading it
+    with torch.cuda.stream(side):
+        table.flush()
         for step in range(40):
             before = table.uploader.num_uploads
             state.allocate_decode(rows, np.arange(4) + step)
