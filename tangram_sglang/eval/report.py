@@ -15,6 +15,11 @@ Summary of the later questions (compressed history that answers questions asked 
   (turns > 0, ``later_turns_<metric>``), the best Tangram system (any scorer) minus full KV;
 * ``later_questions_points``: per ratio and system, those later-question scores;
 * ``later_questions_best_tangram``: per ratio, which Tangram system that best one is.
+
+and of the needle (query-agnostic, the fact a later question asks for):
+
+* ``needle_minus_full_points``, ``needle_points`` and ``needle_best_tangram``: the same three
+  over the needle task's score.
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ TANGRAM_SYSTEMS = (
 )
 GRID_SYSTEMS = ("tangram-grid", "tangram-kvzip-lite-grid")  # eval.systems.GRID_SYSTEMS' names
 MULTITURN_TASK = "multiturn-squad"
+NEEDLE_TASK = "needle"
 LATER = "later_turns_" + METRIC
 SUMMARY_RATIOS = (0.25, 0.5)
 
@@ -170,7 +176,8 @@ def summary(results: dict[str, Any]) -> dict[str, Any]:
 
 
 def later_questions(results: dict[str, Any], ref: str) -> dict[str, Any]:
-    """The later-question fields: questions 2+ of the multi-turn task, per ratio (module doc).
+    """The later-question fields: questions 2+ of the multi-turn task, per ratio (module doc),
+    and the needle's (the same three over the needle task's score).
 
     Args:
         results: :func:`aggregate`'s ``results``.
@@ -178,27 +185,41 @@ def later_questions(results: dict[str, Any], ref: str) -> dict[str, Any]:
 
     Returns:
         ``later_questions_points`` {ratio: {system: points}}, ``later_questions_best_tangram``
-        {ratio: system} and ``later_questions_minus_full_points`` {ratio: best Tangram - full}
-        (empty dicts without a multi-turn task; a ratio without Tangram or full KV is left out).
+        {ratio: system} and ``later_questions_minus_full_points`` {ratio: best Tangram - full},
+        and ``needle_points``, ``needle_best_tangram``, ``needle_minus_full_points`` (empty
+        dicts without the task; a ratio without Tangram or full KV is left out).
     """
+    out: dict[str, Any] = {}
+    for task, key, name in (
+        (MULTITURN_TASK, LATER, "later_questions"),
+        (NEEDLE_TASK, METRIC, "needle"),
+    ):
+        points, best, minus_full = _best_tangram(results.get(task, {}), key, ref)
+        out[f"{name}_points"] = points
+        out[f"{name}_best_tangram"] = best
+        out[f"{name}_minus_full_points"] = minus_full
+    return out
+
+
+def _best_tangram(
+    by_ratio: dict[str, dict[str, dict]], key: str, ref: str
+) -> tuple[dict[str, dict[str, float]], dict[str, str], dict[str, float]]:
+    """Per ratio: every system's ``key`` score, the best Tangram system (``tangram`` on a tie)
+    and its score minus ``ref``'s."""
     points: dict[str, dict[str, float]] = {}
     best: dict[str, str] = {}
     minus_full: dict[str, float] = {}
-    for r, cells in results.get(MULTITURN_TASK, {}).items():
-        later = {s: c[LATER] for s, c in cells.items() if c.get(LATER) is not None}
-        points[r] = later
-        ours = {s: v for s, v in later.items() if s in TANGRAM_SYSTEMS}
+    for r, cells in by_ratio.items():
+        scores = {s: c[key] for s, c in cells.items() if c.get(key) is not None}
+        points[r] = scores
+        ours = {s: v for s, v in scores.items() if s in TANGRAM_SYSTEMS}
         if not ours:
             continue
         top = max(ours, key=lambda s: (ours[s], s == "tangram"))
         best[r] = top
-        if ref in later:
-            minus_full[r] = round(ours[top] - later[ref], 2)
-    return {
-        "later_questions_points": points,
-        "later_questions_best_tangram": best,
-        "later_questions_minus_full_points": minus_full,
-    }
+        if ref in scores:
+            minus_full[r] = round(ours[top] - scores[ref], 2)
+    return points, best, minus_full
 
 
 def _full_reference(results: dict[str, Any]) -> str:

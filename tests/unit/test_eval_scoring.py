@@ -257,6 +257,23 @@ def test_later_questions_take_the_best_tangram_scorer_minus_full_kv():
     assert summary(aggregate([], (0.5,)))["later_questions_minus_full_points"] == {}
 
 
+def test_needle_takes_the_best_tangram_scorer_minus_full_kv():
+    records = [_rec("needle", "full", None, ok) for ok in (1.0, 1.0, 1.0, 0.0)]  # 75
+    for system, ratio, oks in (
+        ("tangram", 0.5, (1.0, 0.0, 0.0, 0.0)),  # 25
+        ("tangram-kvzip", 0.5, (1.0, 1.0, 1.0, 0.0)),  # 75
+        ("tangram-kvzip", 0.25, (1.0, 1.0, 0.0, 0.0)),  # 50
+        ("kvzip", 0.25, (1.0, 1.0, 1.0, 1.0)),  # a press, never "best Tangram"
+    ):
+        records += [_rec("needle", system, ratio, ok) for ok in oks]
+    out = summary(aggregate(records, (0.5, 0.25)))
+    assert out["needle_minus_full_points"] == {"0.5": 0.0, "0.25": -25.0}
+    assert out["needle_best_tangram"] == {"0.5": "tangram-kvzip", "0.25": "tangram-kvzip"}
+    assert out["needle_points"]["0.25"] == {"full": 75.0, "tangram-kvzip": 50.0, "kvzip": 100.0}
+    assert out["later_questions_minus_full_points"] == {}  # no multi-turn task
+    assert summary(aggregate([], (0.5,)))["needle_minus_full_points"] == {}
+
+
 def test_a_resumed_run_at_one_ratio_keeps_the_files_other_ratios_in_its_summary(tmp_path):
     from tangram_sglang.eval.report import build
     from tangram_sglang.eval.runner import RunConfig, with_resumed_cells
