@@ -51,7 +51,8 @@ def _max_keep_nan(a, b):
     return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
 
 
-@triton.jit
+# the lengths change with every segment: no compile per length class (==1, % 16) mid-serving
+@triton.jit(do_not_specialize=["M", "N"])
 def _replay_max_kernel(
     q_ptr,
     k_ptr,
