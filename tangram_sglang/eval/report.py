@@ -171,11 +171,11 @@ def summary(results: dict[str, Any]) -> dict[str, Any]:
         "above_uniform_at_0.25": None if uni is None else bool(uni > 0.0),
         "needle_0.5_within_3_points_of_full": None if needle is None else bool(needle >= -3.0),
     }
-    out.update(later_questions(results, ref))
+    out.update(best_tangram_fields(results, ref))
     return out
 
 
-def later_questions(results: dict[str, Any], ref: str) -> dict[str, Any]:
+def best_tangram_fields(results: dict[str, Any], ref: str) -> dict[str, Any]:
     """The later-question fields: questions 2+ of the multi-turn task, per ratio (module doc),
     and the needle's (the same three over the needle task's score).
 
