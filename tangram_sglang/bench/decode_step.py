@@ -154,8 +154,8 @@ def run(
     }
 
 
-def _at_least(low: int):
-    """An argparse ``type``: a whole number >= ``low``."""
+def at_least(low: int):
+    """An argparse ``type``: a whole number >= ``low`` (a clear usage error otherwise)."""
 
     def parse(text: str) -> int:
         try:
@@ -171,7 +171,7 @@ def _at_least(low: int):
 
 def _power_of_two(text: str) -> int:
     """An argparse ``type``: a page size, a power of two >= 1 (as the server requires)."""
-    value = _at_least(1)(text)
+    value = at_least(1)(text)
     if value & (value - 1):
         raise argparse.ArgumentTypeError(f"{text!r}: want a power of two (tokens per page)")
     return value
@@ -181,9 +181,9 @@ def main(argv: list[str] | None = None) -> None:
     """CLI: print the JSON result of :func:`run`."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--profile", required=True, help="budget profile JSON")
-    ap.add_argument("--batch", type=_at_least(1), default=64, help="rows decoding together")
-    ap.add_argument("--prompt", type=_at_least(1), default=1000, help="prefilled tokens per row")
-    ap.add_argument("--steps", type=_at_least(2), default=200, help="decode steps timed")
+    ap.add_argument("--batch", type=at_least(1), default=64, help="rows decoding together")
+    ap.add_argument("--prompt", type=at_least(1), default=1000, help="prefilled tokens per row")
+    ap.add_argument("--steps", type=at_least(2), default=200, help="decode steps timed")
     ap.add_argument("--page-size", type=_power_of_two, default=16, help="tokens per page")
     ap.add_argument(
         "--plan",

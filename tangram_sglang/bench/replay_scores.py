@@ -19,20 +19,30 @@ import json
 
 import torch
 
+from tangram_sglang.bench.decode_step import at_least
+
 
 def main(argv: list[str] | None = None) -> None:
     """Run the comparison and print the JSON line (module docstring)."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--tokens", type=int, default=8192, help="segment tokens (= replay tokens)")
-    ap.add_argument("--qo-heads", type=int, default=32)
-    ap.add_argument("--kv-heads", type=int, default=8)
-    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument(
+        "--tokens", type=at_least(1), default=8192, help="segment tokens (= replay tokens)"
+    )
+    ap.add_argument("--qo-heads", type=at_least(1), default=32, help="query heads")
+    ap.add_argument("--kv-heads", type=at_least(1), default=8, help="KV heads (divide --qo-heads)")
+    ap.add_argument("--head-dim", type=at_least(16), default=128, help="a power of two, 16 to 128")
     args = ap.parse_args(argv)
+    from tangram_sglang.kernels.replay_scores import MAX_HEAD_DIM, replay_max_scores
+
+    dim = args.head_dim
+    if dim & (dim - 1) or dim > MAX_HEAD_DIM:
+        ap.error(f"--head-dim {dim}: want a power of two from 16 to {MAX_HEAD_DIM} (the kernel's)")
+    if args.qo_heads % args.kv_heads:
+        ap.error(f"--qo-heads {args.qo_heads} must be a multiple of --kv-heads {args.kv_heads}")
     if not torch.cuda.is_available():
         raise SystemExit("bench.replay_scores needs CUDA (the kernel and its timing run there)")
     import triton.testing
 
-    from tangram_sglang.kernels.replay_scores import replay_max_scores
     from tangram_sglang.scoring.kvzip import KVzipScorer
     from tangram_sglang.scoring.snapkv import reduce_gqa
 
