@@ -34,7 +34,7 @@ from tangram_sglang.profile import BudgetProfile
 
 
 def group_allocation(
-    scores: np.ndarray, profile: BudgetProfile, per_head: bool = False
+    scores: np.ndarray, profile: BudgetProfile, per_head: bool = False, per_layer: bool = False
 ) -> np.ndarray:
     """Kept entries per KV head of one request's segment, group by group, by its own scores.
 
@@ -45,23 +45,51 @@ def group_allocation(
             total to keep) and its sinks and recent window (always kept).
         per_head: split the same total head by head instead (every head its own group: what
             pages of one KV head each would allow; KVzip's own granularity).
+        per_layer: with ``per_head``, split each layer's own total among that layer's heads
+            only (the layer keeps what the static profile gives it): the split a server can
+            make while it writes each layer's K/V in that layer's forward, before later layers
+            have scored.
 
     Returns:
         int64 ``[num_layers, num_kv_heads]``: each head's kept count, equal within a group,
         between ``min(n, sink + window)`` and ``n``; the sum is at most the profile's total for
-        ``n`` tokens and at least that total minus ``max |g| - 1`` (``kept_len`` never falls
-        below the floor).
+        ``n`` tokens (per layer with ``per_layer``) and at least that total minus
+        ``max |g| - 1`` (``kept_len`` never falls below the floor).
 
     Raises:
         TangramError: ``scores`` is not 3-D, its head layout is not the profile's, or it has no
-            tokens (:func:`check_scores`).
+            tokens (:func:`check_scores`); ``per_layer`` without ``per_head`` (a group of a
+            ``global`` profile spans layers).
     """
     scores = check_scores(scores, profile).astype(np.float64)
     cluster = np.asarray(profile.grouping.cluster_of, dtype=np.int64)
     n = scores.shape[2]
-    total = int(profile.group_kept_array(n).astype(np.int64)[cluster].sum())
+    static = profile.group_kept_array(n).astype(np.int64)[cluster]  # [L, H]
+    if per_layer:
+        if not per_head:
+            raise TangramError(
+                "group_allocation: per_layer=True needs per_head=True (a head group of a "
+                "global profile spans layers, so it has no per-layer share)"
+            )
+        heads = np.arange(cluster.shape[1]).reshape(1, -1)
+        return np.concatenate(
+            [
+                _compete(scores[layer : layer + 1], heads, int(static[layer].sum()), profile)
+                for layer in range(scores.shape[0])
+            ]
+        )
     if per_head:
         cluster = np.arange(cluster.size).reshape(cluster.shape)
+    return _compete(scores, cluster, int(static.sum()), profile)
+
+
+def _compete(
+    scores: np.ndarray, cluster: np.ndarray, total: int, profile: BudgetProfile
+) -> np.ndarray:
+    """The module docstring's rule: ``total`` entries among the groups ``cluster`` (int
+    ``[L, H]``) of ``scores`` (float64 ``[L, H, n]``), each group a prefix of its ranks.
+    Returns int64 ``[L, H]``."""
+    n = scores.shape[2]
     num_groups = int(cluster.max()) + 1
     size = np.bincount(cluster.ravel(), minlength=num_groups)
     protected = np.zeros(n, dtype=bool)

@@ -36,6 +36,9 @@ whole first prompt is the compressed part (``tasks.for_protocol``), later turns 
   footprint).
 * ``kvzip-head-alloc``: the same, head by head (every KV head its own count: the granularity
   of KVzip's own allocation, which pages of one head each would allow).
+* ``kvzip-layer-head-alloc``: the same head by head, but each layer splits only its own
+  static total among its heads (the split a server could make layer by layer in the forward,
+  before later layers have scored).
 * ``kvzip-lite-budgets`` / ``kvzip-lite-group-alloc`` / ``kvzip-lite-head-alloc``: the
   profile's own same-pass scorer (``kvzip-lite``) run on the transformers model
   (``calibrate.observe.ScoreObserver``: the post-RoPE queries and keys of the context prefill),
@@ -97,6 +100,7 @@ PRESS_SYSTEMS = (
     "kvzip-budgets",
     "kvzip-group-alloc",
     "kvzip-head-alloc",
+    "kvzip-layer-head-alloc",
     "kvzip-lite-budgets",
     "kvzip-lite-group-alloc",
     "kvzip-lite-head-alloc",
@@ -107,17 +111,24 @@ PROFILE_BUDGET_SYSTEMS = {
     "kvzip-budgets": "kvzip-lite",
     "kvzip-group-alloc": "kvzip-lite",
     "kvzip-head-alloc": "kvzip-lite",
+    "kvzip-layer-head-alloc": "kvzip-lite",
     "kvzip-lite-budgets": "kvzip-lite",
     "kvzip-lite-group-alloc": "kvzip-lite",
     "kvzip-lite-head-alloc": "kvzip-lite",
 }
-ALLOCATIONS = ("static", "group", "head")  # a profile-budget system's (profile_kept_counts)
+ALLOCATIONS = (
+    "static",
+    "group",
+    "head",
+    "layer-head",
+)  # a profile-budget system's (profile_kept_counts)
 # of those systems, the ones that split the profile's total per request (eval.allocation):
 # system -> allocation (the rest are "static"); and the ones scored by the profile's own
 # same-pass scorer (ObservedScorePress) instead of KVzip's
 ALLOCATION_OF = {
     "kvzip-group-alloc": "group",
     "kvzip-head-alloc": "head",
+    "kvzip-layer-head-alloc": "layer-head",
     "kvzip-lite-group-alloc": "group",
     "kvzip-lite-head-alloc": "head",
 }
@@ -530,8 +541,9 @@ class ObservedScorePress:
     Attributes:
         scorer: the profile's scorer (``backend.state.build_scorer``).
         profile: the budgets, sinks and recent window.
-        allocation: ``"static"`` (each head keeps its group's ``kept_len``), ``"group"`` or
-            ``"head"`` (:func:`~tangram_sglang.eval.allocation.group_allocation`).
+        allocation: ``"static"`` (each head keeps its group's ``kept_len``), ``"group"``,
+            ``"head"`` or ``"layer-head"``
+            (:func:`~tangram_sglang.eval.allocation.group_allocation`).
     """
 
     scorer: Any
@@ -551,9 +563,10 @@ def check_allocation(allocation: str) -> None:
 def profile_kept_counts(profile: BudgetProfile, scores: np.ndarray, allocation: str) -> np.ndarray:
     """Kept entries per KV head of a context scored ``[layers, kv_heads, n]`` (float).
 
-    ``static``: the profile's ``group_kept_array(n)`` of each head's group; ``group`` and
-    ``head``: :func:`~tangram_sglang.eval.allocation.group_allocation` (the same total, per
-    request, one count per group or per head).
+    ``static``: the profile's ``group_kept_array(n)`` of each head's group; ``group``,
+    ``head`` and ``layer-head``: :func:`~tangram_sglang.eval.allocation.group_allocation` (the
+    same total, per request, one count per group or per head; ``layer-head``: each layer's own
+    total among its heads).
 
     Returns:
         int64 ``[layers, kv_heads]`` (tokens).
@@ -564,7 +577,12 @@ def profile_kept_counts(profile: BudgetProfile, scores: np.ndarray, allocation: 
     """
     check_allocation(allocation)
     if allocation != "static":
-        return group_allocation(scores, profile, per_head=allocation == "head")
+        return group_allocation(
+            scores,
+            profile,
+            per_head=allocation in ("head", "layer-head"),
+            per_layer=allocation == "layer-head",
+        )
     n = check_scores(scores, profile).shape[2]
     cluster = np.asarray(profile.grouping.cluster_of)
     return profile.group_kept_array(n).astype(np.int64)[cluster]
@@ -614,7 +632,8 @@ def profile_budget_kvzip_press(
     then, instead of one top-k over all of them, KV head h of layer l keeps
     ``profile.group_kept_array(n)[cluster_of[l][h]]`` tokens (``allocation="static"``; ``n`` =
     context tokens: the footprint Tangram's server holds for that segment) or its group's share
-    of the same total by the request's scores (``"group"``, or per head: ``"head"``;
+    of the same total by the request's scores (``"group"``, or per head: ``"head"``, or per
+    head within each layer's own total: ``"layer-head"``;
     :func:`~tangram_sglang.eval.allocation.group_allocation`), chosen by
     :func:`~tangram_sglang.scoring.select.select_kept` on KVzip's scores (the profile's sinks
     and recent window kept first, as the server does).

@@ -117,3 +117,31 @@ def test_per_head_keeps_the_global_best_unprotected_entries():
     room = int(_static(n).sum()) - floor * CLUSTER.size
     cut = -np.sort(-free.ravel())[room - 1]  # the room-th best unprotected score of all heads
     assert ((free >= cut).sum(axis=-1) + floor == kept).all()
+
+
+@settings(max_examples=30, deadline=None)
+@given(n=st.integers(1, 600), seed=st.integers(0, 2**32 - 1), scale=st.floats(0.0, 4.0))
+def test_a_per_layer_split_keeps_each_layers_own_total(n, seed, scale):
+    rng = np.random.default_rng(seed)
+    scores = (
+        rng.random((*CLUSTER.shape, n))
+        * np.exp(scale * rng.standard_normal(CLUSTER.shape))[..., None]
+    )
+    kept = group_allocation(scores, PROFILE, per_head=True, per_layer=True)
+    floor = min(n, PROFILE.sink_tokens + PROFILE.recent_window)
+    assert kept.shape == CLUSTER.shape and kept.min() >= floor and kept.max() <= n
+    # every layer keeps exactly what the static profile gives it (heads of one size: no slack)
+    assert kept.sum(axis=1).tolist() == _static(n).sum(axis=1).tolist()
+
+
+def test_a_per_layer_split_moves_entries_inside_a_layer_only():
+    n = 512
+    scores = np.full((*CLUSTER.shape, n), 1e-3)
+    scores[3, 0] += 1.0  # one head of layer 3 scores high on every token
+    kept, static = group_allocation(scores, PROFILE, True, True), _static(n)
+    assert kept[3, 0] == n and static[3, 0] < n
+    others = [layer for layer in range(CLUSTER.shape[0]) if layer != 3]
+    assert kept[others].sum(axis=1).tolist() == static[others].sum(axis=1).tolist()
+    assert kept[3].sum() == static[3].sum()  # layer 3's other heads gave the entries up
+    with pytest.raises(TangramError, match="per_layer=True needs per_head=True"):
+        group_allocation(scores, PROFILE, per_layer=True)
