@@ -220,11 +220,11 @@ def replay_token_scores(
     """
     total = layout.segment_bounds[-1]
     out = torch.zeros(k.shape[1], total, dtype=torch.float32, device=k.device)
+    kernel = type(scorer) is KVzipScorer and q.is_cuda
     for _, start, n, m, seg_start in layout.replayed:
         q_rep = q[start + n : start + n + m].transpose(0, 1)  # [H_q, m, D]
         k_seg = k[start : start + n].transpose(0, 1)  # [H_kv, n, D]
         lse_rep = lse[start + n : start + n + m].transpose(0, 1)  # [H_q, m]
-        kernel = type(scorer) is KVzipScorer and q.is_cuda
         if kernel and replay_kernel_supported(q_rep, k_seg):
             best = replay_max_scores(q_rep, k_seg, lse_rep, sm_scale)  # [H_q, n]
             scores = reduce_gqa(best, k_seg.shape[0], scorer.gqa_reduce)

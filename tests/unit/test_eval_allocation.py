@@ -22,14 +22,17 @@ def _static(n: int) -> np.ndarray:
     return PROFILE.group_kept_array(n).astype(np.int64)[CLUSTER]
 
 
+def _random_scores(n: int, seed: int, scale: float) -> np.ndarray:
+    """Scores ``[layers, kv_heads, n]``: uniform per token, times a log-normal level per head."""
+    rng = np.random.default_rng(seed)
+    levels = np.exp(scale * rng.standard_normal(CLUSTER.shape))
+    return rng.random((*CLUSTER.shape, n)) * levels[..., None]
+
+
 @settings(max_examples=40, deadline=None)
 @given(n=st.integers(1, 600), seed=st.integers(0, 2**32 - 1), scale=st.floats(0.0, 4.0))
 def test_counts_stay_inside_the_profiles_total_and_floor(n, seed, scale):
-    rng = np.random.default_rng(seed)
-    scores = (
-        rng.random((*CLUSTER.shape, n))
-        * np.exp(scale * rng.standard_normal(CLUSTER.shape))[..., None]
-    )
+    scores = _random_scores(n, seed, scale)
     kept = group_allocation(scores, PROFILE)
     floor = min(n, PROFILE.sink_tokens + PROFILE.recent_window)
     assert kept.shape == CLUSTER.shape and kept.dtype == np.int64
@@ -122,11 +125,7 @@ def test_per_head_keeps_the_global_best_unprotected_entries():
 @settings(max_examples=30, deadline=None)
 @given(n=st.integers(1, 600), seed=st.integers(0, 2**32 - 1), scale=st.floats(0.0, 4.0))
 def test_a_per_layer_split_keeps_each_layers_own_total(n, seed, scale):
-    rng = np.random.default_rng(seed)
-    scores = (
-        rng.random((*CLUSTER.shape, n))
-        * np.exp(scale * rng.standard_normal(CLUSTER.shape))[..., None]
-    )
+    scores = _random_scores(n, seed, scale)
     kept = group_allocation(scores, PROFILE, per_head=True, per_layer=True)
     floor = min(n, PROFILE.sink_tokens + PROFILE.recent_window)
     assert kept.shape == CLUSTER.shape and kept.min() >= floor and kept.max() <= n
