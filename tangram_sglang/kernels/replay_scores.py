@@ -115,6 +115,8 @@ def supported(q: torch.Tensor, k: torch.Tensor) -> bool:
     is a power of two in [16, :data:`MAX_HEAD_DIM`] (``tl.dot``, shared memory), at least one KV
     head and query heads a multiple of them, a CUDA device or the interpreter
     (``TRITON_INTERPRET=1``)."""
+    if not (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor)):
+        return False
     if q.dim() != 3 or k.dim() != 3:
         return False
     dim = q.shape[-1]
@@ -153,10 +155,12 @@ def replay_max_scores(
             no sync).
     """
     if not supported(q, k):
+        shapes = [list(getattr(t, "shape", [type(t).__name__])) for t in (q, k)]
         raise KernelError(
-            f"replay_max_scores: q {list(q.shape)} must be [H_q, m, D] and k {list(k.shape)} "
-            f"[H_kv, n, D] with D a power of two in [16, {MAX_HEAD_DIM}] and H_q a multiple of "
-            "H_kv >= 1, on CUDA (or TRITON_INTERPRET=1); use scoring.kvzip.KVzipScorer.score"
+            f"replay_max_scores: q {shapes[0]} must be a tensor [H_q, m, D] and k {shapes[1]} "
+            f"a tensor [H_kv, n, D] with the same D, a power of two in [16, {MAX_HEAD_DIM}], and "
+            "H_q a multiple of H_kv >= 1, on CUDA (or TRITON_INTERPRET=1); use "
+            "scoring.kvzip.KVzipScorer.score"
         )
     _checks.check_sm_scale(sm_scale)
     num_qo_heads, m, dim = q.shape

@@ -91,6 +91,10 @@ def test_replay_max_scores_refuse_bad_inputs():
     q, k, lse = _replay(5, 3, 2, 2, 16, seed=0)
     with pytest.raises(KernelError, match="power of two"):
         replay_max_scores(q[..., :12], k[..., :12], lse, 0.25)
+    with pytest.raises(KernelError, match="the same D"):
+        replay_max_scores(q, k[..., :8].repeat(1, 1, 4), lse, 0.25)
+    with pytest.raises(KernelError, match=r"q \['list'\] must be a tensor"):
+        replay_max_scores(q.tolist(), k, lse, 0.25)
     with pytest.raises(KernelError, match="H_q a multiple of"):
         replay_max_scores(q[:3], k, lse[:3], 0.25)
     with pytest.raises(KernelError, match="lse has dtype"):
