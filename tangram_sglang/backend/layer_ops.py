@@ -246,9 +246,11 @@ class TritonKernels(ReferenceKernels):
         history: str = "auto",
         ctas_per_sm: int = CTAS_PER_SM,
     ) -> None:
+        from tangram_sglang.kernels import build_log
         from tangram_sglang.kernels.decode_attention import decode_scratch
         from tangram_sglang.kernels.split_table import build_split_tables
 
+        build_log.install()  # a line per Triton build of a Tangram kernel, start-up or serving
         profile = state.profile
         num_sms = torch.cuda.get_device_properties(device).multi_processor_count
         self.tables = build_split_tables(

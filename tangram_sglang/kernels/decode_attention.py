@@ -139,7 +139,7 @@ def _fitted_num_splits(length, chunk):
     return tl.maximum(tl.cdiv(length, chunk), 1)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["cta_budget", "split_cap"])
 def _decode_stage1(
     q_ptr,
     k_pool_ptr,
@@ -277,7 +277,7 @@ def _decode_stage1(
     tl.store(mid_lse_ptr + ml_off, lse, mask=mask_g)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["cta_budget", "split_cap"])
 def _decode_stage2(
     mid_o_ptr,
     mid_lse_ptr,

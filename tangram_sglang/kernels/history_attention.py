@@ -477,8 +477,10 @@ class FlashInferPagedHistory:
     def warm_up(self, num_qo_heads: int, num_kv_heads: int, head_dim: int) -> bool:
         """Plan and run one query over one single-token page at start-up, so that a JIT-built
         FlashInfer compiles this path's module (FA2; the new tokens' wrapper may build another
-        one, FA3 on Hopper) before the server takes traffic, not in the first batch with a
-        paged-history plan. The next batch's plan replaces this one.
+        one, FA3 on Hopper) and Triton builds the page-id kernel (``kernels.history_page_ids``,
+        through :meth:`PagedHistoryIds.layer`) before the server takes traffic, not in the first
+        batch with a paged-history plan. The run asks for the LSE, as :meth:`run` does. The next
+        batch's plan replaces this one.
 
         Args:
             num_qo_heads, num_kv_heads, head_dim: the model's H_q, H_kv and D.
@@ -499,10 +501,19 @@ class FlashInferPagedHistory:
             pages = torch.randn(1, 1, page_size, head_dim, generator=gen).to(device, self.dtype)
             q = torch.randn(1, gqa, head_dim, generator=gen).to(device, self.dtype)
             indptr = torch.tensor([0, 1], dtype=torch.int32)  # pageable: start-up, nothing queued
+            zeros = torch.zeros(1, 1, dtype=torch.int64, device=device)
+            ids = PagedHistoryIds(
+                table=torch.zeros(1, dtype=torch.int32, device=device),
+                head=zeros[0],
+                base=zeros[0],
+                group_offset=zeros,
+                column_of=zeros,
+                heads_per_group=1,
+            )
             self.wrapper.plan(
                 indptr,
                 indptr,
-                torch.zeros(1, dtype=torch.int32, device=device),
+                ids.layer(0),  # page 0, by the kernel the planned batches use
                 one,
                 gqa,
                 1,
@@ -516,7 +527,7 @@ class FlashInferPagedHistory:
             )
             self.planned_at = torch.cuda.Event()
             self.planned_at.record()  # the next plan waits for this one's staged copy
-            check_finite(self.wrapper.run(q, (pages, pages)))
+            check_finite(self.wrapper.run(q, (pages, pages), return_lse=True)[0])
         except torch.OutOfMemoryError:
             raise
         except Exception as exc:  # e.g. a FlashInfer build that cannot compile this config

@@ -16,7 +16,10 @@ import triton.language as tl
 BLOCK = 1024  # entries per program
 
 
-@triton.jit
+@triton.jit(
+    do_not_specialize=["num_entries", "heads_per_group"],
+    do_not_specialize_on_alignment=["group_offset_ptr", "column_ptr"],
+)
 def _page_ids_kernel(
     table_ptr,
     base_ptr,

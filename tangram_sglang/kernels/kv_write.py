@@ -27,7 +27,7 @@ BLOCK_K = 16
 NUM_WARPS = 4
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_ki_b", "stride_ki_h"])
 def _kv_write_kernel(
     k_new_ptr,
     v_new_ptr,

@@ -68,7 +68,7 @@ def _key_block(
     return offs_n, in_row, scored, keys
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N", "W"])
 def _window_scores_kernel(
     q_ptr,
     k_ptr,
@@ -241,7 +241,7 @@ def window_scores(
     return out
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N", "M", "band"])
 def _query_max_kernel(
     q_ptr,
     k_ptr,

@@ -456,11 +456,12 @@ def test_a_paged_history_whose_start_up_output_is_not_finite_stays_off(monkeypat
 
     class NaNs:
         def plan(self, *args, **kwargs):
-            calls.append(("plan", args[4:8], kwargs["causal"]))
+            calls.append(("plan", args[2].tolist(), args[2].dtype, args[4:8], kwargs["causal"]))
 
-        def run(self, q, paged_kv):
-            calls.append(("run", tuple(q.shape), tuple(paged_kv[0].shape)))
-            return torch.full_like(q, float("nan"))
+        def run(self, q, paged_kv, return_lse=False):
+            calls.append(("run", tuple(q.shape), tuple(paged_kv[0].shape), return_lse))
+            lse = torch.zeros(q.shape[:2], dtype=torch.float32)
+            return torch.full_like(q, float("nan")), lse
 
     class Event:  # CUDA events need a GPU; the order of record and run is what matters here
         def record(self):
@@ -473,11 +474,12 @@ def test_a_paged_history_whose_start_up_output_is_not_finite_stays_off(monkeypat
     with caplog.at_level("WARNING"):
         assert not history.warm_up(32, 8, 128)
     assert not history.usable and "non-finite start-up output" in caplog.text
-    # one query head group (GQA 4) of one KV head over one 16-token page, non-causal
+    # one query head group (GQA 4) of one KV head over one 16-token page, non-causal; page 0's
+    # id from PagedHistoryIds.layer (the page-id kernel on CUDA); the LSE asked for, as in run()
     assert calls == [
-        ("plan", (4, 1, 128, 16), False),
+        ("plan", [0], torch.int32, (4, 1, 128, 16), False),
         ("event",),
-        ("run", (1, 4, 128), (1, 1, 16, 128)),
+        ("run", (1, 4, 128), (1, 1, 16, 128), True),
     ]
 
 
