@@ -4,6 +4,9 @@
 # --turn-tokens: 32 cached 16k histories, each again plus 330 new tokens, one every 40 ms, 64
 # output tokens). Results in $R; progress lines in $R/progress. Start it in the background:
 #   setsid nohup bash scripts/device_turn_trace.sh > /tmp/tt.log 2>&1 &
+# Env: WHICH, the systems in order, space-separated: tangram (0.25), tangram1 (ratio 1.0),
+#      stock (triton), stock-flashinfer; "both" (default) = "tangram stock". N, L, E, D, T: the
+#      number of histories, their length, the new tokens per turn, the stagger (ms), the timeout.
 set -u
 [ -n "${MODEL:-}" ] || { echo "$0: MODEL is unset: run 'source scripts/device_setup.sh' in this shell first (each device call starts a new shell)" >&2; exit 2; }
 R=${R:-/tmp/tt}
@@ -22,10 +25,15 @@ run() {
   grep -E '"(wall_s|history_wall_s|traced_wall_s|warmup_wall_s|gpu_busy_ms|gpu_idle_ms)"' "$R/trace-$name.out" >> "$R/progress"
   cp "$R/trace-$name/$name-turns/server.log" "$R/server-$name.log" 2>/dev/null
 }
-case "${WHICH:-both}" in
-  both | tangram) run tangram --tangram --tangram-profile "$PROFILE" --tangram-target-ratio 0.25 ;;
-esac
-case "${WHICH:-both}" in
-  both | stock) run stock --attention-backend triton ;;
-esac
+WHICH=${WHICH:-both}
+[ "$WHICH" = both ] && WHICH="tangram stock"
+for which in $WHICH; do
+  case "$which" in
+    tangram) run tangram --tangram --tangram-profile "$PROFILE" --tangram-target-ratio 0.25 ;;
+    tangram1) run tangram1 --tangram --tangram-profile "$PROFILE" --tangram-target-ratio 1.0 ;;
+    stock) run stock --attention-backend triton ;;
+    stock-flashinfer) run stock-flashinfer --attention-backend flashinfer ;;
+    *) echo "$0: WHICH=$which: use tangram, tangram1, stock or stock-flashinfer (or both)" >&2; exit 2 ;;
+  esac
+done
 echo "$(date -u +%T) done" >> "$R/progress"

@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# device_short_chat_ratio1.sh -- runs on a GPU machine after `source scripts/device_setup.sh`:
+# short chats at ratio 1.0 against stock flashinfer (issue 18's lowest ratio-1.0 figure), and
+# which Triton builds still land after start-up. Most important first:
+#   1. the GPU tests (tests/kernels and tests/unit, -m gpu, short tracebacks: $R/gpu-tests.txt);
+#   2. `short-chat:64x6` twice, alternating: Tangram 1.0 then stock flashinfer ($R/round1,
+#      with Tangram 0.25 after them), then again ($R/round2), through device_never_slower.sh;
+#   3. the later-turn trace (64 cached 1,024-token chats, each sent again with 128 new tokens at
+#      once) for Tangram 1.0 and stock flashinfer (device_turn_trace.sh, $R/trace-*);
+#   4. $R/builds.txt: every "Triton built" line of each Tangram server log
+#      (kernels/build_log.py), each marked "serving" when it comes after SGLang's "The server is
+#      fired up" line, else "start-up".
+# About 17 minutes on a fresh machine. $R.tgz packs $R (one file to copy out).
+# Start it in the background, then poll $R/progress:
+#   setsid nohup bash scripts/device_short_chat_ratio1.sh > /tmp/sc1.log 2>&1 &
+# Env: R (result folder, default /tmp/sc1), TRACE=0 skips part 3.
+set -u
+[ -n "${MODEL:-}" ] || { echo "$0: MODEL is unset: run 'source scripts/device_setup.sh' in this shell first (each device call starts a new shell)" >&2; exit 2; }
+R=${R:-/tmp/sc1}
+mkdir -p "$R"
+echo "$(date -u +%T) GPU tests" >> "$R/progress"
+timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu --tb=short tests/kernels tests/unit \
+  > "$R/gpu-tests.txt" 2>&1
+tail -1 "$R/gpu-tests.txt" >> "$R/progress"
+for round in 1 2; do
+  systems="tangram:1.0 baseline-flashinfer"
+  [ "$round" = 1 ] && systems="$systems tangram:0.25"
+  SYSTEMS="$systems" WL=short-chat:64x6 WL1=short-chat:64x6 T=300 CAP_S=400 \
+    R="$R/round$round" bash scripts/device_never_slower.sh
+  grep "\[multiturn\].*tok/s" "$R/round$round/progress" >> "$R/progress"
+done
+if [ "${TRACE:-1}" = 1 ]; then
+  WHICH="tangram1 stock-flashinfer" N=64 L=1024 E=128 D=0 T=300 R="$R" \
+    bash scripts/device_turn_trace.sh
+fi
+for log in "$R"/round*/*tangram*.server.log "$R"/server-tangram*.log; do
+  [ -f "$log" ] || continue
+  awk -v file="$log" '/The server is fired up/ {up = 1}
+    /Triton built/ {print (up ? "serving" : "start-up") "\t" file "\t" $0}' "$log"
+done > "$R/builds.txt"
+echo "$(date -u +%T) builds after start-up: $(grep -c '^serving' "$R/builds.txt")" >> "$R/progress"
+# the profiler's raw traces stay behind (large); their summaries are $R/trace-*-turns.json
+tar -C "$(dirname "$R")" --exclude=trace-tangram1 --exclude=trace-stock-flashinfer -czf "$R.tgz" \
+  "$(basename "$R")"
+echo "$(date -u +%T) done" >> "$R/progress"
