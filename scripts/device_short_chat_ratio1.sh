@@ -4,13 +4,15 @@
 # which Triton builds still land after start-up. Most important first:
 #   1. the GPU tests (tests/kernels and tests/unit, -m gpu, short tracebacks: $R/gpu-tests.txt);
 #   2. `short-chat:64x6` twice, alternating: Tangram 1.0 then stock flashinfer ($R/round1,
-#      with Tangram 0.25 after them), then again ($R/round2), through device_never_slower.sh;
+#      with Tangram 0.25 after them; stock flashinfer and Tangram 0.25 also run
+#      `sharegpt:64x4` there, for its first round's TTFT), then again ($R/round2), through
+#      device_never_slower.sh;
 #   3. the later-turn trace (64 cached 1,024-token chats, each sent again with 128 new tokens at
 #      once) for Tangram 1.0 and stock flashinfer (device_turn_trace.sh, $R/trace-*);
 #   4. $R/builds.txt: every "Triton built" line of each Tangram server log
 #      (kernels/build_log.py), each marked "serving" when it comes after SGLang's "The server is
 #      fired up" line, else "start-up".
-# About 17 minutes on a fresh machine. $R.tgz packs $R (one file to copy out).
+# About 19 minutes on a fresh machine. $R.tgz packs $R (one file to copy out).
 # Start it in the background, then poll $R/progress:
 #   setsid nohup bash scripts/device_short_chat_ratio1.sh > /tmp/sc1.log 2>&1 &
 # Env: R (result folder, default /tmp/sc1), TRACE=0 skips part 3.
@@ -23,9 +25,9 @@ timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu --tb=short tests/ker
   > "$R/gpu-tests.txt" 2>&1
 tail -1 "$R/gpu-tests.txt" >> "$R/progress"
 for round in 1 2; do
-  systems="tangram:1.0 baseline-flashinfer"
-  [ "$round" = 1 ] && systems="$systems tangram:0.25"
-  SYSTEMS="$systems" WL=short-chat:64x6 WL1=short-chat:64x6 T=300 CAP_S=400 \
+  systems="tangram:1.0 baseline-flashinfer" wl=short-chat:64x6
+  if [ "$round" = 1 ]; then systems="$systems tangram:0.25" wl=$wl,sharegpt:64x4; fi
+  SYSTEMS="$systems" WL=$wl WL1=short-chat:64x6 T=300 CAP_S=400 \
     R="$R/round$round" bash scripts/device_never_slower.sh
   grep "\[multiturn\].*tok/s" "$R/round$round/progress" >> "$R/progress"
 done
