@@ -11,7 +11,8 @@
 #      once) for Tangram 1.0 and stock flashinfer (device_turn_trace.sh, $R/trace-*);
 #   4. $R/builds.txt: every "Triton built" line of each Tangram server log
 #      (kernels/build_log.py), each marked "serving" when it comes after SGLang's "The server is
-#      fired up" line, else "start-up".
+#      fired up" line (the bench's warm-up conversations included), else "start-up"; the
+#      measured runs' own builds are each result's `triton_builds` (counted in progress).
 # About 19 minutes on a fresh machine. $R.tgz packs $R (one file to copy out).
 # Start it in the background, then poll $R/progress:
 #   setsid nohup bash scripts/device_short_chat_ratio1.sh > /tmp/sc1.log 2>&1 &
@@ -40,7 +41,11 @@ for log in "$R"/round*/*tangram*.server.log "$R"/server-tangram*.log; do
   awk -v file="$log" '/The server is fired up/ {up = 1}
     /Triton built/ {print (up ? "serving" : "start-up") "\t" file "\t" $0}' "$log"
 done > "$R/builds.txt"
-echo "$(date -u +%T) builds after start-up: $(grep -c '^serving' "$R/builds.txt")" >> "$R/progress"
+measured=$(python3 -c 'import json, sys
+print(sum(len(w.get("triton_builds", [])) for f in sys.argv[1:]
+          for s in json.load(open(f))["systems"].values() for w in s["workloads"].values()))' \
+  "$R"/round*/mt-tangram-*.json)
+echo "$(date -u +%T) builds after start-up: $(grep -c '^serving' "$R/builds.txt"), in measured runs: $measured" >> "$R/progress"
 # the profiler's raw traces stay behind (large); their summaries are $R/trace-*-turns.json
 tar -C "$(dirname "$R")" --exclude=trace-tangram1 --exclude=trace-stock-flashinfer -czf "$R.tgz" \
   "$(basename "$R")"

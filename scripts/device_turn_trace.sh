@@ -27,13 +27,18 @@ run() {
 }
 WHICH=${WHICH:-both}
 [ "$WHICH" = both ] && WHICH="tangram stock"
+for which in $WHICH; do  # every name checked before the first server starts
+  case "$which" in
+    tangram | tangram1 | stock | stock-flashinfer) ;;
+    *) echo "$0: WHICH=$which: use tangram, tangram1, stock or stock-flashinfer (or both)" >&2; exit 2 ;;
+  esac
+done
 for which in $WHICH; do
   case "$which" in
     tangram) run tangram --tangram --tangram-profile "$PROFILE" --tangram-target-ratio 0.25 ;;
     tangram1) run tangram1 --tangram --tangram-profile "$PROFILE" --tangram-target-ratio 1.0 ;;
     stock) run stock --attention-backend triton ;;
     stock-flashinfer) run stock-flashinfer --attention-backend flashinfer ;;
-    *) echo "$0: WHICH=$which: use tangram, tangram1, stock or stock-flashinfer (or both)" >&2; exit 2 ;;
   esac
 done
 echo "$(date -u +%T) done" >> "$R/progress"

@@ -567,6 +567,7 @@ def run_system(name: str, flags: list[str], specs: list[WorkloadSpec], args, res
                 measure(server.base_url, spec, args.vocab_size, settings, on_start=mark)
             )
             run["decode_log"] = run_decode_lines(log, mark.offset)
+            run["triton_builds"] = run_build_lines(log, mark.offset)
             entry["workloads"][spec.label] = run
             print(
                 f"[multiturn] {name}: {spec.label}: {run['output_tok_per_s']:.1f} out tok/s, "
@@ -607,6 +608,20 @@ def run_decode_lines(log: Path, offset: int) -> list[list[float]]:
         f.seek(offset)
         text = f.read().decode("utf-8", errors="replace")
     return decode_windows.parse_decode_lines(text)[1:]
+
+
+def run_build_lines(log: Path, offset: int) -> list[str]:
+    """The Triton builds of Tangram's kernels during the measured run (``kernels.build_log``'s
+    lines after byte ``offset`` of the server log, from "Triton built" on): each one stalled a
+    measured step. Empty for a stock server, or when nothing was built."""
+    if not log.exists():
+        return []
+    with log.open("rb") as f:
+        f.seek(offset)
+        text = f.read().decode("utf-8", errors="replace")
+    return [
+        line[line.index("Triton built") :] for line in text.splitlines() if "Triton built" in line
+    ]
 
 
 def traced_repeat(

@@ -1,17 +1,21 @@
 """One log line per Triton build of a Tangram kernel, with how long the build took.
 
-Triton builds a kernel (compiles it, or loads it from its disk cache) the first time a process
-launches it with a new specialisation: new constexprs, argument dtypes, or integer arguments
-that change their ``== 1`` / ``% 16 == 0`` class (unless marked ``do_not_specialize``). A build
+Triton builds a kernel (compiles it, or loads it from its disk cache, then builds its launcher
+and loads it on the device) the first time a process launches it with a new specialisation:
+new constexprs, argument dtypes, integer arguments that change their ``== 1`` / ``% 16 == 0``
+class (unless marked ``do_not_specialize``) or pointers that change their 16-byte alignment
+(unless marked ``do_not_specialize_on_alignment``). The in-memory cache is per process, so
+every server start builds again (from the disk cache after the machine's first). A build
 inside a serving step stalls that step for its duration (tens of milliseconds from the disk
-cache, up to about a second for a compile). With the log on, a server log tells which kernel
-built when: builds before "The server is fired up" are start-up, any after it are stalls a
-warm-up or a ``do_not_specialize`` mark should move out of the serving path.
+cache, up to about a second for a compile). A server log tells which kernel built when:
+builds before "The server is fired up" are start-up, any after it are stalls that a start-up
+run or a ``do_not_specialize`` mark should move out of the serving path.
 
-Triton's ``knobs.runtime.jit_cache_hook`` is called before each build and
-``jit_post_compile_hook`` after it (Triton 3.6, ``runtime/jit.py``); hooks already installed
-are kept and called first. Builds under ``TRITON_INTERPRET=1`` do not exist, so nothing is
-logged there.
+Triton 3.6 (``runtime/jit.py``, ``compiler/compiler.py``) calls ``knobs.runtime.jit_cache_hook``
+before each build, ``jit_post_compile_hook`` after its compile or cache load, and
+``kernel_load_end_hook`` once the module is on the device; hooks already installed are kept
+(the first two called before this log's, the third a chain). Builds under
+``TRITON_INTERPRET=1`` do not exist, so nothing is logged there.
 """
 
 from __future__ import annotations
@@ -28,42 +32,65 @@ PACKAGE = "tangram_sglang."
 
 
 class BuildLog:
-    """The hooks' state: when each pending build started and how many builds each kernel had.
+    """The hooks' state: when each pending build started, and how many builds each kernel had.
+
+    A build is timed from Triton's cache miss (``jit_cache_hook``) through its compile or disk
+    cache load (``jit_post_compile_hook``) to the module's load on the device
+    (``kernel_load_end_hook``, which follows the launcher's build: a C compile when the launcher
+    is not cached either), the whole stall of the launch that met it.
+
+    Args:
+        previous_start, previous_end: the ``jit_cache_hook`` and ``jit_post_compile_hook``
+            installed before (called first; None: none).
 
     Attributes:
-        builds: kernel name -> builds so far in this process.
-        logged: ``(kernel name, milliseconds)`` of every build logged, in order.
+        builds: ``module.kernel`` -> builds so far in this process.
+        logged: ``(module.kernel, total ms, compile ms)`` of every build logged, in order.
     """
 
     def __init__(self, previous_start=None, previous_end=None) -> None:
         self.previous_start, self.previous_end = previous_start, previous_end
-        self.started: dict[tuple[str, str], float] = {}
+        self.started: dict[str, tuple[str, float]] = {}  # kernel name -> (module.kernel, t0)
+        self.compiled: dict[str, float] = {}  # kernel name -> compile (or cache load) ms
         self.builds: Counter[str] = Counter()
-        self.logged: list[tuple[str, float]] = []
+        self.logged: list[tuple[str, float, float]] = []
 
     def start(self, *, key, fn, **kwargs):
-        """``jit_cache_hook``: note the build's start; returns the previous hook's answer (a
-        true answer skips the build, Triton's contract)."""
+        """``jit_cache_hook(key=, fn=JitFunctionInfo, ...)``: note a Tangram kernel's build
+        start. Returns the previous hook's answer (a true answer skips the build: Triton's
+        contract), and then notes nothing."""
         result = self.previous_start(key=key, fn=fn, **kwargs) if self.previous_start else None
-        if not result and fn.module.startswith(PACKAGE):
-            self.started[(fn.name, str(key))] = time.perf_counter()
+        name, module = getattr(fn, "name", None), getattr(fn, "module", "")
+        if not result and name and module.startswith(PACKAGE):
+            self.started[name] = (f"{module.rsplit('.', 1)[-1]}.{name}", time.perf_counter())
         return result
 
     def end(self, *, key, fn, **kwargs) -> None:
-        """``jit_post_compile_hook``: log the build with its duration."""
+        """``jit_post_compile_hook``: note the compile's (or disk cache load's) duration."""
         if self.previous_end:
             self.previous_end(key=key, fn=fn, **kwargs)
-        start = self.started.pop((fn.name, str(key)), None)
-        if start is None:
+        pending = self.started.get(getattr(fn, "name", None))
+        if pending is not None:
+            self.compiled[fn.name] = 1e3 * (time.perf_counter() - pending[1])
+
+    def loaded(self, module, function, name, metadata_group, hash) -> None:
+        """``kernel_load_end_hook`` (Triton's positional arguments; ``name``: the kernel's):
+        log a pending build of ``name`` with its total and compile durations."""
+        pending = self.started.pop(name, None)
+        if pending is None:
             return
-        ms = 1e3 * (time.perf_counter() - start)
-        self.builds[fn.name] += 1
-        self.logged.append((fn.name, ms))
+        label, t0 = pending
+        total = 1e3 * (time.perf_counter() - t0)
+        compile_ms = self.compiled.pop(name, total)
+        self.builds[label] += 1
+        self.logged.append((label, total, compile_ms))
         logger.info(
-            "Tangram: Triton built %s in %.0f ms (build %d of it in this process)",
-            fn.name,
-            ms,
-            self.builds[fn.name],
+            "Tangram: Triton built %s in %.0f ms (compile or cache load %.0f ms, then launcher "
+            "and device load; build %d of it in this process)",
+            label,
+            total,
+            compile_ms,
+            self.builds[label],
         )
 
 
@@ -81,6 +108,7 @@ def install() -> BuildLog:
         log = BuildLog(knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook)
         knobs.runtime.jit_cache_hook = log.start
         knobs.runtime.jit_post_compile_hook = log.end
+        knobs.runtime.kernel_load_end_hook.add(log.loaded)
         _installed = log
     return _installed
 

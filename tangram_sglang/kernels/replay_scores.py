@@ -52,7 +52,10 @@ def _max_keep_nan(a, b):
 
 
 # the lengths change with every segment: no compile per length class (==1, % 16) mid-serving
-@triton.jit(do_not_specialize=["M", "N"])
+# M, N: per segment; lse_ptr: a slice of the batch's LSE at a row offset, whose 16-byte
+# alignment follows the offset's parity when H_q is odd (read with stride H_q, so no
+# vectorised load is lost)
+@triton.jit(do_not_specialize=["M", "N"], do_not_specialize_on_alignment=["lse_ptr"])
 def _replay_max_kernel(
     q_ptr,
     k_ptr,

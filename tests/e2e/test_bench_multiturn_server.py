@@ -32,6 +32,7 @@ RUN_KEYS = {
     "peak_running_reqs",
     "retracted_requests_total",
     "decode_log",
+    "triton_builds",
 }
 
 
@@ -78,6 +79,7 @@ def test_toy_run_writes_both_systems_and_the_summary(tmp_path):
             assert set(run) >= RUN_KEYS, (name, label)
             assert run["requests_failed"] == 0 and run["requests_ok"] == run["requests_planned"]
             assert isinstance(run["decode_log"], list)
+            assert run["triton_builds"] == []  # a CPU server builds no Triton kernel
             # --trace-steps: SGLang's profiler recorded a repeat of the workload; a CPU server's
             # trace has no GPU side, so the file is kept and the analysis says why it is absent
             trace = run["trace"]

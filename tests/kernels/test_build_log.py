@@ -16,18 +16,29 @@ def _fn(module: str, name: str):
     return SimpleNamespace(module=module, name=name)
 
 
-def test_a_build_of_a_tangram_kernel_is_logged_with_its_count(caplog):
+def test_a_build_of_a_tangram_kernel_is_logged_from_cache_miss_to_device_load(caplog):
     log = BuildLog()
     fn = _fn("tangram_sglang.kernels.kv_write", "_kv_write_kernel")
     with caplog.at_level("INFO", logger=build_log.__name__):
         for key in ("a", "b"):
             assert not log.start(key=key, fn=fn, repr="r")
             log.end(key=key, fn=fn, repr="r")
-    assert log.builds["_kv_write_kernel"] == 2
-    assert [name for name, _ in log.logged] == ["_kv_write_kernel"] * 2
-    assert all(ms >= 0 for _, ms in log.logged)
-    assert "Triton built _kv_write_kernel in" in caplog.text
-    assert "(build 2 of it in this process)" in caplog.text
+            assert not log.logged[2:]  # logged at the device load, not before
+            log.loaded(None, None, "_kv_write_kernel", None, "hash")
+    assert log.builds["kv_write._kv_write_kernel"] == 2
+    assert [label for label, _, _ in log.logged] == ["kv_write._kv_write_kernel"] * 2
+    assert all(total >= compile_ms >= 0 for _, total, compile_ms in log.logged)
+    assert not log.started and not log.compiled
+    assert "Triton built kv_write._kv_write_kernel in" in caplog.text
+    assert "; build 2 of it in this process)" in caplog.text
+
+
+def test_a_load_without_a_pending_build_is_not_logged():
+    """A kernel loaded on the device with no build noted (another package's, or a build that
+    an earlier hook skipped) logs nothing."""
+    log = BuildLog()
+    log.loaded(None, None, "_fwd_kernel", None, "hash")
+    assert not log.logged
 
 
 def test_other_packages_kernels_are_not_logged_and_earlier_hooks_still_run(caplog):
@@ -40,6 +51,7 @@ def test_other_packages_kernels_are_not_logged_and_earlier_hooks_still_run(caplo
     with caplog.at_level("INFO", logger=build_log.__name__):
         log.start(key="k", fn=fn)
         log.end(key="k", fn=fn)
+        log.loaded(None, None, "_fwd_kernel", None, "hash")
     assert seen == [("start", "_fwd_kernel"), ("end", "_fwd_kernel")]
     assert not log.logged and "Triton built" not in caplog.text
 
@@ -58,12 +70,14 @@ def test_install_is_once_per_process_and_keeps_triton_s_hooks(monkeypatch):
     earlier = lambda **kw: None  # noqa: E731
     monkeypatch.setattr(knobs.runtime, "jit_cache_hook", earlier)
     monkeypatch.setattr(knobs.runtime, "jit_post_compile_hook", None)
+    monkeypatch.setattr(knobs.runtime, "kernel_load_end_hook", knobs.HookChain(reversed=True))
     monkeypatch.setattr(build_log, "_installed", None)
     log = build_log.install()
     assert build_log.install() is log
     assert log.previous_start is earlier and log.previous_end is None
     assert knobs.runtime.jit_cache_hook == log.start
     assert knobs.runtime.jit_post_compile_hook == log.end
+    assert knobs.runtime.kernel_load_end_hook.calls == [log.loaded]
 
 
 @pytest.mark.gpu
@@ -78,6 +92,7 @@ def test_a_real_build_is_logged_once(monkeypatch):
 
     monkeypatch.setattr(knobs.runtime, "jit_cache_hook", None)
     monkeypatch.setattr(knobs.runtime, "jit_post_compile_hook", None)
+    monkeypatch.setattr(knobs.runtime, "kernel_load_end_hook", knobs.HookChain(reversed=True))
     monkeypatch.setattr(build_log, "_installed", None)
     log = build_log.install()
     _page_ids_kernel.device_caches.clear()
@@ -94,4 +109,4 @@ def test_a_real_build_is_logged_once(monkeypatch):
         )
         write_layer_page_ids(ids, 0, torch.empty(nnz, dtype=torch.int32, device=device))
     torch.cuda.synchronize()
-    assert [name for name, _ in log.logged] == ["_page_ids_kernel"]
+    assert [label for label, _, _ in log.logged] == ["history_page_ids._page_ids_kernel"]

@@ -26,6 +26,14 @@ import tangram_sglang.kernels as kernels_pkg
 # strides that follow the batch's shape (everything else a kernel takes a stride of is laid out
 # by the model or the pool, fixed per server)
 BATCH_STRIDES = {"_kv_write_kernel": {"stride_ki_b", "stride_ki_h"}}
+# pointers that serving passes as slices at a batch-dependent offset (their 16-byte alignment
+# changes from batch to batch), marked do_not_specialize_on_alignment
+BATCH_POINTERS = {
+    "_page_ids_kernel": {"group_offset_ptr", "column_ptr"},
+    "_replay_max_kernel": {"lse_ptr"},
+}
+# float arguments (never specialised by Triton)
+FLOATS = {"sm_scale", "sm_scale_log2"}
 
 
 def _launched_kernels() -> list[tuple[str, JITFunction]]:
@@ -60,10 +68,14 @@ def test_the_scan_finds_the_serving_kernels():
 
 @pytest.mark.parametrize("name,kernel", _launched_kernels(), ids=lambda x: str(x))
 def test_per_batch_integers_are_not_specialized(name, kernel):
-    unmarked = []
-    batch_strides = BATCH_STRIDES.get(name.split(".")[1], set())
+    unmarked, unaligned = [], []
+    kernel_name = name.split(".")[1]
+    batch_strides = BATCH_STRIDES.get(kernel_name, set())
+    batch_pointers = BATCH_POINTERS.get(kernel_name, set())
     for param in kernel.params:
-        if param.is_constexpr or param.name.endswith("_ptr") or "scale" in param.name:
+        if param.name in batch_pointers and not param.do_not_specialize_on_alignment:
+            unaligned.append(param.name)
+        if param.is_constexpr or param.name.endswith("_ptr") or param.name in FLOATS:
             continue
         if param.name.startswith("stride_") and param.name not in batch_strides:
             continue
@@ -72,6 +84,10 @@ def test_per_batch_integers_are_not_specialized(name, kernel):
     assert not unmarked, (
         f"{name}: {unmarked} would compile the kernel again for new batch shapes; add them to "
         "@triton.jit(do_not_specialize=[...]) (or, for a stride fixed per server, name it stride_*)"
+    )
+    assert not unaligned, (
+        f"{name}: {unaligned} are slices at batch-dependent offsets; add them to "
+        "@triton.jit(do_not_specialize_on_alignment=[...])"
     )
 
 
@@ -84,6 +100,7 @@ def test_new_entry_counts_reuse_the_page_id_kernel():
     from tangram_sglang.kernels.history_page_ids import _page_ids_kernel, write_layer_page_ids
 
     device = torch.device("cuda")
+    _page_ids_kernel.device_caches.clear()  # other tests may have built it with another BLOCK
     maps = torch.zeros(2, 1, dtype=torch.int64, device=device)
     for nnz in (1, 16, 17, 48, 1000):
         ids = PagedHistoryIds(

@@ -181,3 +181,29 @@ def test_a_zero_throughput_window_is_left_out_not_summed_as_infinite():
 def test_lines_with_forward_iteration_numbers_are_read_too():
     line = decode_line(7, 900, 350.0).replace("Decode batch,", "Decode batch [123],")
     assert parse_decode_lines(line) == [[7, 900, 350.0]]
+
+
+def test_a_run_reports_the_triton_builds_logged_during_it(tmp_path):
+    """``run_build_lines``: the build log's lines after the mark, from "Triton built" on."""
+    log = tmp_path / "server.log"
+    log.write_text(
+        "[2026-12-06 12:00:00] Tangram: Triton built extend_attention._extend_kernel in 812 ms "
+        "(compile or cache load 790 ms, then launcher and device load; build 1 of it in this "
+        "process)\n"
+    )
+    mark = mt._LogMark(log)
+    mark()  # start-up and warm-up builds above the mark are not the run's
+    assert mt.run_build_lines(log, mark.offset) == []
+    with log.open("a") as f:
+        f.write(STOCK)
+        f.write(
+            "[2026-12-06 12:00:05] Tangram: Triton built history_page_ids._page_ids_kernel in "
+            "480 ms (compile or cache load 470 ms, then launcher and device load; build 1 of it "
+            "in this process)\n"
+        )
+    builds = mt.run_build_lines(log, mark.offset)
+    assert builds == [
+        "Triton built history_page_ids._page_ids_kernel in 480 ms (compile or cache load 470 "
+        "ms, then launcher and device load; build 1 of it in this process)"
+    ]
+    assert mt.run_build_lines(tmp_path / "absent.log", 0) == []
