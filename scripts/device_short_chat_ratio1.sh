@@ -41,10 +41,21 @@ for log in "$R"/round*/*tangram*.server.log "$R"/server-tangram*.log; do
   awk -v file="$log" '/The server is fired up/ {up = 1}
     /Triton built/ {print (up ? "serving" : "start-up") "\t" file "\t" $0}' "$log"
 done > "$R/builds.txt"
-measured=$(python3 -c 'import json, sys
-print(sum(len(w.get("triton_builds", [])) for f in sys.argv[1:]
-          for s in json.load(open(f))["systems"].values() for w in s["workloads"].values()))' \
-  "$R"/round*/mt-tangram-*.json)
+measured=$(python3 - "$R"/round*/mt-tangram-*.json <<'PY'
+import json, sys
+total, read = 0, 0
+for path in sys.argv[1:]:
+    try:
+        systems = json.load(open(path))["systems"]
+    except (OSError, ValueError, KeyError):
+        continue
+    read += 1
+    for system in systems.values():
+        for run in (system.get("workloads") or {}).values():
+            total += len(run.get("triton_builds") or [])
+print(total if read else "n/a")
+PY
+)
 echo "$(date -u +%T) builds after start-up: $(grep -c '^serving' "$R/builds.txt"), in measured runs: $measured" >> "$R/progress"
 # the profiler's raw traces stay behind (large); their summaries are $R/trace-*-turns.json
 tar -C "$(dirname "$R")" --exclude=trace-tangram1 --exclude=trace-stock-flashinfer -czf "$R.tgz" \

@@ -37,7 +37,10 @@ forward steps) and stores where the time went under the workload's ``trace`` key
 Each measured run also keeps its server's decode log lines (``decode_log``: requests running,
 tokens held and generation tok/s every 40 decode steps), and ``vs_best_stock`` pairs a Tangram
 run's windows with the stock run's (:mod:`decode_windows`): which of a workload's phases (round
-starts with many requests, tails with a few) it loses or wins.
+starts with many requests, tails with a few) it loses or wins. ``triton_builds`` lists the
+Triton builds of Tangram's kernels the server logged during the measured run
+(``kernels.build_log``: each stalled a measured step; with tensor parallelism each rank logs
+its own).
 
 Source: issue 7; SGLang ``benchmark/hicache/bench_multiturn.py``.
 """

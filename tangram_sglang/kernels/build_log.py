@@ -32,12 +32,16 @@ PACKAGE = "tangram_sglang."
 
 
 class BuildLog:
-    """The hooks' state: when each pending build started, and how many builds each kernel had.
+    """The hooks' state: the build under way, the builds waiting for their device load, and how
+    many builds each kernel had.
 
     A build is timed from Triton's cache miss (``jit_cache_hook``) through its compile or disk
     cache load (``jit_post_compile_hook``) to the module's load on the device
     (``kernel_load_end_hook``, which follows the launcher's build: a C compile when the launcher
-    is not cached either), the whole stall of the launch that met it.
+    is not cached either), the whole stall of the launch that met it. Builds run one at a time
+    inside a launch, so the one under way is keyed by kernel name; the wait for the load is
+    keyed by the compiled kernel's hash, which the load hook receives. A build Triton makes
+    without launching (its ``warmup``) is logged at its compile, with no load part.
 
     Args:
         previous_start, previous_end: the ``jit_cache_hook`` and ``jit_post_compile_hook``
@@ -51,37 +55,68 @@ class BuildLog:
     def __init__(self, previous_start=None, previous_end=None) -> None:
         self.previous_start, self.previous_end = previous_start, previous_end
         self.started: dict[str, tuple[str, float]] = {}  # kernel name -> (module.kernel, t0)
-        self.compiled: dict[str, float] = {}  # kernel name -> compile (or cache load) ms
+        self.loading: dict[str, tuple[str, float, float]] = {}  # hash -> (label, t0, compile ms)
         self.builds: Counter[str] = Counter()
         self.logged: list[tuple[str, float, float]] = []
+        self.load_hook = True  # kernel_load_end_hook chained (install); False: log at compile
+        self._failed = False
+
+    @staticmethod
+    def _label(fn) -> str | None:
+        """``module.kernel`` of a Tangram kernel's ``JitFunctionInfo``; None for another's."""
+        name, module = getattr(fn, "name", None), getattr(fn, "module", None)
+        if not name or not isinstance(module, str) or not module.startswith(PACKAGE):
+            return None
+        return f"{module.rsplit('.', 1)[-1]}.{name}"
 
     def start(self, *, key, fn, **kwargs):
         """``jit_cache_hook(key=, fn=JitFunctionInfo, ...)``: note a Tangram kernel's build
         start. Returns the previous hook's answer (a true answer skips the build: Triton's
         contract), and then notes nothing."""
         result = self.previous_start(key=key, fn=fn, **kwargs) if self.previous_start else None
-        name, module = getattr(fn, "name", None), getattr(fn, "module", "")
-        if not result and name and module.startswith(PACKAGE):
-            self.started[name] = (f"{module.rsplit('.', 1)[-1]}.{name}", time.perf_counter())
+        label = self._label(fn)
+        if not result and label:
+            self.started[fn.name] = (label, time.perf_counter())
         return result
 
     def end(self, *, key, fn, **kwargs) -> None:
-        """``jit_post_compile_hook``: note the compile's (or disk cache load's) duration."""
+        """``jit_post_compile_hook(key=, fn=, compile={..., "device": d}, is_manual_warmup=)``:
+        the compile (or disk cache load) is done; wait for the device load under the compiled
+        kernel's hash, or log now when there is no launch to wait for."""
         if self.previous_end:
             self.previous_end(key=key, fn=fn, **kwargs)
-        pending = self.started.get(getattr(fn, "name", None))
-        if pending is not None:
-            self.compiled[fn.name] = 1e3 * (time.perf_counter() - pending[1])
+        label = self._label(fn)
+        pending = self.started.pop(fn.name, None) if label else None
+        if pending is None or pending[0] != label:
+            return
+        t0 = pending[1]
+        compile_ms = 1e3 * (time.perf_counter() - t0)
+        kernel_hash = None
+        try:  # Triton stores the kernel in the JIT function's cache just before this hook
+            device = kwargs["compile"]["device"]
+            kernel_hash = fn.jit_function.device_caches[device][0][key].hash
+        except (AttributeError, KeyError, IndexError, TypeError):
+            pass
+        if kwargs.get("is_manual_warmup") or kernel_hash is None or not self.load_hook:
+            self._log(label, compile_ms, compile_ms)
+        else:
+            self.loading[kernel_hash] = (label, t0, compile_ms)
 
     def loaded(self, module, function, name, metadata_group, hash) -> None:
-        """``kernel_load_end_hook`` (Triton's positional arguments; ``name``: the kernel's):
-        log a pending build of ``name`` with its total and compile durations."""
-        pending = self.started.pop(name, None)
-        if pending is None:
-            return
-        label, t0 = pending
-        total = 1e3 * (time.perf_counter() - t0)
-        compile_ms = self.compiled.pop(name, total)
+        """``kernel_load_end_hook`` (Triton's positional arguments; ``hash``: the compiled
+        kernel's): log the build waiting for this load, if any. Called for every kernel Triton
+        loads in the process, so it never raises (a failure is logged once)."""
+        try:
+            pending = self.loading.pop(hash, None)
+            if pending is not None:
+                label, t0, compile_ms = pending
+                self._log(label, 1e3 * (time.perf_counter() - t0), compile_ms)
+        except Exception as exc:  # a log line must not break another package's kernel load
+            if not self._failed:
+                self._failed = True
+                logger.warning("Tangram: the Triton build log failed (%r); builds go unlogged", exc)
+
+    def _log(self, label: str, total: float, compile_ms: float) -> None:
         self.builds[label] += 1
         self.logged.append((label, total, compile_ms))
         logger.info(
@@ -108,7 +143,14 @@ def install() -> BuildLog:
         log = BuildLog(knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook)
         knobs.runtime.jit_cache_hook = log.start
         knobs.runtime.jit_post_compile_hook = log.end
-        knobs.runtime.kernel_load_end_hook.add(log.loaded)
+        if isinstance(knobs.runtime.kernel_load_end_hook, knobs.HookChain):
+            knobs.runtime.kernel_load_end_hook.add(log.loaded)
+        else:  # replaced by another library: builds are logged at their compile
+            logger.warning(
+                "Tangram: Triton's kernel_load_end_hook is not a HookChain; build times leave "
+                "out the device load"
+            )
+            log.load_hook = False
         _installed = log
     return _installed
 

@@ -11,34 +11,70 @@ from tangram_sglang.kernels import build_log
 from tangram_sglang.kernels.build_log import BuildLog
 
 
-def _fn(module: str, name: str):
-    # the fields of triton.runtime.jit.JitFunctionInfo the hooks read
-    return SimpleNamespace(module=module, name=name)
+def _fn(module: str, name: str, compiled: dict | None = None):
+    """The fields of ``triton.runtime.jit.JitFunctionInfo`` the hooks read; ``compiled``: the
+    JIT function's in-memory cache on device 0 (specialisation key -> compiled kernel)."""
+    jit = SimpleNamespace(device_caches={0: (compiled if compiled is not None else {},)})
+    return SimpleNamespace(module=module, name=name, jit_function=jit)
+
+
+def _build(log: BuildLog, fn, key: str, **extra) -> None:
+    """Triton's two build hooks, as ``JITFunction._do_compile`` calls them."""
+    assert not log.start(key=key, fn=fn, repr="r", compile={"device": 0}, **extra)
+    log.end(key=key, fn=fn, repr="r", compile={"device": 0}, **extra)
 
 
 def test_a_build_of_a_tangram_kernel_is_logged_from_cache_miss_to_device_load(caplog):
     log = BuildLog()
-    fn = _fn("tangram_sglang.kernels.kv_write", "_kv_write_kernel")
+    compiled = {}
+    fn = _fn("tangram_sglang.kernels.kv_write", "_kv_write_kernel", compiled)
     with caplog.at_level("INFO", logger=build_log.__name__):
-        for key in ("a", "b"):
-            assert not log.start(key=key, fn=fn, repr="r")
-            log.end(key=key, fn=fn, repr="r")
-            assert not log.logged[2:]  # logged at the device load, not before
-            log.loaded(None, None, "_kv_write_kernel", None, "hash")
+        for i, key in enumerate(("a", "b")):
+            compiled[key] = SimpleNamespace(hash=f"hash-{key}")
+            _build(log, fn, key)
+            assert len(log.logged) == i  # not before the device load
+            log.loaded(None, None, "_kv_write_kernel", None, f"hash-{key}")
+            assert len(log.logged) == i + 1
     assert log.builds["kv_write._kv_write_kernel"] == 2
     assert [label for label, _, _ in log.logged] == ["kv_write._kv_write_kernel"] * 2
     assert all(total >= compile_ms >= 0 for _, total, compile_ms in log.logged)
-    assert not log.started and not log.compiled
+    assert not log.started and not log.loading
     assert "Triton built kv_write._kv_write_kernel in" in caplog.text
     assert "; build 2 of it in this process)" in caplog.text
 
 
-def test_a_load_without_a_pending_build_is_not_logged():
-    """A kernel loaded on the device with no build noted (another package's, or a build that
-    an earlier hook skipped) logs nothing."""
+def test_a_build_without_a_launch_is_logged_at_its_compile():
+    """Triton's ``warmup`` compiles without loading; a kernel missing from the cache (no hash
+    to wait for) is logged at its compile too."""
     log = BuildLog()
-    log.loaded(None, None, "_fwd_kernel", None, "hash")
+    fn = _fn(
+        "tangram_sglang.kernels.kv_write", "_kv_write_kernel", {"a": SimpleNamespace(hash="h")}
+    )
+    _build(log, fn, "a", is_manual_warmup=True)
+    _build(log, fn, "not-in-cache")
+    assert [label for label, _, _ in log.logged] == ["kv_write._kv_write_kernel"] * 2
+    assert not log.loading
+
+
+def test_loads_match_builds_by_hash_not_by_name():
+    """Another module's kernel of the same name, or a load with no build waiting, logs nothing;
+    a build whose load never came (a failed launch) is not matched to a later load."""
+    log = BuildLog()
+    fn = _fn("tangram_sglang.kernels.kv_write", "_kernel", {"a": SimpleNamespace(hash="ours")})
+    _build(log, fn, "a")
+    log.loaded(None, None, "_kernel", None, "theirs")
     assert not log.logged
+    log.loaded(None, None, "_kernel", None, "ours")
+    assert len(log.logged) == 1
+
+
+def test_a_failing_load_hook_never_raises_and_says_so_once(caplog):
+    log = BuildLog()
+    log.loading = None  # anything that makes the lookup fail
+    with caplog.at_level("WARNING", logger=build_log.__name__):
+        log.loaded(None, None, "k", None, "h")
+        log.loaded(None, None, "k", None, "h")
+    assert caplog.text.count("the Triton build log failed") == 1
 
 
 def test_other_packages_kernels_are_not_logged_and_earlier_hooks_still_run(caplog):
@@ -47,11 +83,12 @@ def test_other_packages_kernels_are_not_logged_and_earlier_hooks_still_run(caplo
         lambda **kw: seen.append(("start", kw["fn"].name)),
         lambda **kw: seen.append(("end", kw["fn"].name)),
     )
-    fn = _fn("sglang.srt.layers.attention.triton_ops", "_fwd_kernel")
+    fn = _fn(
+        "sglang.srt.layers.attention.triton_ops", "_fwd_kernel", {"k": SimpleNamespace(hash="h")}
+    )
     with caplog.at_level("INFO", logger=build_log.__name__):
-        log.start(key="k", fn=fn)
-        log.end(key="k", fn=fn)
-        log.loaded(None, None, "_fwd_kernel", None, "hash")
+        _build(log, fn, "k")
+        log.loaded(None, None, "_fwd_kernel", None, "h")
     assert seen == [("start", "_fwd_kernel"), ("end", "_fwd_kernel")]
     assert not log.logged and "Triton built" not in caplog.text
 
@@ -77,7 +114,24 @@ def test_install_is_once_per_process_and_keeps_triton_s_hooks(monkeypatch):
     assert log.previous_start is earlier and log.previous_end is None
     assert knobs.runtime.jit_cache_hook == log.start
     assert knobs.runtime.jit_post_compile_hook == log.end
-    assert knobs.runtime.kernel_load_end_hook.calls == [log.loaded]
+    assert knobs.runtime.kernel_load_end_hook.calls == [log.loaded] and log.load_hook
+
+
+def test_install_without_a_load_hook_chain_logs_at_compile(monkeypatch, caplog):
+    from triton import knobs
+
+    monkeypatch.setattr(knobs.runtime, "jit_cache_hook", None)
+    monkeypatch.setattr(knobs.runtime, "jit_post_compile_hook", None)
+    monkeypatch.setattr(knobs.runtime, "kernel_load_end_hook", None)
+    monkeypatch.setattr(build_log, "_installed", None)
+    with caplog.at_level("WARNING", logger=build_log.__name__):
+        log = build_log.install()
+    assert not log.load_hook and "not a HookChain" in caplog.text
+    fn = _fn(
+        "tangram_sglang.kernels.kv_write", "_kv_write_kernel", {"a": SimpleNamespace(hash="h")}
+    )
+    _build(log, fn, "a")
+    assert len(log.logged) == 1
 
 
 @pytest.mark.gpu

@@ -53,17 +53,23 @@ def _launched_kernels() -> list[tuple[str, JITFunction]]:
     return found
 
 
-def test_the_scan_finds_the_serving_kernels():
-    names = {name for name, _ in _launched_kernels()}
-    for expected in (
+def test_the_scan_finds_every_serving_kernel_and_the_tables_name_real_parameters():
+    found = dict(_launched_kernels())
+    assert set(found) == {
         "decode_attention._decode_stage1",
+        "decode_attention._decode_stage2",
+        "decode_kv_write._decode_kv_write_kernel",
         "extend_attention._extend_kernel",
-        "kv_write._kv_write_kernel",
         "history_page_ids._page_ids_kernel",
-        "window_scores._query_max_kernel",
+        "kv_write._kv_write_kernel",
         "replay_scores._replay_max_kernel",
-    ):
-        assert expected in names
+        "window_scores._query_max_kernel",
+        "window_scores._window_scores_kernel",
+    }
+    by_kernel = {name.split(".")[1]: kernel for name, kernel in found.items()}
+    for table in (BATCH_STRIDES, BATCH_POINTERS):
+        for kernel_name, params in table.items():
+            assert params <= {p.name for p in by_kernel[kernel_name].params}, kernel_name
 
 
 @pytest.mark.parametrize("name,kernel", _launched_kernels(), ids=lambda x: str(x))
