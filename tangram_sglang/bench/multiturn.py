@@ -605,23 +605,23 @@ def run_decode_lines(log: Path, offset: int) -> list[list[float]]:
     """The measured run's decode log lines (``decode_windows.parse_decode_lines``): those the
     server wrote after byte ``offset`` of its log, the first one dropped (its window reaches back
     before the run: warm-up or idle time)."""
+    return decode_windows.parse_decode_lines(_log_after(log, offset))[1:]
+
+
+def _log_after(log: Path, offset: int) -> str:
+    """The server log's text after byte ``offset`` ("" when there is no log)."""
     if not log.exists():
-        return []
+        return ""
     with log.open("rb") as f:
         f.seek(offset)
-        text = f.read().decode("utf-8", errors="replace")
-    return decode_windows.parse_decode_lines(text)[1:]
+        return f.read().decode("utf-8", errors="replace")
 
 
 def run_build_lines(log: Path, offset: int) -> list[str]:
     """The Triton builds of Tangram's kernels during the measured run (``kernels.build_log``'s
     lines after byte ``offset`` of the server log, from "Triton built" on): each one stalled a
     measured step. Empty for a stock server, or when nothing was built."""
-    if not log.exists():
-        return []
-    with log.open("rb") as f:
-        f.seek(offset)
-        text = f.read().decode("utf-8", errors="replace")
+    text = _log_after(log, offset)
     return [
         line[line.index("Triton built") :] for line in text.splitlines() if "Triton built" in line
     ]
