@@ -9,6 +9,8 @@
 #      device_never_slower.sh;
 #   3. the later-turn trace (64 cached 1,024-token chats, each sent again with 128 new tokens at
 #      once) for Tangram 1.0 and stock flashinfer (device_turn_trace.sh, $R/trace-*);
+#   3b. on an H200 (or CLIFF=1), in place of part 3 (unless TRACE=1): `cliff:64` for Tangram
+#      1.0 and stock flashinfer ($R/cliff), after round 1;
 #   4. $R/builds.txt: every "Triton built" line of each Tangram server log
 #      (kernels/build_log.py), each marked "serving" when it comes after SGLang's "The server is
 #      fired up" line (the bench's warm-up conversations included), else "start-up"; the
@@ -16,11 +18,17 @@
 # About 19 minutes on a fresh machine. $R.tgz packs $R (one file to copy out).
 # Start it in the background, then poll $R/progress:
 #   setsid nohup bash scripts/device_short_chat_ratio1.sh > /tmp/sc1.log 2>&1 &
-# Env: R (result folder, default /tmp/sc1), TRACE=0 skips part 3.
+# Env: R (result folder, default /tmp/sc1), TRACE=0 skips part 3, CLIFF=1 runs part 3b.
 set -u
 [ -n "${MODEL:-}" ] || { echo "$0: MODEL is unset: run 'source scripts/device_setup.sh' in this shell first (each device call starts a new shell)" >&2; exit 2; }
 R=${R:-/tmp/sc1}
 mkdir -p "$R"
+# On an H200 the cliff (stock's KV capacity binds) runs in place of the trace, which needs the
+# device time: the cliff's ratio-1.0 figure belongs in multiturn-h200.json.
+on_h200=0
+nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200 && on_h200=1
+CLIFF=${CLIFF:-$on_h200}
+TRACE=${TRACE:-$((1 - CLIFF))}
 echo "$(date -u +%T) GPU tests" >> "$R/progress"
 timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu --tb=short tests/kernels tests/unit \
   > "$R/gpu-tests.txt" 2>&1
@@ -31,17 +39,22 @@ for round in 1 2; do
   SYSTEMS="$systems" WL=$wl WL1=short-chat:64x6 T=300 CAP_S=400 \
     R="$R/round$round" bash scripts/device_never_slower.sh
   grep "\[multiturn\].*tok/s" "$R/round$round/progress" >> "$R/progress"
+  if [ "$round" = 1 ] && [ "$CLIFF" = 1 ]; then
+    SYSTEMS="tangram:1.0 baseline-flashinfer" WL=cliff:64 WL1=cliff:64 T=300 CAP_S=400 \
+      R="$R/cliff" bash scripts/device_never_slower.sh
+    grep "\[multiturn\].*tok/s" "$R/cliff/progress" >> "$R/progress"
+  fi
 done
-if [ "${TRACE:-1}" = 1 ]; then
+if [ "$TRACE" = 1 ]; then
   WHICH="tangram1 stock-flashinfer" N=64 L=1024 E=128 D=0 T=300 R="$R" \
     bash scripts/device_turn_trace.sh
 fi
-for log in "$R"/round*/*tangram*.server.log "$R"/server-tangram*.log; do
+for log in "$R"/round*/*tangram*.server.log "$R"/cliff/*tangram*.server.log "$R"/server-tangram*.log; do
   [ -f "$log" ] || continue
   awk -v file="$log" '/The server is fired up/ {up = 1}
     /Triton built/ {print (up ? "serving" : "start-up") "\t" file "\t" $0}' "$log"
 done > "$R/builds.txt"
-measured=$(python3 - "$R"/round*/mt-tangram-*.json <<'PY'
+measured=$(python3 - "$R"/round*/mt-tangram-*.json "$R"/cliff/mt-tangram-*.json <<'PY'
 import json, sys
 total, read = 0, 0
 for path in sys.argv[1:]:
