@@ -135,6 +135,9 @@ class TangramMemory:
         self.ready = np.zeros(max_rows, bool)  # active with no pending extend (may decode)
         self.active = np.zeros(max_rows, bool)  # rids[row] is not None, vectorised
         self.row_refs = np.zeros(num_pages, np.int64)  # holders per page that are row tables
+        # the same memory as a tensor: index_add_ counts a repeated id once per occurrence, as
+        # np.add.at does, at a small fraction of its cost on the host
+        self._row_refs_view = torch.from_numpy(self.row_refs)
         self.page_group = np.full(num_pages, -1, np.int64)  # head group a page was taken for
         self.page_fill = np.zeros(num_pages, np.int64)  # filled slots per page (tokens)
         self.peak_used_pages = 0  # pages
@@ -247,7 +250,7 @@ class TangramMemory:
         self.active[row] = True
         borrowed = np.concatenate(pages) if pages else np.zeros(0, np.int64)
         self.allocator.incref(torch.from_numpy(borrowed))
-        np.add.at(self.row_refs, borrowed, 1)
+        self._add_row_refs(borrowed, 1)
         self.table.set_borrowed(row, pages, lens)
         self._after("admit")
         return res
@@ -462,9 +465,10 @@ class TangramMemory:
             PoolError: row not active, or an extend allocated but not committed.
         """
         self._check_committed(row, "finish")
-        borrowed = self._entries(row, own=False)
-        segments = self.table.take_segments(row)
-        self._drop_row(row, borrowed)
+        entries = self._entries(row, own=None)
+        borrowed = entries[self._entry_borrowed(row)]
+        segments = self.table.take_segments(row)  # changes no entry: only who owns them
+        self._drop_row(row, borrowed, entries)
         self._after("finish")
         return segments
 
@@ -489,7 +493,8 @@ class TangramMemory:
         Works with an uncommitted extend. Returns pages that went back to the free list.
         """
         self._check_row(row, self.rids[row] if 0 <= row < len(self.rids) else None, active=True)
-        return self._drop_row(row, self._entries(row, own=None))
+        entries = self._entries(row, own=None)
+        return self._drop_row(row, entries, entries)
 
     retract = abort
 
@@ -767,9 +772,30 @@ class TangramMemory:
         keep = (idx >= lo[:, None]) & (idx < hi[:, None])
         return t.pages[row, :, :width][:, ::-1][keep].astype(np.int64)
 
-    def _drop_row(self, row: int, release: np.ndarray) -> int:
-        """Release the row's references on ``release``, forget all its entries, clear it."""
-        np.subtract.at(self.row_refs, self._entries(row, own=None), 1)
+    def _add_row_refs(self, pages: np.ndarray, delta: int) -> None:
+        """``row_refs[p] += delta`` once per listed id (a repeated id counts each time).
+
+        ``pages``: int64 ``[n]`` page ids. ``np.add.at`` semantics, through the tensor view of
+        ``row_refs`` (``index_add_`` costs a few microseconds where ``np.add.at`` costs ~70).
+        """
+        ids = torch.from_numpy(np.ascontiguousarray(pages, np.int64))
+        step = torch.full((1,), int(delta), dtype=torch.int64).expand(ids.numel())
+        self._row_refs_view.index_add_(0, ids, step)
+
+    def _entry_borrowed(self, row: int) -> np.ndarray:
+        """bool ``[n]``: which of ``_entries(row, own=None)`` are borrowed (same order)."""
+        t = self.table
+        n = t.num_pages[row]
+        width = int(n.max(initial=0))
+        idx = np.arange(width - 1, -1, -1)  # reversed table indices, as _entries
+        return (idx < t.own_start[row][:, None])[idx < n[:, None]]
+
+    def _drop_row(self, row: int, release: np.ndarray, entries: np.ndarray) -> int:
+        """Release the row's references on ``release``, forget all its entries, clear it.
+
+        ``entries``: ``_entries(row, own=None)``, every page id the row's table lists.
+        """
+        self._add_row_refs(entries, -1)
         freed = self.allocator.free(torch.from_numpy(release.copy()), f"row {row}")
         self.ledger.release(row)
         self.table.clear(row)

@@ -52,9 +52,12 @@ class SegmentPages:
     # pages owned over all groups; counted once: an id may be replaced (a radix node adopts a
     # copy-on-write copy), a group's list never grows or shrinks
     num_pages: int = field(init=False)
+    # int64 [G]: pages per group (sizes of ``pages``; fixed, as the lists never change length)
+    page_counts: np.ndarray = field(init=False)
 
     def __post_init__(self) -> None:
-        self.num_pages = int(sum(p.size for p in self.pages))
+        self.page_counts = np.fromiter((p.size for p in self.pages), np.int64, len(self.pages))
+        self.num_pages = int(self.page_counts.sum())
 
 
 @dataclass(slots=True)
@@ -203,10 +206,7 @@ class PageTable:
                 seg.num_tokens = int(self.tail_tokens[row])
                 seg.kept_len = np.full(self.num_head_groups, seg.num_tokens, np.int64)
             end = segs[i + 1].first_page_index if i + 1 < len(segs) else self.num_pages[row]
-            pages = [
-                self.pages[row, g, seg.first_page_index[g] : end[g]].astype(np.int64)
-                for g in range(self.num_head_groups)
-            ]
+            pages = self._group_slices(row, seg.first_page_index, end)
             out.append(
                 SegmentPages(
                     seg.kind,
@@ -222,6 +222,21 @@ class PageTable:
         self.tail_tokens[row] = 0
         self.own_start[row] = self.num_pages[row]
         return out
+
+    def _group_slices(self, row: int, start: np.ndarray, end: np.ndarray) -> list[np.ndarray]:
+        """Per group g the entries ``[start[g], end[g])`` of ``row`` as int64 page ids.
+
+        One gather for all groups; the lists are views of one fresh array (no group shares
+        memory with the table or with another segment's lists).
+        """
+        start = np.asarray(start, np.int64)
+        count = np.maximum(np.asarray(end, np.int64) - start, 0)
+        g = np.repeat(np.arange(self.num_head_groups), count)
+        bounds = np.cumsum(count)
+        idx = np.arange(int(bounds[-1])) - np.repeat(bounds - count, count) + start[g]
+        flat = self.pages[row, g, idx].astype(np.int64)
+        cuts = bounds.tolist()
+        return [flat[lo:hi] for lo, hi in zip([0, *cuts[:-1]], cuts, strict=True)]
 
     def clear(self, row: int) -> None:
         """Empty a row on the host (entries back to padding page 0); the device is not touched.

@@ -363,7 +363,7 @@ class TangramRadixCache(RadixCache):
                 self.num_off_grid_pages += seg.num_pages if off_grid else 0
                 parent = None  # a chain cannot skip a segment
                 continue
-            node = self._node_at(key, hi)
+            node = self._node_at(key, hi, parent, lo)  # parent ends at lo
             cached = value_of(node)
             if cached is not None:
                 self._free(seg.pages)  # a segment ending here is already cached: keep that one
@@ -421,27 +421,34 @@ class TangramRadixCache(RadixCache):
         and counted on the parent (``SegmentValue.shared_pages`` on the child), so eviction
         counts stay exact; the child is a leaf below the parent, so it is evicted first.
         """
-        if value_of(parent) is None:
+        parent_value = value_of(parent)
+        if parent_value is None:
             return
         ps, seg = self.memory.page_size, value_of(child).segment
-        plens = value_of(parent).group_lens
+        plens = parent_value.group_lens
         n_pages = -(-plens // ps)
-        cow = (plens % ps != 0) & (seg.first_page_index == n_pages - 1)
-        cow &= np.array([p.size > 0 for p in seg.pages])
-        owners: dict[int, SegmentValue] = {}
+        cow = (plens % ps != 0) & (seg.first_page_index == n_pages - 1) & (seg.page_counts > 0)
+        # The owner of group g's tail page: the deepest chain node listing a page for g.
+        # Walk order, then groups ascending: the order of the shares and frees below.
+        owners: list[tuple[SegmentValue, np.ndarray]] = []
         node = parent
-        while cow.any() and node is not self.root_node and len(owners) < int(cow.sum()):
+        while cow.any() and node is not self.root_node:
             value = value_of(node)
-            for g in np.nonzero(cow)[0].tolist():
-                if g not in owners and value.segment.pages[g].size:
-                    owners[g] = value
+            hit = cow & (value.segment.page_counts > 0)
+            if hit.any():
+                owners.append((value, np.flatnonzero(hit)))
+                cow &= ~hit
             node = value.start_node
+        if not owners:
+            return
+        pairs = [(g, v) for v, gs in owners for g in gs.tolist()]
+        olds = np.array([v.segment.pages[g][-1] for g, v in pairs], np.int64)
         counts = self.memory.allocator.ref_count.numpy()
+        alone = (counts[olds] == 1) & (self.memory.row_refs[olds] == 0)  # only its node holds it
         swaps = [
-            (g, v, int(v.segment.pages[g][-1]), int(seg.pages[g][0]))
-            for g, v in owners.items()
-            if counts[v.segment.pages[g][-1]] == 1
-            and self.memory.row_refs[v.segment.pages[g][-1]] == 0
+            (g, v, old, int(seg.pages[g][0]))
+            for (g, v), old, ok in zip(pairs, olds.tolist(), alone.tolist(), strict=True)
+            if ok
         ]
         if not swaps:
             return
@@ -455,9 +462,21 @@ class TangramRadixCache(RadixCache):
             self._unlocked_pages -= len(swaps)
         self.num_adopted_pages += len(swaps)
 
-    def _node_at(self, key: RadixKey, depth: int) -> TreeNode:
-        """The node ending exactly at ``depth`` on ``key``'s path (split if needed)."""
-        _, node = self._match_prefix_helper(self.root_node, key[:depth])
+    def _node_at(
+        self, key: RadixKey, depth: int, start: TreeNode | None = None, start_depth: int = 0
+    ) -> TreeNode:
+        """The node ending exactly at ``depth`` on ``key``'s path (split if needed).
+
+        Args:
+            key: the inserted tokens (every token of ``key[:depth]`` is in the tree).
+            depth: tokens from the root where the node ends.
+            start: a node of ``key``'s path ending at ``start_depth`` (tokens) to walk down
+                from, instead of the root: O(nodes between them), not O(depth).
+            start_depth: where ``start`` ends (tokens; 0 with the root).
+        """
+        if start is None:
+            start, start_depth = self.root_node, 0
+        _, node = self._match_prefix_helper(start, key[start_depth:depth])
         assert node_depth(node) == depth, "inserted tokens must all be in the tree"
         return node
 
