@@ -356,6 +356,9 @@ class TangramState:
         if prefix_nodes is not None:
             self.host_prefix_nodes = dict(prefix_nodes)
         rows = [int(r) for r in np.asarray(rows, np.int64).reshape(-1)]
+        batch = self._allocate_new_rows(rows, extend_lens, prefix_lens)
+        if batch is not None:
+            return batch
         groups = self.memory.num_head_groups
         start = np.zeros((len(rows), groups), np.int64)
         kept = np.zeros((len(rows), groups), np.int64)
@@ -396,6 +399,45 @@ class TangramState:
             self.extend_plans[row] = (n, start[i], kept[i])
         return ExtendBatchPlan(np.asarray(rows, np.int64), start, kept)
 
+    def _allocate_new_rows(
+        self, rows: list[int], extend_lens: list[int], prefix_lens: list[int]
+    ) -> ExtendBatchPlan | None:
+        """:meth:`allocate_extend` of a batch of new rows in one pass (the common case).
+
+        Each row's compressed prefix comes from the tree as before; admission, pages and
+        lengths are then set for the whole batch by ``TangramMemory.admit_extend_new``, with
+        the same outcome as row by row. None (nothing changed) where a row is running,
+        repeated, lacks its prefix, or the batch would have to evict or wait: the caller then
+        goes row by row.
+        """
+        if len(extend_lens) != len(rows) or len(prefix_lens) != len(rows):
+            return None
+        lens = [int(n) for n in extend_lens]
+        prefixes = [int(p) for p in prefix_lens]
+        memory = self.memory
+        if any(not 0 <= r < len(memory.rids) or memory.rids[r] is not None for r in rows):
+            return None
+        plans = [self.plans.get(row) for row in rows]
+        later = [
+            0 if plan is None else max(plan[0] - p - n, 0) + plan[1]
+            for plan, p, n in zip(plans, prefixes, lens, strict=True)
+        ]
+        try:
+            matches = [self._prefix(row, p) for row, p in zip(rows, prefixes, strict=True)]
+        except PoolError:
+            return None
+        rids = [f"row{row}" for row in rows]
+        got = memory.admit_extend_new(rows, rids, lens, prefixes, matches, later)
+        if got is None:
+            return None
+        start, kept = got
+        for i, (row, n, p, plan) in enumerate(zip(rows, lens, prefixes, plans, strict=True)):
+            if plan is not None and p + n >= plan[0]:
+                memory.trim_reservation(row, plan[1])
+            self.logical_tokens[row] = p + n
+            self.extend_plans[row] = (n, start[i], kept[i])
+        return ExtendBatchPlan(np.asarray(rows, np.int64), start, kept)
+
     def extend_plan_for(
         self, rows: np.ndarray, extend_lens: list[int] | np.ndarray
     ) -> tuple[np.ndarray, np.ndarray]:
@@ -425,7 +467,9 @@ class TangramState:
     def _kept(self, start_token: int, extend_len: int) -> np.ndarray:
         """int64 ``[G]``: kept tokens per group of ``[start_token, start_token + extend_len)``
         (``mem.reservation.segment_kept_lens`` on this server's segment grid)."""
-        return segment_kept_lens(self.profile, start_token, extend_len, self.segment_grid)
+        if self.memory.segment_grid != self.segment_grid:  # set apart from the memory's
+            return segment_kept_lens(self.profile, start_token, extend_len, self.segment_grid)
+        return self.memory.kept_lens(start_token, extend_len)
 
     def _prefix(self, row: int, prefix_len: int) -> PrefixMatch | None:
         """The compressed prefix of a new row (None when it starts from scratch)."""

@@ -48,6 +48,31 @@ from tangram_sglang.mem.reservation import (
 from tangram_sglang.mem.stats import MemoryStats, collect_stats
 from tangram_sglang.profile import BudgetProfile
 
+_KEPT_CACHE_SIZE = 4096  # segment lengths remembered by TangramMemory.kept_lens
+
+
+def _scatter(
+    pages: np.ndarray, rows: np.ndarray, count: np.ndarray, first: np.ndarray, ids: np.ndarray
+) -> np.ndarray:
+    """Write ``ids`` into ``pages[rows[b], g, first[b, g] : first[b, g] + count[b, g]]``.
+
+    Args:
+        pages: the host table ``[max_rows, G, max_pages_per_group]``.
+        rows: int64 ``[n]`` rows.
+        count: int64 ``[n, G]`` entries per (row, group).
+        first: int64 ``[n, G]`` table index of each (row, group)'s first entry.
+        ids: int64 ``[count.sum()]`` page ids, row after row, group after group.
+
+    Returns:
+        int64 ``[count.sum()]``: the group of each id.
+    """
+    num_groups = count.shape[1]
+    flat = np.repeat(np.arange(count.size), count.ravel())
+    b, g = np.divmod(flat, num_groups)
+    offset = np.arange(flat.size) - np.repeat(np.cumsum(count) - count.ravel(), count.ravel())
+    pages[rows[b], g, offset + first[b, g]] = ids
+    return g
+
 
 @dataclass(slots=True)
 class ExtendPlan:
@@ -147,6 +172,7 @@ class TangramMemory:
         # stream when it plans the batch; otherwise they run at once.
         self.defer_copies = False
         self._copies: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
+        self._kept_cache: dict[tuple[int, bool], np.ndarray] = {}  # kept_lens, per length
 
     @classmethod
     def create(
@@ -299,7 +325,7 @@ class TangramMemory:
                 f"alloc_extend: request {rid!r} (row {row}): extend_len={extend_len!r} must be "
                 "an integer >= 0 (tokens of the segment)"
             )
-        kept = segment_kept_lens(self.profile, start_token, int(extend_len), self.segment_grid)
+        kept = self.kept_lens(start_token, int(extend_len))
         need = self.table.append_need(row, kept)
         cow = self.table.cow_needed(row, kept)
         self._check_width(row, rid, self.table.lens[row] + kept)
@@ -331,6 +357,162 @@ class TangramMemory:
         self.pending[row] = None
         self.ready[row] = True
         self._after("commit_extend")
+
+    # ---- a batch of new rows (one pass) -----------------------------------------------------
+    def admit_extend_new(
+        self,
+        rows: list[int],
+        rids: list[str],
+        extend_lens: list[int],
+        start_tokens: list[int],
+        prefixes: list[PrefixMatch | None],
+        decode_tokens: list[int],
+    ) -> tuple[np.ndarray, np.ndarray] | None:
+        """:meth:`admit` + :meth:`alloc_extend` + :meth:`commit_extend` of new rows, batched.
+
+        Called per extend batch (``TangramState.allocate_extend``). The same pages, tables,
+        holders, grants and staged writes as those calls row after row, in array operations
+        over the batch. It runs only where the row-by-row calls could not fail, evict or
+        wait; otherwise it returns None having changed nothing, and the caller takes the
+        row-by-row path (which then raises or evicts exactly as before).
+
+        Args:
+            rows: ``bs`` distinct free rows (``req_pool_idx``).
+            rids: ``bs`` request ids.
+            extend_lens: ``bs`` segment lengths (tokens, >= 0).
+            start_tokens: ``bs`` absolute first tokens of the segments (tokens, >= 0).
+            prefixes: ``bs`` matched radix prefixes (None: from an empty table).
+            decode_tokens: ``bs`` tokens reserved beyond the segment (as :meth:`admit`'s).
+
+        Returns:
+            int64 ``(start_lens [bs, G], kept_lens [bs, G])``: kept tokens per group before
+            the segment and of the segment; or None (nothing changed).
+
+        Ownership: as :meth:`admit` (prefix pages borrowed) and :meth:`alloc_extend`.
+        """
+        got = self._plan_new_rows(rows, rids, extend_lens, start_tokens, prefixes, decode_tokens)
+        if got is None:
+            return None
+        lens, kept, grant, pages = got
+        rows_a = np.asarray(rows, np.int64)
+        ps = self.page_size
+        need = group_pages_needed(lens, lens > 0, kept, ps)  # [bs, G], COW copies included
+        cow = ((lens > 0) & (lens % ps != 0) & (kept > 0)).astype(np.int64)
+        for row, rid, granted, taken in zip(
+            rows, rids, grant.tolist(), need.sum(axis=1).tolist(), strict=True
+        ):
+            self.ledger.reserve(row, rid, granted)
+            self.ledger.take(row, taken, allow_overflow=False)
+            self.rids[row] = rid
+        self.active[rows_a] = True
+        self.ready[rows_a] = True
+        borrowed = np.concatenate(pages) if pages else np.zeros(0, np.int64)
+        self.allocator.incref(torch.from_numpy(borrowed))
+        self._add_row_refs(borrowed, 1)
+        t = self.table
+        sizes = -(-lens // ps)  # borrowed pages per (row, group)
+        _scatter(t.pages, rows_a, sizes, np.zeros_like(sizes), borrowed)
+        t.num_pages[rows_a] = sizes
+        t.own_start[rows_a] = sizes
+        t.lens[rows_a] = lens
+        first = sizes - cow  # table index of each group's first fresh page
+        # no COW source reaches zero holders (each row holds its own reference until its
+        # copy drops it), so the fresh pages are the next ones of the free list, row after row
+        fresh = self._alloc(int(need.sum()))
+        cow_b, cow_g = np.nonzero(cow)
+        src = t.pages[rows_a[cow_b], cow_g, first[cow_b, cow_g]].astype(np.int64)
+        dst = fresh[(np.cumsum(need) - need.ravel())[cow_b * self.num_head_groups + cow_g]]
+        groups = _scatter(t.pages, rows_a, need, first, fresh)
+        t.own_start[rows_a[cow_b], cow_g] = first[cow_b, cow_g]
+        t.num_pages[rows_a] += need - cow
+        self.page_group[fresh] = groups
+        self.page_fill[fresh] = 0
+        self.row_refs[fresh] += 1
+        if src.size:
+            self.page_fill[dst] = lens[cow_b, cow_g] % ps
+            self._copy(src, dst, self.page_fill[dst])
+            self._add_row_refs(src, -1)
+            self.allocator.free(torch.from_numpy(src.copy()), f"COW of rows {rows[:8]}")
+        for b, row in enumerate(rows):
+            seg = t.open_segment(row, EXTEND, first[b].copy())
+            seg.num_tokens, seg.kept_len = int(extend_lens[b]), kept[b].copy()
+        new = lens + kept
+        self._fill_rows(rows_a, lens, new)
+        t.lens[rows_a] = new
+        t.sync_rows(rows_a)
+        return lens, kept
+
+    def _plan_new_rows(self, rows, rids, extend_lens, start_tokens, prefixes, decode_tokens):
+        """The checks of :meth:`admit_extend_new`, no side effects: ``(lens, kept, grant,
+        pages)`` (int64 ``[bs, G]`` prefix and segment kept tokens, ``[bs]`` pages to reserve,
+        the prefixes' per-group page lists, row after row), or None where the row-by-row
+        path must run (debug checks, an immediate flush or copy, a busy or repeated row, a
+        bad prefix or length, a table too narrow, or fewer unreserved free pages than the
+        batch reserves)."""
+        immediate = not self.table.deferred or (self.kv_pool is not None and not self.defer_copies)
+        if self.debug or immediate or not rows or len(set(rows)) != len(rows):
+            return None
+        if any(not 0 <= r < len(self.rids) or self.rids[r] is not None for r in rows):
+            return None
+        if min(extend_lens, default=0) < 0 or min(start_tokens, default=0) < 0:
+            return None
+        counts = self.allocator.ref_count.numpy()
+        lens, pages = [], []
+        for row, rid, prefix in zip(rows, rids, prefixes, strict=True):
+            try:
+                row_lens, row_pages = validate_prefix(
+                    prefix, self.num_head_groups, self.page_size, counts, rid, row
+                )
+            except PoolError:
+                return None
+            lens.append(row_lens)
+            pages.extend(row_pages)
+        lens = np.stack(lens).astype(np.int64, copy=False)
+        pairs = zip(start_tokens, extend_lens, strict=True)
+        kept = np.stack([self.kept_lens(start, n) for start, n in pairs])
+        add = kept + np.asarray(decode_tokens, np.int64)[:, None]
+        if (-(-(lens + add) // self.page_size) > self.table.max_pages_per_group).any():
+            return None
+        grant = group_pages_needed(lens, lens > 0, add, self.page_size).sum(axis=1)
+        usable = self.allocator.num_usable_pages
+        if (grant > usable).any() or int(grant.sum()) > self.ledger.unreserved_free():
+            return None
+        return lens, kept, grant, pages
+
+    def _fill_rows(self, rows: np.ndarray, old_len: np.ndarray, new_len: np.ndarray) -> None:
+        """:meth:`_fill` of several rows: ``old_len`` / ``new_len`` int64 ``[n, G]``."""
+        ps = self.page_size
+        lo, hi = old_len // ps, -(-new_len // ps)
+        count = np.maximum(hi - lo, 0)
+        if not count.any():
+            return
+        flat = np.repeat(np.arange(count.size), count.ravel())  # (row, group) of each page
+        b, g = np.divmod(flat, self.num_head_groups)
+        offset = np.arange(flat.size) - np.repeat(np.cumsum(count) - count.ravel(), count.ravel())
+        idx = offset + lo[b, g]
+        ids = self.table.pages[rows[b], g, idx]
+        self.page_fill[ids] = np.minimum(ps, new_len[b, g] - idx * ps)
+
+    def kept_lens(self, start_token: int, num_tokens: int) -> np.ndarray:
+        """int64 ``[G]``: kept tokens per group of one segment, a fresh array (per segment).
+
+        :func:`~tangram_sglang.mem.reservation.segment_kept_lens` on :attr:`segment_grid`,
+        remembered per (length, whether the profile's rule applies): admission, reservation
+        and allocation ask for the same few lengths over and over.
+
+        Raises:
+            PoolError: ``start_token`` or ``num_tokens`` negative.
+        """
+        start, n, grid = int(start_token), int(num_tokens), self.segment_grid
+        if start < 0 or n < 0:
+            return segment_kept_lens(self.profile, start, n, grid)  # raises
+        key = (n, grid <= 0 or (start % grid == 0 and n == grid))
+        kept = self._kept_cache.get(key)
+        if kept is None:
+            if len(self._kept_cache) >= _KEPT_CACHE_SIZE:
+                self._kept_cache.clear()
+            kept = self._kept_cache[key] = segment_kept_lens(self.profile, start, n, grid)
+        return kept.copy()
 
     def trim_reservation(self, row: int, decode_tokens: int) -> int:
         """Keep only the pages ``decode_tokens`` more decode tokens need; return the rest.
@@ -597,8 +779,7 @@ class TangramMemory:
                 f"decode_tokens={decode_tokens} must be >= 0"
             )
         tail = max(max_new_tokens - 1, 0) if decode_tokens is None else int(decode_tokens)
-        kept = segment_kept_lens(self.profile, start_token, int(extend_len), self.segment_grid)
-        return kept + tail
+        return self.kept_lens(start_token, int(extend_len)) + tail
 
     def _prefix_arrays(self, prefix, rid, row) -> tuple[np.ndarray, list[np.ndarray]]:
         counts = self.allocator.ref_count.numpy()

@@ -274,6 +274,19 @@ class PageTable:
         self._len_rows.append(np.array([row], np.int64))
         self._maybe_flush()
 
+    def sync_rows(self, rows: np.ndarray) -> None:
+        """:meth:`sync_row` of each of ``rows`` (int64 ``[n]``, distinct), staged at once."""
+        rows = np.asarray(rows, np.int64).reshape(-1)
+        self._zero_rows.extend(rows.tolist())
+        count = self.num_pages[rows].ravel()  # row-major: row, then group
+        total = int(count.sum())
+        if total:
+            flat = (rows[:, None] * self.num_head_groups + np.arange(self.num_head_groups)).ravel()
+            offset = np.arange(total) - np.repeat(np.cumsum(count) - count, count)
+            self._entries.append(np.repeat(flat, count) * self.max_pages_per_group + offset)
+        self._len_rows.append(rows)
+        self._maybe_flush()
+
     def sync_range(self, row: int, start: np.ndarray, end: np.ndarray) -> None:
         """Stage the entries ``[start[g], end[g])`` of every group g of ``row`` (table indices)."""
         count = np.maximum(np.asarray(end, np.int64) - start, 0)

@@ -135,7 +135,7 @@ def chain_prefix(chain: list[SegmentValue], num_head_groups: int, page_size: int
             length does not match ``ceil(kept / page_size)`` (a broken chain).
     """
     firsts = [np.asarray(v.segment.first_page_index, np.int64) for v in chain]
-    counts = [np.array([p.size for p in v.segment.pages], np.int64) for v in chain]
+    counts = [v.segment.page_counts for v in chain]
     ends = [int((f + n).max(initial=0)) for f, n in zip(firsts, counts, strict=True)]
     width = max(ends, default=0)
     dense = np.zeros((num_head_groups, width), np.int64)
@@ -164,4 +164,7 @@ def chain_prefix(chain: list[SegmentValue], num_head_groups: int, page_size: int
             f"radix chain: group {g} holds {int(length[g])} pages for {int(lens[g])} kept "
             f"tokens (page_size {page_size}); the chain is broken"
         )
-    return PrefixMatch(pages=[dense[g, : length[g]].copy() for g in groups], lens=lens)
+    # views of the fresh dense array (no other holder)
+    return PrefixMatch(
+        pages=[row[:n] for row, n in zip(dense, length.tolist(), strict=True)], lens=lens
+    )
