@@ -3,9 +3,9 @@
 # short chats at ratio 1.0 against stock flashinfer (issue 18's lowest ratio-1.0 figure), and
 # which Triton builds still land after start-up. Most important first:
 #   1. the GPU tests (tests/kernels and tests/unit, -m gpu, short tracebacks: $R/gpu-tests.txt);
-#   2. `short-chat:64x6` twice, alternating: Tangram 1.0 then stock flashinfer ($R/round1,
+#   2. `short-chat:64x6` PAIRS times, alternating: Tangram 1.0 then stock flashinfer ($R/round1,
 #      with Tangram 0.25 after them; stock flashinfer and Tangram 0.25 also run
-#      `sharegpt:64x4` there, for its first round's TTFT), then again ($R/round2), through
+#      `sharegpt:64x4` there, for its first round's TTFT), then again ($R/round2, ...), through
 #      device_never_slower.sh;
 #   3. the later-turn trace (64 cached 1,024-token chats, each sent again with 128 new tokens at
 #      once) for Tangram 1.0 and stock flashinfer (device_turn_trace.sh, $R/trace-*);
@@ -18,7 +18,9 @@
 # About 19 minutes on a fresh machine. $R.tgz packs $R (one file to copy out).
 # Start it in the background, then poll $R/progress:
 #   setsid nohup bash scripts/device_short_chat_ratio1.sh > /tmp/sc1.log 2>&1 &
-# Env: R (result folder, default /tmp/sc1), TRACE=0 skips part 3, CLIFF=1 runs part 3b.
+# Env: R (result folder, default /tmp/sc1), TRACE=0 skips part 3, CLIFF=1 runs part 3b, PAIRS
+# (alternating Tangram 1.0 / stock flashinfer short-chat pairs of part 2, default 2; about 3
+# minutes each after the first).
 set -u
 [ -n "${MODEL:-}" ] || { echo "$0: MODEL is unset: run 'source scripts/device_setup.sh' in this shell first (each device call starts a new shell)" >&2; exit 2; }
 R=${R:-/tmp/sc1}
@@ -33,7 +35,7 @@ echo "$(date -u +%T) GPU tests" >> "$R/progress"
 timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu --tb=short tests/kernels tests/unit \
   > "$R/gpu-tests.txt" 2>&1
 tail -1 "$R/gpu-tests.txt" >> "$R/progress"
-for round in 1 2; do
+for round in $(seq 1 "${PAIRS:-2}"); do
   systems="tangram:1.0 baseline-flashinfer" wl=short-chat:64x6
   if [ "$round" = 1 ]; then systems="$systems tangram:0.25" wl=$wl,sharegpt:64x4; fi
   SYSTEMS="$systems" WL=$wl WL1=short-chat:64x6 T=300 CAP_S=400 \
@@ -45,6 +47,18 @@ for round in 1 2; do
     grep "\[multiturn\].*tok/s" "$R/cliff/progress" >> "$R/progress"
   fi
 done
+python3 - "$R"/round*/never-slower.json >> "$R/progress" <<'PY'
+import json, statistics, sys
+ratios = []
+for path in sys.argv[1:]:
+    try:
+        ratios.append(json.load(open(path))["summary"]["ratio1_per_workload"]["short-chat-64x6"])
+    except (OSError, ValueError, KeyError, TypeError):
+        print(f"short-chat pair: no ratio in {path}")
+if ratios:
+    pairs = ", ".join(f"{r:.3f}" for r in ratios)
+    print(f"short-chat Tangram 1.0 / stock flashinfer: pairs {pairs}; median {statistics.median(ratios):.3f}")
+PY
 if [ "$TRACE" = 1 ]; then
   WHICH="tangram1 stock-flashinfer" N=64 L=1024 E=128 D=0 T=300 R="$R" \
     bash scripts/device_turn_trace.sh
