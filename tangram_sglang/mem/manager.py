@@ -160,9 +160,6 @@ class TangramMemory:
         self.ready = np.zeros(max_rows, bool)  # active with no pending extend (may decode)
         self.active = np.zeros(max_rows, bool)  # rids[row] is not None, vectorised
         self.row_refs = np.zeros(num_pages, np.int64)  # holders per page that are row tables
-        # the same memory as a tensor: index_add_ counts a repeated id once per occurrence, as
-        # np.add.at does, at a small fraction of its cost on the host
-        self._row_refs_view = torch.from_numpy(self.row_refs)
         self.page_group = np.full(num_pages, -1, np.int64)  # head group a page was taken for
         self.page_fill = np.zeros(num_pages, np.int64)  # filled slots per page (tokens)
         self.peak_used_pages = 0  # pages
@@ -274,9 +271,7 @@ class TangramMemory:
         self.rids[row] = rid
         self.ready[row] = True
         self.active[row] = True
-        borrowed = np.concatenate(pages) if pages else np.zeros(0, np.int64)
-        self.allocator.incref(torch.from_numpy(borrowed))
-        self._add_row_refs(borrowed, 1)
+        self._borrow(pages)
         self.table.set_borrowed(row, pages, lens)
         self._after("admit")
         return res
@@ -401,14 +396,13 @@ class TangramMemory:
         for row, rid, granted, taken in zip(
             rows, rids, grant.tolist(), need.sum(axis=1).tolist(), strict=True
         ):
-            self.ledger.reserve(row, rid, granted)
+            res = self.ledger.reserve(row, rid, granted)
+            assert res is not None, "_plan_new_rows checked the batch's grants against the pool"
             self.ledger.take(row, taken, allow_overflow=False)
             self.rids[row] = rid
         self.active[rows_a] = True
         self.ready[rows_a] = True
-        borrowed = np.concatenate(pages) if pages else np.zeros(0, np.int64)
-        self.allocator.incref(torch.from_numpy(borrowed))
-        self._add_row_refs(borrowed, 1)
+        borrowed = self._borrow(pages)
         t = self.table
         sizes = -(-lens // ps)  # borrowed pages per (row, group)
         _scatter(t.pages, rows_a, sizes, np.zeros_like(sizes), borrowed)
@@ -878,7 +872,7 @@ class TangramMemory:
             dst = pages[is_cow]
             self.page_fill[dst] = t.lens[r_idx[is_cow], g_idx[is_cow]] % self.page_size
             self._copy(src, dst, self.page_fill[dst])
-            self.row_refs[src] -= 1
+            self._add_row_refs(src, -1)  # two rows may copy one borrowed page in one step
             self.allocator.free(torch.from_numpy(src.copy()), "decode COW")
         return r_idx, g_idx, idx
 
@@ -953,15 +947,27 @@ class TangramMemory:
         keep = (idx >= lo[:, None]) & (idx < hi[:, None])
         return t.pages[row, :, :width][:, ::-1][keep].astype(np.int64)
 
+    def _borrow(self, pages: list[np.ndarray]) -> np.ndarray:
+        """A new row's holder reference on each page of its matched prefix.
+
+        ``pages``: the prefix's int64 page ids, one array per head group (of one row or of
+        several, in order). Returns them as one int64 ``[n]`` array.
+        """
+        borrowed = np.concatenate(pages) if pages else np.zeros(0, np.int64)
+        self.allocator.incref(torch.from_numpy(borrowed))
+        self._add_row_refs(borrowed, 1)
+        return borrowed
+
     def _add_row_refs(self, pages: np.ndarray, delta: int) -> None:
         """``row_refs[p] += delta`` once per listed id (a repeated id counts each time).
 
-        ``pages``: int64 ``[n]`` page ids. ``np.add.at`` semantics, through the tensor view of
-        ``row_refs`` (``index_add_`` costs a few microseconds where ``np.add.at`` costs ~70).
+        ``pages``: int64 ``[n]`` page ids. ``np.add.at`` semantics, through a tensor view of
+        ``row_refs`` made per call (``index_add_`` costs a few microseconds where ``np.add.at``
+        costs ~70; a view kept on the object would outlive a copy of the array).
         """
         ids = torch.from_numpy(np.ascontiguousarray(pages, np.int64))
         step = torch.full((1,), int(delta), dtype=torch.int64).expand(ids.numel())
-        self._row_refs_view.index_add_(0, ids, step)
+        torch.from_numpy(self.row_refs).index_add_(0, ids, step)
 
     def _entry_borrowed(self, row: int) -> np.ndarray:
         """bool ``[n]``: which of ``_entries(row, own=None)`` are borrowed (same order)."""

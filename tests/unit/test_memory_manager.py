@@ -241,3 +241,23 @@ def test_non_integer_row_is_a_pool_error(row):
     with pytest.raises(PoolError, match="is outside"):
         mem.admit(row, "a", 4, 1)
     assert_unchanged(mem, before)
+
+
+def test_two_rows_copying_one_borrowed_page_in_one_decode_step_drop_both_references():
+    """A decode step where two rows copy the same borrowed partial page (copy-on-write) drops
+    both rows' references on it: ``row_refs`` counts each occurrence, so the page's only
+    holder left is its outside owner (the radix node), who can then free it."""
+    profile = make_profile([[1.0, 0.5]], 1, "per_layer", head_dim=1)
+    mem = TangramMemory(profile, 4, 16, 4, 4, None, debug=False)
+    tail = mem.allocator.alloc(1).numpy().astype(np.int64)  # an outside owner's partial page
+    prefix = PrefixMatch(pages=[tail, np.zeros(0, np.int64)], lens=np.array([1, 0]))
+    for row in (1, 2):  # both borrow it and extend by nothing
+        mem.admit(row, f"r{row}", 0, 0, prefix=prefix)
+        mem.alloc_extend(row, 0)
+        mem.commit_extend(row)
+    mem.alloc_decode(np.array([1, 2]))  # each copies the shared page before writing its token
+    assert int(mem.row_refs[tail[0]]) == 0
+    assert int(mem.allocator.ref_count[tail[0]]) == 1
+    mem.check_invariants()
+    mem.free_pages(tail)  # the owner lets go: the page is free again
+    assert int(mem.allocator.ref_count[tail[0]]) == 0
