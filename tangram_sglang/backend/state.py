@@ -632,7 +632,8 @@ class TangramState:
 
         Names the pages needed, the pool size, the client's ``max_tokens`` (``max_new_tokens``)
         and the largest value that would fit with this prompt (or that the prompt alone does not
-        fit).
+        fit); and, where the prompt spans several prefill chunks and would fit as one (its later
+        chunks are counted uncompressed), the ``--chunked-prefill-size`` that makes it fit.
 
         Args:
             ask: the request with its whole decode tail (``T`` tokens).
@@ -654,6 +655,12 @@ class TangramState:
             if best >= 1
             else "the prompt alone does not fit: shorten the prompt"
         )
+        left, first = int(ask.prompt_tokens), int(ask.first_chunk)
+        if first < left and self.fits_pool(replace(ask, first_chunk=left)):
+            fix += (
+                f", raise --chunked-prefill-size to {left} or more (the {left - first} prompt "
+                f"tokens after its first {first}-token chunk are counted uncompressed)"
+            )
         return (
             f"Tangram: request needs {need} KV pages ({prompt} prompt tokens{cached}, {wanted}) "
             f"but the whole pool holds {self.pool_pages} pages; {fix}, or give the server more "

@@ -75,6 +75,24 @@ def test_max_decode_tokens_is_the_largest_tail_that_fits():
     assert "max_tokens 5000, capped to 101 by the server" in capped
     alone = state.never_fits_message(PrefillAsk(200, 200, 7), 8, None)
     assert "max_tokens not set" in alone and "the prompt alone does not fit" in alone
+    assert "--chunked-prefill-size" not in alone  # one chunk already: no chunk size helps
+
+
+def test_never_fits_names_the_chunk_size_that_makes_a_chunked_prompt_fit():
+    """A prompt whose later chunks (counted uncompressed) overflow the pool, but which fits as
+    one compressed chunk: the refusal names the ``--chunked-prefill-size`` that admits it."""
+    state = make_state(num_pages=17)
+    prompt = next(
+        n
+        for n in range(8, 400, 8)
+        if not state.fits_pool(PrefillAsk(n, 16, 0)) and state.fits_pool(PrefillAsk(n, n, 0))
+    )
+    message = state.never_fits_message(PrefillAsk(prompt, 16, 0), 1, 1)
+    assert f"raise --chunked-prefill-size to {prompt} or more" in message
+    assert f"the {prompt - 16} prompt tokens after its first 16-token chunk" in message
+    too_long = PrefillAsk(4000, 16, 0)  # too long even as one chunk: no chunk size helps
+    assert not state.fits_pool(PrefillAsk(4000, 4000, 0))
+    assert "--chunked-prefill-size" not in state.never_fits_message(too_long, 1, 1)
 
 
 def test_admission_counts_running_tails_times_the_ratio_exactly_per_group():
