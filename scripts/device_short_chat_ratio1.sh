@@ -25,8 +25,8 @@ set -u
 [ -n "${MODEL:-}" ] || { echo "$0: MODEL is unset: run 'source scripts/device_setup.sh' in this shell first (each device call starts a new shell)" >&2; exit 2; }
 R=${R:-/tmp/sc1}
 mkdir -p "$R"
-# On an H200 the cliff (stock's KV capacity binds) runs in place of the trace, which needs the
-# device time: the cliff's ratio-1.0 figure belongs in multiturn-h200.json.
+# On an H200 the cliff (stock's KV capacity binds) runs in place of the trace (the two together
+# take about 30 minutes): the cliff's ratio-1.0 figure belongs in multiturn-h200.json.
 on_h200=0
 nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200 && on_h200=1
 CLIFF=${CLIFF:-$on_h200}
