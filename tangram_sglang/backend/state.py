@@ -467,9 +467,7 @@ class TangramState:
     def _kept(self, start_token: int, extend_len: int) -> np.ndarray:
         """int64 ``[G]``: kept tokens per group of ``[start_token, start_token + extend_len)``
         (``mem.reservation.segment_kept_lens`` on this server's segment grid)."""
-        if self.memory.segment_grid != self.segment_grid:  # set apart from the memory's
-            return segment_kept_lens(self.profile, start_token, extend_len, self.segment_grid)
-        return self.memory.kept_lens(start_token, extend_len)
+        return self.memory.kept_lens(start_token, extend_len)  # the memory holds the same grid
 
     def _prefix(self, row: int, prefix_len: int) -> PrefixMatch | None:
         """The compressed prefix of a new row (None when it starts from scratch)."""

@@ -66,12 +66,26 @@ def _scatter(
     Returns:
         int64 ``[count.sum()]``: the group of each id.
     """
-    num_groups = count.shape[1]
-    flat = np.repeat(np.arange(count.size), count.ravel())
-    b, g = np.divmod(flat, num_groups)
-    offset = np.arange(flat.size) - np.repeat(np.cumsum(count) - count.ravel(), count.ravel())
+    b, g, offset = _ragged(count)
     pages[rows[b], g, offset + first[b, g]] = ids
     return g
+
+
+def _ragged(count: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Each entry of a ragged ``[n, G]`` block, in row-major order.
+
+    Args:
+        count: int64 ``[n, G]`` entries per (row, group), >= 0.
+
+    Returns:
+        int64 ``(b, g, offset)``, each ``[count.sum()]``: the row index into ``count``, the
+        group, and the entry's position within its (row, group).
+    """
+    per = count.ravel()
+    flat = np.repeat(np.arange(per.size), per)
+    b, g = np.divmod(flat, count.shape[1])
+    offset = np.arange(flat.size) - np.repeat(np.cumsum(per) - per, per)
+    return b, g, offset
 
 
 @dataclass(slots=True)
@@ -480,9 +494,7 @@ class TangramMemory:
         count = np.maximum(hi - lo, 0)
         if not count.any():
             return
-        flat = np.repeat(np.arange(count.size), count.ravel())  # (row, group) of each page
-        b, g = np.divmod(flat, self.num_head_groups)
-        offset = np.arange(flat.size) - np.repeat(np.cumsum(count) - count.ravel(), count.ravel())
+        b, g, offset = _ragged(count)  # (row, group) of each page
         idx = offset + lo[b, g]
         ids = self.table.pages[rows[b], g, idx]
         self.page_fill[ids] = np.minimum(ps, new_len[b, g] - idx * ps)
