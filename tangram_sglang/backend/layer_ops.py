@@ -35,7 +35,7 @@ from tangram_sglang.config import (
 )
 from tangram_sglang.errors import ConfigError, KernelError
 from tangram_sglang.kernels import reference
-from tangram_sglang.kernels._checks import check_tensor
+from tangram_sglang.kernels._checks import CheckedLayouts, check_tensor
 from tangram_sglang.kernels.history_attention import (
     PAGED_HISTORY_MIN_WORK,
     PagedHistoryPlan,
@@ -274,6 +274,9 @@ class TritonKernels(ReferenceKernels):
         self.mid_o, self.mid_lse = decode_scratch(
             max_batch_size, m.num_qo_heads, self.tables.scratch_splits, m.head_dim, device
         )
+        # argument layouts the extend and kv-write launchers checked: an extend batch's first
+        # layer is checked, its later layers (same layouts) are not checked again
+        self.extend_layouts, self.kv_write_layouts = CheckedLayouts(), CheckedLayouts()
         self.new_tokens = None
         self._planned = None  # the extend plan (metadata) new_tokens was last planned for
         self.prefill = prefill
@@ -388,6 +391,7 @@ class TritonKernels(ReferenceKernels):
                 lse,
                 max_extend_len,
                 new_tokens=new_tokens,
+                checked=self.extend_layouts,
             )
 
         if self.new_tokens is None or meta is None:
@@ -411,10 +415,11 @@ class TritonKernels(ReferenceKernels):
         return split_extend(self.new_tokens, history, q, k, v, sm_scale)
 
     def kv_write(self, *args) -> None:
-        """``kernels.kv_write.write_kept_kv`` (one launch per layer)."""
+        """``kernels.kv_write.write_kept_kv`` (one launch per layer; each argument layout
+        checked once)."""
         from tangram_sglang.kernels.kv_write import write_kept_kv
 
-        write_kept_kv(*args)
+        write_kept_kv(*args, checked=self.kv_write_layouts)
 
     def decode_write(self, k_pool, v_pool, k, v, meta, goh, coh) -> None:
         """``kernels.decode_kv_write.write_decode_kv``: one launch per layer, strided K/V."""

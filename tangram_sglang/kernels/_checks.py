@@ -8,7 +8,7 @@ inside CUDA-graph capture). Failures raise :class:`KernelError` naming the argum
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import NoReturn
 
 import torch
@@ -198,3 +198,72 @@ def check_kv_write_args(
     )
     check_tensor("kept_count", kept_count, (bs, page_table.shape[1]), INDEX_DTYPES, device)
     return kept_idx.shape[2]
+
+
+def layout_key(args: Sequence[object]) -> tuple:
+    """What a launcher's checks read of ``args``: per tensor its shape, dtype, device and
+    strides; any other argument itself, with its type (``1`` and ``True`` differ)."""
+    key: list = []  # flat: hashing and comparing it is about twice as fast as nested tuples
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            key += (a.shape, a.dtype, a.device, a.stride())
+        else:
+            key += (type(a), a)
+    return tuple(key)
+
+
+class CheckedLayouts:
+    """Argument layouts whose checks already passed, with what the checks returned.
+
+    The checks of this module read metadata only (shapes, dtypes, devices, strides, scalar
+    arguments: :func:`layout_key`), so checks that passed for one layout pass for every call
+    with the same layout. A launcher given one of these checks each layout once: the first
+    layer of an extend batch is checked, the later layers (same shapes, same pools) reuse the
+    result, as a FlashInfer plan is checked once and run per layer. A layout is remembered only
+    after its checks pass; the oldest is dropped past ``capacity``.
+
+    Args:
+        capacity: layouts kept (an extend batch uses one or a few; batches differ in shape).
+    """
+
+    _MISSING = object()
+
+    def __init__(self, capacity: int = 64) -> None:
+        if capacity < 1:
+            raise ValueError(f"CheckedLayouts: capacity must be >= 1, got {capacity}")
+        self.capacity = capacity
+        self._passed: dict[tuple, object] = {}
+
+    def __len__(self) -> int:
+        return len(self._passed)
+
+    def lookup(self, key: tuple) -> object:
+        """The checks' result for ``key``, or :attr:`_MISSING` when not checked yet."""
+        return self._passed.get(key, self._MISSING)
+
+    def remember(self, key: tuple, result: object) -> None:
+        """Record that the checks passed for ``key`` and returned ``result``."""
+        if key not in self._passed and len(self._passed) >= self.capacity:
+            del self._passed[next(iter(self._passed))]
+        self._passed[key] = result
+
+
+def run_once(checked: CheckedLayouts | None, check: Callable, args: tuple) -> object:
+    """``check(*args)``, or its remembered result when ``checked`` holds ``args``' layout.
+
+    Args:
+        checked: the launcher's checked layouts; None runs ``check`` on every call.
+        check: the launcher's checks (metadata only; raises :class:`KernelError`).
+        args: the arguments ``check`` takes.
+
+    Raises:
+        KernelError: from ``check``, for a layout not checked before (nothing remembered).
+    """
+    if checked is None:
+        return check(*args)
+    key = layout_key(args)
+    result = checked.lookup(key)
+    if result is CheckedLayouts._MISSING:
+        result = check(*args)
+        checked.remember(key, result)
+    return result

@@ -171,6 +171,47 @@ def _extend_kernel(
     tl.store(lse_ptr + tok_m * stride_lse_t + qh, lse, mask=mask_m)
 
 
+def _check_extend_launch(
+    q,
+    k_new,
+    v_new,
+    qo_indptr,
+    k_pool,
+    v_pool,
+    page_table,
+    group_len,
+    req_rows,
+    group_of_head,
+    column_of_head,
+    sm_scale,
+    out,
+    lse,
+) -> tuple[int, int, int, int]:
+    """Every check of :func:`ragged_extend_attention`; returns (N, H_q, H_kv, bs)."""
+    dims = _checks.check_extend_args(
+        q,
+        k_new,
+        v_new,
+        qo_indptr,
+        k_pool,
+        v_pool,
+        page_table,
+        group_len,
+        req_rows,
+        group_of_head,
+        column_of_head,
+    )
+    _checks.check_sm_scale(sm_scale)
+    _checks.check_tensor("out", out, tuple(q.shape), (q.dtype,), q.device)
+    _checks.check_tensor("lse", lse, tuple(dims[:2]), (torch.float32,), q.device)
+    if k_new.stride() != v_new.stride():
+        raise KernelError(
+            f"k_new strides {k_new.stride()} differ from v_new strides {v_new.stride()}; pass "
+            "both with the same layout (e.g. .contiguous())"
+        )
+    return dims
+
+
 def ragged_extend_attention(
     q: torch.Tensor,
     k_new: torch.Tensor,
@@ -188,6 +229,7 @@ def ragged_extend_attention(
     lse: torch.Tensor,
     max_extend_len: int | None = None,
     new_tokens: bool = True,
+    checked: _checks.CheckedLayouts | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Extend attention of one layer (per layer, per extend batch).
 
@@ -208,6 +250,8 @@ def ragged_extend_attention(
         new_tokens: attend to the causal new tokens too (default); False = the history only
             (``kernels.new_token_attention.split_extend`` adds the new tokens' part by LSE):
             a query without history then gets output 0 and LSE ``-inf``.
+        checked: layouts already checked (``_checks.CheckedLayouts``): the checks run once per
+            layout, e.g. on the first layer of a batch only; None checks every call.
 
     Returns:
         ``(out, lse)``: every token of every request written.
@@ -217,27 +261,11 @@ def ragged_extend_attention(
 
     Source: this module's docstring; docs/contracts.md (extend).
     """
-    num_tokens, num_qo_heads, num_kv_heads, bs = _checks.check_extend_args(
-        q,
-        k_new,
-        v_new,
-        qo_indptr,
-        k_pool,
-        v_pool,
-        page_table,
-        group_len,
-        req_rows,
-        group_of_head,
-        column_of_head,
+    args = (q, k_new, v_new, qo_indptr, k_pool, v_pool, page_table, group_len, req_rows)
+    args += (group_of_head, column_of_head, sm_scale, out, lse)
+    num_tokens, num_qo_heads, num_kv_heads, bs = _checks.run_once(
+        checked, _check_extend_launch, args
     )
-    _checks.check_sm_scale(sm_scale)
-    _checks.check_tensor("out", out, tuple(q.shape), (q.dtype,), q.device)
-    _checks.check_tensor("lse", lse, (num_tokens, num_qo_heads), (torch.float32,), q.device)
-    if k_new.stride() != v_new.stride():
-        raise KernelError(
-            f"k_new strides {k_new.stride()} differ from v_new strides {v_new.stride()}; pass "
-            "both with the same layout (e.g. .contiguous())"
-        )
     if max_extend_len is None:
         max_extend_len = int((qo_indptr[1:] - qo_indptr[:-1]).max()) if bs else 0
     if bs == 0 or max_extend_len <= 0:

@@ -93,6 +93,18 @@ def _kv_write_kernel(
     tl.store(v_pool_ptr + dst_off, v, mask=mask_k[:, None])
 
 
+def _check_kv_write_launch(*args) -> int:
+    """Every check of :func:`write_kept_kv` (its arguments, in order); returns max_k."""
+    k_new, v_new = args[0], args[1]
+    max_k = _checks.check_kv_write_args(*args)
+    if k_new.stride() != v_new.stride():
+        raise KernelError(
+            f"k_new strides {k_new.stride()} differ from v_new strides {v_new.stride()}; pass "
+            "both with the same layout"
+        )
+    return max_k
+
+
 def write_kept_kv(
     k_new: torch.Tensor,
     v_new: torch.Tensor,
@@ -106,6 +118,7 @@ def write_kept_kv(
     req_rows: torch.Tensor,
     group_of_head: torch.Tensor,
     column_of_head: torch.Tensor,
+    checked: _checks.CheckedLayouts | None = None,
 ) -> None:
     """Write the kept K/V of one layer into the reserved pages (one launch, per layer).
 
@@ -120,6 +133,8 @@ def write_kept_kv(
             reserved pages for ``[group_len, group_len + k_g)``.
         group_len: int32 ``[max_rows, num_head_groups]``: length BEFORE the segment (not updated).
         req_rows: int32 ``[bs]``; group_of_head, column_of_head: int32 ``[H_kv]``.
+        checked: layouts already checked (``_checks.CheckedLayouts``): the checks run once per
+            layout, e.g. on the first layer of a batch only; None checks every call.
 
     Raises:
         KernelError: a shape, dtype, device or stride does not match the above.
@@ -129,25 +144,9 @@ def write_kept_kv(
 
     Source: this module's docstring.
     """
-    max_k = _checks.check_kv_write_args(
-        k_new,
-        v_new,
-        qo_indptr,
-        kept_idx,
-        kept_count,
-        k_pool,
-        v_pool,
-        page_table,
-        group_len,
-        req_rows,
-        group_of_head,
-        column_of_head,
-    )
-    if k_new.stride() != v_new.stride():
-        raise KernelError(
-            f"k_new strides {k_new.stride()} differ from v_new strides {v_new.stride()}; pass "
-            "both with the same layout"
-        )
+    args = (k_new, v_new, qo_indptr, kept_idx, kept_count, k_pool, v_pool, page_table)
+    args += (group_len, req_rows, group_of_head, column_of_head)
+    max_k = _checks.run_once(checked, _check_kv_write_launch, args)
     bs, num_kv_heads = kept_idx.shape[0], kept_idx.shape[1]
     if bs == 0 or max_k == 0:
         return

@@ -141,3 +141,68 @@ class CountOps(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.names.append(str(func))
         return func(*args, **(kwargs or {}))
+
+
+def test_checked_layouts_check_each_layout_once_and_never_skip_a_new_one(monkeypatch) -> None:
+    """With ``checked`` (one per launcher, as the server's kernels hold), the argument checks
+    run on the first call of a layout (an extend batch's first layer), not on the later calls
+    with the same layout (its other layers); a call with another shape, dtype or scale is
+    checked again and still refused, and a refused layout is never remembered."""
+    _, q, k_new, v_new, qo_indptr, paging = extend_inputs(torch.float32, 16, 64, [3, 5], seed=2)
+    calls = []
+    real = _checks.check_extend_args
+    monkeypatch.setattr(_checks, "check_extend_args", lambda *a: calls.append(1) or real(*a))
+    checked = _checks.CheckedLayouts()
+    out, lse = torch.empty_like(q), torch.empty(q.shape[:2], device=DEVICE)
+    want = ragged_extend_attention(q, k_new, v_new, qo_indptr, *paging, 0.125, out.clone(), lse)
+    calls.clear()
+    for _ in range(3):  # three "layers" of one batch: fresh tensors, one layout
+        got, _ = ragged_extend_attention(
+            q.clone(),
+            k_new.clone(),
+            v_new.clone(),
+            qo_indptr,
+            *paging,
+            0.125,
+            torch.empty_like(q),
+            torch.empty_like(lse),
+            checked=checked,
+        )
+        assert torch.equal(got, want[0])
+    assert len(calls) == 1 and len(checked) == 1
+    for _ in range(2):  # a refused layout is checked (and refused) every time
+        with pytest.raises(KernelError, match="lse"):
+            ragged_extend_attention(
+                q, k_new, v_new, qo_indptr, *paging, 0.125, out, lse.double(), checked=checked
+            )
+        with pytest.raises(KernelError, match="sm_scale"):
+            ragged_extend_attention(
+                q, k_new, v_new, qo_indptr, *paging, float("nan"), out, lse, checked=checked
+            )
+        with pytest.raises(KernelError, match="v_new"):
+            ragged_extend_attention(
+                q, k_new, v_new[:, :1], qo_indptr, *paging, 0.125, out, lse, checked=checked
+            )
+    assert len(checked) == 1
+
+
+def test_kv_write_checked_layouts_refuse_a_new_bad_layout() -> None:
+    """``write_kept_kv`` with ``checked``: a good layout is remembered; a kept_idx of another
+    shape (the next layer's wider budget, here a wrong batch size) is checked and refused."""
+    lens = np.array([[2, 0], [0, 1]])
+    layer = make_paged_layer(lens, 2, 2, 16, 64, torch.float32, seed=5, spare_pages=20, max_pages=4)
+    req_rows = torch.tensor([0, 1], dtype=torch.int32, device=DEVICE)
+    qo_indptr = torch.tensor([0, 2, 4], dtype=torch.int32, device=DEVICE)
+    k_new = torch.randn(4, 2, 64, device=DEVICE)
+    kept_idx = torch.zeros(2, 2, 0, dtype=torch.int32, device=DEVICE)  # nothing kept
+    kept_count = torch.zeros(2, 2, dtype=torch.int32, device=DEVICE)
+    args = (layer.page_table, layer.group_len, req_rows, layer.group_of_head, layer.column_of_head)
+    checked = _checks.CheckedLayouts()
+    pools = (layer.k_pool, layer.v_pool)
+    write_kept_kv(k_new, k_new, qo_indptr, kept_idx, kept_count, *pools, *args, checked=checked)
+    assert len(checked) == 1
+    with pytest.raises(KernelError, match="kept_idx"):
+        write_kept_kv(
+            k_new, k_new, qo_indptr, kept_idx[:1], kept_count, *pools, *args, checked=checked
+        )
+    assert len(checked) == 1

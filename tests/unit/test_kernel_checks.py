@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tangram_sglang.errors import KernelError
-from tangram_sglang.kernels._checks import check_tensor
+from tangram_sglang.kernels._checks import CheckedLayouts, check_tensor, layout_key, run_once
 
 CPU = torch.device("cpu")
 
@@ -74,3 +74,54 @@ class _Unprintable(int):
 
 def test_the_passing_path_formats_no_message():
     check_tensor("x", torch.zeros(4, 2), (_Unprintable(4), None), (torch.float32,), CPU)
+
+
+def test_layout_key_tells_apart_every_property_a_check_reads():
+
+    base = torch.zeros(4, 6)
+    key = layout_key((base, 0.5))
+    assert layout_key((torch.ones(4, 6), 0.5)) == key  # values are not read by any check
+    for other in (
+        (torch.zeros(4, 7), 0.5),  # shape
+        (torch.zeros(4, 6, dtype=torch.float16), 0.5),  # dtype
+        (torch.zeros(4, 6, device="meta"), 0.5),  # device
+        (torch.zeros(6, 4).t(), 0.5),  # strides
+        (base, 0.25),  # a scalar argument
+        (base, 1),  # its type: 1 and 1.0 (and True) differ
+        (base,),  # arity
+    ):
+        assert layout_key(other) != key, other
+    assert layout_key((1,)) != layout_key((True,))
+
+
+def test_run_once_remembers_only_layouts_whose_checks_passed():
+
+    calls = []
+
+    def check(x, scale):
+        calls.append(scale)
+        check_tensor("x", x, (None, 2), (torch.float32,), CPU)
+        if scale <= 0:
+            raise KernelError("scale must be > 0")
+        return x.shape[0]
+
+    checked = CheckedLayouts(capacity=2)
+    assert run_once(checked, check, (torch.zeros(3, 2), 1.0)) == 3
+    assert run_once(checked, check, (torch.ones(3, 2), 1.0)) == 3  # remembered: not run
+    assert calls == [1.0]
+    for _ in range(2):  # refused every time: a failed layout is never remembered
+        with pytest.raises(KernelError, match="scale"):
+            run_once(checked, check, (torch.zeros(3, 2), -1.0))
+        with pytest.raises(KernelError, match="x has dtype"):
+            run_once(checked, check, (torch.zeros(3, 2, dtype=torch.int32), 1.0))
+    assert len(checked) == 1
+    assert run_once(None, check, (torch.zeros(3, 2), 1.0)) == 3  # None: checked each call
+    assert calls.count(1.0) == 4
+    run_once(checked, check, (torch.zeros(5, 2), 1.0))
+    run_once(checked, check, (torch.zeros(6, 2), 1.0))  # capacity 2: the oldest (3, 2) goes
+    assert len(checked) == 2
+    before = len(calls)
+    run_once(checked, check, (torch.zeros(3, 2), 1.0))
+    assert len(calls) == before + 1
+    with pytest.raises(ValueError, match="capacity"):
+        CheckedLayouts(capacity=0)
