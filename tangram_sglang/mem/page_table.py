@@ -54,10 +54,27 @@ class SegmentPages:
     num_pages: int = field(init=False)
     # int64 [G]: pages per group (sizes of ``pages``; fixed, as the lists never change length)
     page_counts: np.ndarray = field(init=False)
+    # int64 [num_pages]: every group's pages, group after group; ``pages[g]`` are views of it,
+    # so a page replaced in place (``pages[g][-1] = copy``) is replaced here too
+    flat: np.ndarray = field(init=False)
+    group_of_page: np.ndarray = field(init=False)  # int64 [num_pages]: the group of each page
+    index_in_group: np.ndarray = field(init=False)  # int64 [num_pages]: its index in pages[g]
 
     def __post_init__(self) -> None:
-        self.page_counts = np.fromiter((p.size for p in self.pages), np.int64, len(self.pages))
-        self.num_pages = int(self.page_counts.sum())
+        counts = np.fromiter((p.size for p in self.pages), np.int64, len(self.pages))
+        self.page_counts, self.num_pages = counts, int(counts.sum())
+        self.flat = (
+            np.concatenate(self.pages).astype(np.int64, copy=False)
+            if self.pages
+            else np.zeros(0, np.int64)
+        )
+        bounds = np.cumsum(counts)
+        starts = bounds - counts
+        self.pages = [
+            self.flat[lo:hi] for lo, hi in zip(starts.tolist(), bounds.tolist(), strict=True)
+        ]
+        self.group_of_page = np.repeat(np.arange(counts.size), counts)
+        self.index_in_group = np.arange(self.num_pages) - np.repeat(starts, counts)
 
 
 @dataclass(slots=True)

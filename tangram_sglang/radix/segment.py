@@ -141,7 +141,6 @@ def chain_prefix(chain: list[SegmentValue], num_head_groups: int, page_size: int
     dense = np.zeros((num_head_groups, width), np.int64)
     length = np.zeros(num_head_groups, np.int64)  # pages of the chain so far, per group
     lens = np.zeros(num_head_groups, np.int64)
-    groups = np.arange(num_head_groups)
     for value, first, n in zip(chain, firsts, counts, strict=True):
         past = np.nonzero(first > length)[0]
         if past.size:
@@ -150,10 +149,10 @@ def chain_prefix(chain: list[SegmentValue], num_head_groups: int, page_size: int
                 f"radix chain: segment at depth {value.start_depth} group {g} starts at page "
                 f"index {int(first[g])} but the chain above holds {int(length[g])} pages"
             )
-        g_of = np.repeat(groups, n)  # group of each of the segment's pages
-        idx = np.arange(int(n.sum())) - np.repeat(np.cumsum(n) - n, n) + first[g_of]
-        if idx.size:
-            dense[g_of, idx] = np.concatenate(value.segment.pages)
+        seg = value.segment
+        if seg.num_pages:
+            g_of = seg.group_of_page
+            dense[g_of, seg.index_in_group + first[g_of]] = seg.flat
         length = first + n  # a segment replaces everything from its first page on
         lens = value.group_lens
     want = -(-lens // page_size)

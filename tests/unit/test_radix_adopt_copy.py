@@ -139,3 +139,22 @@ def test_sibling_arriving_while_the_tail_is_shared_keeps_its_own_copy():
     freed = w.tree.evict_pages(used)
     assert freed == used and w.mem.allocator.num_used() == 0
     assert np.all(w.mem.allocator.ref_count.numpy() == 0)
+
+
+def test_segment_pages_lists_are_views_of_its_flat_layout():
+    """``SegmentPages.pages[g]`` are views of ``flat``: a page replaced in place (as an adopted
+    copy is) is what ``chain_prefix`` lays out from ``flat`` afterwards."""
+    from tangram_sglang.mem.page_table import SegmentPages
+
+    lists = [np.array([5, 6]), np.zeros(0, np.int64), np.array([9])]
+    seg = SegmentPages("extend", 3, np.zeros(3, np.int64), np.array([2, 0, 1]), np.zeros(3), lists)
+    assert seg.flat.tolist() == [5, 6, 9] and seg.num_pages == 3
+    assert seg.group_of_page.tolist() == [0, 0, 2]
+    assert seg.index_in_group.tolist() == [0, 1, 0]
+    lists[0][0] = 7  # the caller's arrays are not the segment's
+    assert seg.pages[0].tolist() == [5, 6]
+    seg.pages[2][-1] = 11
+    assert seg.flat.tolist() == [5, 6, 11]
+    value = SimpleNamespace(segment=seg, start_depth=0, group_lens=np.array([PAGE + 1, 0, 1]))
+    prefix = chain_prefix([value], 3, PAGE)
+    assert [p.tolist() for p in prefix.pages] == [[5, 6], [], [11]]
