@@ -171,36 +171,12 @@ def _extend_kernel(
     tl.store(lse_ptr + tok_m * stride_lse_t + qh, lse, mask=mask_m)
 
 
-def _check_extend_launch(
-    q,
-    k_new,
-    v_new,
-    qo_indptr,
-    k_pool,
-    v_pool,
-    page_table,
-    group_len,
-    req_rows,
-    group_of_head,
-    column_of_head,
-    sm_scale,
-    out,
-    lse,
-) -> tuple[int, int, int, int]:
-    """Every check of :func:`ragged_extend_attention`; returns (N, H_q, H_kv, bs)."""
-    dims = _checks.check_extend_args(
-        q,
-        k_new,
-        v_new,
-        qo_indptr,
-        k_pool,
-        v_pool,
-        page_table,
-        group_len,
-        req_rows,
-        group_of_head,
-        column_of_head,
-    )
+def _check_extend_launch(*args) -> tuple[int, int, int, int]:
+    """Every check of :func:`ragged_extend_attention` (its arguments, ``q`` to ``lse``, in
+    order); returns (N, H_q, H_kv, bs)."""
+    q, k_new, v_new = args[:3]
+    sm_scale, out, lse = args[11:14]
+    dims = _checks.check_extend_args(*args[:11])
     _checks.check_sm_scale(sm_scale)
     _checks.check_tensor("out", out, tuple(q.shape), (q.dtype,), q.device)
     _checks.check_tensor("lse", lse, tuple(dims[:2]), (torch.float32,), q.device)
