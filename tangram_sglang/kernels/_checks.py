@@ -220,7 +220,9 @@ class CheckedLayouts:
     with the same layout. A launcher given one of these checks each layout once: the first
     layer of an extend batch is checked, the later layers (same shapes, same pools) reuse the
     result, as a FlashInfer plan is checked once and run per layer. A layout is remembered only
-    after its checks pass; the oldest is dropped past ``capacity``.
+    after its checks pass; past ``capacity`` the first remembered is dropped. Hold one per
+    launcher: the key does not name the checks. An argument without a key (unhashable, or a
+    tensor without strides) is checked on every call.
 
     Args:
         capacity: layouts kept (an extend batch uses one or a few; batches differ in shape).
@@ -261,8 +263,11 @@ def run_once(checked: CheckedLayouts | None, check: Callable, args: tuple) -> ob
     """
     if checked is None:
         return check(*args)
-    key = layout_key(args)
-    result = checked.lookup(key)
+    try:
+        key = layout_key(args)
+        result = checked.lookup(key)
+    except (TypeError, RuntimeError):  # unhashable or strideless (sparse): not remembered
+        return check(*args)  # the checks name the argument
     if result is CheckedLayouts._MISSING:
         result = check(*args)
         checked.remember(key, result)

@@ -41,6 +41,10 @@ class SegmentPages:
 
     Ownership: when returned by ``TangramMemory.finish`` / ``detach_segments`` the caller holds
     one reference to every id in ``pages`` and must free it (``TangramMemory.free_pages``).
+
+    ``pages[g]`` are views of ``flat`` (one array of the ids it is given, copied). Build a copy
+    with ``SegmentPages(...)``, not ``copy.deepcopy`` or pickle: those copy each view apart, and
+    a page replaced in the copy's ``pages[g]`` would not reach its ``flat``.
     """
 
     kind: str  # "extend" (one compressed chunk) or "decode" (uncompressed decode tail)

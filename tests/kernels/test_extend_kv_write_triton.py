@@ -186,7 +186,7 @@ def test_checked_layouts_check_each_layout_once_and_never_skip_a_new_one(monkeyp
     assert len(checked) == 1
 
 
-def test_kv_write_checked_layouts_refuse_a_new_bad_layout() -> None:
+def test_kv_write_checked_layouts_refuse_a_new_bad_layout(monkeypatch) -> None:
     """``write_kept_kv`` with ``checked``: a good layout is remembered; a kept_idx of another
     shape (the next layer's wider budget, here a wrong batch size) is checked and refused."""
     lens = np.array([[2, 0], [0, 1]])
@@ -197,10 +197,14 @@ def test_kv_write_checked_layouts_refuse_a_new_bad_layout() -> None:
     kept_idx = torch.zeros(2, 2, 0, dtype=torch.int32, device=DEVICE)  # nothing kept
     kept_count = torch.zeros(2, 2, dtype=torch.int32, device=DEVICE)
     args = (layer.page_table, layer.group_len, req_rows, layer.group_of_head, layer.column_of_head)
+    calls = []
+    real = _checks.check_kv_write_args
+    monkeypatch.setattr(_checks, "check_kv_write_args", lambda *a: calls.append(1) or real(*a))
     checked = _checks.CheckedLayouts()
     pools = (layer.k_pool, layer.v_pool)
-    write_kept_kv(k_new, k_new, qo_indptr, kept_idx, kept_count, *pools, *args, checked=checked)
-    assert len(checked) == 1
+    for _ in range(3):  # one layout: checked on the first call only
+        write_kept_kv(k_new, k_new, qo_indptr, kept_idx, kept_count, *pools, *args, checked=checked)
+    assert len(checked) == 1 and len(calls) == 1
     with pytest.raises(KernelError, match="kept_idx"):
         write_kept_kv(
             k_new, k_new, qo_indptr, kept_idx[:1], kept_count, *pools, *args, checked=checked

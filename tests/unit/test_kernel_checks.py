@@ -125,3 +125,19 @@ def test_run_once_remembers_only_layouts_whose_checks_passed():
     assert len(calls) == before + 1
     with pytest.raises(ValueError, match="capacity"):
         CheckedLayouts(capacity=0)
+
+
+def test_run_once_checks_an_argument_without_a_key_every_time():
+    """An unhashable argument (a list as the scale) cannot be remembered: the checks run and
+    name it, with or without a memo."""
+    from tangram_sglang.kernels._checks import check_sm_scale
+
+    def check(x, scale):
+        check_tensor("x", x, (None,), (torch.float32,), CPU)
+        check_sm_scale(scale)
+
+    checked = CheckedLayouts()
+    for memo in (checked, None):
+        with pytest.raises(KernelError, match="sm_scale"):
+            run_once(memo, check, (torch.zeros(2), [0.1]))
+    assert len(checked) == 0
