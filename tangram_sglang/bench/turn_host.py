@@ -1,6 +1,7 @@
 """Host cost per request of a round of later chat turns on the real scheduler-side path (CPU).
 
     python -m tangram_sglang.bench.turn_host --conversations 64 --rounds 3
+    python -m tangram_sglang.bench.turn_host --batch-size 2   # turns admitted two at a time
 
 What the scheduler's host does for each turn of ``--conversations`` chats that arrive together
 (as every chat of a benchmark round does), on the real :class:`TangramRadixCache` over
@@ -96,9 +97,17 @@ def build_world(
 
 
 def play_round(
-    world: TurnWorld, prompts: list[list[int]], output_tokens: int, rng: np.random.Generator
+    world: TurnWorld,
+    prompts: list[list[int]],
+    output_tokens: int,
+    rng: np.random.Generator,
+    batch_size: int | None = None,
 ) -> tuple[dict[str, float], list[list[int]]]:
-    """One round: every prompt is matched, prefilled as one batch, decoded, finished.
+    """One round: every prompt is matched, prefilled, decoded as one batch, finished.
+
+    Args:
+        batch_size: requests per prefill batch (allocated and planned batch after batch, as a
+            server admits turns that arrive a few at a time); None: all in one batch.
 
     Returns:
         ``({stage: seconds}, conversations)``: each stage's host time for the whole batch, and
@@ -134,15 +143,18 @@ def play_round(
         )
     rows = [r.req_pool_idx for r in reqs]
     prefix = [r.cache_protected_len for r in reqs]
-    t0 = time.perf_counter()
-    state.host_prefix_nodes = {r.req_pool_idx: r.last_node for r in reqs}
     extend_lens = [len(r.origin_input_ids) - p for r, p in zip(reqs, prefix, strict=True)]
-    state.allocate_extend(rows, extend_lens, prefix)
-    times["allocate"] += time.perf_counter() - t0
-    t0 = time.perf_counter()
-    memory.run_copies()
-    memory.table.flush()
-    times["plan"] += time.perf_counter() - t0
+    step = len(reqs) if batch_size is None else int(batch_size)
+    for lo in range(0, len(reqs), step):
+        batch = slice(lo, lo + step)
+        t0 = time.perf_counter()
+        state.host_prefix_nodes = {r.req_pool_idx: r.last_node for r in reqs[batch]}
+        state.allocate_extend(rows[batch], extend_lens[batch], prefix[batch])
+        times["allocate"] += time.perf_counter() - t0
+        t0 = time.perf_counter()
+        memory.run_copies()
+        memory.table.flush()
+        times["plan"] += time.perf_counter() - t0
     for _ in range(output_tokens):
         for r in reqs:
             seq = len(r.origin_input_ids) + len(r.output_ids)
@@ -173,11 +185,13 @@ def turn_host_cost(
     output_tokens: int = 32,
     rounds: int = 3,
     seed: int = 0,
+    batch_size: int | None = None,
 ) -> dict[str, float]:
     """Best per-request host time (ms) of each stage over ``rounds`` later-turn rounds.
 
     Round 0 (the first turns) warms the tree and is not reported; each later round appends
-    ``next_turn_tokens`` new tokens to every conversation.
+    ``next_turn_tokens`` new tokens to every conversation. ``batch_size``: requests per
+    prefill batch of the later rounds (:func:`play_round`; None: all at once).
 
     Returns:
         ``{stage: ms}`` for :data:`STAGES` (``decode`` per step of the batch, the others per
@@ -186,7 +200,8 @@ def turn_host_cost(
     Raises:
         ValueError: a count below 1, or a pool over ``MAX_POOL_PAGES`` pages.
     """
-    if min(conversations, first_turn_tokens, next_turn_tokens, output_tokens, rounds) < 1:
+    counts = (conversations, first_turn_tokens, next_turn_tokens, output_tokens, rounds)
+    if min(counts) < 1 or (batch_size is not None and batch_size < 1):
         raise ValueError("turn_host_cost: every count must be >= 1")
     rng = np.random.default_rng(seed)
     context = first_turn_tokens + (rounds + 1) * (next_turn_tokens + output_tokens) + 16
@@ -203,7 +218,7 @@ def turn_host_cost(
     best = dict.fromkeys(STAGES, float("inf"))
     for _ in range(rounds):
         convs = [c + rng.integers(100, 30000, next_turn_tokens).tolist() for c in convs]
-        times, convs = play_round(world, convs, output_tokens, rng)
+        times, convs = play_round(world, convs, output_tokens, rng, batch_size)
         for stage, seconds in times.items():
             per = output_tokens if stage == "decode" else conversations
             best[stage] = min(best[stage], seconds / per * 1e3)
@@ -223,13 +238,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--next-turn-tokens", type=int, default=128, help="new tokens per turn")
     ap.add_argument("--output-tokens", type=int, default=32, help="decode steps per turn")
     ap.add_argument("--rounds", type=int, default=3, help="later-turn rounds timed")
+    ap.add_argument(
+        "--batch-size",
+        type=int,
+        default=None,
+        help="requests per prefill batch of the later turns (a server admits turns that "
+        "arrive a few at a time in batches of a few); default: all conversations at once",
+    )
     ap.add_argument("--json", action="store_true", help="print JSON instead of a table")
     args = ap.parse_args(argv)
     for flag in ("conversations", "first_turn_tokens", "next_turn_tokens", "output_tokens"):
         if getattr(args, flag) < 1:
             ap.error(f"--{flag.replace('_', '-')} {getattr(args, flag)}: must be >= 1")
-    if args.rounds < 1:
-        ap.error(f"--rounds {args.rounds}: must be >= 1")
+    for flag in ("rounds", "batch_size"):
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            ap.error(f"--{flag.replace('_', '-')} {value}: must be >= 1")
     try:
         out = turn_host_cost(
             args.conversations,
@@ -237,6 +261,7 @@ def main(argv: list[str] | None = None) -> int:
             args.next_turn_tokens,
             args.output_tokens,
             args.rounds,
+            batch_size=args.batch_size,
         )
     except ValueError as exc:
         ap.error(str(exc))
