@@ -37,7 +37,7 @@ from tangram_sglang.errors import PoolError
 from tangram_sglang.mem.invariants import check_memory
 from tangram_sglang.mem.kv_pool import KVPool, bytes_per_page, filled_slots, num_pages_for_budget
 from tangram_sglang.mem.page_allocator import PageAllocator
-from tangram_sglang.mem.page_table import EXTEND, PageTable, SegmentPages
+from tangram_sglang.mem.page_table import EXTEND, PageTable, SegmentPages, ragged_entries
 from tangram_sglang.mem.prefix import PrefixMatch, validate_prefix
 from tangram_sglang.mem.reservation import (
     Reservation,
@@ -81,10 +81,8 @@ def _ragged(count: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         int64 ``(b, g, offset)``, each ``[count.sum()]``: the row index into ``count``, the
         group, and the entry's position within its (row, group).
     """
-    per = count.ravel()
-    flat = np.repeat(np.arange(per.size), per)
-    b, g = np.divmod(flat, count.shape[1])
-    offset = np.arange(flat.size) - np.repeat(np.cumsum(per) - per, per)
+    cell, offset = ragged_entries(count)
+    b, g = np.divmod(cell, count.shape[1])
     return b, g, offset
 
 
@@ -843,9 +841,9 @@ class TangramMemory:
         Vectorised over groups: O(pages placed) numpy, no Python loop over groups.
         """
         t = self.table
-        g = np.repeat(np.arange(self.num_head_groups), need)  # group of each fresh page
+        g, offset = ragged_entries(need)  # group of each fresh page, its place in the group
         first = t.num_pages[row] - cow  # [G] table index the group's first fresh page takes
-        idx = np.arange(pages.size) - np.repeat(np.cumsum(need) - need, need) + first[g]
+        idx = offset + first[g]
         cow_g = np.nonzero(cow)[0]
         src = t.pages[row, cow_g, first[cow_g]].astype(np.int64)  # before overwriting
         dst = pages[(np.cumsum(need) - need)[cow_g]]
@@ -939,8 +937,8 @@ class TangramMemory:
         count = np.maximum(hi - lo, 0)
         if not count.any():
             return
-        g = np.repeat(np.arange(self.num_head_groups), count)
-        idx = np.arange(int(count.sum())) - np.repeat(np.cumsum(count) - count, count) + lo[g]
+        g, offset = ragged_entries(count)
+        idx = offset + lo[g]
         ids = self.table.pages[row, g, idx]
         self.page_fill[ids] = np.minimum(ps, new_len[g] - idx * ps)
 

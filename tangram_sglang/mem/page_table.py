@@ -35,6 +35,22 @@ EXTEND = "extend"
 DECODE = "decode"
 
 
+def ragged_entries(count: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Each entry of a ragged block, in order: the cell that holds it and its place there.
+
+    Args:
+        count: int ``[G]`` or ``[n, G]`` entries per cell (>= 0), e.g. pages per head group.
+
+    Returns:
+        int64 ``(cell, offset)``, each ``[count.sum()]``: the entry's cell as a flat
+        (row-major) index into ``count`` (``divmod(cell, G)`` gives row and group of an
+        ``[n, G]`` block) and its position within that cell.
+    """
+    per = np.asarray(count, np.int64).ravel()
+    cell = np.repeat(np.arange(per.size), per)
+    return cell, np.arange(cell.size) - np.repeat(np.cumsum(per) - per, per)
+
+
 @dataclass(slots=True)
 class SegmentPages:
     """One segment's pages per head group: the unit a radix node takes ownership of.
@@ -73,12 +89,11 @@ class SegmentPages:
             else np.zeros(0, np.int64)
         )
         bounds = np.cumsum(counts)
-        starts = bounds - counts
         self.pages = [
-            self.flat[lo:hi] for lo, hi in zip(starts.tolist(), bounds.tolist(), strict=True)
+            self.flat[lo:hi]
+            for lo, hi in zip((bounds - counts).tolist(), bounds.tolist(), strict=True)
         ]
-        self.group_of_page = np.repeat(np.arange(counts.size), counts)
-        self.index_in_group = np.arange(self.num_pages) - np.repeat(starts, counts)
+        self.group_of_page, self.index_in_group = ragged_entries(counts)
 
 
 @dataclass(slots=True)
@@ -252,10 +267,9 @@ class PageTable:
         """
         start = np.asarray(start, np.int64)
         count = np.maximum(np.asarray(end, np.int64) - start, 0)
-        g = np.repeat(np.arange(self.num_head_groups), count)
+        g, offset = ragged_entries(count)
         bounds = np.cumsum(count)
-        idx = np.arange(int(bounds[-1])) - np.repeat(bounds - count, count) + start[g]
-        flat = self.pages[row, g, idx].astype(np.int64)
+        flat = self.pages[row, g, offset + start[g]].astype(np.int64)
         cuts = bounds.tolist()
         return [flat[lo:hi] for lo, hi in zip([0, *cuts[:-1]], cuts, strict=True)]
 
@@ -313,9 +327,8 @@ class PageTable:
         count = np.maximum(np.asarray(end, np.int64) - start, 0)
         total = int(count.sum())
         if total:
-            g = np.repeat(np.arange(self.num_head_groups), count)
-            offset = np.arange(total) - np.repeat(np.cumsum(count) - count, count)
-            idx = np.repeat(start, count) + offset
+            g, offset = ragged_entries(count)
+            idx = np.asarray(start, np.int64)[g] + offset
             self._entries.append((row * self.num_head_groups + g) * self.max_pages_per_group + idx)
         self._maybe_flush()
 
