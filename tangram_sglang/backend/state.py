@@ -238,6 +238,8 @@ class TangramState:
         self.num_released = 0  # requests released since start-up
         self.last_release: RowRecord | None = None
         self.radix: Any = None  # TangramRadixCache once the scheduler built it (prefix, evict)
+        # rows whose finish the tree recorded for later (hold_for_finish); release skips them
+        self.finishing_rows: set[int] = set()
         self.plans: dict[int, tuple[int, int]] = {}  # row -> (prompt tokens, decode-tail tokens)
         # row -> (segment tokens, start lens int64 [G], kept lens int64 [G]) of the row's last
         # scheduled extend (allocate_extend), read by the attention backend (extend_plan_for).
@@ -672,11 +674,24 @@ class TangramState:
         Ownership: the caller (the radix tree) now holds the row's own pages; the row is free,
         so the ``ReqToTokenPool.free`` hook that follows finds nothing to release.
         """
+        self.finishing_rows.discard(row)
         record = self._record(row)
         self._forget(row)
         segments = self.memory.finish(row)
         self._log_end(row, record, "cached")
         return segments
+
+    def hold_for_finish(self, row: int) -> None:
+        """Keep a finished row's pages for a later :meth:`finish_row` (the tree's deferred
+        insert, ``TangramRadixCache.deferred_finishes``): :meth:`release`, which SGLang's
+        ``ReqToTokenPool.free`` hook calls right after, leaves the row alone.
+
+        Raises:
+            PoolError: the row holds no request.
+        """
+        if not 0 <= row < len(self.memory.rids) or self.memory.rids[row] is None:
+            raise PoolError(f"hold_for_finish: row {row} holds no request")
+        self.finishing_rows.add(row)
 
     def _forget(self, row: int) -> None:
         self.plans.pop(row, None)
@@ -716,10 +731,13 @@ class TangramState:
         """Free every page of ``row`` (finish, abort or retraction); None if it holds none.
 
         Ownership: the row's own pages go back to the free list; borrowed radix pages lose
-        the row's reference (their nodes keep them).
+        the row's reference (their nodes keep them). A row held for the tree's deferred insert
+        (:meth:`hold_for_finish`) is left to :meth:`finish_row` (returns None).
         """
         if not 0 <= row < len(self.memory.rids) or self.memory.rids[row] is None:
             return None
+        if row in self.finishing_rows:
+            return None  # the tree's deferred insert takes its pages (hold_for_finish)
         record = self._record(row)
         self._forget(row)
         self.memory.abort(row)

@@ -96,6 +96,12 @@ HOOKS: tuple[HookTarget, ...] = (
         purpose="free a request row's pages on finish, abort and retraction",
     ),
     HookTarget(
+        target="sglang.srt.managers.scheduler.Scheduler.process_batch_result",
+        hook_type="around",
+        body="tangram_sglang.integration.hooks:defer_tangram_finishes",
+        purpose="a step's finished requests enter the radix tree after their outputs are sent",
+    ),
+    HookTarget(
         target="sglang.srt.mem_cache.memory_pool.ReqToTokenPool.alloc",
         hook_type="after",
         body="tangram_sglang.integration.hooks:plan_tangram_rows",

@@ -67,6 +67,11 @@ def release_tangram_row(*args: Any, **kwargs: Any) -> None:
     sglang_adapters.release_row(*args, **kwargs)
 
 
+def defer_tangram_finishes(original: Any, *args: Any, **kwargs: Any) -> Any:
+    """AROUND ``Scheduler.process_batch_result``: see ``sglang_adapters.defer_finishes``."""
+    return sglang_adapters.defer_finishes(original, *args, **kwargs)
+
+
 def plan_tangram_rows(
     result: Any, req_to_token_pool: Any, reqs: Any, *args: Any, **kw: Any
 ) -> None:

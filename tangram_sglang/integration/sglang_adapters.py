@@ -165,6 +165,16 @@ def release_row(req_to_token_pool: Any, req: Any) -> None:
         state.release(int(req.req_pool_idx))
 
 
+def defer_finishes(original: Any, scheduler: Any, *args: Any, **kwargs: Any) -> Any:
+    """AROUND ``Scheduler.process_batch_result``: the step's finished requests are inserted
+    into the tree after the step has streamed its outputs (``deferred_finishes``)."""
+    scope = getattr(getattr(scheduler, "tree_cache", None), "deferred_finishes", None)
+    if scope is None:
+        return original(scheduler, *args, **kwargs)
+    with scope():
+        return original(scheduler, *args, **kwargs)
+
+
 def _tangram_state(batch: Any) -> Any:
     return getattr(getattr(batch, "req_to_token_pool", None), "tangram_state", None)
 
@@ -396,11 +406,15 @@ def plan_rows(req_to_token_pool: Any, reqs: list[Any]) -> None:
 
     Rows continuing a chunked prefill (their pages are reserved) are skipped. A retracted
     request gets a new row and re-plans: prompt = input + output so far. The decode tail is not
-    reserved (it grows by pages: ``backend.state``).
+    reserved (it grows by pages: ``backend.state``). A row whose finished request the tree
+    has not inserted yet (``TangramRadixCache.deferred_finishes``) is inserted first, so the
+    new request starts on a clean row.
     """
     state = getattr(req_to_token_pool, "tangram_state", None)
     if state is None:
         return
+    if state.radix is not None:
+        state.radix.flush_finishes()
     for req in reqs:
         row = req.req_pool_idx
         if row is not None and state.memory.rids[int(row)] is None:

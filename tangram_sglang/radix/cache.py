@@ -11,7 +11,11 @@ idle self-check stay exact. On top, each node where a finished request's segment
   tokens and the next turn extends from them without recomputation;
 * ``cache_finished_req`` takes the row's pages (``TangramMemory.finish``) BEFORE SGLang frees the
   row (the ``ReqToTokenPool.free`` hook then finds an empty row), inserts the tokens, and puts
-  each segment on the node ending at its last token (a duplicate's pages are freed at once);
+  each segment on the node ending at its last token (a duplicate's pages are freed at once).
+  Inside :meth:`deferred_finishes` (the scheduler's whole result step) it only records the
+  request; the records are taken in order once the step has streamed its outputs, so a
+  finished turn's answer leaves before the tree work, which then overlaps the client's next
+  turn on its way in (:meth:`flush_finishes`);
 * ``cache_unfinished_req`` (chunked prefill) does not insert the chunk (as SGLang's
   ``ChunkCache``): a row's chunks go to the tree together at finish; under the segment grid
   the row's whole cells are inserted while it runs (``_insert_in_flight``);
@@ -35,8 +39,11 @@ Source: docs/design.md §5; SGLang 0.5.17 ``radix_cache.py`` / ``chunk_cache.py`
 
 from __future__ import annotations
 
+import contextlib
 import heapq
 import logging
+from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -99,6 +106,26 @@ def node_depth(node: TreeNode) -> int:
     return depth
 
 
+@dataclass(slots=True)
+class PendingFinish:
+    """A finished request's insert, recorded by ``cache_finished_req`` inside
+    :meth:`TangramRadixCache.deferred_finishes` and done by ``flush_finishes``.
+
+    Holds what the insert reads from the request and its row, taken when it finished: SGLang
+    frees the request's row right after (``ReqToTokenPool.free``), and the row's memory-manager
+    entries stay until the flush (``TangramState.hold_for_finish``).
+    """
+
+    row: int  # the finished request's req_pool_idx
+    start: TreeNode  # the boundary node its prefix ended at (or the root)
+    start_len: int  # tokens of that prefix (SGLang's cache_protected_len)
+    token_ids: list[int]  # the tokens whose KV the row holds (input + output, committed)
+    kv_indices: torch.Tensor  # int64 [len(token_ids)]: the row's token slots (a copy)
+    extra_key: Any  # SGLang's RadixKey extra key (e.g. LoRA id)
+    priority: int
+    last_node: TreeNode | None  # the node SGLang locked at admission (unlocked at the flush)
+
+
 class TangramRadixCache(RadixCache):
     """Radix tree over logical token slots whose boundary nodes own segments' pages.
 
@@ -121,6 +148,10 @@ class TangramRadixCache(RadixCache):
         self.num_in_flight_inserts = 0  # chunked prefills whose grid cells were inserted mid-way
         self.held_pages = 0  # pages the boundary nodes hold, each page once (kept up to date)
         self.num_split_segments = 0  # whole segments split where a match ended inside them
+        # Finished requests recorded inside deferred_finishes, not yet inserted (in order).
+        self._pending: list[PendingFinish] = []
+        self._defer_depth = 0  # open deferred_finishes scopes
+        self.num_deferred_finishes = 0  # finished requests inserted after their step streamed
         super().__init__(params)
         state = getattr(params.req_to_token_pool, "tangram_state", None)
         if state is None:
@@ -154,6 +185,7 @@ class TangramRadixCache(RadixCache):
         is prefilled and compressed whole, as a cold server compresses it
         (:meth:`_grid_match_node`).
         """
+        self.flush_finishes()
         result = super().match_prefix(params)
         node = result.last_device_node
         prompt_len = self._prompt_len(params)
@@ -316,7 +348,9 @@ class TangramRadixCache(RadixCache):
         """Take the row's segments, insert its tokens, hang each segment on its end node.
 
         Ownership: the row's own pages pass to the boundary nodes (duplicates are freed now);
-        with ``is_insert=False`` (abort, retraction) the row's pages are freed instead.
+        with ``is_insert=False`` (abort, retraction) the row's pages are freed instead. Inside
+        :meth:`deferred_finishes` an insert is recorded (:class:`PendingFinish`) and done,
+        in order, by :meth:`flush_finishes`; until then the row keeps its pages.
         """
         row = req.req_pool_idx
         start = req.last_node if req.last_node is not None else self.root_node
@@ -327,22 +361,72 @@ class TangramRadixCache(RadixCache):
             or self.memory.rids[row] is None
             or node_depth(start) != start_len
         ):
+            self.flush_finishes()  # earlier finishes first, in the order SGLang gave them
             self.state.release(row)
             return super().cache_finished_req(req, False, kv_len_to_handle=kv_len_to_handle)
-        segments = self.state.finish_row(row)
         token_ids = (req.origin_input_ids + req.output_ids)[:kv_len_to_handle]
         kv_indices = self.req_to_token_pool.req_to_token[row, : len(token_ids)]
-        key = RadixKey(token_ids, req.extra_key)
-        priority = getattr(req, "priority", 0) or 0
+        finish = PendingFinish(
+            row,
+            start,
+            start_len,
+            token_ids,
+            kv_indices.to(torch.int64, copy=True),
+            req.extra_key,
+            getattr(req, "priority", 0) or 0,
+            req.last_node,
+        )
+        if self._defer_depth:
+            self.state.hold_for_finish(row)
+            self._pending.append(finish)
+            return
+        self._finish(finish)
+
+    @contextlib.contextmanager
+    def deferred_finishes(self) -> Iterator[None]:
+        """A scope whose finished requests are inserted when it closes, in order.
+
+        The scheduler runs each result step (``Scheduler.process_batch_result``: the finished
+        requests' release, then ``stream_output``) inside one, so the answers leave before
+        the tree work. Anything that reads the tree or the pool first (``match_prefix``,
+        eviction, a new row, an abort, ``reset``, ``stats``) flushes the records before it.
+        Nested scopes flush when the outermost closes; an exception still flushes.
+        """
+        self._defer_depth += 1
+        try:
+            yield
+        finally:
+            self._defer_depth -= 1
+            if not self._defer_depth:
+                self.flush_finishes()
+
+    def flush_finishes(self) -> int:
+        """Insert every recorded finished request, in the order they finished.
+
+        Returns how many were inserted. A failing insert leaves the records after it pending
+        (the next flush takes them) and raises its error.
+        """
+        done = 0
+        while self._pending:
+            finish = self._pending.pop(0)
+            self._finish(finish)
+            done += 1
+        self.num_deferred_finishes += done
+        return done
+
+    def _finish(self, finish: PendingFinish) -> None:
+        """One finished request's insert (see :meth:`cache_finished_req`)."""
+        segments = self.state.finish_row(finish.row)
+        key = RadixKey(finish.token_ids, finish.extra_key)
         result = self.insert(
-            InsertParams(key=key, value=kv_indices.to(torch.int64, copy=True), priority=priority)
+            InsertParams(key=key, value=finish.kv_indices, priority=finish.priority)
         )
         self.token_to_kv_pool_allocator.free_segment(
-            kv_indices[start_len : result.prefix_len], start_pos=start_len
+            finish.kv_indices[finish.start_len : result.prefix_len], start_pos=finish.start_len
         )
-        self._attach(key, start, start_len, segments)
-        if req.last_node is not None:
-            self.dec_lock_ref(req.last_node)
+        self._attach(key, finish.start, finish.start_len, segments)
+        if finish.last_node is not None:
+            self.dec_lock_ref(finish.last_node)
 
     def _attach(
         self, key: RadixKey, start: TreeNode, start_len: int, segments: list[SegmentPages]
@@ -489,6 +573,7 @@ class TangramRadixCache(RadixCache):
         runs on (:meth:`_insert_in_flight`), so requests that arrive while a long shared prefix
         is being prefilled match its cells instead of prefilling their own copy.
         """
+        self.flush_finishes()
         if self.grid and self._insert_in_flight(req, chunked):
             return
         kv = self.req_to_token_pool.req_to_token[req.req_pool_idx, : req.extend_range.end]
@@ -587,6 +672,11 @@ class TangramRadixCache(RadixCache):
             self._record_remove_event(node)
         return freed
 
+    def evict(self, params: Any) -> Any:
+        """SGLang's token eviction, after the recorded finishes are inserted."""
+        self.flush_finishes()
+        return super().evict(params)
+
     def inc_lock_ref(self, node: TreeNode) -> Any:
         """SGLang's lock of ``node``'s path; its boundary pages stop counting as evictable."""
         self._unlocked_pages -= self._path_pages(node, lock_ref=0)
@@ -646,6 +736,8 @@ class TangramRadixCache(RadixCache):
 
     def reset(self) -> None:
         """``/flush_cache`` (and start-up): free every node's pages, then SGLang's reset."""
+        if getattr(self, "_pending", None):
+            self.flush_finishes()
         for node in list(getattr(self, "_boundaries", {}).values()):
             value = value_of(node)
             setattr(node, VALUE_ATTR, None)
@@ -660,6 +752,7 @@ class TangramRadixCache(RadixCache):
     # ---- reports -----------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
         """Pages and nodes the tree holds (plain builtins, for ``/server_info``; O(segments))."""
+        self.flush_finishes()
         return {
             "segments": len(self._boundaries),
             "pages_held": self.held_pages,
@@ -680,6 +773,7 @@ class TangramRadixCache(RadixCache):
             else 0,
             "in_flight_inserts": self.num_in_flight_inserts,
             "whole_segments_split": self.num_split_segments,
+            "deferred_finishes": self.num_deferred_finishes,
         }
 
     def _free(self, pages: list[Any]) -> None:
