@@ -65,6 +65,15 @@ def run_request(
     ``chunk``-token chunks: a scheduler that cut some chunks short), decode ``outputs``, finish
     and insert. Returns the matched tokens and the chunks as ``(start, end)`` depths.
     """
+    req, matched, chunks = start_request(tree, state, req_pool, slots, prompt, outputs, chunk, ends)
+    finish_request(tree, state, req_pool, req, len(outputs))
+    return matched, chunks
+
+
+def start_request(
+    tree, state, req_pool, slots, prompt, outputs, chunk: int, ends: list[int] | None = None
+) -> tuple[SimpleNamespace, int, list]:
+    """:func:`run_request` up to its finish: returns ``(req, matched tokens, chunks)``."""
     key = RadixKey(array("q", prompt), None, limit=len(prompt) - 1)  # as SGLang's key
     match = tree.match_prefix(MatchPrefixParams(key=key))
     node, done = match.last_device_node, len(match.device_indices)
@@ -95,7 +104,14 @@ def run_request(
         req_pool.req_to_token[row, seq] = int(slots.alloc(1)[0])
         req.output_ids.append(token)
         state.allocate_decode([row], [seq + 1])
+    return req, len(match.device_indices), chunks
+
+
+def finish_request(tree, state, req_pool, req: SimpleNamespace, num_outputs: int) -> None:
+    """SGLang's ``release_kv_cache`` of a request :func:`start_request` ran: the tree's
+    ``cache_finished_req``, then ``ReqToTokenPool.free`` (its Tangram hook first)."""
+    row = req.req_pool_idx
     req.output_ids.append(9)  # the last sampled token (no KV)
-    tree.cache_finished_req(req, True, kv_len_to_handle=len(prompt) + len(outputs))
+    tree.cache_finished_req(req, True, kv_len_to_handle=len(req.origin_input_ids) + num_outputs)
+    state.release(row)  # the ReqToTokenPool.free hook (release_tangram_row)
     req_pool.free_slots.append(row)
-    return len(match.device_indices), chunks

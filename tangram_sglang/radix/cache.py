@@ -657,6 +657,7 @@ class TangramRadixCache(RadixCache):
         Token slots of the evicted nodes go back to SGLang's allocator too (its accounting
         stays exact). Returns pages freed (may be fewer when little is evictable).
         """
+        self.flush_finishes()
         heap = [(self.eviction_strategy.get_priority(n), n) for n in self.evictable_leaves]
         heapq.heapify(heap)
         freed = 0
