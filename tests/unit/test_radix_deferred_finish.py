@@ -131,10 +131,9 @@ def test_an_abort_inside_the_scope_inserts_earlier_records_first():
 def test_the_scope_inserts_its_records_when_the_step_raises():
     tree, state, req_pool, slots = world = build_tree()
     req = start_request(*world, FIRST[0], OUT, CHUNK)[0]
-    with pytest.raises(RuntimeError, match="step failed"):
-        with tree.deferred_finishes():
-            finish_request(tree, state, req_pool, req, len(OUT))
-            raise RuntimeError("step failed")
+    with pytest.raises(RuntimeError, match="step failed"), tree.deferred_finishes():
+        finish_request(tree, state, req_pool, req, len(OUT))
+        raise RuntimeError("step failed")
     assert not tree._pending and tree.held_pages > 0
 
 
