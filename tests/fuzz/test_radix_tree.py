@@ -149,6 +149,29 @@ class RadixLifecycle(RuleBasedStateMachine):
         self.running[row].req.output_ids.append(last)  # the last sampled token: no KV
         self.end(row, insert)
 
+    @precondition(lambda self: self.running)
+    @rule(
+        picks=st.lists(st.integers(0, ROWS), min_size=1, max_size=ROWS),
+        insert=st.booleans(),
+        evict=st.booleans(),
+    )
+    def finish_step(self, picks, insert, evict):
+        """Several requests finish in one result step (``deferred_finishes``): each keeps
+        its pages until the step closes, unless an eviction inside it inserts them first."""
+        rows = sorted(self.running)
+        ended = list(dict.fromkeys(rows[p % len(rows)] for p in picks))
+        with self.tree.deferred_finishes():
+            for row in ended:
+                self.running[row].req.output_ids.append(1)  # the last sampled token: no KV
+                self.end(row, insert)
+            if insert:
+                assert len(self.tree._pending) == len(ended)
+                assert all(self.memory.rids[row] is not None for row in ended)
+            if evict:
+                self.tree.evict_pages(1)
+                assert not self.tree._pending
+        assert not self.tree._pending and not self.state.finishing_rows
+
     @rule(num_pages=st.integers(1, 24))
     def evict_pages(self, num_pages):
         evictable = self.tree.evictable_pages()
