@@ -179,10 +179,12 @@ def test_fact_from_turn1_is_recalled_in_turn3_with_exact_pages_per_turn(server05
     chunk of the extend, plus the decode tail (``kv_tail_tokens``), in pages past the shared
     prefix pages (a partial shared last page is copied: copy-on-write). The tree keeps every
     row's pages and the chain adopts each copy (freeing the original), so pages used = the sum
-    over turns minus the adopted copies.
+    over turns minus the adopted copies. Each turn enters the tree after its answer was
+    streamed (the result step's ``deferred_finishes`` scope, hooked on the real scheduler).
     """
     flush_radix(server05)  # turn 1 starts from an empty tree
-    adopted_before = pool_state(server05)["radix"]["pages_copy_adopted"]
+    radix_before = pool_state(server05)["radix"]
+    adopted_before = radix_before["pages_copy_adopted"]
     profile = BudgetProfile.load(PROFILE_05)
     page = server05.server_info()["tangram"]["page_size"]
     lens_at = {0: np.zeros(profile.grouping.num_head_groups, np.int64)}  # chain depth -> lens
@@ -214,6 +216,8 @@ def test_fact_from_turn1_is_recalled_in_turn3_with_exact_pages_per_turn(server05
     turns = recall_chat(server05.base_url, on_turn=check_pages)
     replies = [t.reply for t in turns]
     assert len(checked) == 3
+    deferred = pool_state(server05)["radix"]["deferred_finishes"]
+    assert deferred - radix_before["deferred_finishes"] == 3
     assert KEYWORD not in turns[0].reply  # the fact is only in turn 1's prompt
     assert turns[0].prompt_tokens > CHUNK_TOKENS  # the fact lies in a full, compressed chunk
     assert turns[1].cached_tokens > 0 and turns[2].cached_tokens > 0  # compressed history reused
