@@ -12,7 +12,8 @@ server, no model, nothing mocked):
   allocate   ``TangramState.allocate_extend`` for the whole batch (admission, prefix, pages)
   plan       the batch plan's host side: copy-on-write copies and the page-table upload
   decode     ``allocate_decode`` + plan of one decode step of the batch (per step)
-  finish     ``cache_finished_req`` of each request (segments into the tree, row freed)
+  finish     ``cache_finished_req`` of each request (segments into the tree, row freed), all
+             in one result step (``deferred_finishes``, as the server's hook runs them)
 
 and reports the best-of-``--rounds`` time per request (per step for ``decode``) in
 milliseconds. The turns after the first reuse the cached history (a partial last page per head
@@ -168,10 +169,13 @@ def play_round(
         times["decode"] += time.perf_counter() - t0
     conversations = []
     t0 = time.perf_counter()
-    for r in reqs:
-        r.output_ids.append(9)  # the last sampled token (no KV)
-        tree.cache_finished_req(r, True, kv_len_to_handle=len(r.origin_input_ids) + output_tokens)
-        req_pool.free_slots.append(r.req_pool_idx)
+    with tree.deferred_finishes():  # one result step, as the server's hook runs it
+        for r in reqs:
+            r.output_ids.append(9)  # the last sampled token (no KV)
+            kv_len = len(r.origin_input_ids) + output_tokens
+            tree.cache_finished_req(r, True, kv_len_to_handle=kv_len)
+            state.release(r.req_pool_idx)  # SGLang's ReqToTokenPool.free hook
+            req_pool.free_slots.append(r.req_pool_idx)
     times["finish"] += time.perf_counter() - t0
     for r in reqs:
         conversations.append([*r.origin_input_ids, *r.output_ids[:-1]])
