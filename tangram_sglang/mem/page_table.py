@@ -82,18 +82,54 @@ class SegmentPages:
 
     def __post_init__(self) -> None:
         counts = np.fromiter((p.size for p in self.pages), np.int64, len(self.pages))
-        self.page_counts, self.num_pages = counts, int(counts.sum())
-        self.flat = (
+        flat = (
             np.concatenate(self.pages).astype(np.int64, copy=False)
             if self.pages
             else np.zeros(0, np.int64)
         )
+        self._lay_out(flat, counts, *ragged_entries(counts))
+
+    @classmethod
+    def from_table(
+        cls,
+        kind: str,
+        num_tokens: int,
+        start_len: np.ndarray,
+        kept_len: np.ndarray,
+        first_page_index: np.ndarray,
+        flat: np.ndarray,
+        counts: np.ndarray,
+        group_of_page: np.ndarray,
+        index_in_group: np.ndarray,
+    ) -> SegmentPages:
+        """A segment over page ids gathered from a page table in one pass (no copy).
+
+        Args:
+            flat: int64 ``[counts.sum()]`` page ids, group after group; the segment takes it
+                (the caller must not keep or change it).
+            counts: int64 ``[G]`` pages per group.
+            group_of_page, index_in_group: int64 ``[counts.sum()]``, ``ragged_entries(counts)``.
+        """
+        seg = cls.__new__(cls)
+        seg.kind, seg.num_tokens = kind, num_tokens
+        seg.start_len, seg.kept_len, seg.first_page_index = start_len, kept_len, first_page_index
+        seg._lay_out(flat, counts, group_of_page, index_in_group)
+        return seg
+
+    def _lay_out(
+        self,
+        flat: np.ndarray,
+        counts: np.ndarray,
+        group_of_page: np.ndarray,
+        index_in_group: np.ndarray,
+    ) -> None:
+        """Set ``flat``, the per-group views ``pages`` and the derived fields."""
+        self.page_counts, self.num_pages, self.flat = counts, int(counts.sum()), flat
         bounds = np.cumsum(counts)
         self.pages = [
-            self.flat[lo:hi]
-            for lo, hi in zip((bounds - counts).tolist(), bounds.tolist(), strict=True)
+            flat[lo:hi] for lo, hi in zip((bounds - counts).tolist(), bounds.tolist(), strict=True)
         ]
-        self.group_of_page, self.index_in_group = ragged_entries(counts)
+        self.group_of_page, self.index_in_group = group_of_page, index_in_group
 
 
 @dataclass(slots=True)
@@ -242,15 +278,21 @@ class PageTable:
                 seg.num_tokens = int(self.tail_tokens[row])
                 seg.kept_len = np.full(self.num_head_groups, seg.num_tokens, np.int64)
             end = segs[i + 1].first_page_index if i + 1 < len(segs) else self.num_pages[row]
-            pages = self._group_slices(row, seg.first_page_index, end)
+            start = np.asarray(seg.first_page_index, np.int64)
+            counts = np.maximum(np.asarray(end, np.int64) - start, 0)
+            g, offset = ragged_entries(counts)
+            flat = self.pages[row, g, offset + start[g]].astype(np.int64, copy=False)  # fresh
             out.append(
-                SegmentPages(
+                SegmentPages.from_table(
                     seg.kind,
                     seg.num_tokens,
                     seg.start_len,
                     seg.kept_len,
                     seg.first_page_index,
-                    pages,
+                    flat,
+                    counts,
+                    g,
+                    offset,
                 )
             )
         self.segments[row] = []
@@ -258,20 +300,6 @@ class PageTable:
         self.tail_tokens[row] = 0
         self.own_start[row] = self.num_pages[row]
         return out
-
-    def _group_slices(self, row: int, start: np.ndarray, end: np.ndarray) -> list[np.ndarray]:
-        """Per group g the entries ``[start[g], end[g])`` of ``row`` as int64 page ids.
-
-        One gather for all groups; the lists are views of one fresh array (no group shares
-        memory with the table or with another segment's lists).
-        """
-        start = np.asarray(start, np.int64)
-        count = np.maximum(np.asarray(end, np.int64) - start, 0)
-        g, offset = ragged_entries(count)
-        bounds = np.cumsum(count)
-        flat = self.pages[row, g, offset + start[g]].astype(np.int64)
-        cuts = bounds.tolist()
-        return [flat[lo:hi] for lo, hi in zip([0, *cuts[:-1]], cuts, strict=True)]
 
     def clear(self, row: int) -> None:
         """Empty a row on the host (entries back to padding page 0); the device is not touched.

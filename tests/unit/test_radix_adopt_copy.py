@@ -158,3 +158,33 @@ def test_segment_pages_lists_are_views_of_its_flat_layout():
     value = SimpleNamespace(segment=seg, start_depth=0, group_lens=np.array([PAGE + 1, 0, 1]))
     prefix = chain_prefix([value], 3, PAGE)
     assert [p.tolist() for p in prefix.pages] == [[5, 6], [], [11]]
+
+
+def test_a_segment_taken_from_the_table_is_laid_out_as_one_built_from_lists():
+    """``take_segments`` builds each segment from one gather (``SegmentPages.from_table``):
+    the same fields as a segment built from its per-group lists, ``pages[g]`` views of
+    ``flat`` as there."""
+    tree, state, req_pool, slots = build_tree()
+    row = req_pool.free_slots[0]
+    state.plan_row(row, 30, 0)
+    state.allocate_extend([row], [30], [0])
+    state.allocate_decode([row], [31])
+    own = state.memory.table.take_segments(row)
+    assert len(own) == 2  # the extend and its decode tail
+    for seg in own:
+        again = type(seg)(
+            seg.kind,
+            seg.num_tokens,
+            seg.start_len,
+            seg.kept_len,
+            seg.first_page_index,
+            [p.copy() for p in seg.pages],
+        )
+        for name in ("flat", "page_counts", "group_of_page", "index_in_group"):
+            assert np.array_equal(getattr(seg, name), getattr(again, name)), name
+        assert seg.num_pages == again.num_pages
+        assert all(np.array_equal(a, b) for a, b in zip(seg.pages, again.pages, strict=True))
+        if seg.num_pages:
+            g = int(seg.group_of_page[-1])
+            seg.pages[g][-1] = 99
+            assert seg.flat[-1] == 99  # a view, as in a segment built from lists
