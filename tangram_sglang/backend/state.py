@@ -672,12 +672,16 @@ class TangramState:
         """A finished row's segments for the radix tree (``TangramMemory.finish``).
 
         Ownership: the caller (the radix tree) now holds the row's own pages; the row is free,
-        so the ``ReqToTokenPool.free`` hook that follows finds nothing to release.
+        so the ``ReqToTokenPool.free`` hook that follows finds nothing to release (under the
+        tree's deferred insert the hook came first and left the row alone: hold_for_finish).
+
+        Raises:
+            PoolError: the row holds no request, or its extend is not committed.
         """
-        self.finishing_rows.discard(row)
         record = self._record(row)
-        self._forget(row)
         segments = self.memory.finish(row)
+        self._forget(row)
+        self.finishing_rows.discard(row)
         self._log_end(row, record, "cached")
         return segments
 
@@ -685,6 +689,9 @@ class TangramState:
         """Keep a finished row's pages for a later :meth:`finish_row` (the tree's deferred
         insert, ``TangramRadixCache.deferred_finishes``): :meth:`release`, which SGLang's
         ``ReqToTokenPool.free`` hook calls right after, leaves the row alone.
+
+        Args:
+            row: the finished request's row (SGLang's ``req_pool_idx``).
 
         Raises:
             PoolError: the row holds no request.

@@ -167,7 +167,12 @@ def release_row(req_to_token_pool: Any, req: Any) -> None:
 
 def defer_finishes(original: Any, scheduler: Any, *args: Any, **kwargs: Any) -> Any:
     """AROUND ``Scheduler.process_batch_result``: the step's finished requests are inserted
-    into the tree after the step has streamed its outputs (``deferred_finishes``)."""
+    into the tree when the step ends, after it has streamed its outputs
+    (``TangramRadixCache.deferred_finishes``).
+
+    Returns:
+        What the original returns. A scheduler whose tree is not Tangram's runs it as is.
+    """
     scope = getattr(getattr(scheduler, "tree_cache", None), "deferred_finishes", None)
     if scope is None:
         return original(scheduler, *args, **kwargs)

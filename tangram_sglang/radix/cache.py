@@ -13,9 +13,9 @@ idle self-check stay exact. On top, each node where a finished request's segment
   row (the ``ReqToTokenPool.free`` hook then finds an empty row), inserts the tokens, and puts
   each segment on the node ending at its last token (a duplicate's pages are freed at once).
   Inside :meth:`deferred_finishes` (the scheduler's whole result step) it only records the
-  request; the records are taken in order once the step has streamed its outputs, so a
-  finished turn's answer leaves before the tree work, which then overlaps the client's next
-  turn on its way in (:meth:`flush_finishes`);
+  request; the records are inserted in order when the step ends (:meth:`flush_finishes`), so
+  a decode step's finished answers leave before the tree work, which then overlaps the
+  client's next turn on its way in;
 * ``cache_unfinished_req`` (chunked prefill) does not insert the chunk (as SGLang's
   ``ChunkCache``): a row's chunks go to the tree together at finish; under the segment grid
   the row's whole cells are inserted while it runs (``_insert_in_flight``);
@@ -119,10 +119,13 @@ class PendingFinish:
     row: int  # the finished request's req_pool_idx
     start: TreeNode  # the boundary node its prefix ended at (or the root)
     start_len: int  # tokens of that prefix (SGLang's cache_protected_len)
-    token_ids: list[int]  # the tokens whose KV the row holds (input + output, committed)
-    kv_indices: torch.Tensor  # int64 [len(token_ids)]: the row's token slots (a copy)
+    # the tokens whose KV the row holds: req.origin_input_ids + req.output_ids, cut to the
+    # committed length (SGLang's key type: a list or array('q') of ints)
+    token_ids: Any
+    # int64 [len(token_ids)] on req_to_token's device: the row's token slots (a copy)
+    kv_indices: torch.Tensor
     extra_key: Any  # SGLang's RadixKey extra key (e.g. LoRA id)
-    priority: int
+    priority: int  # SGLang's request priority (the tree's eviction order under priority)
     last_node: TreeNode | None  # the node SGLang locked at admission (unlocked at the flush)
 
 
@@ -151,7 +154,7 @@ class TangramRadixCache(RadixCache):
         # Finished requests recorded inside deferred_finishes, not yet inserted (in order).
         self._pending: list[PendingFinish] = []
         self._defer_depth = 0  # open deferred_finishes scopes
-        self.num_deferred_finishes = 0  # finished requests inserted after their step streamed
+        self.num_deferred_finishes = 0  # recorded finished requests inserted since start-up
         super().__init__(params)
         state = getattr(params.req_to_token_pool, "tangram_state", None)
         if state is None:
@@ -380,6 +383,7 @@ class TangramRadixCache(RadixCache):
             self.state.hold_for_finish(row)
             self._pending.append(finish)
             return
+        self.flush_finishes()  # records left by a failed flush go in first, in order
         self._finish(finish)
 
     @contextlib.contextmanager
@@ -387,35 +391,59 @@ class TangramRadixCache(RadixCache):
         """A scope whose finished requests are inserted when it closes, in order.
 
         The scheduler runs each result step (``Scheduler.process_batch_result``: the finished
-        requests' release, then ``stream_output``) inside one, so the answers leave before
-        the tree work. Anything that reads the tree or the pool first (``match_prefix``,
-        eviction, a new row, an abort, ``reset``, ``stats``) flushes the records before it.
-        Nested scopes flush when the outermost closes; an exception still flushes.
+        requests' release, then ``stream_output``) inside one, so a decode step's answers
+        leave before the tree work. Anything that needs the tree or the pool current first
+        inserts the records: ``match_prefix``, eviction (``evict``, ``evict_pages``), a new
+        row (``ReqToTokenPool.alloc``'s hook), an abort or retraction, ``cache_unfinished_req``
+        under the segment grid, ``reset`` and ``stats``. Counts read inside the step without
+        that (``evictable_pages``, ``held_pages``, the pool snapshot of a log line inside
+        the step) count a recorded row as the row's own pages, not the tree's, and SGLang's
+        KV events of the inserts go out with the next step's.
+
+        Nested scopes insert when the outermost closes. When the step raises, the records are
+        still inserted; an error there is logged and the step's own error propagates.
         """
         self._defer_depth += 1
         try:
             yield
-        finally:
+        except BaseException:
             self._defer_depth -= 1
             if not self._defer_depth:
-                self.flush_finishes()
+                try:
+                    self.flush_finishes()
+                except Exception:
+                    logger.exception("Tangram: finished requests not inserted after a failed step")
+            raise
+        self._defer_depth -= 1
+        if not self._defer_depth:
+            self.flush_finishes()
 
     def flush_finishes(self) -> int:
         """Insert every recorded finished request, in the order they finished.
 
-        Returns how many were inserted. A failing insert leaves the records after it pending
-        (the next flush takes them) and raises its error.
+        Returns:
+            How many were inserted.
+
+        Raises:
+            PoolError: a record's row no longer holds its request. The records after the
+                failing one stay recorded (the next flush takes them first); the failing
+                one is dropped. Like any error in SGLang's result step, this ends the
+                scheduler.
         """
         done = 0
         while self._pending:
             finish = self._pending.pop(0)
             self._finish(finish)
+            self.num_deferred_finishes += 1
             done += 1
-        self.num_deferred_finishes += done
         return done
 
     def _finish(self, finish: PendingFinish) -> None:
-        """One finished request's insert (see :meth:`cache_finished_req`)."""
+        """One finished request's insert (see :meth:`cache_finished_req`).
+
+        Raises:
+            PoolError: the row holds no request (``TangramState.finish_row``).
+        """
         segments = self.state.finish_row(finish.row)
         key = RadixKey(finish.token_ids, finish.extra_key)
         result = self.insert(
@@ -573,9 +601,10 @@ class TangramRadixCache(RadixCache):
         runs on (:meth:`_insert_in_flight`), so requests that arrive while a long shared prefix
         is being prefilled match its cells instead of prefilling their own copy.
         """
-        self.flush_finishes()
-        if self.grid and self._insert_in_flight(req, chunked):
-            return
+        if self.grid:
+            self.flush_finishes()  # _insert_in_flight changes the tree
+            if self._insert_in_flight(req, chunked):
+                return
         kv = self.req_to_token_pool.req_to_token[req.req_pool_idx, : req.extend_range.end]
         req.prefix_indices = kv.to(dtype=torch.int64, copy=True)
 

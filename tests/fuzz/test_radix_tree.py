@@ -153,11 +153,12 @@ class RadixLifecycle(RuleBasedStateMachine):
     @rule(
         picks=st.lists(st.integers(0, ROWS), min_size=1, max_size=ROWS),
         insert=st.booleans(),
-        evict=st.booleans(),
+        evict=st.sampled_from(["none", "pages", "tokens"]),
     )
     def finish_step(self, picks, insert, evict):
         """Several requests finish in one result step (``deferred_finishes``): each keeps
-        its pages until the step closes, unless an eviction inside it inserts them first."""
+        its pages until the step closes, unless an eviction inside it (of pages, or SGLang's
+        of token slots) inserts them first."""
         rows = sorted(self.running)
         ended = list(dict.fromkeys(rows[p % len(rows)] for p in picks))
         with self.tree.deferred_finishes():
@@ -167,8 +168,11 @@ class RadixLifecycle(RuleBasedStateMachine):
             if insert:
                 assert len(self.tree._pending) == len(ended)
                 assert all(self.memory.rids[row] is not None for row in ended)
-            if evict:
+            if evict == "pages":
                 self.tree.evict_pages(1)
+            elif evict == "tokens":
+                self.tree.evict(EvictParams(num_tokens=1))
+            if evict != "none":
                 assert not self.tree._pending
         assert not self.tree._pending and not self.state.finishing_rows
 

@@ -11,6 +11,7 @@ at once.
 from __future__ import annotations
 
 from array import array
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -187,3 +188,61 @@ def test_pages_in_use_match_between_immediate_and_deferred_after_eviction():
     assert tree.held_pages == 0
     assert start_free == state.memory.allocator.num_free()
     assert np.all(state.memory.row_refs == 0)
+
+
+def test_a_failed_step_inserts_its_records_and_keeps_its_own_error(monkeypatch, caplog):
+    """The records of a step that raised still go in; if that fails too, it is logged and
+    the step's own error is the one that propagates."""
+    tree, state, req_pool, slots = world = build_tree()
+    reqs = [start_request(*world, prompt, OUT, CHUNK)[0] for prompt in FIRST]
+    with pytest.raises(ValueError, match="the step's error"), tree.deferred_finishes():
+        finish_request(tree, state, req_pool, reqs[0], len(OUT))
+        monkeypatch.setattr(tree, "_finish", _raise_pool_error)
+        raise ValueError("the step's error")
+    assert "not inserted after a failed step" in caplog.text
+    monkeypatch.undo()
+    # a finish outside any scope inserts the left-over records first, in order
+    finish_request(tree, state, req_pool, reqs[1], len(OUT))
+    assert tree.stats()["deferred_finishes"] == 0  # the first record was dropped (failed)
+    assert state.memory.rids[reqs[1].req_pool_idx] is None
+
+
+def _raise_pool_error(finish):
+    raise PoolError("insert failed")
+
+
+def test_records_left_by_a_failed_flush_go_in_before_a_later_finish(monkeypatch):
+    tree, state, req_pool, slots = world = build_tree()
+    reqs = [start_request(*world, prompt, OUT, CHUNK)[0] for prompt in FIRST]
+    real = tree._finish
+    calls = []
+
+    def first_fails(finish):
+        calls.append(finish.row)
+        if len(calls) == 1:
+            raise PoolError("insert failed")
+        real(finish)
+
+    monkeypatch.setattr(tree, "_finish", first_fails)
+    with pytest.raises(PoolError, match="insert failed"), tree.deferred_finishes():
+        for req in reqs:
+            finish_request(tree, state, req_pool, req, len(OUT))
+    assert [f.row for f in tree._pending] == [reqs[1].req_pool_idx]
+    third = start_request(*world, [70, 71, 72, 73, 74, 75], [1], CHUNK)[0]
+    finish_request(tree, state, req_pool, third, 1)  # outside any scope: the record first
+    assert calls == [reqs[0].req_pool_idx, reqs[1].req_pool_idx, third.req_pool_idx]
+    assert not tree._pending and not (state.finishing_rows - {reqs[0].req_pool_idx})
+
+
+def test_a_chunk_without_the_grid_leaves_the_records_recorded():
+    """``cache_unfinished_req`` off the grid keeps the chunk in its row (no tree change), so a
+    prefill step's finished requests stay deferred past it."""
+    tree, state, req_pool, slots = world = build_tree()
+    done = start_request(*world, FIRST[0], OUT, CHUNK)[0]
+    running = start_request(*world, FIRST[1], [], CHUNK)[0]
+    running.extend_range = SimpleNamespace(start=0, end=len(FIRST[1]))
+    with tree.deferred_finishes():
+        finish_request(tree, state, req_pool, done, len(OUT))
+        tree.cache_unfinished_req(running, chunked=True)
+        assert len(tree._pending) == 1
+    assert not tree._pending
