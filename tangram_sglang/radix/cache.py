@@ -553,26 +553,30 @@ class TangramRadixCache(RadixCache):
             node = value.start_node
         if not owners:
             return
-        pairs = [(g, v) for v, gs in owners for g in gs.tolist()]
-        olds = np.array([v.segment.pages[g][-1] for g, v in pairs], np.int64)
+        # Flat positions (SegmentPages.flat) of each owner's tail pages and of the child's
+        # first pages of the same groups; pages[g] are views of flat, so writing flat there
+        # replaces pages[g][-1].
+        tails = [np.cumsum(v.segment.page_counts)[gs] - 1 for v, gs in owners]
+        olds = np.concatenate([v.segment.flat[t] for (v, _), t in zip(owners, tails, strict=True)])
+        heads = np.cumsum(seg.page_counts) - seg.page_counts
+        news = seg.flat[heads[np.concatenate([gs for _, gs in owners])]]
         counts = self.memory.allocator.ref_count.numpy()
         alone = (counts[olds] == 1) & (self.memory.row_refs[olds] == 0)  # only its node holds it
-        swaps = [
-            (g, v, old, int(seg.pages[g][0]))
-            for (g, v), old, ok in zip(pairs, olds.tolist(), alone.tolist(), strict=True)
-            if ok
-        ]
-        if not swaps:
+        num_swaps = int(np.count_nonzero(alone))
+        if not num_swaps:
             return
-        self.memory.share_pages(np.array([new for *_, new in swaps]), "radix node (adopted copy)")
-        self.memory.free_pages(np.array([old for _, _, old, _ in swaps]), "radix node (copied)")
-        for g, value, _, new in swaps:
-            value.segment.pages[g][-1] = new
-        value_of(child).shared_pages += len(swaps)
-        self.held_pages -= len(swaps)
+        self.memory.share_pages(news[alone], "radix node (adopted copy)")
+        self.memory.free_pages(olds[alone], "radix node (copied)")
+        lo = 0
+        for (value, _), tail in zip(owners, tails, strict=True):
+            ok = alone[lo : lo + tail.size]
+            value.segment.flat[tail[ok]] = news[lo : lo + tail.size][ok]
+            lo += tail.size
+        value_of(child).shared_pages += num_swaps
+        self.held_pages -= num_swaps
         if child.lock_ref == 0:
-            self._unlocked_pages -= len(swaps)
-        self.num_adopted_pages += len(swaps)
+            self._unlocked_pages -= num_swaps
+        self.num_adopted_pages += num_swaps
 
     def _node_at(
         self, key: RadixKey, depth: int, start: TreeNode | None = None, start_depth: int = 0
