@@ -678,10 +678,12 @@ class TangramState:
         Raises:
             PoolError: the row holds no request, or its extend is not committed.
         """
-        record = self._record(row)
-        segments = self.memory.finish(row)
+        try:
+            record = self._record(row)
+            segments = self.memory.finish(row)
+        finally:  # a row that failed to finish is released like any other (release)
+            self.finishing_rows.discard(row)
         self._forget(row)
-        self.finishing_rows.discard(row)
         self._log_end(row, record, "cached")
         return segments
 

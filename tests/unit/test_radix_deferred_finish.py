@@ -246,3 +246,24 @@ def test_a_chunk_without_the_grid_leaves_the_records_recorded():
         tree.cache_unfinished_req(running, chunked=True)
         assert len(tree._pending) == 1
     assert not tree._pending
+
+
+def test_a_row_whose_deferred_finish_failed_is_released_like_any_other(monkeypatch):
+    """A record whose finish fails in the memory manager is dropped; its row is no longer
+    held (``finishing_rows``), so releasing it frees its pages as an abort does."""
+    tree, state, req_pool, slots = world = build_tree()
+    free_at_start = state.memory.allocator.num_free()
+    req = start_request(*world, FIRST[0], OUT, CHUNK)[0]
+    row = req.req_pool_idx
+
+    def fails(row):
+        raise PoolError("finish failed")
+
+    monkeypatch.setattr(state.memory, "finish", fails)
+    with pytest.raises(PoolError, match="finish failed"):
+        with tree.deferred_finishes():
+            finish_request(tree, state, req_pool, req, len(OUT))
+    monkeypatch.undo()
+    assert row not in state.finishing_rows and not tree._pending
+    assert state.release(row) is not None  # SGLang's hook on the row's next owner frees it
+    assert state.memory.allocator.num_free() == free_at_start
