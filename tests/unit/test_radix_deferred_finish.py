@@ -260,9 +260,8 @@ def test_a_row_whose_deferred_finish_failed_is_released_like_any_other(monkeypat
         raise PoolError("finish failed")
 
     monkeypatch.setattr(state.memory, "finish", fails)
-    with pytest.raises(PoolError, match="finish failed"):
-        with tree.deferred_finishes():
-            finish_request(tree, state, req_pool, req, len(OUT))
+    with pytest.raises(PoolError, match="finish failed"), tree.deferred_finishes():
+        finish_request(tree, state, req_pool, req, len(OUT))
     monkeypatch.undo()
     assert row not in state.finishing_rows and not tree._pending
     assert state.release(row) is not None  # SGLang's hook on the row's next owner frees it
