@@ -117,7 +117,6 @@ class PendingFinish:
     """
 
     row: int  # the finished request's req_pool_idx
-    start: TreeNode  # the boundary node its prefix ended at (or the root)
     start_len: int  # tokens of that prefix (SGLang's cache_protected_len)
     # the tokens whose KV the row holds: req.origin_input_ids + req.output_ids, cut to the
     # committed length (SGLang's key type: a list or array('q') of ints)
@@ -126,7 +125,9 @@ class PendingFinish:
     kv_indices: torch.Tensor
     extra_key: Any  # SGLang's RadixKey extra key (e.g. LoRA id)
     priority: int  # SGLang's request priority (the tree's eviction order under priority)
-    last_node: TreeNode | None  # the node SGLang locked at admission (unlocked at the flush)
+    # the boundary node its prefix ended at, locked by SGLang at admission (unlocked at the
+    # flush); None: the prefix is empty (the chain starts at the root)
+    last_node: TreeNode | None
 
 
 class TangramRadixCache(RadixCache):
@@ -371,7 +372,6 @@ class TangramRadixCache(RadixCache):
         kv_indices = self.req_to_token_pool.req_to_token[row, : len(token_ids)]
         finish = PendingFinish(
             row,
-            start,
             start_len,
             token_ids,
             kv_indices.to(torch.int64, copy=True),
@@ -452,7 +452,8 @@ class TangramRadixCache(RadixCache):
         self.token_to_kv_pool_allocator.free_segment(
             finish.kv_indices[finish.start_len : result.prefix_len], start_pos=finish.start_len
         )
-        self._attach(key, finish.start, finish.start_len, segments)
+        start = self.root_node if finish.last_node is None else finish.last_node
+        self._attach(key, start, finish.start_len, segments)
         if finish.last_node is not None:
             self.dec_lock_ref(finish.last_node)
 
@@ -770,8 +771,7 @@ class TangramRadixCache(RadixCache):
 
     def reset(self) -> None:
         """``/flush_cache`` (and start-up): free every node's pages, then SGLang's reset."""
-        if getattr(self, "_pending", None):
-            self.flush_finishes()
+        self.flush_finishes()  # _pending is set before RadixCache.__init__, which calls reset
         for node in list(getattr(self, "_boundaries", {}).values()):
             value = value_of(node)
             setattr(node, VALUE_ATTR, None)
