@@ -20,7 +20,8 @@
 #   setsid nohup bash scripts/device_short_chat_ratio1.sh > /tmp/sc1.log 2>&1 &
 # Env: R (result folder, default /tmp/sc1), TRACE=0 skips part 3, CLIFF=1 runs part 3b, PAIRS
 # (alternating Tangram 1.0 / stock flashinfer short-chat pairs of part 2, default 2; about 3
-# minutes each after the first).
+# minutes each after the first), GPU_TESTS=0 skips part 1 (when the kernels have not changed
+# since their last GPU run), EXTRAS=0 leaves Tangram 0.25 and ShareGPT out of round 1.
 set -u
 [ -n "${MODEL:-}" ] || { echo "$0: MODEL is unset: run 'source scripts/device_setup.sh' in this shell first (each device call starts a new shell)" >&2; exit 2; }
 R=${R:-/tmp/sc1}
@@ -31,13 +32,15 @@ on_h200=0
 nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200 && on_h200=1
 CLIFF=${CLIFF:-$on_h200}
 TRACE=${TRACE:-$((1 - CLIFF))}
-echo "$(date -u +%T) GPU tests" >> "$R/progress"
-timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu --tb=short tests/kernels tests/unit \
-  > "$R/gpu-tests.txt" 2>&1
-tail -1 "$R/gpu-tests.txt" >> "$R/progress"
+if [ "${GPU_TESTS:-1}" = 1 ]; then
+  echo "$(date -u +%T) GPU tests" >> "$R/progress"
+  timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu --tb=short tests/kernels tests/unit \
+    > "$R/gpu-tests.txt" 2>&1
+  tail -1 "$R/gpu-tests.txt" >> "$R/progress"
+fi
 for round in $(seq 1 "${PAIRS:-2}"); do
   systems="tangram:1.0 baseline-flashinfer" wl=short-chat:64x6
-  if [ "$round" = 1 ]; then systems="$systems tangram:0.25" wl=$wl,sharegpt:64x4; fi
+  if [ "$round" = 1 ] && [ "${EXTRAS:-1}" = 1 ]; then systems="$systems tangram:0.25" wl=$wl,sharegpt:64x4; fi
   SYSTEMS="$systems" WL=$wl WL1=short-chat:64x6 T=300 CAP_S=400 \
     R="$R/round$round" bash scripts/device_never_slower.sh
   grep "\[multiturn\].*tok/s" "$R/round$round/progress" >> "$R/progress"
