@@ -82,20 +82,25 @@ class RowRecord:
 
     row: int  # req_pool_idx
     logical_tokens: int  # tokens SGLang counted for the request (prompt + decoded)
-    pages: int  # pages the row held when it was released
+    pages: int  # pages the row itself held when it was released (its own segments)
     bytes_held: int  # pages * bytes per page (bytes, K and V)
-    full_kv_bytes: int  # what SGLang's uniform per-token pool would hold (bytes)
+    full_kv_bytes: int  # what SGLang's uniform per-token pool would hold for all its tokens
+    borrowed_pages: int = 0  # the matched prefix's pages, held by the radix tree, not the row
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-ready dict (plus ``held_fraction`` = bytes_held / full_kv_bytes)."""
-        frac = self.bytes_held / self.full_kv_bytes if self.full_kv_bytes else 0.0
+        """JSON-ready dict, plus ``held_fraction``: the bytes of every page the request read
+        (its own and the borrowed prefix's) over ``full_kv_bytes``, so a request that reused a
+        cached prefix is compared with full KV of the same tokens (0.0 without tokens)."""
+        per_page = self.bytes_held // self.pages if self.pages else 0
+        whole = self.bytes_held + self.borrowed_pages * per_page
         return {
             "row": self.row,
             "logical_tokens": self.logical_tokens,
             "pages": self.pages,
+            "borrowed_pages": self.borrowed_pages,
             "bytes_held": self.bytes_held,
             "full_kv_bytes": self.full_kv_bytes,
-            "held_fraction": frac,
+            "held_fraction": whole / self.full_kv_bytes if self.full_kv_bytes else 0.0,
         }
 
 
@@ -715,6 +720,7 @@ class TangramState:
             usage.own_pages,
             usage.own_pages * self.memory.bytes_per_page,
             tokens * self.full_kv_bytes_per_token,
+            usage.borrowed_pages,
         )
 
     def _log_end(self, row: int, record: RowRecord, what: str) -> None:
@@ -723,13 +729,14 @@ class TangramState:
         self.last_release = record
         allocator = self.memory.allocator  # O(1) counts: this runs once per finished request
         logger.info(
-            "Tangram: %s row %d: %d tokens, %d pages (%d bytes) vs full KV %d bytes "
-            "(%.3f); pool %d/%d pages used",
+            "Tangram: %s row %d: %d tokens, %d own pages (%d bytes) + %d from the radix "
+            "tree; all its pages vs full KV %d bytes: %.3f; pool %d/%d pages used",
             what,
             row,
             record.logical_tokens,
             record.pages,
             record.bytes_held,
+            record.borrowed_pages,
             record.full_kv_bytes,
             record.to_dict()["held_fraction"],
             allocator.num_used(),

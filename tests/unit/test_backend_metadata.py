@@ -8,7 +8,12 @@ import torch
 
 from tangram_sglang.backend import metadata as md
 from tangram_sglang.backend.compress import batch_kept_indices
-from tangram_sglang.backend.state import TangramState, build_scorer, chunked_footprint_pages
+from tangram_sglang.backend.state import (
+    RowRecord,
+    TangramState,
+    build_scorer,
+    chunked_footprint_pages,
+)
 from tangram_sglang.errors import KernelError
 from tangram_sglang.grouping import HeadGrouping
 from tangram_sglang.kernels import reference
@@ -117,10 +122,22 @@ def test_state_lifecycle_pages_match_the_footprint_and_return():
     record = state.release(1)
     assert record.pages == used and record.logical_tokens == 17
     assert record.bytes_held == used * state.memory.bytes_per_page
+    assert record.borrowed_pages == 0  # no cached prefix
+    want = used * state.memory.bytes_per_page / (17 * state.full_kv_bytes_per_token)
+    assert record.to_dict()["held_fraction"] == pytest.approx(want)
     assert state.memory.allocator.num_free() == start
     assert state.release(1) is None  # already free
     info = state.pool_info()
     assert info["pages_free"] == info["pages_free_at_start"] and info["requests_released"] == 1
+
+
+def test_release_record_compares_every_page_read_with_full_kv_of_all_tokens():
+    # 2 own pages of 1,000 bytes and 3 borrowed from the radix tree, 10,000 bytes of full KV
+    record = RowRecord(7, 100, 2, 2_000, 10_000, borrowed_pages=3)
+    out = record.to_dict()
+    assert out["pages"] == 2 and out["borrowed_pages"] == 3 and out["bytes_held"] == 2_000
+    assert out["held_fraction"] == pytest.approx(0.5)
+    assert RowRecord(7, 0, 0, 0, 0).to_dict()["held_fraction"] == 0.0
 
 
 def test_extend_plan_says_whether_any_request_has_history():
