@@ -83,16 +83,21 @@ class RowRecord:
     row: int  # req_pool_idx
     logical_tokens: int  # tokens SGLang counted for the request (prompt + decoded)
     pages: int  # pages the row itself held when it was released (its own segments)
-    bytes_held: int  # pages * bytes per page (bytes, K and V)
+    borrowed_pages: int  # the matched prefix's pages, held by the radix tree, not the row
+    bytes_per_page: int  # K and V of one page (bytes)
     full_kv_bytes: int  # what SGLang's uniform per-token pool would hold for all its tokens
-    borrowed_pages: int = 0  # the matched prefix's pages, held by the radix tree, not the row
+
+    @property
+    def bytes_held(self) -> int:
+        """Bytes of the row's own pages (K and V)."""
+        return self.pages * self.bytes_per_page
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-ready dict, plus ``held_fraction``: the bytes of every page the request read
-        (its own and the borrowed prefix's) over ``full_kv_bytes``, so a request that reused a
-        cached prefix is compared with full KV of the same tokens (0.0 without tokens)."""
-        per_page = self.bytes_held // self.pages if self.pages else 0
-        whole = self.bytes_held + self.borrowed_pages * per_page
+        """JSON-ready dict, plus ``bytes_held`` and ``held_fraction``: the bytes of every page
+        the request read (its own and the borrowed prefix's) over ``full_kv_bytes``, so a
+        request that reused a cached prefix is compared with full KV of the same tokens (0.0
+        without tokens)."""
+        whole = (self.pages + self.borrowed_pages) * self.bytes_per_page
         return {
             "row": self.row,
             "logical_tokens": self.logical_tokens,
@@ -718,9 +723,9 @@ class TangramState:
             row,
             tokens,
             usage.own_pages,
-            usage.own_pages * self.memory.bytes_per_page,
-            tokens * self.full_kv_bytes_per_token,
             usage.borrowed_pages,
+            self.memory.bytes_per_page,
+            tokens * self.full_kv_bytes_per_token,
         )
 
     def _log_end(self, row: int, record: RowRecord, what: str) -> None:

@@ -133,11 +133,16 @@ def test_state_lifecycle_pages_match_the_footprint_and_return():
 
 def test_release_record_compares_every_page_read_with_full_kv_of_all_tokens():
     # 2 own pages of 1,000 bytes and 3 borrowed from the radix tree, 10,000 bytes of full KV
-    record = RowRecord(7, 100, 2, 2_000, 10_000, borrowed_pages=3)
+    record = RowRecord(
+        7, 100, pages=2, borrowed_pages=3, bytes_per_page=1_000, full_kv_bytes=10_000
+    )
     out = record.to_dict()
     assert out["pages"] == 2 and out["borrowed_pages"] == 3 and out["bytes_held"] == 2_000
     assert out["held_fraction"] == pytest.approx(0.5)
-    assert RowRecord(7, 0, 0, 0, 0).to_dict()["held_fraction"] == 0.0
+    # a request that wrote no page of its own still reads its borrowed prefix
+    only_borrowed = RowRecord(7, 100, 0, 3, 1_000, 10_000).to_dict()
+    assert only_borrowed["bytes_held"] == 0 and only_borrowed["held_fraction"] == pytest.approx(0.3)
+    assert RowRecord(7, 0, 0, 0, 1_000, 0).to_dict()["held_fraction"] == 0.0
 
 
 def test_extend_plan_says_whether_any_request_has_history():
