@@ -2,7 +2,8 @@
 # device_short_chat_ratio1.sh -- runs on a GPU machine after `source scripts/device_setup.sh`:
 # short chats at ratio 1.0 against stock flashinfer (issue 18's lowest ratio-1.0 figure), and
 # which Triton builds still land after start-up. Most important first:
-#   1. the GPU tests (tests/kernels and tests/unit, -m gpu, short tracebacks: $R/gpu-tests.txt);
+#   1. the GPU tests (tests/kernels and tests/unit, -m gpu, short tracebacks: $R/gpu-tests.txt;
+#      unless GPU_TESTS=0);
 #   2. `short-chat:64x6` PAIRS times, alternating: Tangram 1.0 then stock flashinfer ($R/round1,
 #      with Tangram 0.25 after them; stock flashinfer and Tangram 0.25 also run
 #      `sharegpt:64x4` there, for its first round's TTFT), then again ($R/round2, ...), through
@@ -37,6 +38,8 @@ if [ "${GPU_TESTS:-1}" = 1 ]; then
   timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu --tb=short tests/kernels tests/unit \
     > "$R/gpu-tests.txt" 2>&1
   tail -1 "$R/gpu-tests.txt" >> "$R/progress"
+else
+  echo "$(date -u +%T) GPU tests skipped (GPU_TESTS=$GPU_TESTS)" >> "$R/progress"
 fi
 for round in $(seq 1 "${PAIRS:-2}"); do
   systems="tangram:1.0 baseline-flashinfer" wl=short-chat:64x6

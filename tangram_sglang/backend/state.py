@@ -82,8 +82,10 @@ class RowRecord:
 
     row: int  # req_pool_idx
     logical_tokens: int  # tokens SGLang counted for the request (prompt + decoded)
-    pages: int  # pages the row itself held when it was released (its own segments)
-    borrowed_pages: int  # the matched prefix's pages, held by the radix tree, not the row
+    pages: int  # pages the row itself held when it was released
+    # pages the row read but the radix tree holds: the matched prefix, plus, under the segment
+    # grid, the request's own earlier chunks already inserted mid-prefill
+    borrowed_pages: int
     bytes_per_page: int  # K and V of one page (bytes)
     full_kv_bytes: int  # what SGLang's uniform per-token pool would hold for all its tokens
 
