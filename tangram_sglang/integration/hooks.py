@@ -22,7 +22,9 @@ def add_tangram_init_info(result: dict[str, Any], scheduler: Any) -> dict[str, A
 
     Runs once per scheduler process at start-up. The scheduler sends this dict to the HTTP
     server, which merges it into ``/server_info`` (``http_server.server_info``). The pool's
-    numbers at start-up go under ``tangram.pool`` (``sglang_adapters.pool_info_of``).
+    numbers at start-up go under ``tangram.pool_at_start`` (``sglang_adapters.pool_info_of``;
+    a snapshot: the live numbers are each scheduler's ``tangram_pool``, see
+    :func:`add_tangram_pool_state`).
 
     Returns:
         The dict with ``tangram`` added, or None (unchanged) without ``--tangram``.
@@ -37,7 +39,7 @@ def add_tangram_init_info(result: dict[str, Any], scheduler: Any) -> dict[str, A
     result["tangram"] = summary_from_server_args(scheduler.server_args)
     pool = sglang_adapters.pool_info_of(scheduler)
     if pool is not None:
-        result["tangram"]["pool"] = pool
+        result["tangram"]["pool_at_start"] = pool
     return result
 
 

@@ -150,7 +150,7 @@ def test_compressed_server_reports_its_pool(server05):
     assert info["attention_backend"] == "tangram"
     # radix reuse of compressed history is on by default, through the tangram cache backend
     assert info["disable_radix_cache"] is False and info["radix_cache_backend"] == "tangram"
-    pool = summary["pool"]
+    pool = summary["pool_at_start"]
     assert pool["pages_total"] > 0 and pool["pages_used"] == 0
     # The pool takes the bytes SGLang gives the KV cache, sized in Tangram's cell.
     cell = pool["full_kv_bytes_per_token"] * summary["padded_kept_ratio"]

@@ -91,7 +91,8 @@ def test_valid_tangram_setup_starts_with_the_tangram_backend(
     assert info["radix_cache_backend"] == "tangram"  # reuse of compressed history, by default
     summary = info["tangram"]  # the scheduler's resolved summary, with the pool
     assert summary["page_size"] == 8 and summary["mean_kept_ratio"] == pytest.approx(0.4)
-    assert summary["pool"]["pages_used"] == 0 and summary["pool"]["pages_total"] > 0
+    start = summary["pool_at_start"]  # the live pool is internal_states[0]["tangram_pool"]
+    assert start["pages_used"] == 0 and start["pages_total"] > 0
     log = server.log_path.read_text()
     assert "Tangram KV pool:" in log and "full-size token K/V buffers not allocated" in log
     assert "impl=TangramRadixCache" in log  # SGLang built the tangram radix cache backend
