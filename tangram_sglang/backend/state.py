@@ -656,6 +656,9 @@ class TangramState:
         prompt = int(ask.prompt_tokens) + int(ask.cached_tokens)
         if asked is not None and int(asked) == int(max_new_tokens):
             wanted = f"max_tokens {max_new_tokens}"
+        elif int(max_new_tokens) <= 0:  # SGLang's cap left no token after the prompt
+            sent = "not set" if asked is None else str(int(asked))
+            wanted = f"max_tokens {sent}; the prompt leaves no token within the server's limit"
         else:
             sent = "not set" if asked is None else str(int(asked))
             wanted = f"max_tokens {sent}, capped to {max_new_tokens} by the server"

@@ -76,6 +76,8 @@ def test_max_decode_tokens_is_the_largest_tail_that_fits():
     alone = state.never_fits_message(PrefillAsk(200, 200, 7), 8, None)
     assert "max_tokens not set" in alone and "the prompt alone does not fit" in alone
     assert "--chunked-prefill-size" not in alone  # one chunk already: no chunk size helps
+    none_left = state.never_fits_message(PrefillAsk(200, 200, 0), 0, 8)
+    assert "max_tokens 8; the prompt leaves no token" in none_left and "capped" not in none_left
 
 
 def test_never_fits_names_the_chunk_size_that_makes_a_chunked_prompt_fit():
