@@ -94,12 +94,16 @@ class RowRecord:
         """Bytes of the row's own pages (K and V)."""
         return self.pages * self.bytes_per_page
 
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-ready dict, plus ``bytes_held`` and ``held_fraction``: the bytes of every page
-        the request read (its own and the borrowed prefix's) over ``full_kv_bytes``, so a
-        request that reused a cached prefix is compared with full KV of the same tokens (0.0
-        without tokens)."""
+    @property
+    def held_fraction(self) -> float:
+        """The bytes of every page the request read (its own and the borrowed prefix's) over
+        ``full_kv_bytes``, so a request that reused a cached prefix is compared with full KV
+        of the same tokens (0.0 without tokens)."""
         whole = (self.pages + self.borrowed_pages) * self.bytes_per_page
+        return whole / self.full_kv_bytes if self.full_kv_bytes else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready dict of the fields plus ``bytes_held`` and ``held_fraction``."""
         return {
             "row": self.row,
             "logical_tokens": self.logical_tokens,
@@ -107,7 +111,7 @@ class RowRecord:
             "borrowed_pages": self.borrowed_pages,
             "bytes_held": self.bytes_held,
             "full_kv_bytes": self.full_kv_bytes,
-            "held_fraction": whole / self.full_kv_bytes if self.full_kv_bytes else 0.0,
+            "held_fraction": self.held_fraction,
         }
 
 
@@ -654,13 +658,12 @@ class TangramState:
         """
         need = self.lifetime_pages(ask)
         prompt = int(ask.prompt_tokens) + int(ask.cached_tokens)
+        sent = "not set" if asked is None else str(int(asked))
         if asked is not None and int(asked) == int(max_new_tokens):
             wanted = f"max_tokens {max_new_tokens}"
         elif int(max_new_tokens) <= 0:  # SGLang's cap left no token after the prompt
-            sent = "not set" if asked is None else str(int(asked))
             wanted = f"max_tokens {sent}; the prompt leaves no token within the server's limit"
         else:
-            sent = "not set" if asked is None else str(int(asked))
             wanted = f"max_tokens {sent}, capped to {max_new_tokens} by the server"
         cached = "" if not ask.cached_tokens else f", {ask.cached_tokens} of them cached"
         best = self.max_decode_tokens(ask)
@@ -748,7 +751,7 @@ class TangramState:
             record.bytes_held,
             record.borrowed_pages,
             record.full_kv_bytes,
-            record.to_dict()["held_fraction"],
+            record.held_fraction,
             allocator.num_used(),
             allocator.num_usable_pages,
         )
