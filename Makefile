@@ -44,8 +44,9 @@ lint: install
 	$(VENV)/bin/lint-imports
 	$(VENV)/bin/hadolint docker/Dockerfile
 
+# --durations: the slowest tests, so CI's time (budget 90 minutes on 2 cores) can be watched.
 test: lint apply
-	$(PY) -m pytest -m "not gpu" $(PYTEST_ARGS)
+	$(PY) -m pytest -m "not gpu" --durations=25 $(PYTEST_ARGS)
 
 # No real-server start (marker e2e), nothing marked slow: the edit-test loop. Lint: `make lint`.
 test-fast: apply
