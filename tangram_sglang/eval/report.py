@@ -20,6 +20,12 @@ and of the needle (query-agnostic, the fact a later question asks for):
 
 * ``needle_minus_full_points``, ``needle_points`` and ``needle_best_tangram``: the same three
   over the needle task's score.
+
+and, for each, whether a difference stands out from chance (:func:`paired_vs_full`):
+
+* ``later_questions_paired_vs_full`` and ``needle_paired_vs_full``: per ratio and compressed
+  system, the questions only full KV answers, those only the system answers, and the exact
+  McNemar p-value of that split.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 import numpy as np
+from scipy.stats import binomtest
 
 from tangram_sglang.eval.scoring import METRIC
 from tangram_sglang.eval.tasks import PROTOCOLS
@@ -94,7 +101,7 @@ def build(cfg: Any, samples: list, records: list[dict[str, Any]], wall_s: float)
             for s in samples
         ],
         "results": results,
-        "summary": summary(results),
+        "summary": summary(results, records),
         "wall_s": round(wall_s, 1),
         "records": records,
     }
@@ -147,8 +154,10 @@ def _points(recs: list[dict[str, Any]], key: str) -> float | None:
     return round(100.0 * float(np.mean([r[key] for r in recs])), 2) if recs else None
 
 
-def summary(results: dict[str, Any]) -> dict[str, Any]:
-    """The issue-8 summary fields and targets (None where a system or ratio was not run)."""
+def summary(results: dict[str, Any], records: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """The issue-8 summary fields and targets (None where a system or ratio was not run); with
+    ``records`` (the per-question records ``results`` was aggregated from) also the paired
+    comparisons with full KV (:func:`paired_vs_full`)."""
     out: dict[str, Any] = {}
     for other, key in (("dynamic-ada-snapkv", "dynamic"), ("uniform-snapkv", "uniform")):
         per = _diffs(results, "tangram", other)
@@ -172,6 +181,59 @@ def summary(results: dict[str, Any]) -> dict[str, Any]:
         "needle_0.5_within_3_points_of_full": None if needle is None else bool(needle >= -3.0),
     }
     out.update(best_tangram_fields(results, ref))
+    if records is not None:
+        out["later_questions_paired_vs_full"] = paired_vs_full(records, MULTITURN_TASK, ref, True)
+        out["needle_paired_vs_full"] = paired_vs_full(records, NEEDLE_TASK, ref, False)
+    return out
+
+
+def paired_vs_full(
+    records: list[dict[str, Any]], task: str, ref: str, later_only: bool
+) -> dict[str, dict[str, dict[str, Any]]]:
+    """Each compressed system against full KV on the same questions: where do they disagree?
+
+    Two systems scored on the same questions differ only where one answers and the other does
+    not; the exact McNemar test asks whether that split is more lopsided than a fair coin would
+    make it (McNemar 1947, Psychometrika 12:153; the exact form is a two-sided binomial test
+    of one side's count among the discordant questions at p = 0.5). A question is answered
+    when its score (``METRIC``, 0 or 1 per question) is at least 0.5.
+
+    Args:
+        records: per-question records (``task``, ``sample_id``, ``turn``, ``system``,
+            ``ratio``, ``METRIC``); full-KV systems have ratio None.
+        task: the task to compare on (e.g. ``multiturn-squad``).
+        ref: the full-KV system (``full`` or ``full-hf``).
+        later_only: only turns > 0 (the multi-turn task's later questions).
+
+    Returns:
+        ``{ratio: {system: {"questions", "only_full", "only_system", "p_value"}}}`` over the
+        questions both answered (matched on sample and turn); ``p_value`` is 1.0 when they
+        never disagree. Empty without the task or without ``ref``.
+    """
+    answered: dict[tuple, dict[tuple, bool]] = defaultdict(dict)
+    for rec in records:
+        if rec["task"] != task or (later_only and rec["turn"] == 0):
+            continue
+        key = (rec["system"], rec["ratio"])
+        answered[key][(rec["sample_id"], rec["turn"])] = rec[METRIC] >= 0.5
+    full = answered.get((ref, None))
+    out: dict[str, dict[str, dict[str, Any]]] = {}
+    if not full:
+        return out
+    for (system, ratio), marks in sorted(answered.items(), key=lambda kv: str(kv[0])):
+        if ratio is None:
+            continue
+        both = full.keys() & marks.keys()
+        only_full = sum(1 for q in both if full[q] and not marks[q])
+        only_system = sum(1 for q in both if marks[q] and not full[q])
+        split = only_full + only_system
+        p = binomtest(only_full, split, 0.5).pvalue if split else 1.0
+        out.setdefault(str(ratio), {})[system] = {
+            "questions": len(both),
+            "only_full": only_full,
+            "only_system": only_system,
+            "p_value": round(float(p), 4),
+        }
     return out
 
 
@@ -377,7 +439,7 @@ def merge(reports: list[dict[str, Any]]) -> dict[str, Any]:
         first,
         config=config,
         results=results,
-        summary=summary(results),
+        summary=summary(results, records),
         records=records,
         command=[rep["command"] for rep in reports],
         wall_s=[rep["wall_s"] for rep in reports],

@@ -326,3 +326,30 @@ def test_a_report_is_written_one_line_per_record_and_reads_back_the_same():
     assert lines[-3:] == ["  " + json.dumps(records[1], ensure_ascii=False), " ]", "}"]
     assert len(lines) == len(json.dumps({**rep, "records": 0}, indent=1).splitlines()) + 3
     assert json.loads(dumps({**rep, "records": []})) == {**rep, "records": []}
+
+
+def test_paired_comparison_counts_the_questions_where_a_system_and_full_kv_disagree():
+    """Paired on (sample, turn): only discordant questions move the exact McNemar p-value."""
+    full = [[1] * 8, [1] * 6 + [0, 0], [1] * 8]  # later turns: 14 of 16 answered
+    records = (
+        _turn_records("full", None, full)
+        # loses 6 later questions full KV answers, answers none that full KV misses
+        + _turn_records("tangram", 0.25, [[0] * 8, [0] * 6 + [0, 0], [1] * 8])
+        # the same mean as full KV (14 of 16), reached on other questions
+        + _turn_records("tangram", 0.5, [[1] * 8, [1] * 4 + [0, 0, 1, 1], [1] * 8])
+    )
+    out = summary(aggregate(records, (0.5, 0.25)), records)["later_questions_paired_vs_full"]
+    lossy = out["0.25"]["tangram"]
+    assert (lossy["questions"], lossy["only_full"], lossy["only_system"]) == (16, 6, 0)
+    assert lossy["p_value"] == round(2 * 0.5**6, 4)  # both tails of Binomial(6, 1/2)
+    swap = out["0.5"]["tangram"]
+    assert (swap["only_full"], swap["only_system"], swap["p_value"]) == (2, 2, 1.0)
+    assert "full" not in out["0.5"]  # the reference is not paired with itself
+    # turn 0 (the first question) is left out of the later questions
+    assert out["0.25"]["tangram"]["questions"] == 16
+    # without records (callers that only hold aggregates), no paired fields
+    assert "later_questions_paired_vs_full" not in summary(aggregate(records, (0.5, 0.25)))
+    # no full KV run (its 24 records dropped), or no needle task: nothing to pair with
+    no_full = summary(aggregate(records[24:], (0.5, 0.25)), records[24:])
+    assert no_full["later_questions_paired_vs_full"] == {}
+    assert no_full["needle_paired_vs_full"] == {}
