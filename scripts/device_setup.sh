@@ -7,9 +7,26 @@
 # checkout: .carry/sglang/p1 and tangram_sglang.egg-info (docs/gpu-benchmarks.md).
 # Writes the Llama-3.1-8B-shaped dummy model folder path to $MODEL and gives that folder a
 # tokenizer (bench.dummy_tokenizer).
+# A later call on the same warm machine that carries neither (its copies are gone then) reuses
+# what an earlier call installed: the site under $SITE (stamped with the wheelhouse's MANIFEST)
+# and a copy of the egg-info beside it.
 set -u
 export SITE=${SITE:-/tmp/site}
-bash .carry/sglang/p1/install.sh .carry/sglang/p* || return 1
+if [ -f .carry/sglang/p1/install.sh ]; then
+  bash .carry/sglang/p1/install.sh .carry/sglang/p* || return 1
+  cp .carry/sglang/p1/MANIFEST "$SITE/.tangram-wheelhouse" || return 1
+elif [ -f "$SITE/.tangram-wheelhouse" ]; then
+  echo "device_setup: no .carry/sglang in this call; reusing the wheelhouse an earlier call installed in $SITE"
+else
+  echo "device_setup: .carry/sglang/p1 is missing and $SITE holds no earlier install: pass carry" \
+    '[".carry/sglang/p1", "tangram_sglang.egg-info"] to this call' >&2
+  return 1
+fi
+if [ -d tangram_sglang.egg-info ]; then
+  rm -rf "$SITE.egg-info" && cp -r tangram_sglang.egg-info "$SITE.egg-info" || return 1
+elif [ -d "$SITE.egg-info" ]; then
+  cp -r "$SITE.egg-info" tangram_sglang.egg-info || return 1
+fi
 export PYTHONPATH=$SITE:$PWD PYTHONUNBUFFERED=1
 python3 scripts/patches.py apply --site-packages "$SITE" || return 1
 python3 -c "from importlib.metadata import entry_points as e; eps=[x.value for x in e(group='sglang.srt.plugins')]; print('plugins:', eps); assert any('tangram' in v for v in eps)" || return 1
