@@ -57,6 +57,9 @@ MULTITURN_TASK = "multiturn-squad"
 NEEDLE_TASK = "needle"
 LATER = "later_turns_" + METRIC
 SUMMARY_RATIOS = (0.25, 0.5)
+# what aggregate() and merge() read from every record (load_report checks them)
+NUMBER_KEYS = (METRIC, "exact_match", "kept_fraction", "cached_tokens")
+RECORD_KEYS = ("task", "sample_id", "turn", "system", "ratio", *NUMBER_KEYS)
 
 
 def build(cfg: Any, samples: list, records: list[dict[str, Any]], wall_s: float) -> dict[str, Any]:
@@ -207,8 +210,8 @@ def paired_vs_full(
 
     Returns:
         ``{ratio: {system: {"questions", "only_full", "only_system", "p_value"}}}`` over the
-        questions both answered (matched on sample and turn); ``p_value`` is 1.0 when they
-        never disagree. Empty without the task or without ``ref``.
+        questions both scored (matched on sample and turn); ``p_value`` (3 significant
+        digits) is 1.0 when they never disagree. Empty without the task or without ``ref``.
     """
     answered: dict[tuple, dict[tuple, bool]] = defaultdict(dict)
     for rec in records:
@@ -232,7 +235,7 @@ def paired_vs_full(
             "questions": len(both),
             "only_full": only_full,
             "only_system": only_system,
-            "p_value": round(float(p), 4),
+            "p_value": float(f"{p:.3g}"),  # 3 significant digits: tiny p stay > 0
         }
     return out
 
@@ -466,8 +469,9 @@ def load_report(path: Any) -> dict[str, Any]:
     """One accuracy JSON (``python -m tangram_sglang.eval --json``) from ``path``.
 
     Raises:
-        ConfigError: unreadable, not JSON, or without the ``model``/``config``/``samples``/
-            ``records`` keys of a report.
+        ConfigError: unreadable, not JSON, without the ``model``/``config``/``samples``/
+            ``records`` keys of a report, or a record without one of ``RECORD_KEYS`` or with a
+            score that is not a number (names the file, the record and the key).
     """
     import json
 
@@ -481,6 +485,19 @@ def load_report(path: Any) -> dict[str, Any]:
         raise ConfigError(
             f"report {str(path)!r}: not an eval report (model, config, samples, records)"
         )
+    for i, rec in enumerate(rep["records"]):
+        missing = [k for k in RECORD_KEYS if not isinstance(rec, dict) or k not in rec]
+        if missing:
+            raise ConfigError(
+                f"report {str(path)!r}: records[{i}] lacks {', '.join(missing)} (every record of "
+                f"python -m tangram_sglang.eval --json has {', '.join(RECORD_KEYS)})"
+            )
+        for key in NUMBER_KEYS:
+            value = rec[key]
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ConfigError(
+                    f"report {str(path)!r}: records[{i}].{key} is {value!r}, not a number"
+                )
     return rep
 
 

@@ -249,7 +249,7 @@ def test_resume_refuses_a_report_of_another_protocol(smollm2_path, tmp_path):
     from tangram_sglang.eval.runner import _resumed
 
     path = tmp_path / "acc.json"
-    rec = {"sample_id": "needle:0", "system": "full", "ratio": None}
+    rec = _needle_record()
     rep = {"model": "smollm2", "config": {}, "samples": [], "records": [rec]}
     path.write_text(json.dumps(dict(rep, protocol="query-agnostic")))
     aware = _cfg(smollm2_path, json_path=path, resume=True, protocol="query-aware")
@@ -268,7 +268,7 @@ def test_resume_refuses_a_report_of_another_device(smollm2_path, tmp_path):
     from tangram_sglang.eval.runner import _resumed
 
     path = tmp_path / "acc.json"
-    rec = {"sample_id": "needle:0", "system": "full", "ratio": None}
+    rec = _needle_record()
     rep = {"model": "smollm2", "samples": [], "records": [rec], "protocol": "query-agnostic"}
     path.write_text(json.dumps(dict(rep, config={"device": "cpu", "dtype": "float32"})))
     cuda = _cfg(smollm2_path, json_path=path, resume=True, device="cuda")
@@ -384,3 +384,18 @@ def test_the_report_records_which_profile_file_each_system_read(tmp_path, smollm
         report.merge([first, report.build(replace(ran, profile_files=clash), [], [], 0.0)])
     with pytest.raises(ConfigError, match="config.profile_files must map each system"):
         report.merge([first, report.build(replace(ran, profile_files={"x": ["bad"]}), [], [], 0.0)])
+
+
+def _needle_record() -> dict:
+    """One record as ``python -m tangram_sglang.eval --json`` writes it (report.RECORD_KEYS)."""
+    return {
+        "task": "needle",
+        "sample_id": "needle:0",
+        "turn": 0,
+        "system": "full",
+        "ratio": None,
+        "contains_answer": 1.0,
+        "exact_match": 1.0,
+        "kept_fraction": 1.0,
+        "cached_tokens": 0,
+    }

@@ -2,9 +2,19 @@
 
 from __future__ import annotations
 
+import json
+import re
+
 import pytest
 
-from tangram_sglang.eval.report import aggregate, markdown_table, summary
+from tangram_sglang.errors import ConfigError
+from tangram_sglang.eval.report import (
+    aggregate,
+    load_report,
+    markdown_table,
+    paired_vs_full,
+    summary,
+)
 from tangram_sglang.eval.scoring import contains_answer, exact_match, normalize, score
 
 
@@ -341,15 +351,37 @@ def test_paired_comparison_counts_the_questions_where_a_system_and_full_kv_disag
     out = summary(aggregate(records, (0.5, 0.25)), records)["later_questions_paired_vs_full"]
     lossy = out["0.25"]["tangram"]
     assert (lossy["questions"], lossy["only_full"], lossy["only_system"]) == (16, 6, 0)
-    assert lossy["p_value"] == round(2 * 0.5**6, 4)  # both tails of Binomial(6, 1/2)
+    assert lossy["p_value"] == float(f"{2 * 0.5**6:.3g}")  # both tails of Binomial(6, 1/2)
     swap = out["0.5"]["tangram"]
     assert (swap["only_full"], swap["only_system"], swap["p_value"]) == (2, 2, 1.0)
     assert "full" not in out["0.5"]  # the reference is not paired with itself
-    # turn 0 (the first question) is left out of the later questions
-    assert out["0.25"]["tangram"]["questions"] == 16
+    # a one-sided split of 20 keeps a p-value above 0 (3 significant digits, not 4 decimals)
+    many = _turn_records("full", None, [[1] * 21] * 2) + _turn_records("t", 0.5, [[0] * 21] * 2)
+    many[-1]["contains_answer"] = 1  # 20 of the 21 later questions lost
+    tiny = paired_vs_full(many, "multiturn-squad", "full", True)["0.5"]["t"]["p_value"]
+    assert 0 < tiny < 1e-5
     # without records (callers that only hold aggregates), no paired fields
     assert "later_questions_paired_vs_full" not in summary(aggregate(records, (0.5, 0.25)))
     # no full KV run (its 24 records dropped), or no needle task: nothing to pair with
     no_full = summary(aggregate(records[24:], (0.5, 0.25)), records[24:])
     assert no_full["later_questions_paired_vs_full"] == {}
     assert no_full["needle_paired_vs_full"] == {}
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (lambda rec: rec.pop("turn"), "records[1] lacks turn"),
+        (lambda rec: rec.update(contains_answer=None), "records[1].contains_answer is None"),
+        (lambda rec: rec.update(cached_tokens="12"), "records[1].cached_tokens is '12'"),
+    ],
+)
+def test_a_report_with_a_malformed_record_is_refused_naming_the_record_and_key(
+    tmp_path, edit, message
+):
+    records = _turn_records("full", None, [[1, 1]])
+    edit(records[1])
+    path = tmp_path / "acc.json"
+    path.write_text(json.dumps({"model": "m", "config": {}, "samples": [], "records": records}))
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load_report(path)
