@@ -56,8 +56,8 @@ run_eval() {
 }
 
 split_systems() {  # -> SRV (server systems) and HF (transformers systems), comma lists
-  SRV=$(echo "$SYSTEMS" | tr , '\n' | grep -E '^(full|tangram|tangram-kvzip-lite)$' | paste -sd, -)
-  HF=$(echo "$SYSTEMS" | tr , '\n' | grep -vE '^(full|tangram|tangram-kvzip-lite)$' | paste -sd, -)
+  SRV=$(echo "$SYSTEMS" | tr , '\n' | grep -E '^(full|tangram(-.*)?)$' | paste -sd, -)
+  HF=$(echo "$SYSTEMS" | tr , '\n' | grep -vE '^(full|tangram(-.*)?)$' | paste -sd, -)
 }
 
 poll() {
