@@ -2,7 +2,7 @@
 #   make demo   real SGLang server on the embedded model + a 3-turn chat (installs first if needed)
 #   make test   lint, layering contracts and the whole CPU test suite, what CI runs (installs first)
 # and for the edit-test loop:
-#   make test-fast   the CPU tests that start no server and are not marked slow (2-3 minutes)
+#   make test-fast   the CPU tests that start no server and are not marked slow (3-5 minutes)
 
 PYTHON ?= python3
 VENV ?= $(CURDIR)/.venv

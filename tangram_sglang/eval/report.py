@@ -59,7 +59,8 @@ LATER = "later_turns_" + METRIC
 SUMMARY_RATIOS = (0.25, 0.5)
 # what aggregate() and merge() read from every record (load_report checks them)
 NUMBER_KEYS = (METRIC, "exact_match", "kept_fraction", "cached_tokens")
-RECORD_KEYS = ("task", "sample_id", "turn", "system", "ratio", *NUMBER_KEYS)
+TEXT_KEYS = ("task", "sample_id", "system")
+RECORD_KEYS = (*TEXT_KEYS, "turn", "ratio", *NUMBER_KEYS)
 
 
 def build(cfg: Any, samples: list, records: list[dict[str, Any]], wall_s: float) -> dict[str, Any]:
@@ -471,7 +472,9 @@ def load_report(path: Any) -> dict[str, Any]:
     Raises:
         ConfigError: unreadable, not JSON, without the ``model``/``config``/``samples``/
             ``records`` keys of a report, or a record without one of ``RECORD_KEYS`` or with a
-            score that is not a number (names the file, the record and the key).
+            value of the wrong type: a score that is not a number, a ``turn`` that is not an
+            integer, a ``ratio`` that is neither a number nor null (names the file, the record
+            and the key).
     """
     import json
 
@@ -492,13 +495,25 @@ def load_report(path: Any) -> dict[str, Any]:
                 f"report {str(path)!r}: records[{i}] lacks {', '.join(missing)} (every record of "
                 f"python -m tangram_sglang.eval --json has {', '.join(RECORD_KEYS)})"
             )
-        for key in NUMBER_KEYS:
-            value = rec[key]
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise ConfigError(
-                    f"report {str(path)!r}: records[{i}].{key} is {value!r}, not a number"
-                )
+        wrong = [
+            f"{key} is {rec[key]!r}, not a number"
+            for key in NUMBER_KEYS
+            if not _is_number(rec[key])
+        ]
+        wrong += [
+            f"{k} is {rec[k]!r}, not a string" for k in TEXT_KEYS if not isinstance(rec[k], str)
+        ]
+        if isinstance(rec["turn"], bool) or not isinstance(rec["turn"], int):
+            wrong.append(f"turn is {rec['turn']!r}, not an integer")
+        if rec["ratio"] is not None and not _is_number(rec["ratio"]):
+            wrong.append(f"ratio is {rec['ratio']!r}, not a number (or null for full KV)")
+        if wrong:
+            raise ConfigError(f"report {str(path)!r}: records[{i}]: {'; '.join(wrong)}")
     return rep
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def main(argv: list[str] | None = None) -> int:

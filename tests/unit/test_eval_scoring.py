@@ -372,8 +372,11 @@ def test_paired_comparison_counts_the_questions_where_a_system_and_full_kv_disag
     ("edit", "message"),
     [
         (lambda rec: rec.pop("turn"), "records[1] lacks turn"),
-        (lambda rec: rec.update(contains_answer=None), "records[1].contains_answer is None"),
-        (lambda rec: rec.update(cached_tokens="12"), "records[1].cached_tokens is '12'"),
+        (lambda rec: rec.update(contains_answer=None), "records[1]: contains_answer is None"),
+        (lambda rec: rec.update(cached_tokens="12"), "records[1]: cached_tokens is '12'"),
+        (lambda rec: rec.update(turn="1"), "records[1]: turn is '1', not an integer"),
+        (lambda rec: rec.update(ratio="0.25"), "records[1]: ratio is '0.25', not a number"),
+        (lambda rec: rec.update(system=None), "records[1]: system is None, not a string"),
     ],
 )
 def test_a_report_with_a_malformed_record_is_refused_naming_the_record_and_key(
