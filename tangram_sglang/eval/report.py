@@ -488,6 +488,8 @@ def load_report(path: Any) -> dict[str, Any]:
         raise ConfigError(
             f"report {str(path)!r}: not an eval report (model, config, samples, records)"
         )
+    if not isinstance(rep["records"], list):
+        raise ConfigError(f"report {str(path)!r}: records is not a list of per-question records")
     for i, rec in enumerate(rep["records"]):
         missing = [k for k in RECORD_KEYS if not isinstance(rec, dict) or k not in rec]
         if missing:

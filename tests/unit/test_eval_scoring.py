@@ -388,3 +388,6 @@ def test_a_report_with_a_malformed_record_is_refused_naming_the_record_and_key(
     path.write_text(json.dumps({"model": "m", "config": {}, "samples": [], "records": records}))
     with pytest.raises(ConfigError, match=re.escape(message)):
         load_report(path)
+    path.write_text(json.dumps({"model": "m", "config": {}, "samples": [], "records": None}))
+    with pytest.raises(ConfigError, match="records is not a list"):
+        load_report(path)
