@@ -14,7 +14,7 @@
 # (the GGUF's pieces, joined in name order) and .carry/qwen05/SHA256 (the whole GGUF's sha256,
 # first word; or env QWEN_SHA256).
 # Env: PROTOCOL (query-agnostic | query-aware), TASKS (all), RATIOS (0.5,0.25), NSAMP (30),
-#      LENGTHS (2048,4096,8192), NTURNS (3), SYSTEMS (all eight), R (/tmp/acc: the run's folder;
+#      LENGTHS (2048,4096,8192), NTURNS (3), SYSTEMS (all nine), R (/tmp/acc: the run's folder;
 #      one per protocol when two protocols run at once), SERVER_ARGS (default: the
 #      harness's cuda default), CAP_S (each process, s: 3300), TANGRAM_CACHE_DIR (/tmp/tangram-cache),
 #      EVAL_MODEL (qwen2.5-0.5b), DEVICE (cuda; cpu only to try the script on a CPU host).

@@ -9,23 +9,29 @@
 # tokenizer (bench.dummy_tokenizer).
 # A later call on the same warm machine that carries neither (its copies are gone then) reuses
 # what an earlier call installed: the site under $SITE (stamped with the wheelhouse's MANIFEST)
-# and a copy of the egg-info beside it.
+# and a copy of the egg-info beside it ($SITE.tangram-egg-info, on no import path).
 set -u
 export SITE=${SITE:-/tmp/site}
 if [ -f .carry/sglang/p1/install.sh ]; then
+  rm -f "$SITE/.tangram-wheelhouse"  # stamped again only once this install has succeeded
   bash .carry/sglang/p1/install.sh .carry/sglang/p* || return 1
   cp .carry/sglang/p1/MANIFEST "$SITE/.tangram-wheelhouse" || return 1
+elif compgen -G ".carry/sglang/p*" > /dev/null; then
+  echo "device_setup: .carry/sglang holds parts but no p1/install.sh: carry .carry/sglang/p1 too" >&2
+  return 1
 elif [ -f "$SITE/.tangram-wheelhouse" ]; then
-  echo "device_setup: no .carry/sglang in this call; reusing the wheelhouse an earlier call installed in $SITE"
+  echo "device_setup: no .carry/sglang in this call; reusing the wheelhouse an earlier call" \
+    "installed in $SITE ($(grep sha256 "$SITE/.tangram-wheelhouse"))"
 else
   echo "device_setup: .carry/sglang/p1 is missing and $SITE holds no earlier install: pass carry" \
     '[".carry/sglang/p1", "tangram_sglang.egg-info"] to this call' >&2
   return 1
 fi
 if [ -d tangram_sglang.egg-info ]; then
-  rm -rf "$SITE.egg-info" && cp -r tangram_sglang.egg-info "$SITE.egg-info" || return 1
-elif [ -d "$SITE.egg-info" ]; then
-  cp -r "$SITE.egg-info" tangram_sglang.egg-info || return 1
+  rm -rf "$SITE.tangram-egg-info" && cp -r tangram_sglang.egg-info "$SITE.tangram-egg-info" ||
+    return 1
+elif [ -d "$SITE.tangram-egg-info" ]; then
+  cp -r "$SITE.tangram-egg-info" tangram_sglang.egg-info || return 1
 fi
 export PYTHONPATH=$SITE:$PWD PYTHONUNBUFFERED=1
 python3 scripts/patches.py apply --site-packages "$SITE" || return 1
