@@ -57,10 +57,28 @@ MULTITURN_TASK = "multiturn-squad"
 NEEDLE_TASK = "needle"
 LATER = "later_turns_" + METRIC
 SUMMARY_RATIOS = (0.25, 0.5)
-# what aggregate() and merge() read from every record (load_report checks them)
-NUMBER_KEYS = (METRIC, "exact_match", "kept_fraction", "cached_tokens")
-TEXT_KEYS = ("task", "sample_id", "system")
-RECORD_KEYS = (*TEXT_KEYS, "turn", "ratio", *NUMBER_KEYS)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+_TEXT = (lambda v: isinstance(v, str), "a string")
+_NUMBER = (_is_number, "a number")
+# what aggregate() and merge() read from every record, and the type each must have
+# (load_report checks them): key -> (test, what the value should be)
+RECORD_TYPES: dict[str, tuple[Any, str]] = {
+    "task": _TEXT,
+    "sample_id": _TEXT,
+    "system": _TEXT,
+    "turn": (lambda v: isinstance(v, int) and not isinstance(v, bool), "an integer"),
+    "ratio": (lambda v: v is None or _is_number(v), "a number (or null for full KV)"),
+    METRIC: _NUMBER,
+    "exact_match": _NUMBER,
+    "kept_fraction": _NUMBER,
+    "cached_tokens": _NUMBER,
+}
+RECORD_KEYS = tuple(RECORD_TYPES)
 
 
 def build(cfg: Any, samples: list, records: list[dict[str, Any]], wall_s: float) -> dict[str, Any]:
@@ -498,24 +516,13 @@ def load_report(path: Any) -> dict[str, Any]:
                 f"python -m tangram_sglang.eval --json has {', '.join(RECORD_KEYS)})"
             )
         wrong = [
-            f"{key} is {rec[key]!r}, not a number"
-            for key in NUMBER_KEYS
-            if not _is_number(rec[key])
+            f"{key} is {rec[key]!r}, not {what}"
+            for key, (ok, what) in RECORD_TYPES.items()
+            if not ok(rec[key])
         ]
-        wrong += [
-            f"{k} is {rec[k]!r}, not a string" for k in TEXT_KEYS if not isinstance(rec[k], str)
-        ]
-        if isinstance(rec["turn"], bool) or not isinstance(rec["turn"], int):
-            wrong.append(f"turn is {rec['turn']!r}, not an integer")
-        if rec["ratio"] is not None and not _is_number(rec["ratio"]):
-            wrong.append(f"ratio is {rec['ratio']!r}, not a number (or null for full KV)")
         if wrong:
             raise ConfigError(f"report {str(path)!r}: records[{i}]: {'; '.join(wrong)}")
     return rep
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def main(argv: list[str] | None = None) -> int:

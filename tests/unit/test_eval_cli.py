@@ -387,7 +387,7 @@ def test_the_report_records_which_profile_file_each_system_read(tmp_path, smollm
 
 
 def _needle_record() -> dict:
-    """One record as ``python -m tangram_sglang.eval --json`` writes it (report.RECORD_KEYS)."""
+    """One record as ``python -m tangram_sglang.eval --json`` writes it (report.RECORD_TYPES)."""
     return {
         "task": "needle",
         "sample_id": "needle:0",
