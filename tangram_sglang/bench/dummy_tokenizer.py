@@ -6,7 +6,9 @@ tokenizer, though: SGLang refuses ``min_new_tokens`` without one (it needs the E
 multi-turn bench holds the output lengths of requests without ``max_new_tokens`` with
 ``min_new_tokens``. This writes a tokenizer that maps every id of the model's vocabulary to one
 word, ``<t{id}>``, with the config's BOS and EOS ids, so the server runs with its tokenizer and
-detokenizer as a production server does. The bench sends token ids, so the words never matter.
+detokenizer as a production server does. The bench's own client sends token ids, so the words
+never matter; its ``--client sglang`` sends the words as chat text (a plain chat template joins
+the messages), and they encode back to the same ids.
 
 Usage::
 
@@ -26,6 +28,9 @@ from pathlib import Path
 from tangram_sglang.errors import ConfigError
 
 FILES = ("tokenizer.json", "tokenizer_config.json")
+# The chat API (``bench.multiturn --client sglang``) needs a chat template; this one joins the
+# messages' texts with spaces, so a chat prompt is exactly the words of its history.
+CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
 
 
 # Far above any released model's vocabulary (256k); the tokenizer holds one word per id, so a
@@ -113,6 +118,7 @@ def write_dummy_tokenizer(model_dir: str | Path, overwrite: bool = False) -> lis
         "eos_token": f"<t{eos}>",
         "unk_token": f"<t{eos}>",
         "model_max_length": max_len,
+        "chat_template": CHAT_TEMPLATE,
     }
     try:
         tok.save(str(targets[0]))

@@ -30,6 +30,10 @@ GPU each) and recomputes the ``summary``:
   ``shared_prefix``.
 A ratio whose runs are missing is null and ``missing`` says why.
 
+``--client sglang`` sends the measured conversations through SGLang's own ``bench_serving``
+over the chat API instead of this bench's client (:mod:`sglang_client`): the same figures, from
+a second, independent client.
+
 ``--trace-steps N`` repeats each workload once more under SGLang's profiler (its first ``N``
 forward steps) and stores where the time went under the workload's ``trace`` key
 (:mod:`multiturn_trace`); the measured figures stay those of the untraced run.
@@ -63,7 +67,7 @@ from pathlib import Path
 
 import numpy as np
 
-from tangram_sglang.bench import decode_windows, multiturn_trace
+from tangram_sglang.bench import decode_windows, multiturn_trace, sglang_client
 from tangram_sglang.bench.multiturn_client import (
     LoadSettings,
     RequestRecord,
@@ -92,6 +96,9 @@ GAUGES = (
     "tangram:pages_used",
     "tangram:kv_bytes_held",
 )
+# Cumulative token counters, read before and after a ``--client sglang`` run (bench_serving
+# does not count a multi-turn run's prompt or cached tokens): summed over their label sets.
+COUNTERS = ("sglang:prompt_tokens_total", "sglang:cached_tokens_total")
 
 
 # ---- parsing ----------------------------------------------------------------------------------
@@ -200,7 +207,8 @@ def parse_workload(item: str, args: argparse.Namespace) -> WorkloadSpec:
 
 # ---- measuring --------------------------------------------------------------------------------
 def parse_metrics(text: str) -> dict[str, float]:
-    """Prometheus text -> {metric name: value summed over label sets} for :data:`GAUGES`.
+    """Prometheus text -> {metric name: value summed over label sets} for :data:`GAUGES` and
+    :data:`COUNTERS`.
 
     Counters are cumulative since the server started (``retracted_requests_total``).
     """
@@ -209,7 +217,7 @@ def parse_metrics(text: str) -> dict[str, float]:
         if line.startswith("#") or not line.strip():
             continue
         name = line.split("{", 1)[0].split(" ", 1)[0]
-        key = name if name in GAUGES else None
+        key = name if name in GAUGES or name in COUNTERS else None
         if key is None:
             continue
         try:
@@ -217,6 +225,24 @@ def parse_metrics(text: str) -> dict[str, float]:
         except ValueError:
             continue
     return out
+
+
+async def _read_metrics(base_url: str) -> dict[str, float]:
+    """One read of ``/metrics`` (:func:`parse_metrics`).
+
+    Raises:
+        TangramError: the server did not answer (``--enable-metrics`` is on for every system).
+    """
+    import aiohttp
+
+    try:
+        async with (
+            aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session,
+            session.get(f"{base_url}/metrics") as resp,
+        ):
+            return parse_metrics(await resp.text())
+    except (aiohttp.ClientError, TimeoutError) as exc:
+        raise TangramError(f"{base_url}/metrics did not answer ({exc!r})") from None
 
 
 async def _poll_metrics(base_url: str, peaks: dict[str, float], stop: asyncio.Event) -> None:
@@ -241,6 +267,7 @@ async def measure(
     settings: LoadSettings,
     trace: tuple[Path, int, int] | None = None,
     on_start: Callable[[], None] | None = None,
+    sglang: sglang_client.ClientRun | None = None,
 ) -> dict:
     """Run one workload on a running server: ``settings.warmup_clients`` warm-up conversations
     (:func:`multiturn_workloads.warmup_conversations`, other token ids, not measured), the cache
@@ -255,6 +282,9 @@ async def measure(
             ``settings.warmup_clients == 0`` for a repeat on a warm server.
         on_start: called once right before the measured conversations start (after the
             warm-up and the cache flush): ``run_system`` marks the server log there.
+        sglang: the measured conversations go through SGLang's ``bench_serving`` over the
+            chat API (``--client sglang``, :mod:`sglang_client`) instead of the own client;
+            the warm-up still uses the own client. Not with ``trace``.
 
     Returns:
         Its metrics (:func:`summarize_run`), or ``{"traced_wall_s", "trace"}`` with ``trace``.
@@ -299,12 +329,36 @@ async def measure(
         analysis = await asyncio.to_thread(multiturn_trace.collect_trace, folder, since, top)
         return {"traced_wall_s": wall, "trace": analysis}
     peaks: dict[str, float] = {}
+    planned = sum(len(c.rounds) for c in conversations)
+    if sglang is not None:
+        command, result_path, log = sglang.prepare(
+            base_url, spec, conversations, vocab, settings.seed, settings.max_parallel
+        )
+        before = await _read_metrics(base_url)
+        stop = asyncio.Event()
+        poller = asyncio.create_task(_poll_metrics(base_url, peaks, stop))
+        try:
+            raw = await asyncio.to_thread(
+                sglang_client.run_bench_serving, command, result_path, settings.timeout_s, log
+            )
+        finally:
+            stop.set()
+            await poller
+        after = await _read_metrics(base_url)
+        counted = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in COUNTERS}
+        return sglang_client.summarize_bench_serving(
+            raw,
+            planned,
+            peaks,
+            settings.timeout_s,
+            prompt_tokens=int(counted["sglang:prompt_tokens_total"]),
+            cached_tokens=int(counted["sglang:cached_tokens_total"]),
+        )
     stop = asyncio.Event()
     poller = asyncio.create_task(_poll_metrics(base_url, peaks, stop))
     records, wall = await run_conversations(base_url, conversations, vocab, settings)
     stop.set()
     await poller
-    planned = sum(len(c.rounds) for c in conversations)
     return summarize_run(records, wall, planned, peaks, wall >= settings.timeout_s)
 
 
@@ -563,11 +617,21 @@ def run_system(name: str, flags: list[str], specs: list[WorkloadSpec], args, res
             model_eos_ids(args.model_path),
             args.warmup_clients,
         )
+        client = None
+        if args.client == "sglang":
+            client = sglang_client.ClientRun(args.model_path, Path(args.log_dir) / name)
         for spec in specs:
             print(f"[multiturn] {name}: {spec.label} ...", flush=True)
             mark = _LogMark(log)
             run = asyncio.run(
-                measure(server.base_url, spec, args.vocab_size, settings, on_start=mark)
+                measure(
+                    server.base_url,
+                    spec,
+                    args.vocab_size,
+                    settings,
+                    on_start=mark,
+                    sglang=client,
+                )
             )
             run["decode_log"] = run_decode_lines(log, mark.offset)
             run["triton_builds"] = run_build_lines(log, mark.offset)
@@ -839,6 +903,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="host functions and kernels listed per trace (default: %(default)s)",
     )
     p.add_argument(
+        "--client",
+        default="tangram",
+        choices=["tangram", "sglang"],
+        help="load generator of the measured runs: tangram (this bench's own: token ids to "
+        "/generate) or sglang (python -m sglang.bench_serving over /v1/chat/completions, the "
+        "same conversations as text; one output length per workload, no --request-rate, "
+        "--round-barrier, :no-max or --trace-steps) (default: %(default)s)",
+    )
+    p.add_argument(
         "--log-dir",
         default="/tmp/tangram-multiturn",
         help="server logs, multiturn-SYSTEM.server.log each, and the --trace-steps traces, "
@@ -1002,10 +1075,47 @@ def check_args(args: argparse.Namespace, systems: list, specs: list[WorkloadSpec
                 "a tokenizer gets one from python -m tangram_sglang.bench.dummy_tokenizer "
                 "MODEL_DIR)"
             )
+    if args.client == "sglang":
+        check_sglang_client(args, specs)
     check_profile(args, systems)  # last: every other flag is named first
     if args.output is None:
         args.output = CUDA_OUTPUT if args.device == "cuda" else CPU_OUTPUT
     Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+
+
+def check_sglang_client(args: argparse.Namespace, specs: list[WorkloadSpec]) -> None:
+    """``--client sglang``'s limits, before a server starts.
+
+    Raises:
+        ConfigError: a flag bench_serving cannot honour (names it and the way out), a workload
+            whose rounds differ in output length, or a server without its tokenizer.
+    """
+    unsupported = {
+        "--request-rate": args.request_rate != float("inf"),
+        "--round-barrier": args.round_barrier,
+        "--no-max-tokens": args.no_max_tokens,
+        "--trace-steps": args.trace_steps > 0,
+    }
+    for spec in specs:
+        unsupported[f"--workloads {spec.label}"] = spec.no_max_tokens
+    for flag, used in unsupported.items():
+        if used:
+            raise ConfigError(
+                f"{flag}: --client sglang (bench_serving) cannot run it; drop it or use "
+                "--client tangram"
+            )
+    for spec in specs:
+        sglang_client.uniform_output_length(make_conversations(spec), spec.label)
+    for flag, text in (
+        ("--server-args", args.server_args),
+        ("--baseline-args", args.baseline_args),
+    ):
+        if any(_skips_tokenizer(word) for word in shlex.split(text)):
+            raise ConfigError(
+                f"{flag}: --skip-tokenizer-init leaves the server no chat API, which --client "
+                "sglang talks to; drop it (a model folder without a tokenizer gets one from "
+                "python -m tangram_sglang.bench.dummy_tokenizer MODEL_DIR)"
+            )
 
 
 def check_profile(args: argparse.Namespace, systems: list) -> None:
