@@ -98,7 +98,11 @@ GAUGES = (
 )
 # Cumulative token counters, read before and after a ``--client sglang`` run (bench_serving
 # does not count a multi-turn run's prompt or cached tokens): summed over their label sets.
-COUNTERS = ("sglang:prompt_tokens_total", "sglang:cached_tokens_total")
+COUNTERS = {
+    "prompt": "sglang:prompt_tokens_total",
+    "cached": "sglang:cached_tokens_total",
+    "generated": "sglang:generation_tokens_total",
+}
 
 
 # ---- parsing ----------------------------------------------------------------------------------
@@ -217,7 +221,7 @@ def parse_metrics(text: str) -> dict[str, float]:
         if line.startswith("#") or not line.strip():
             continue
         name = line.split("{", 1)[0].split(" ", 1)[0]
-        key = name if name in GAUGES or name in COUNTERS else None
+        key = name if name in GAUGES or name in COUNTERS.values() else None
         if key is None:
             continue
         try:
@@ -319,6 +323,11 @@ async def measure(
         seed=settings.seed + zlib.crc32(spec.label.encode()),
         no_max_tokens=settings.no_max_tokens or spec.no_max_tokens,
     )
+    prepared = None
+    if sglang is not None:  # the trace is written before the mark: only the run is measured
+        prepared = sglang.prepare(
+            base_url, spec, conversations, vocab, settings.seed, settings.max_parallel
+        )
     if on_start is not None:
         on_start()
     if trace is not None:
@@ -330,10 +339,8 @@ async def measure(
         return {"traced_wall_s": wall, "trace": analysis}
     peaks: dict[str, float] = {}
     planned = sum(len(c.rounds) for c in conversations)
-    if sglang is not None:
-        command, result_path, log = sglang.prepare(
-            base_url, spec, conversations, vocab, settings.seed, settings.max_parallel
-        )
+    if prepared is not None:
+        command, result_path, log, output_len = prepared
         before = await _read_metrics(base_url)
         stop = asyncio.Event()
         poller = asyncio.create_task(_poll_metrics(base_url, peaks, stop))
@@ -345,14 +352,9 @@ async def measure(
             stop.set()
             await poller
         after = await _read_metrics(base_url)
-        counted = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in COUNTERS}
+        counted = {k: int(after.get(n, 0.0) - before.get(n, 0.0)) for k, n in COUNTERS.items()}
         return sglang_client.summarize_bench_serving(
-            raw,
-            planned,
-            peaks,
-            settings.timeout_s,
-            prompt_tokens=int(counted["sglang:prompt_tokens_total"]),
-            cached_tokens=int(counted["sglang:cached_tokens_total"]),
+            raw, planned, output_len, peaks, settings.timeout_s, counted
         )
     stop = asyncio.Event()
     poller = asyncio.create_task(_poll_metrics(base_url, peaks, stop))
@@ -907,9 +909,10 @@ def build_parser() -> argparse.ArgumentParser:
         default="tangram",
         choices=["tangram", "sglang"],
         help="load generator of the measured runs: tangram (this bench's own: token ids to "
-        "/generate) or sglang (python -m sglang.bench_serving over /v1/chat/completions, the "
-        "same conversations as text; one output length per workload, no --request-rate, "
-        "--round-barrier, :no-max or --trace-steps) (default: %(default)s)",
+        "/generate) or sglang (SGLang's bench_serving, python -m sglang.benchmark.serving, over "
+        "/v1/chat/completions: conversations of the same lengths as text; one output length "
+        "per workload, at most --max-parallel clients, no --request-rate, --round-barrier, "
+        ":no-max or --trace-steps) (default: %(default)s)",
     )
     p.add_argument(
         "--log-dir",
@@ -1088,7 +1091,8 @@ def check_sglang_client(args: argparse.Namespace, specs: list[WorkloadSpec]) -> 
 
     Raises:
         ConfigError: a flag bench_serving cannot honour (names it and the way out), a workload
-            whose rounds differ in output length, or a server without its tokenizer.
+            whose rounds differ in output length or with more clients than ``--max-parallel``,
+            or a model without a tokenizer and chat template (or a server told to skip it).
     """
     unsupported = {
         "--request-rate": args.request_rate != float("inf"),
@@ -1106,6 +1110,13 @@ def check_sglang_client(args: argparse.Namespace, specs: list[WorkloadSpec]) -> 
             )
     for spec in specs:
         sglang_client.uniform_output_length(make_conversations(spec), spec.label)
+        if spec.num_clients > args.max_parallel:
+            raise ConfigError(
+                f"--workloads {spec.label}: {spec.num_clients} clients but --max-parallel "
+                f"{args.max_parallel}; under --client sglang a conversation holds its slot "
+                "through all its rounds (the own client's bound is on requests), so raise "
+                f"--max-parallel to {spec.num_clients} or use fewer clients"
+            )
     for flag, text in (
         ("--server-args", args.server_args),
         ("--baseline-args", args.baseline_args),
@@ -1116,6 +1127,7 @@ def check_sglang_client(args: argparse.Namespace, specs: list[WorkloadSpec]) -> 
                 "sglang talks to; drop it (a model folder without a tokenizer gets one from "
                 "python -m tangram_sglang.bench.dummy_tokenizer MODEL_DIR)"
             )
+    sglang_client.check_chat_tokenizer(args.model_path)  # last: it loads the tokenizer
 
 
 def check_profile(args: argparse.Namespace, systems: list) -> None:

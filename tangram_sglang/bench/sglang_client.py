@@ -1,25 +1,35 @@
 """A second load generator for ``bench.multiturn``: SGLang's ``bench_serving``, over the chat API.
 
 ``bench.multiturn``'s own client (:mod:`multiturn_client`) sends token ids to ``/generate``.
-``--client sglang`` runs the same conversations through ``python -m sglang.bench_serving``
-instead, the client SGLang's developers measure with, the way a chat user's requests arrive:
-text messages to ``/v1/chat/completions`` (backend ``sglang-oai-chat``), the server applying
-the chat template and tokenizing, every round resending the whole history with the model's
-previous answers as text. A figure that holds under both clients does not depend on how one
-client talks to the server.
+``--client sglang`` runs the workload's conversations through SGLang's ``bench_serving``
+(``python -m sglang.benchmark.serving``, formerly ``sglang.bench_serving``) instead, the client
+SGLang's developers measure with, the way a chat user's requests arrive: text messages to
+``/v1/chat/completions`` (backend ``sglang-oai-chat``), the server applying the chat template
+and tokenizing, every round resending the whole history with the model's earlier answers as
+text. A figure that holds under both clients does not depend on how one client talks to the
+server.
 
 The conversations become a trace of bench_serving's ``agentic-trace`` dataset (one
 conversation per entry, each turn's new user message); bench_serving replays each
 conversation round by round, at most ``--max-concurrency`` conversations at a time, with
-``ignore_eos`` and ``max_tokens`` = the round's output length, so every system generates the
-same tokens. A round's text is the decoded form of random token ids (seeded as the own
-client's); with the GPU benchmarks' word-level tokenizer (:mod:`dummy_tokenizer`) it encodes
-back to the same ids, with a BPE tokenizer to about as many.
+``ignore_eos`` and ``max_completion_tokens`` = the round's output length, so every system
+generates the same number of tokens. The rounds have the own client's lengths; their text is
+the decoded form of random token ids (seeded; not the own client's ids, which it draws in the
+order its tasks run). With the GPU benchmarks' word-level tokenizer (:mod:`dummy_tokenizer`,
+whose plain chat template joins the messages) the words encode back to the same ids; with a
+BPE tokenizer the round trip gives 4-10% more tokens (SmolLM2, Qwen2.5; 128-1,024 tokens), and
+their chat templates add a default system prompt (about 30 tokens) to every request.
 
-What differs from the own client: bench_serving has one output length for every turn (so
-workloads whose rounds differ in output length, ``sharegpt`` and ``system-prompt``, are
-refused), no pacing by rate between rounds, no round barrier and no requests without
-``max_tokens``.
+What differs from the own client:
+- one output length for every turn (workloads whose rounds differ, ``sharegpt`` and
+  ``system-prompt``, are refused);
+- ``--max-parallel`` bounds conversations, each holding its slot through all its rounds (the
+  own client bounds requests), so a workload with more clients than ``--max-parallel`` is
+  refused rather than run under a different load;
+- no pacing by rate, no round barrier, no requests without ``max_tokens``;
+- output and prompt tokens are the server's own counts (bench_serving counts no prompt
+  tokens of a multi-turn run and takes an answer the server aborted mid-stream for a whole
+  one); a run past ``--workload-timeout-s`` is stopped and recorded as timed out.
 
 Source: sglang 0.5.17 ``sglang/benchmark/datasets/agentic_trace.py`` (the trace format) and
 ``sglang/benchmark/serving.py`` (multi-turn replay, the result line of ``--output-file``).
@@ -38,6 +48,7 @@ import numpy as np
 from tangram_sglang.bench.multiturn_workloads import ID_LOW, Conversation, WorkloadSpec
 from tangram_sglang.errors import ConfigError, TangramError
 
+MODULE = "sglang.benchmark.serving"  # bench_serving (``sglang.bench_serving`` is its old name)
 BACKEND = "sglang-oai-chat"
 
 
@@ -105,12 +116,12 @@ def bench_serving_command(
     output_len: int,
     result_path: Path,
 ) -> list[str]:
-    """The ``python -m sglang.bench_serving`` command line for one workload (no warm-up: the
-    bench warms the server with its own client first)."""
+    """The bench_serving command line for one workload (no warm-up: the bench warms the server
+    with its own client first; ``--output-details`` for the requests' errors)."""
     return [
         sys.executable,
         "-m",
-        "sglang.benchmark.serving",
+        MODULE,
         "--backend",
         BACKEND,
         "--base-url",
@@ -134,9 +145,39 @@ def bench_serving_command(
         "--warmup-requests",
         "0",
         "--disable-tqdm",
+        "--output-details",
         "--output-file",
         str(result_path),
     ]
+
+
+def check_chat_tokenizer(model_path: str):
+    """Load ``model_path``'s tokenizer and check it has a chat template (the chat API needs it).
+
+    Returns:
+        The tokenizer (transformers ``PreTrainedTokenizerBase``).
+
+    Raises:
+        ConfigError: no tokenizer, or one without a chat template; names the dummy tokenizer's
+            command, which writes both.
+    """
+    from transformers import AutoTokenizer
+
+    fix = f"python -m tangram_sglang.bench.dummy_tokenizer {model_path} --overwrite"
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(model_path)
+    except (OSError, ValueError, TypeError) as exc:
+        raise ConfigError(
+            f"--model-path {model_path}: --client sglang needs the model's tokenizer and "
+            f"cannot load it ({str(exc)[:300]}); for a dummy-weight folder: {fix}"
+        ) from None
+    if not getattr(tokenizer, "chat_template", None):
+        raise ConfigError(
+            f"--model-path {model_path}: its tokenizer has no chat template, which the chat "
+            f"API that --client sglang talks to needs (a dummy tokenizer written before the "
+            f"template was added has none): {fix}, or give a model with a chat template"
+        )
+    return tokenizer
 
 
 @dataclass
@@ -156,25 +197,15 @@ class ClientRun:
         vocab_size: int,
         seed: int,
         max_parallel: int,
-    ) -> tuple[list[str], Path, Path]:
+    ) -> tuple[list[str], Path, Path, int]:
         """Write ``spec``'s trace and return (the bench_serving command, its result file, its
-        log file), all under ``work_dir``.
+        log file, the rounds' output length in tokens); the files are under ``work_dir``.
 
         Raises:
             ConfigError: the rounds differ in output length, or the model has no tokenizer.
         """
         if self._decode is None:
-            from transformers import AutoTokenizer
-
-            try:
-                tokenizer = AutoTokenizer.from_pretrained(self.model_path)
-            except (OSError, ValueError) as exc:
-                raise ConfigError(
-                    f"--model-path {self.model_path}: --client sglang needs the model's "
-                    f"tokenizer ({exc}); a folder without one gets it from python -m "
-                    "tangram_sglang.bench.dummy_tokenizer MODEL_DIR"
-                ) from None
-            self._decode = tokenizer.decode
+            self._decode = check_chat_tokenizer(self.model_path).decode
         trace, output_len = agentic_trace(conversations, vocab_size, self._decode, seed)
         self.work_dir.mkdir(parents=True, exist_ok=True)
         trace_path = self.work_dir / f"{spec.label}.trace.json"
@@ -189,30 +220,34 @@ class ClientRun:
             output_len,
             result_path,
         )
-        return command, result_path, self.work_dir / f"{spec.label}.bench_serving.log"
+        return command, result_path, self.work_dir / f"{spec.label}.bench_serving.log", output_len
 
 
-def run_bench_serving(command: list[str], result_path: Path, timeout_s: float, log: Path) -> dict:
-    """Run bench_serving and return its result line (the last JSON line of ``result_path``).
+DETAIL_KEYS = ("input_lens", "output_lens", "ttfts", "itls", "generated_texts", "errors")
+
+
+def run_bench_serving(
+    command: list[str], result_path: Path, timeout_s: float, log: Path
+) -> dict | None:
+    """Run bench_serving and return its result line (the last JSON line of ``result_path``),
+    or None when it ran past ``timeout_s`` (it is killed; the wall time includes its own
+    start-up, a few seconds).
 
     Raises:
-        TangramError: it failed, ran past ``timeout_s`` or wrote no result (the error names
-            ``log``, which holds its output).
+        TangramError: it failed or wrote no result (the error names ``log``, which holds its
+            output, and quotes its tail).
     """
     result_path.unlink(missing_ok=True)
     with open(log, "w") as out:
         try:
             proc = subprocess.run(command, stdout=out, stderr=subprocess.STDOUT, timeout=timeout_s)
         except subprocess.TimeoutExpired:
-            raise TangramError(
-                f"sglang.bench_serving ran past {timeout_s:.0f} s (--workload-timeout-s); "
-                f"its output is in {log}"
-            ) from None
+            return None
     lines = result_path.read_text().splitlines() if result_path.is_file() else []
     if proc.returncode != 0 or not lines:
         tail = log.read_text(errors="replace")[-1500:]
         raise TangramError(
-            f"sglang.bench_serving exited {proc.returncode} with "
+            f"{MODULE} exited {proc.returncode} with "
             f"{'no result' if not lines else 'a result'} ({log}): {tail}"
         )
     return json.loads(lines[-1])
@@ -224,51 +259,59 @@ def _ms_pcts(raw: dict, what: str) -> dict[str, float | None]:
 
 
 def summarize_bench_serving(
-    raw: dict,
+    raw: dict | None,
     planned: int,
+    output_len: int,
     peaks: dict[str, float],
     timeout_s: float,
-    prompt_tokens: int,
-    cached_tokens: int,
+    counted: dict[str, int],
 ) -> dict:
     """bench_serving's result line in the keys of ``multiturn.summarize_run`` (seconds, tokens),
-    plus ``client`` and the raw line under ``bench_serving``.
+    plus ``client``, ``output_tokens_short`` and the line's figures under ``bench_serving``.
 
     Args:
-        prompt_tokens, cached_tokens: the run's prompt tokens and those served from the prefix
-            cache, as the server counted them (the growth of its ``sglang:prompt_tokens_total``
-            and ``sglang:cached_tokens_total`` over the run): bench_serving counts neither for a
-            multi-turn run.
+        raw: the result line (:func:`run_bench_serving`), None when it ran past ``timeout_s``.
+        planned: the rounds of the workload (requests); ``output_len``: tokens each asks for.
+        counted: what the server counted over the run (the growth of its counters):
+            ``prompt``, ``cached`` and ``generated`` tokens. bench_serving counts prompt and
+            cached tokens of no multi-turn run, and takes a request the server aborted inside
+            an HTTP 200 stream for a success of full length; so the output tokens and the
+            throughput are the server's count, and ``output_tokens_short`` (completed requests
+            times ``output_len``, less the tokens generated) is above 0 when answers were cut.
 
     ``requests_failed`` counts the rounds planned that did not complete.
     """
-    completed = int(raw.get("completed", 0))
-    wall = float(raw.get("duration", 0.0))
-    out_tokens = int(raw.get("total_output_tokens", 0))
-    prompt = prompt_tokens
-    cached = cached_tokens
+    wall = timeout_s if raw is None else float(raw.get("duration", 0.0))
+    completed = 0 if raw is None else int(raw.get("completed", 0))
+    out_tokens, prompt, cached = counted["generated"], counted["prompt"], counted["cached"]
+    errors = [] if raw is None else [e for e in raw.get("errors", []) if e][:3]
+    if raw is None:
+        errors = [f"{MODULE} ran past {timeout_s:.0f} s (--workload-timeout-s) and was stopped"]
     return {
-        "client": f"sglang.bench_serving ({BACKEND})",
+        "client": f"{MODULE} ({BACKEND})",
         "requests_planned": planned,
         "requests_ok": completed,
         "requests_failed": planned - completed,
-        "timed_out": wall >= timeout_s,
-        "first_errors": [],
+        "timed_out": raw is None,
+        "first_errors": errors,
         "wall_s": wall,
         "output_tokens": out_tokens,
+        "output_tokens_short": max(0, completed * output_len - out_tokens),
         "prompt_tokens": prompt,
-        "output_tok_per_s": float(raw.get("output_throughput", 0.0)),
+        "output_tok_per_s": out_tokens / wall if wall else 0.0,
         "mean_output_tokens": out_tokens / completed if completed else None,
         "total_tok_per_s": (out_tokens + prompt) / wall if wall else 0.0,
         "cache_hit_rate": cached / prompt if prompt else 0.0,
-        "ttft_s": _ms_pcts(raw, "ttft"),
-        "tpot_s": _ms_pcts(raw, "tpot"),
-        "latency_s": _ms_pcts(raw, "e2e_latency"),
+        "ttft_s": _ms_pcts(raw or {}, "ttft"),
+        "tpot_s": _ms_pcts(raw or {}, "tpot"),
+        "latency_s": _ms_pcts(raw or {}, "e2e_latency"),
         "peak_running_reqs": peaks.get("sglang:num_running_reqs"),
         "peak_token_usage": peaks.get("sglang:token_usage"),
         "peak_used_tokens": peaks.get("sglang:num_used_tokens"),
         "peak_tangram_pages_used": peaks.get("tangram:pages_used"),
         "peak_tangram_kv_bytes_held": peaks.get("tangram:kv_bytes_held"),
         "retracted_requests_total": peaks.get("sglang:num_retracted_requests_total"),
-        "bench_serving": {k: v for k, v in raw.items() if k != "server_info"},
+        "bench_serving": {
+            k: v for k, v in (raw or {}).items() if k != "server_info" and k not in DETAIL_KEYS
+        },
     }

@@ -72,9 +72,10 @@ def test_sglang_bench_serving_runs_the_conversations_over_the_chat_api(tmp_path)
     entry = json.loads(out.read_text())["systems"]["baseline"]
     assert entry["error"] is None
     run = entry["workloads"]["short-chat-2x3"]
-    assert run["client"] == "sglang.bench_serving (sglang-oai-chat)"
+    assert run["client"] == "sglang.benchmark.serving (sglang-oai-chat)"
     assert run["requests_planned"] == 6 and run["requests_ok"] == 6
     assert run["requests_failed"] == 0 and run["output_tokens"] == 6 * 4  # ignore_eos
+    assert run["output_tokens_short"] == 0 and run["first_errors"] == []
     assert run["output_tok_per_s"] > 0 and run["ttft_s"]["p50"] > 0
     # every round resends the history as text: round 3 of a client holds 24 + 4 + 128 + 4 + 128
     # words of its own, so the prompts the server counted grow round by round
