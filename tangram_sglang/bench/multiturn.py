@@ -1079,14 +1079,14 @@ def check_args(args: argparse.Namespace, systems: list, specs: list[WorkloadSpec
                 "MODEL_DIR)"
             )
     if args.client == "sglang":
-        check_sglang_client(args, specs)
+        check_sglang_client(args, systems, specs)
     check_profile(args, systems)  # last: every other flag is named first
     if args.output is None:
         args.output = CUDA_OUTPUT if args.device == "cuda" else CPU_OUTPUT
     Path(args.output).parent.mkdir(parents=True, exist_ok=True)
 
 
-def check_sglang_client(args: argparse.Namespace, specs: list[WorkloadSpec]) -> None:
+def check_sglang_client(args: argparse.Namespace, systems: list, specs: list[WorkloadSpec]) -> None:
     """``--client sglang``'s limits, before a server starts.
 
     Raises:
@@ -1109,18 +1109,20 @@ def check_sglang_client(args: argparse.Namespace, specs: list[WorkloadSpec]) -> 
                 "--client tangram"
             )
     for spec in specs:
-        sglang_client.uniform_output_length(make_conversations(spec), spec.label)
-        if spec.num_clients > args.max_parallel:
+        conversations = make_conversations(spec)
+        sglang_client.uniform_output_length(conversations, spec.label)
+        multi_round = any(len(c.rounds) > 1 for c in conversations)
+        if spec.num_clients > args.max_parallel and multi_round:
             raise ConfigError(
                 f"--workloads {spec.label}: {spec.num_clients} clients but --max-parallel "
                 f"{args.max_parallel}; under --client sglang a conversation holds its slot "
                 "through all its rounds (the own client's bound is on requests), so raise "
                 f"--max-parallel to {spec.num_clients} or use fewer clients"
             )
-    for flag, text in (
-        ("--server-args", args.server_args),
-        ("--baseline-args", args.baseline_args),
-    ):
+    flags = [("--server-args", args.server_args)]
+    if any(ratio is None for _, ratio in systems):  # only stock systems get --baseline-args
+        flags.append(("--baseline-args", args.baseline_args))
+    for flag, text in flags:
         if any(_skips_tokenizer(word) for word in shlex.split(text)):
             raise ConfigError(
                 f"{flag}: --skip-tokenizer-init leaves the server no chat API, which --client "

@@ -22,14 +22,16 @@ their chat templates add a default system prompt (about 30 tokens) to every requ
 
 What differs from the own client:
 - one output length for every turn (workloads whose rounds differ, ``sharegpt`` and
-  ``system-prompt``, are refused);
+  ``system-prompt`` unless ``--output-length`` caps every round to one length, are refused);
 - ``--max-parallel`` bounds conversations, each holding its slot through all its rounds (the
-  own client bounds requests), so a workload with more clients than ``--max-parallel`` is
-  refused rather than run under a different load;
+  own client bounds requests), so a multi-round workload with more clients than
+  ``--max-parallel`` is refused rather than run under a different load;
 - no pacing by rate, no round barrier, no requests without ``max_tokens``;
 - output and prompt tokens are the server's own counts (bench_serving counts no prompt
   tokens of a multi-turn run and takes an answer the server aborted mid-stream for a whole
-  one); a run past ``--workload-timeout-s`` is stopped and recorded as timed out.
+  one); a run past ``--workload-timeout-s`` (plus a start-up allowance) is stopped and
+  recorded as timed out, and one that gives no result (no request succeeded, or the server
+  went away) is recorded with every request failed and the reason under ``first_errors``.
 
 Source: sglang 0.5.17 ``sglang/benchmark/datasets/agentic_trace.py`` (the trace format) and
 ``sglang/benchmark/serving.py`` (multi-turn replay, the result line of ``--output-file``).
@@ -46,7 +48,7 @@ from pathlib import Path
 import numpy as np
 
 from tangram_sglang.bench.multiturn_workloads import ID_LOW, Conversation, WorkloadSpec
-from tangram_sglang.errors import ConfigError, TangramError
+from tangram_sglang.errors import ConfigError
 
 MODULE = "sglang.benchmark.serving"  # bench_serving (``sglang.bench_serving`` is its old name)
 BACKEND = "sglang-oai-chat"
@@ -60,10 +62,12 @@ def uniform_output_length(conversations: list[Conversation], label: str) -> int:
     """
     lengths = {out for conv in conversations for _, out in conv.rounds}
     if len(lengths) != 1:
+        shown = ", ".join(map(str, sorted(lengths)[:5])) + (", ..." if len(lengths) > 5 else "")
         raise ConfigError(
             f"{label}: --client sglang needs one output length for every round (bench_serving "
-            f"takes one), but its rounds have {len(lengths)} ({sorted(lengths)[:5]}...); use "
-            "short-chat, mixed, cliff, long-context or prefill, or --client tangram"
+            f"takes one), but its rounds have {len(lengths)} ({shown} tokens); give "
+            "--output-length that every round reaches (mixed: 128, its long clients' length), "
+            "use short-chat, cliff, long-context or prefill, or --client tangram"
         )
     return lengths.pop()
 
@@ -169,7 +173,7 @@ def check_chat_tokenizer(model_path: str):
     except (OSError, ValueError, TypeError) as exc:
         raise ConfigError(
             f"--model-path {model_path}: --client sglang needs the model's tokenizer and "
-            f"cannot load it ({str(exc)[:300]}); for a dummy-weight folder: {fix}"
+            f"cannot load it ({exc}); for a dummy-weight folder: {fix}"
         ) from None
     if not getattr(tokenizer, "chat_template", None):
         raise ConfigError(
@@ -226,30 +230,43 @@ class ClientRun:
 DETAIL_KEYS = ("input_lens", "output_lens", "ttfts", "itls", "generated_texts", "errors")
 
 
-def run_bench_serving(
-    command: list[str], result_path: Path, timeout_s: float, log: Path
-) -> dict | None:
-    """Run bench_serving and return its result line (the last JSON line of ``result_path``),
-    or None when it ran past ``timeout_s`` (it is killed; the wall time includes its own
-    start-up, a few seconds).
+STARTUP_ALLOWANCE_S = 120.0  # bench_serving's own start-up (imports, tokenizer): not the run's
 
-    Raises:
-        TangramError: it failed or wrote no result (the error names ``log``, which holds its
-            output, and quotes its tail).
+
+def run_bench_serving(command: list[str], result_path: Path, timeout_s: float, log: Path) -> dict:
+    """Run bench_serving and return its result line (the last JSON line of ``result_path``).
+
+    It is stopped after ``timeout_s`` + :data:`STARTUP_ALLOWANCE_S` (its start-up imports
+    SGLang, 5-30 s on a loaded CPU). Where it stops with no result, the returned line is
+    ``{"completed": 0, "failure": ...}``: ``failure`` says why (the time limit, or its exit
+    status and the tail of ``log``, its output: bench_serving stops with a traceback when no
+    request succeeded, e.g. prompts longer than the server's context, or when the server went
+    away).
     """
     result_path.unlink(missing_ok=True)
     with open(log, "w") as out:
         try:
-            proc = subprocess.run(command, stdout=out, stderr=subprocess.STDOUT, timeout=timeout_s)
+            proc = subprocess.run(
+                command,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                timeout=timeout_s + STARTUP_ALLOWANCE_S,
+            )
         except subprocess.TimeoutExpired:
-            return None
+            return {
+                "completed": 0,
+                "timed_out": True,
+                "failure": f"{MODULE} ran past {timeout_s:.0f} s (--workload-timeout-s) + "
+                f"{STARTUP_ALLOWANCE_S:.0f} s for its start-up and was stopped ({log})",
+            }
     lines = result_path.read_text().splitlines() if result_path.is_file() else []
     if proc.returncode != 0 or not lines:
-        tail = log.read_text(errors="replace")[-1500:]
-        raise TangramError(
-            f"{MODULE} exited {proc.returncode} with "
-            f"{'no result' if not lines else 'a result'} ({log}): {tail}"
-        )
+        tail = log.read_text(errors="replace").strip().splitlines()[-3:]
+        return {
+            "completed": 0,
+            "failure": f"{MODULE} exited {proc.returncode} with no result: no request "
+            f"succeeded, or the server went away ({log}): {' | '.join(tail)[-600:]}",
+        }
     return json.loads(lines[-1])
 
 
@@ -259,7 +276,7 @@ def _ms_pcts(raw: dict, what: str) -> dict[str, float | None]:
 
 
 def summarize_bench_serving(
-    raw: dict | None,
+    raw: dict,
     planned: int,
     output_len: int,
     peaks: dict[str, float],
@@ -270,7 +287,7 @@ def summarize_bench_serving(
     plus ``client``, ``output_tokens_short`` and the line's figures under ``bench_serving``.
 
     Args:
-        raw: the result line (:func:`run_bench_serving`), None when it ran past ``timeout_s``.
+        raw: the result line (:func:`run_bench_serving`; with ``failure`` when it gave none).
         planned: the rounds of the workload (requests); ``output_len``: tokens each asks for.
         counted: what the server counted over the run (the growth of its counters):
             ``prompt``, ``cached`` and ``generated`` tokens. bench_serving counts prompt and
@@ -281,18 +298,19 @@ def summarize_bench_serving(
 
     ``requests_failed`` counts the rounds planned that did not complete.
     """
-    wall = timeout_s if raw is None else float(raw.get("duration", 0.0))
-    completed = 0 if raw is None else int(raw.get("completed", 0))
+    timed_out = bool(raw.get("timed_out"))
+    wall = float(raw.get("duration", timeout_s if timed_out else 0.0))
+    completed = int(raw.get("completed", 0))
     out_tokens, prompt, cached = counted["generated"], counted["prompt"], counted["cached"]
-    errors = [] if raw is None else [e for e in raw.get("errors", []) if e][:3]
-    if raw is None:
-        errors = [f"{MODULE} ran past {timeout_s:.0f} s (--workload-timeout-s) and was stopped"]
+    errors = [e for e in raw.get("errors", []) if e][:3]
+    if "failure" in raw:
+        errors = [raw["failure"]]
     return {
         "client": f"{MODULE} ({BACKEND})",
         "requests_planned": planned,
         "requests_ok": completed,
         "requests_failed": planned - completed,
-        "timed_out": raw is None,
+        "timed_out": timed_out,
         "first_errors": errors,
         "wall_s": wall,
         "output_tokens": out_tokens,
@@ -302,9 +320,9 @@ def summarize_bench_serving(
         "mean_output_tokens": out_tokens / completed if completed else None,
         "total_tok_per_s": (out_tokens + prompt) / wall if wall else 0.0,
         "cache_hit_rate": cached / prompt if prompt else 0.0,
-        "ttft_s": _ms_pcts(raw or {}, "ttft"),
-        "tpot_s": _ms_pcts(raw or {}, "tpot"),
-        "latency_s": _ms_pcts(raw or {}, "e2e_latency"),
+        "ttft_s": _ms_pcts(raw, "ttft"),
+        "tpot_s": _ms_pcts(raw, "tpot"),
+        "latency_s": _ms_pcts(raw, "e2e_latency"),
         "peak_running_reqs": peaks.get("sglang:num_running_reqs"),
         "peak_token_usage": peaks.get("sglang:token_usage"),
         "peak_used_tokens": peaks.get("sglang:num_used_tokens"),
@@ -312,6 +330,6 @@ def summarize_bench_serving(
         "peak_tangram_kv_bytes_held": peaks.get("tangram:kv_bytes_held"),
         "retracted_requests_total": peaks.get("sglang:num_retracted_requests_total"),
         "bench_serving": {
-            k: v for k, v in (raw or {}).items() if k != "server_info" and k not in DETAIL_KEYS
+            k: v for k, v in raw.items() if k != "server_info" and k not in DETAIL_KEYS
         },
     }

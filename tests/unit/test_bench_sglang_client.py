@@ -15,7 +15,7 @@ from tangram_sglang.bench import multiturn as mt
 from tangram_sglang.bench import sglang_client as sc
 from tangram_sglang.bench.dummy_tokenizer import write_dummy_tokenizer
 from tangram_sglang.bench.multiturn_workloads import ID_LOW, WorkloadSpec, make_conversations
-from tangram_sglang.errors import ConfigError, TangramError
+from tangram_sglang.errors import ConfigError
 
 TINY = {"vocab_size": 3000, "bos_token_id": 1, "eos_token_id": 2}
 
@@ -138,23 +138,27 @@ def test_answers_cut_short_count_by_the_servers_tokens_not_bench_servings():
     assert run["output_tok_per_s"] == 13.0 and RAW["output_throughput"] == 16.0
 
 
-def test_a_run_past_the_timeout_is_recorded_as_timed_out():
-    run = sc.summarize_bench_serving(None, 8, 4, {}, 60, COUNTED)
+def test_a_run_past_the_timeout_is_recorded_as_timed_out(tmp_path, monkeypatch):
+    monkeypatch.setattr(sc, "STARTUP_ALLOWANCE_S", 0.5)
+    slow = [sys.executable, "-c", "import time; time.sleep(10)"]
+    raw = sc.run_bench_serving(slow, tmp_path / "r.jsonl", 0.5, tmp_path / "b.log")
+    run = sc.summarize_bench_serving(raw, 8, 4, {}, 0.5, COUNTED)
     assert run["timed_out"] and run["requests_ok"] == 0 and run["requests_failed"] == 8
-    assert (
-        run["wall_s"] == 60
-        and run["output_tokens"] == 32
-        and "ran past 60 s" in (run["first_errors"][0])
-    )
+    assert run["wall_s"] == 0.5 and run["output_tokens"] == 32
+    assert "ran past 0 s (--workload-timeout-s) + 0 s for its start-up" in run["first_errors"][0]
 
 
-def test_a_failed_bench_serving_names_its_log(tmp_path):
+def test_a_bench_serving_without_a_result_fails_every_request_and_says_why(tmp_path):
+    """bench_serving stops with a traceback when no request succeeded (e.g. every prompt past
+    the server's context): the run is recorded, not the system failed."""
     log = tmp_path / "b.log"
-    command = [sys.executable, "-c", "import sys; print('no server'); sys.exit(3)"]
-    with pytest.raises(TangramError, match=r"exited 3 with no result .*b\.log.*no server"):
-        sc.run_bench_serving(command, tmp_path / "r.jsonl", 30, log)
-    slow = [sys.executable, "-c", "import time; time.sleep(5)"]
-    assert sc.run_bench_serving(slow, tmp_path / "r.jsonl", 1, log) is None
+    command = [sys.executable, "-c", "import sys; print('IndexError: index -1'); sys.exit(1)"]
+    raw = sc.run_bench_serving(command, tmp_path / "r.jsonl", 30, log)
+    run = sc.summarize_bench_serving(raw, 4, 8, {}, 30, {**COUNTED, "generated": 0})
+    assert run["requests_ok"] == 0 and run["requests_failed"] == 4 and not run["timed_out"]
+    (why,) = run["first_errors"]
+    assert "exited 1 with no result: no request succeeded" in why
+    assert str(log) in why and "IndexError: index -1" in why
 
 
 def test_the_last_result_line_is_returned(tmp_path):
@@ -174,9 +178,10 @@ def test_the_last_result_line_is_returned(tmp_path):
         (["--trace-steps", "3"], "--trace-steps: --client sglang"),
         (["--server-args=--skip-tokenizer-init"], "--server-args: --skip-tokenizer-init leaves"),
         (["--max-parallel", "1"], "short-chat-2x2: 2 clients but --max-parallel 1"),
+        (["--workloads", "mixed:4x2", "--output-length", "4"], "(mixed: 128, its long"),
         ([], "needs the model's tokenizer and cannot load it"),
     ],
-    ids=["sharegpt", "rate", "barrier", "no-max", "trace", "skip-tokenizer", "parallel", "none"],
+    ids=["sharegpt", "rate", "barrier", "no-max", "trace", "no-tok", "parallel", "mixed", "none"],
 )
 def test_what_bench_serving_cannot_run_is_refused_before_any_server(tmp_path, capsys, argv, match):
     model = tmp_path / "m"
@@ -198,3 +203,30 @@ def test_a_tokenizer_without_a_chat_template_is_refused_with_the_fix(tmp_path):
     (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
     with pytest.raises(ConfigError, match=r"no chat template.*dummy_tokenizer .* --overwrite"):
         sc.check_chat_tokenizer(str(tmp_path))
+
+
+def test_one_round_workloads_may_have_more_clients_than_max_parallel(tmp_path):
+    """A one-round conversation is one request: the same load under either client's bound."""
+    (tmp_path / "config.json").write_text(json.dumps(TINY))
+    write_dummy_tokenizer(tmp_path)
+    argv = ["--model-path", str(tmp_path), "--systems", "baseline", "--client", "sglang"]
+    argv += ["--max-parallel", "4", "--output", str(tmp_path / "r.json")]
+    a = mt.build_parser().parse_args(argv)
+    a.device, a.vocab_size = "cpu", TINY["vocab_size"]
+    mt.check_args(a, mt.parse_systems("baseline"), [mt.parse_workload("prefill:16x64", a)])
+    spec = mt.parse_workload("short-chat:16x2", a)
+    with pytest.raises(ConfigError, match="16 clients but --max-parallel 4"):
+        mt.check_sglang_client(a, mt.parse_systems("baseline"), [spec])
+
+
+def test_baseline_args_of_a_tangram_only_run_are_not_read(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(TINY))
+    write_dummy_tokenizer(tmp_path)
+    argv = ["--model-path", str(tmp_path), "--client", "sglang"]
+    argv += ["--baseline-args=--skip-tokenizer-init", "--output", str(tmp_path / "r.json")]
+    a = mt.build_parser().parse_args(argv)
+    a.device = "cpu"
+    cliff = [mt.parse_workload("cliff:2", a)]
+    mt.check_sglang_client(a, mt.parse_systems("tangram:0.5"), cliff)
+    with pytest.raises(ConfigError, match="--baseline-args: --skip-tokenizer-init leaves"):
+        mt.check_sglang_client(a, mt.parse_systems("baseline"), cliff)
