@@ -69,10 +69,12 @@ import numpy as np
 
 from tangram_sglang.bench import decode_windows, multiturn_trace, sglang_client
 from tangram_sglang.bench.multiturn_client import (
+    PEAK_KEYS,
     LoadSettings,
     RequestRecord,
     model_eos_ids,
     run_conversations,
+    token_figures,
 )
 from tangram_sglang.bench.multiturn_workloads import (
     DEFAULT_SYSTEM_PROMPT_TOKENS,
@@ -390,21 +392,11 @@ def summarize_run(
         "timed_out": bool(timed_out),
         "first_errors": [r.error for r in records if r.error][:3],
         "wall_s": wall_s,
-        "output_tokens": out_tokens,
-        "prompt_tokens": prompt,
-        "output_tok_per_s": out_tokens / wall_s if wall_s else 0.0,
-        "mean_output_tokens": out_tokens / len(ok) if ok else None,
-        "total_tok_per_s": (out_tokens + prompt) / wall_s if wall_s else 0.0,
-        "cache_hit_rate": cached / prompt if prompt else 0.0,
+        **token_figures(out_tokens, prompt, cached, wall_s, len(ok)),
         "ttft_s": _pcts([r.ttft_s for r in ok if r.ttft_s is not None]),
         "tpot_s": _pcts([r.tpot_s for r in ok if r.tpot_s is not None]),
         "latency_s": _pcts([r.latency_s for r in ok]),
-        "peak_running_reqs": peaks.get("sglang:num_running_reqs"),
-        "peak_token_usage": peaks.get("sglang:token_usage"),
-        "peak_used_tokens": peaks.get("sglang:num_used_tokens"),
-        "peak_tangram_pages_used": peaks.get("tangram:pages_used"),
-        "peak_tangram_kv_bytes_held": peaks.get("tangram:kv_bytes_held"),
-        "retracted_requests_total": peaks.get("sglang:num_retracted_requests_total"),
+        **{key: peaks.get(name) for key, name in PEAK_KEYS.items()},
     }
 
 

@@ -84,6 +84,33 @@ class RequestRecord:
     error: str | None = None
 
 
+# A run's server peaks (``multiturn.GAUGES``, polled from ``/metrics``) under their result keys.
+PEAK_KEYS = {
+    "peak_running_reqs": "sglang:num_running_reqs",
+    "peak_token_usage": "sglang:token_usage",
+    "peak_used_tokens": "sglang:num_used_tokens",
+    "peak_tangram_pages_used": "tangram:pages_used",
+    "peak_tangram_kv_bytes_held": "tangram:kv_bytes_held",
+    "retracted_requests_total": "sglang:num_retracted_requests_total",
+}
+
+
+def token_figures(
+    output_tokens: int, prompt_tokens: int, cached_tokens: int, wall_s: float, answered: int
+) -> dict:
+    """A run's token counts and rates, as both clients report them: ``output_tok_per_s``,
+    ``mean_output_tokens`` (per answered request; None when none), ``total_tok_per_s``
+    (prompt + output per second) and ``cache_hit_rate`` (cached / prompt tokens)."""
+    return {
+        "output_tokens": output_tokens,
+        "prompt_tokens": prompt_tokens,
+        "output_tok_per_s": output_tokens / wall_s if wall_s else 0.0,
+        "mean_output_tokens": output_tokens / answered if answered else None,
+        "total_tok_per_s": (output_tokens + prompt_tokens) / wall_s if wall_s else 0.0,
+        "cache_hit_rate": cached_tokens / prompt_tokens if prompt_tokens else 0.0,
+    }
+
+
 class _Pacer:
     """Poisson start times shared by all clients (request_rate per second)."""
 

@@ -47,6 +47,7 @@ from pathlib import Path
 
 import numpy as np
 
+from tangram_sglang.bench.multiturn_client import PEAK_KEYS, token_figures
 from tangram_sglang.bench.multiturn_workloads import ID_LOW, Conversation, WorkloadSpec
 from tangram_sglang.errors import ConfigError
 
@@ -313,22 +314,12 @@ def summarize_bench_serving(
         "timed_out": timed_out,
         "first_errors": errors,
         "wall_s": wall,
-        "output_tokens": out_tokens,
+        **token_figures(out_tokens, prompt, cached, wall, completed),
         "output_tokens_short": max(0, completed * output_len - out_tokens),
-        "prompt_tokens": prompt,
-        "output_tok_per_s": out_tokens / wall if wall else 0.0,
-        "mean_output_tokens": out_tokens / completed if completed else None,
-        "total_tok_per_s": (out_tokens + prompt) / wall if wall else 0.0,
-        "cache_hit_rate": cached / prompt if prompt else 0.0,
         "ttft_s": _ms_pcts(raw, "ttft"),
         "tpot_s": _ms_pcts(raw, "tpot"),
         "latency_s": _ms_pcts(raw, "e2e_latency"),
-        "peak_running_reqs": peaks.get("sglang:num_running_reqs"),
-        "peak_token_usage": peaks.get("sglang:token_usage"),
-        "peak_used_tokens": peaks.get("sglang:num_used_tokens"),
-        "peak_tangram_pages_used": peaks.get("tangram:pages_used"),
-        "peak_tangram_kv_bytes_held": peaks.get("tangram:kv_bytes_held"),
-        "retracted_requests_total": peaks.get("sglang:num_retracted_requests_total"),
+        **{key: peaks.get(name) for key, name in PEAK_KEYS.items()},
         "bench_serving": {
             k: v for k, v in raw.items() if k != "server_info" and k not in DETAIL_KEYS
         },
