@@ -341,29 +341,27 @@ async def measure(
         return {"traced_wall_s": wall, "trace": analysis}
     peaks: dict[str, float] = {}
     planned = sum(len(c.rounds) for c in conversations)
-    if prepared is not None:
-        command, result_path, log, output_len = prepared
-        before = await _read_metrics(base_url)
-        stop = asyncio.Event()
-        poller = asyncio.create_task(_poll_metrics(base_url, peaks, stop))
-        try:
+    before = await _read_metrics(base_url) if prepared is not None else {}
+    stop = asyncio.Event()
+    poller = asyncio.create_task(_poll_metrics(base_url, peaks, stop))
+    try:
+        if prepared is not None:
+            command, result_path, log, output_len = prepared
             raw = await asyncio.to_thread(
                 sglang_client.run_bench_serving, command, result_path, settings.timeout_s, log
             )
-        finally:
-            stop.set()
-            await poller
-        after = await _read_metrics(base_url)
-        counted = {k: int(after.get(n, 0.0) - before.get(n, 0.0)) for k, n in COUNTERS.items()}
-        return sglang_client.summarize_bench_serving(
-            raw, planned, output_len, peaks, settings.timeout_s, counted
-        )
-    stop = asyncio.Event()
-    poller = asyncio.create_task(_poll_metrics(base_url, peaks, stop))
-    records, wall = await run_conversations(base_url, conversations, vocab, settings)
-    stop.set()
-    await poller
-    return summarize_run(records, wall, planned, peaks, wall >= settings.timeout_s)
+        else:
+            records, wall = await run_conversations(base_url, conversations, vocab, settings)
+    finally:
+        stop.set()
+        await poller
+    if prepared is None:
+        return summarize_run(records, wall, planned, peaks, wall >= settings.timeout_s)
+    after = await _read_metrics(base_url)
+    counted = {k: int(after.get(n, 0.0) - before.get(n, 0.0)) for k, n in COUNTERS.items()}
+    return sglang_client.summarize_bench_serving(
+        raw, planned, output_len, peaks, settings.timeout_s, counted
+    )
 
 
 def _pcts(values: list[float]) -> dict[str, float | None]:
@@ -613,7 +611,8 @@ def run_system(name: str, flags: list[str], specs: list[WorkloadSpec], args, res
         )
         client = None
         if args.client == "sglang":
-            client = sglang_client.ClientRun(args.model_path, Path(args.log_dir) / name)
+            decode = sglang_client.check_chat_tokenizer(args.model_path).decode
+            client = sglang_client.ClientRun(args.model_path, Path(args.log_dir) / name, decode)
         for spec in specs:
             print(f"[multiturn] {name}: {spec.label} ...", flush=True)
             mark = _LogMark(log)

@@ -111,6 +111,24 @@ def token_figures(
     }
 
 
+def shared_prefix_ids(rng, conversations: list[Conversation], vocab_size: int) -> list[int]:
+    """The ids of the longest ``shared_prefix`` among ``conversations``, drawn first from
+    ``rng`` (a numpy Generator), so every conversation's round 1 starts with the same ids."""
+    shared = max((c.shared_prefix for c in conversations), default=0)
+    return rng.integers(ID_LOW, vocab_size - ID_LOW, shared).tolist()
+
+
+def round_ids(
+    rng, conv: Conversation, r: int, new_tokens: int, shared_ids: list[int], vocab_size: int
+) -> list[int]:
+    """Round ``r``'s ``new_tokens`` random ids in ``[ID_LOW, vocab_size - ID_LOW)``; round 0
+    begins with the conversation's ``shared_prefix`` ids of ``shared_ids``."""
+    ids = rng.integers(ID_LOW, vocab_size - ID_LOW, new_tokens).tolist()
+    if r == 0 and conv.shared_prefix:
+        ids[: conv.shared_prefix] = shared_ids[: conv.shared_prefix]
+    return ids
+
+
 class _Pacer:
     """Poisson start times shared by all clients (request_rate per second)."""
 
@@ -239,8 +257,7 @@ async def run_conversations(
         (records of the requests that ended, wall time in seconds).
     """
     rng = np.random.default_rng(settings.seed)
-    shared = max((c.shared_prefix for c in conversations), default=0)
-    shared_ids = rng.integers(ID_LOW, vocab_size - ID_LOW, shared).tolist()
+    shared_ids = shared_prefix_ids(rng, conversations, vocab_size)
     sem, pacer = (
         asyncio.Semaphore(settings.max_parallel),
         _Pacer(settings.request_rate, settings.seed),
@@ -256,9 +273,7 @@ async def run_conversations(
         for r, (new_tokens, out_len) in enumerate(conv.rounds):
             if settings.round_barrier and r > 0:
                 await barriers[r - 1].wait()
-            new = rng.integers(ID_LOW, vocab_size - ID_LOW, new_tokens).tolist()
-            if r == 0 and conv.shared_prefix:
-                new[: conv.shared_prefix] = shared_ids[: conv.shared_prefix]
+            new = round_ids(rng, conv, r, new_tokens, shared_ids, vocab_size)
             await pacer.wait()
             async with sem:
                 try:

@@ -42,13 +42,19 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from tangram_sglang.bench.multiturn_client import PEAK_KEYS, token_figures
-from tangram_sglang.bench.multiturn_workloads import ID_LOW, Conversation, WorkloadSpec
+from tangram_sglang.bench.multiturn_client import (
+    PEAK_KEYS,
+    round_ids,
+    shared_prefix_ids,
+    token_figures,
+)
+from tangram_sglang.bench.multiturn_workloads import Conversation, WorkloadSpec
 from tangram_sglang.errors import ConfigError
 
 MODULE = "sglang.benchmark.serving"  # bench_serving (``sglang.bench_serving`` is its old name)
@@ -74,7 +80,11 @@ def uniform_output_length(conversations: list[Conversation], label: str) -> int:
 
 
 def agentic_trace(
-    conversations: list[Conversation], vocab_size: int, decode, seed: int
+    conversations: list[Conversation],
+    vocab_size: int,
+    decode: Callable[[list[int]], str],
+    seed: int,
+    label: str = "workload",
 ) -> tuple[dict, int]:
     """The conversations as a bench_serving ``agentic-trace`` dataset.
 
@@ -83,7 +93,8 @@ def agentic_trace(
         vocab_size: the model's vocabulary (ids are drawn in ``[ID_LOW, vocab_size - ID_LOW)``).
         decode: token ids (list of int) -> text, e.g. a tokenizer's ``decode``.
         seed: seeds the ids; leading ``shared_prefix`` ids of round 1 are the same for every
-            conversation, as in the own client.
+            conversation, as in the own client (:func:`multiturn_client.round_ids`).
+        label: the workload's name, for the error.
 
     Returns:
         (the trace: ``{"metadata": ..., "conversations": [[{"messages": [...],
@@ -92,18 +103,14 @@ def agentic_trace(
     Raises:
         ConfigError: the rounds differ in output length (:func:`uniform_output_length`).
     """
-    output_len = uniform_output_length(conversations, "workload")
+    output_len = uniform_output_length(conversations, label)
     rng = np.random.default_rng(seed)
-    shared = max((c.shared_prefix for c in conversations), default=0)
-    shared_ids = rng.integers(ID_LOW, vocab_size - ID_LOW, shared).tolist()
+    shared_ids = shared_prefix_ids(rng, conversations, vocab_size)
     entries = []
     for conv in conversations:
         turns = []
         for r, (new_tokens, _) in enumerate(conv.rounds):
-            ids = rng.integers(ID_LOW, vocab_size - ID_LOW, new_tokens).tolist()
-            if r == 0 and conv.shared_prefix:
-                ids[: conv.shared_prefix] = shared_ids[: conv.shared_prefix]
-            text = decode(ids)
+            text = decode(round_ids(rng, conv, r, new_tokens, shared_ids, vocab_size))
             turns.append(
                 {"messages": [{"role": "user", "content": text}], "prompt_tokens": new_tokens}
             )
@@ -187,12 +194,13 @@ def check_chat_tokenizer(model_path: str):
 
 @dataclass
 class ClientRun:
-    """One system's ``--client sglang`` runs: the model (its tokenizer decodes the rounds) and
-    the folder for each workload's trace, result line and bench_serving log."""
+    """One system's ``--client sglang`` runs: the model, its tokenizer's ``decode`` (token ids
+    -> text, for the rounds; :func:`check_chat_tokenizer`) and the folder for each workload's
+    trace, result line and bench_serving log."""
 
     model_path: str
     work_dir: Path
-    _decode: object = field(default=None, repr=False)
+    decode: Callable[[list[int]], str]
 
     def prepare(
         self,
@@ -207,11 +215,9 @@ class ClientRun:
         log file, the rounds' output length in tokens); the files are under ``work_dir``.
 
         Raises:
-            ConfigError: the rounds differ in output length, or the model has no tokenizer.
+            ConfigError: the rounds differ in output length.
         """
-        if self._decode is None:
-            self._decode = check_chat_tokenizer(self.model_path).decode
-        trace, output_len = agentic_trace(conversations, vocab_size, self._decode, seed)
+        trace, output_len = agentic_trace(conversations, vocab_size, self.decode, seed, spec.label)
         self.work_dir.mkdir(parents=True, exist_ok=True)
         trace_path = self.work_dir / f"{spec.label}.trace.json"
         trace_path.write_text(json.dumps(trace))

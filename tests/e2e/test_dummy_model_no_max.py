@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import zlib
+from pathlib import Path
 
 import pytest
 
@@ -38,11 +39,18 @@ TINY_LLAMA = {
 }
 
 
-def test_no_max_workload_on_a_dummy_model_with_its_generated_tokenizer(tmp_path):
-    model = tmp_path / "tiny-dummy"
+def tiny_dummy_model(folder: Path) -> tuple[Path, list[Path]]:
+    """A dummy-weight :data:`TINY_LLAMA` folder under ``folder`` with its generated tokenizer:
+    (the model folder, the tokenizer files written)."""
+    model = folder / "tiny-dummy"
     model.mkdir()
     (model / "config.json").write_text(json.dumps(TINY_LLAMA))
-    assert len(write_dummy_tokenizer(model)) == 2
+    return model, write_dummy_tokenizer(model)
+
+
+def test_no_max_workload_on_a_dummy_model_with_its_generated_tokenizer(tmp_path):
+    model, written = tiny_dummy_model(tmp_path)
+    assert len(written) == 2
     out = tmp_path / "r.json"
     argv = ["--model-path", str(model), "--device", "cpu", "--systems", "baseline"]
     argv += ["--workloads", "long-context:2x2:no-max", "--context-tokens", "64"]
@@ -59,10 +67,7 @@ def test_no_max_workload_on_a_dummy_model_with_its_generated_tokenizer(tmp_path)
 
 
 def test_sglang_bench_serving_runs_the_conversations_over_the_chat_api(tmp_path):
-    model = tmp_path / "tiny-dummy"
-    model.mkdir()
-    (model / "config.json").write_text(json.dumps(TINY_LLAMA))
-    write_dummy_tokenizer(model)
+    model, _ = tiny_dummy_model(tmp_path)
     out = tmp_path / "r.json"
     argv = ["--model-path", str(model), "--device", "cpu", "--systems", "baseline"]
     argv += ["--client", "sglang", "--workloads", "short-chat:2x3", "--request-length", "24"]
