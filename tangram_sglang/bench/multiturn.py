@@ -733,8 +733,14 @@ def _load_result(path: str) -> dict:
     for name, run in systems.items():
         if not isinstance(run, dict):
             raise ConfigError(f"merge input {path}: systems.{name} is not an object")
-        if not isinstance(run.get("workloads", {}), dict):
+        workloads = run.get("workloads", {})
+        if not isinstance(workloads, dict):
             raise ConfigError(f"merge input {path}: systems.{name}.workloads is not an object")
+        for label, entry in workloads.items():
+            if not isinstance(entry, dict):
+                raise ConfigError(
+                    f"merge input {path}: systems.{name}.workloads.{label} is not an object"
+                )
     return result
 
 
@@ -743,7 +749,10 @@ def merge(paths: list[str], output: str) -> dict:
 
     Per system, workloads are joined (a later file's run of the same workload replaces the
     earlier one) and the later file's other fields (server args, start-up, pool) win, so a
-    system measured on different workloads in separate runs keeps all of them.
+    system measured on different workloads in separate runs keeps all of them. Each joined
+    workload names the file its run came from (``source_file``) and each system the file its
+    server record came from (``server_source_file``), so a workload measured in an earlier run
+    is not read against the later run's server.
 
     Raises:
         ConfigError: an input that is missing, not JSON, or not a result file (no ``systems``
@@ -752,11 +761,17 @@ def merge(paths: list[str], output: str) -> dict:
     results = [_load_result(p) for p in paths]
     merged = dict(results[0])
     merged["systems"] = {}
-    for result in results:
+    for path, result in zip(paths, results):
         for name, run in result["systems"].items():
             earlier = merged["systems"].get(name, {})
-            workloads = {**earlier.get("workloads", {}), **run.get("workloads", {})}
-            merged["systems"][name] = {**earlier, **run, "workloads": workloads}
+            joined = {w: {"source_file": path, **r} for w, r in run.get("workloads", {}).items()}
+            workloads = {**earlier.get("workloads", {}), **joined}
+            merged["systems"][name] = {
+                **earlier,
+                **run,
+                "workloads": workloads,
+                "server_source_file": path,
+            }
     merged["merged_from"] = list(paths)
     settings = merged.get("settings", {})
     merged["summary"] = summarize(

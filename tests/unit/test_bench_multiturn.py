@@ -283,6 +283,11 @@ def test_merge_joins_workloads_per_system_and_later_runs_win(tmp_path):
     assert set(merged["systems"]["baseline"]["workloads"]) == {"cliff-64", "cliff-32"}
     assert merged["summary"]["cliff_throughput_ratio_64_clients"] == 5.0
     assert json.loads((tmp_path / "merged.json").read_text())["merged_from"] == [old, new]
+    # each run names its file: the workload kept from the older run is not read as the new one's
+    assert t["workloads"]["cliff-96"]["source_file"] == old
+    assert t["workloads"]["cliff-64"]["source_file"] == new
+    assert t["server_source_file"] == new
+    assert merged["systems"]["baseline"]["server_source_file"] == old
 
 
 @pytest.mark.parametrize(
@@ -294,8 +299,20 @@ def test_merge_joins_workloads_per_system_and_later_runs_win(tmp_path):
         ("[1, 2]", "no 'systems' object"),
         ('{"systems": {"baseline": 5}}', "systems.baseline is not an object"),
         ('{"systems": {"baseline": {"workloads": []}}}', "baseline.workloads is not an object"),
+        (
+            '{"systems": {"baseline": {"workloads": {"cliff-64": 3}}}}',
+            "baseline.workloads.cliff-64 is not an object",
+        ),
     ],
-    ids=["missing", "not-json", "no-systems", "a-list", "system-not-dict", "workloads-not-dict"],
+    ids=[
+        "missing",
+        "not-json",
+        "no-systems",
+        "a-list",
+        "system-not-dict",
+        "workloads-not-dict",
+        "workload-not-dict",
+    ],
 )
 def test_merge_names_the_bad_file_and_exits_2(tmp_path, capsys, text, match):
     good = tmp_path / "good.json"
