@@ -761,7 +761,7 @@ def merge(paths: list[str], output: str) -> dict:
     results = [_load_result(p) for p in paths]
     merged = dict(results[0])
     merged["systems"] = {}
-    for path, result in zip(paths, results):
+    for path, result in zip(paths, results, strict=True):
         for name, run in result["systems"].items():
             earlier = merged["systems"].get(name, {})
             joined = {w: {"source_file": path, **r} for w, r in run.get("workloads", {}).items()}
