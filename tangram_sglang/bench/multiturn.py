@@ -730,6 +730,8 @@ def _load_result(path: str) -> dict:
     systems = result.get("systems") if isinstance(result, dict) else None
     if not isinstance(systems, dict):
         raise ConfigError(f"merge input {path}: no 'systems' object; not a multiturn result file")
+    if not isinstance(result.get("settings", {}), dict):
+        raise ConfigError(f"merge input {path}: settings is not an object")
     for name, run in systems.items():
         if not isinstance(run, dict):
             raise ConfigError(f"merge input {path}: systems.{name} is not an object")
@@ -751,12 +753,16 @@ def merge(paths: list[str], output: str) -> dict:
     earlier one) and the later file's other fields (server args, start-up, pool) win, so a
     system measured on different workloads in separate runs keeps all of them. Each joined
     workload names the file its run came from (``source_file``) and each system the file its
-    server record came from (``server_source_file``), so a workload measured in an earlier run
-    is not read against the later run's server.
+    server record came from (``server_source_file``; a merged input keeps the names it holds),
+    so a workload kept from an earlier run can be told apart from the later run's server
+    record. The summary pairs whatever runs the merge holds: merge only side-by-side runs.
 
     Raises:
         ConfigError: an input that is missing, not JSON, or not a result file (no ``systems``
-            object of per-system objects with a ``workloads`` object); names the file.
+            object of per-system objects with a ``workloads`` object of objects, a
+            ``settings`` that is not an object), names the file; or inputs whose fields have
+            types the summary cannot read (e.g. a throughput that is not a number).
+        OSError: ``output`` cannot be written.
     """
     results = [_load_result(p) for p in paths]
     merged = dict(results[0])
@@ -770,13 +776,22 @@ def merge(paths: list[str], output: str) -> dict:
                 **earlier,
                 **run,
                 "workloads": workloads,
-                "server_source_file": path,
+                "server_source_file": run.get("server_source_file", path),
             }
     merged["merged_from"] = list(paths)
     settings = merged.get("settings", {})
-    merged["summary"] = summarize(
-        merged["systems"], settings.get("main_workload", "cliff-64"), settings.get("prefill_label")
-    )
+    try:
+        merged["summary"] = summarize(
+            merged["systems"],
+            settings.get("main_workload", "cliff-64"),
+            settings.get("prefill_label"),
+        )
+    except (TypeError, AttributeError, KeyError) as exc:
+        raise ConfigError(
+            f"merge inputs {', '.join(paths)}: a field has a type the summary cannot read "
+            f"({type(exc).__name__}: {exc}); check the files are bench.multiturn results"
+        ) from None
+    Path(output).parent.mkdir(parents=True, exist_ok=True)
     Path(output).write_text(json.dumps(merged, indent=1, default=float) + "\n")
     return merged
 

@@ -288,6 +288,10 @@ def test_merge_joins_workloads_per_system_and_later_runs_win(tmp_path):
     assert t["workloads"]["cliff-64"]["source_file"] == new
     assert t["server_source_file"] == new
     assert merged["systems"]["baseline"]["server_source_file"] == old
+    # merged again (into a missing folder): the names of the first merge's sources stay
+    again = mt.merge([str(tmp_path / "merged.json")], str(tmp_path / "sub" / "again.json"))
+    assert again["systems"]["tangram-r0.25"]["workloads"]["cliff-96"]["source_file"] == old
+    assert again["systems"]["tangram-r0.25"]["server_source_file"] == new
 
 
 @pytest.mark.parametrize(
@@ -303,6 +307,13 @@ def test_merge_joins_workloads_per_system_and_later_runs_win(tmp_path):
             '{"systems": {"baseline": {"workloads": {"cliff-64": 3}}}}',
             "baseline.workloads.cliff-64 is not an object",
         ),
+        ('{"settings": [], "systems": {}}', "settings is not an object"),
+        (
+            '{"systems": {"baseline": {"workloads": {"cliff-64": {"requests_ok": 4,'
+            ' "output_tok_per_s": "fast"}}}, "tangram-r0.25": {"workloads": {"cliff-64":'
+            ' {"requests_ok": 4, "output_tok_per_s": 3}}}}}',
+            "a type the summary cannot read",
+        ),
     ],
     ids=[
         "missing",
@@ -312,6 +323,8 @@ def test_merge_joins_workloads_per_system_and_later_runs_win(tmp_path):
         "system-not-dict",
         "workloads-not-dict",
         "workload-not-dict",
+        "settings-not-dict",
+        "throughput-not-number",
     ],
 )
 def test_merge_names_the_bad_file_and_exits_2(tmp_path, capsys, text, match):
