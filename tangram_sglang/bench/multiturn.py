@@ -714,7 +714,12 @@ def traced_repeat(
 def write_result(result: dict, args) -> None:
     """Recompute the summary and (re)write the JSON."""
     result["summary"] = summarize(result["systems"], args.main_workload, args.prefill_label)
-    path = Path(args.output)
+    _write_json(result, args.output)
+
+
+def _write_json(result: dict, output: str) -> None:
+    """Write ``result`` to ``output``, creating its folder; raises OSError when it cannot."""
+    path = Path(output)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=1, default=float) + "\n")
 
@@ -791,8 +796,7 @@ def merge(paths: list[str], output: str) -> dict:
             f"merge inputs {', '.join(paths)}: a field has a type the summary cannot read "
             f"({type(exc).__name__}: {exc}); check the files are bench.multiturn results"
         ) from None
-    Path(output).parent.mkdir(parents=True, exist_ok=True)
-    Path(output).write_text(json.dumps(merged, indent=1, default=float) + "\n")
+    _write_json(merged, output)
     return merged
 
 

@@ -73,8 +73,7 @@ def uniform_output_length(conversations: list[Conversation], label: str) -> int:
         raise ConfigError(
             f"{label}: --client sglang needs one output length for every round (bench_serving "
             f"takes one), but its rounds have {len(lengths)} different ones ({shown} tokens); "
-            "give "
-            "--output-length that every round reaches (mixed: 128, its long clients' length), "
+            "give --output-length that every round reaches (mixed: 128, its long clients' length), "
             "use short-chat, cliff, long-context or prefill, or --client tangram"
         )
     return lengths.pop()
