@@ -5,6 +5,10 @@
 #   bash scripts/device_accuracy.sh start   # setup, then the eval in the background (setsid)
 #   bash scripts/device_accuracy.sh poll    # log tails; merged JSON (partial or final) -> $OUT
 #   bash scripts/device_accuracy.sh fg      # setup + eval in the foreground (short runs)
+#   bash scripts/device_accuracy.sh stash   # in each call that carries a piece: keep it in $STASH
+# A carried path lasts for its own call only (the next call's copy of the checkout drops it), so
+# each call that carries one .carry/qwen05/pNN (the first also SHA256) runs `stash`, and setup
+# copies the stashed pieces back before joining them.
 # start launches up to two processes on the one GPU: the servers (full, tangram per ratio: one
 # server at a time, --mem-fraction-static 0.5) and the transformers side (kvpress presses,
 # full-hf; ~2 GB), each with its own JSON under $R; poll merges them (eval.report) into
@@ -17,7 +21,8 @@
 #      LENGTHS (2048,4096,8192), NTURNS (3), SYSTEMS (all nine), R (/tmp/acc: the run's folder;
 #      one per protocol when two protocols run at once), SERVER_ARGS (default: the
 #      harness's cuda default), CAP_S (each process, s: 3300), TANGRAM_CACHE_DIR (/tmp/tangram-cache),
-#      EVAL_MODEL (qwen2.5-0.5b), DEVICE (cuda; cpu only to try the script on a CPU host).
+#      EVAL_MODEL (qwen2.5-0.5b), DEVICE (cuda; cpu only to try the script on a CPU host),
+#      STASH (/tmp/qwen05-pieces: where `stash` keeps the pieces between calls).
 set -u -o pipefail
 MODE=${1:-start}
 R=${R:-/tmp/acc}; mkdir -p "$R" "${OUT:=/tmp/out}"
@@ -25,6 +30,7 @@ export TANGRAM_CACHE_DIR=${TANGRAM_CACHE_DIR:-/tmp/tangram-cache} HF_HUB_OFFLINE
 PROTOCOL=${PROTOCOL:-query-agnostic}
 SYSTEMS=${SYSTEMS:-full,tangram,tangram-kvzip-lite,tangram-kvzip-gate,dynamic-ada-snapkv,uniform-snapkv,kvzip,kvzip-budgets,full-hf}
 PY=${PY:-python3}
+STASH=${STASH:-/tmp/qwen05-pieces}
 
 setup() {
   $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
@@ -36,6 +42,7 @@ setup() {
     echo "device_accuracy: qwen2.5-0.5b already converted in $TANGRAM_CACHE_DIR"; return 0
   fi
   local pieces want
+  if [ -d "$STASH" ]; then mkdir -p .carry/qwen05 && cp -rn "$STASH"/. .carry/qwen05/ || return 1; fi
   pieces=$(ls -d .carry/qwen05/p*/* 2>/dev/null | sort)
   [ -n "$pieces" ] || { echo "device_accuracy: no .carry/qwen05/pNN/* pieces" >&2; return 1; }
   want=${QWEN_SHA256:-$(awk 'NR==1{print $1}' .carry/qwen05/SHA256 2>/dev/null)}
@@ -83,6 +90,11 @@ poll() {
 case "$MODE" in
   setup) setup ;;
   poll) poll ;;
+  stash)
+    compgen -G ".carry/qwen05/*" > /dev/null ||
+      { echo "device_accuracy: stash: nothing under .carry/qwen05 (carry a .carry/qwen05/pNN)" >&2; exit 1; }
+    mkdir -p "$STASH" && cp -r .carry/qwen05/. "$STASH"/ || exit 1
+    echo "device_accuracy: stashed in $STASH: $(ls "$STASH" | paste -sd' ')" ;;
   fg)
     setup || exit 1
     split_systems
@@ -105,5 +117,5 @@ case "$MODE" in
       echo "device_accuracy: $name ($sys) started, pid $(cat "$R/$name.pid"), log $R/$name.log"
     done
     sleep "${WAIT_S:-20}"; poll ;;
-  *) echo "usage: device_accuracy.sh setup|start|poll|fg" >&2; exit 2 ;;
+  *) echo "usage: device_accuracy.sh setup|start|poll|fg|stash" >&2; exit 2 ;;
 esac
