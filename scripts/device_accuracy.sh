@@ -41,15 +41,37 @@ setup() {
   if $PY -m tangram_sglang.models list | grep "^qwen2.5-0.5b .*\[ready\]" > /dev/null; then
     echo "device_accuracy: qwen2.5-0.5b already converted in $TANGRAM_CACHE_DIR"; return 0
   fi
-  local pieces want
-  if [ -d "$STASH" ]; then mkdir -p .carry/qwen05 && cp -rn "$STASH"/. .carry/qwen05/ || return 1; fi
+  local pieces want f i=0
+  if [ -e "$STASH" ] && [ ! -d "$STASH" ]; then
+    echo "device_accuracy: STASH=$STASH is not a folder: unset STASH or point it at a folder" >&2
+    return 1
+  fi
+  if [ -d "$STASH" ]; then  # what this call carried wins; the stash fills in the rest
+    mkdir -p .carry/qwen05 || return 1
+    for f in "$STASH"/*; do
+      [ -e "$f" ] || continue
+      [ -e ".carry/qwen05/${f##*/}" ] || cp -r "$f" .carry/qwen05/ || return 1
+    done
+  fi
   pieces=$(ls -d .carry/qwen05/p*/* 2>/dev/null | sort)
   [ -n "$pieces" ] || { echo "device_accuracy: no .carry/qwen05/pNN/* pieces" >&2; return 1; }
+  for f in $(ls -d .carry/qwen05/p* | sort); do  # p00, p01, ... with no gap and nothing else
+    [ "${f##*/}" = "$(printf 'p%02d' $i)" ] || {
+      echo "device_accuracy: pieces $(ls .carry/qwen05 | grep '^p' | paste -sd' ') are not p00..pNN" \
+        "in order: carry the missing ones (a stale $STASH: rm -rf $STASH and stash again)" >&2
+      return 1
+    }
+    i=$((i + 1))
+  done
   want=${QWEN_SHA256:-$(awk 'NR==1{print $1}' .carry/qwen05/SHA256 2>/dev/null)}
   [ -n "$want" ] || { echo "device_accuracy: no sha256 (QWEN_SHA256 or .carry/qwen05/SHA256)" >&2; return 1; }
   echo "device_accuracy: converting $(echo "$pieces" | wc -l) pieces"
   # shellcheck disable=SC2086  # piece paths (pNN/chunkNN) have no spaces
-  $PY -m tangram_sglang.models convert qwen2.5-0.5b --sha256 "$want" --gguf $pieces
+  $PY -m tangram_sglang.models convert qwen2.5-0.5b --sha256 "$want" --gguf $pieces || {
+    echo "device_accuracy: the pieces did not convert; if a stash of another cut is mixed in," \
+      "rm -rf $STASH and carry and stash every piece again" >&2
+    return 1
+  }
 }
 
 # eval NAME SYSTEMS: one harness process; its JSON is $R/NAME-$PROTOCOL.json, log $R/NAME.log
@@ -93,6 +115,11 @@ case "$MODE" in
   stash)
     compgen -G ".carry/qwen05/*" > /dev/null ||
       { echo "device_accuracy: stash: nothing under .carry/qwen05 (carry a .carry/qwen05/pNN)" >&2; exit 1; }
+    if [ -f .carry/qwen05/SHA256 ] && [ -f "$STASH/SHA256" ] &&
+      ! cmp -s .carry/qwen05/SHA256 "$STASH/SHA256"; then
+      echo "device_accuracy: stash: another GGUF's SHA256 was stashed; starting $STASH afresh"
+      rm -rf "$STASH"
+    fi
     mkdir -p "$STASH" && cp -r .carry/qwen05/. "$STASH"/ || exit 1
     echo "device_accuracy: stashed in $STASH: $(ls "$STASH" | paste -sd' ')" ;;
   fg)
