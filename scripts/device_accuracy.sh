@@ -6,6 +6,7 @@
 #   bash scripts/device_accuracy.sh poll    # log tails; merged JSON (partial or final) -> $OUT
 #   bash scripts/device_accuracy.sh fg      # setup + eval in the foreground (short runs)
 #   bash scripts/device_accuracy.sh stash   # in each call that carries a piece: keep it in $STASH
+#   bash scripts/device_accuracy.sh restore # the stashed pieces back, listed in join order
 # A carried path lasts for its own call only (the next call's copy of the checkout drops it), so
 # each call that carries one .carry/qwen05/pNN (the first also SHA256) runs `stash`, and setup
 # copies the stashed pieces back before joining them.
@@ -41,7 +42,24 @@ setup() {
   if $PY -m tangram_sglang.models list | grep "^qwen2.5-0.5b .*\[ready\]" > /dev/null; then
     echo "device_accuracy: qwen2.5-0.5b already converted in $TANGRAM_CACHE_DIR"; return 0
   fi
-  local pieces want f i=0
+  local pieces want
+  pieces=$(restore) || return 1
+  want=${QWEN_SHA256:-$(awk 'NR==1{print $1}' .carry/qwen05/SHA256 2>/dev/null)}
+  [ -n "$want" ] || { echo "device_accuracy: no sha256 (QWEN_SHA256 or .carry/qwen05/SHA256)" >&2; return 1; }
+  echo "device_accuracy: converting $(echo "$pieces" | wc -l) pieces"
+  # shellcheck disable=SC2086  # piece paths (pNN/chunkNN) have no spaces
+  $PY -m tangram_sglang.models convert qwen2.5-0.5b --sha256 "$want" --gguf $pieces || {
+    echo "device_accuracy: the pieces did not convert; if a stash of another cut is mixed in," \
+      "rm -rf $STASH and carry and stash every piece again" >&2
+    return 1
+  }
+}
+
+# restore: the stashed pieces copied into .carry/qwen05 where this call carried none of that
+# name; prints the pieces in join order, or fails naming the fix (a gap in p00..pNN, a STASH
+# that is not a folder)
+restore() {
+  local f i=0
   if [ -e "$STASH" ] && [ ! -d "$STASH" ]; then
     echo "device_accuracy: STASH=$STASH is not a folder: unset STASH or point it at a folder" >&2
     return 1
@@ -53,9 +71,9 @@ setup() {
       [ -e ".carry/qwen05/${f##*/}" ] || cp -r "$f" .carry/qwen05/ || return 1
     done
   fi
-  pieces=$(ls -d .carry/qwen05/p*/* 2>/dev/null | sort)
-  [ -n "$pieces" ] || { echo "device_accuracy: no .carry/qwen05/pNN/* pieces" >&2; return 1; }
-  for f in $(ls -d .carry/qwen05/p* | sort); do  # p00, p01, ... with no gap and nothing else
+  compgen -G ".carry/qwen05/p*/*" > /dev/null ||
+    { echo "device_accuracy: no .carry/qwen05/pNN/* pieces" >&2; return 1; }
+  for f in $(ls -d .carry/qwen05/p* | sort); do  # p00, p01, ... with no gap
     [ "${f##*/}" = "$(printf 'p%02d' $i)" ] || {
       echo "device_accuracy: pieces $(ls .carry/qwen05 | grep '^p' | paste -sd' ') are not p00..pNN" \
         "in order: carry the missing ones (a stale $STASH: rm -rf $STASH and stash again)" >&2
@@ -63,15 +81,21 @@ setup() {
     }
     i=$((i + 1))
   done
-  want=${QWEN_SHA256:-$(awk 'NR==1{print $1}' .carry/qwen05/SHA256 2>/dev/null)}
-  [ -n "$want" ] || { echo "device_accuracy: no sha256 (QWEN_SHA256 or .carry/qwen05/SHA256)" >&2; return 1; }
-  echo "device_accuracy: converting $(echo "$pieces" | wc -l) pieces"
-  # shellcheck disable=SC2086  # piece paths (pNN/chunkNN) have no spaces
-  $PY -m tangram_sglang.models convert qwen2.5-0.5b --sha256 "$want" --gguf $pieces || {
-    echo "device_accuracy: the pieces did not convert; if a stash of another cut is mixed in," \
-      "rm -rf $STASH and carry and stash every piece again" >&2
-    return 1
-  }
+  ls -d .carry/qwen05/p*/* | sort
+}
+
+# stash: keep what this call carried under .carry/qwen05 in $STASH (another GGUF's SHA256
+# starts it afresh)
+stash() {
+  compgen -G ".carry/qwen05/*" > /dev/null ||
+    { echo "device_accuracy: stash: nothing under .carry/qwen05 (carry a .carry/qwen05/pNN)" >&2; return 1; }
+  if [ -f .carry/qwen05/SHA256 ] && [ -f "$STASH/SHA256" ] &&
+    ! cmp -s .carry/qwen05/SHA256 "$STASH/SHA256"; then
+    echo "device_accuracy: stash: another GGUF's SHA256 was stashed; starting $STASH afresh"
+    rm -rf "$STASH"
+  fi
+  mkdir -p "$STASH" && cp -r .carry/qwen05/. "$STASH"/ || return 1
+  echo "device_accuracy: stashed in $STASH: $(ls "$STASH" | paste -sd' ')"
 }
 
 # eval NAME SYSTEMS: one harness process; its JSON is $R/NAME-$PROTOCOL.json, log $R/NAME.log
@@ -112,16 +136,8 @@ poll() {
 case "$MODE" in
   setup) setup ;;
   poll) poll ;;
-  stash)
-    compgen -G ".carry/qwen05/*" > /dev/null ||
-      { echo "device_accuracy: stash: nothing under .carry/qwen05 (carry a .carry/qwen05/pNN)" >&2; exit 1; }
-    if [ -f .carry/qwen05/SHA256 ] && [ -f "$STASH/SHA256" ] &&
-      ! cmp -s .carry/qwen05/SHA256 "$STASH/SHA256"; then
-      echo "device_accuracy: stash: another GGUF's SHA256 was stashed; starting $STASH afresh"
-      rm -rf "$STASH"
-    fi
-    mkdir -p "$STASH" && cp -r .carry/qwen05/. "$STASH"/ || exit 1
-    echo "device_accuracy: stashed in $STASH: $(ls "$STASH" | paste -sd' ')" ;;
+  stash) stash ;;
+  restore) restore ;;
   fg)
     setup || exit 1
     split_systems
@@ -144,5 +160,5 @@ case "$MODE" in
       echo "device_accuracy: $name ($sys) started, pid $(cat "$R/$name.pid"), log $R/$name.log"
     done
     sleep "${WAIT_S:-20}"; poll ;;
-  *) echo "usage: device_accuracy.sh setup|start|poll|fg|stash" >&2; exit 2 ;;
+  *) echo "usage: device_accuracy.sh setup|start|poll|fg|stash|restore" >&2; exit 2 ;;
 esac
