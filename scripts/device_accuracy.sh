@@ -7,9 +7,8 @@
 #   bash scripts/device_accuracy.sh fg      # setup + eval in the foreground (short runs)
 #   bash scripts/device_accuracy.sh stash   # in each call that carries a piece: keep it in $STASH
 #   bash scripts/device_accuracy.sh restore # the stashed pieces back, listed in join order
-# A carried path lasts for its own call only (the next call's copy of the checkout drops it), so
-# each call that carries one .carry/qwen05/pNN (the first also SHA256) runs `stash`, and setup
-# copies the stashed pieces back before joining them.
+# (scripts/device_pieces.sh on .carry/qwen05: a carried path lasts for its own call only, so each
+# call that carries one .carry/qwen05/pNN runs `stash`, and setup restores the pieces first.)
 # start launches up to two processes on the one GPU: the servers (full, tangram per ratio: one
 # server at a time, --mem-fraction-static 0.5) and the transformers side (kvpress presses,
 # full-hf; ~2 GB), each with its own JSON under $R; poll merges them (eval.report) into
@@ -31,7 +30,8 @@ export TANGRAM_CACHE_DIR=${TANGRAM_CACHE_DIR:-/tmp/tangram-cache} HF_HUB_OFFLINE
 PROTOCOL=${PROTOCOL:-query-agnostic}
 SYSTEMS=${SYSTEMS:-full,tangram,tangram-kvzip-lite,tangram-kvzip-gate,dynamic-ada-snapkv,uniform-snapkv,kvzip,kvzip-budgets,full-hf}
 PY=${PY:-python3}
-STASH=${STASH:-/tmp/qwen05-pieces}
+STASH=${STASH:-/tmp/qwen05-pieces}  # device_pieces.sh's default for .carry/qwen05
+PIECES="$(dirname "${BASH_SOURCE[0]}")/device_pieces.sh"
 
 setup() {
   $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
@@ -43,7 +43,7 @@ setup() {
     echo "device_accuracy: qwen2.5-0.5b already converted in $TANGRAM_CACHE_DIR"; return 0
   fi
   local pieces want
-  pieces=$(restore) || return 1
+  pieces=$(bash "$PIECES" restore .carry/qwen05) || return 1
   want=${QWEN_SHA256:-$(awk 'NR==1{print $1}' .carry/qwen05/SHA256 2>/dev/null)}
   [ -n "$want" ] || { echo "device_accuracy: no sha256 (QWEN_SHA256 or .carry/qwen05/SHA256)" >&2; return 1; }
   echo "device_accuracy: converting $(echo "$pieces" | wc -l) pieces"
@@ -53,49 +53,6 @@ setup() {
       "rm -rf $STASH and carry and stash every piece again" >&2
     return 1
   }
-}
-
-# restore: the stashed pieces copied into .carry/qwen05 where this call carried none of that
-# name; prints the pieces in join order, or fails naming the fix (a gap in p00..pNN, a STASH
-# that is not a folder)
-restore() {
-  local f i=0
-  if [ -e "$STASH" ] && [ ! -d "$STASH" ]; then
-    echo "device_accuracy: STASH=$STASH is not a folder: unset STASH or point it at a folder" >&2
-    return 1
-  fi
-  if [ -d "$STASH" ]; then  # what this call carried wins; the stash fills in the rest
-    mkdir -p .carry/qwen05 || return 1
-    for f in "$STASH"/*; do
-      [ -e "$f" ] || continue
-      [ -e ".carry/qwen05/${f##*/}" ] || cp -r "$f" .carry/qwen05/ || return 1
-    done
-  fi
-  compgen -G ".carry/qwen05/p*/*" > /dev/null ||
-    { echo "device_accuracy: no .carry/qwen05/pNN/* pieces" >&2; return 1; }
-  for f in $(ls -d .carry/qwen05/p* | sort); do  # p00, p01, ... with no gap
-    [ "${f##*/}" = "$(printf 'p%02d' $i)" ] || {
-      echo "device_accuracy: pieces $(ls .carry/qwen05 | grep '^p' | paste -sd' ') are not p00..pNN" \
-        "in order: carry the missing ones (a stale $STASH: rm -rf $STASH and stash again)" >&2
-      return 1
-    }
-    i=$((i + 1))
-  done
-  ls -d .carry/qwen05/p*/* | sort
-}
-
-# stash: keep what this call carried under .carry/qwen05 in $STASH (another GGUF's SHA256
-# starts it afresh)
-stash() {
-  compgen -G ".carry/qwen05/*" > /dev/null ||
-    { echo "device_accuracy: stash: nothing under .carry/qwen05 (carry a .carry/qwen05/pNN)" >&2; return 1; }
-  if [ -f .carry/qwen05/SHA256 ] && [ -f "$STASH/SHA256" ] &&
-    ! cmp -s .carry/qwen05/SHA256 "$STASH/SHA256"; then
-    echo "device_accuracy: stash: another GGUF's SHA256 was stashed; starting $STASH afresh"
-    rm -rf "$STASH"
-  fi
-  mkdir -p "$STASH" && cp -r .carry/qwen05/. "$STASH"/ || return 1
-  echo "device_accuracy: stashed in $STASH: $(ls "$STASH" | paste -sd' ')"
 }
 
 # eval NAME SYSTEMS: one harness process; its JSON is $R/NAME-$PROTOCOL.json, log $R/NAME.log
@@ -136,8 +93,7 @@ poll() {
 case "$MODE" in
   setup) setup ;;
   poll) poll ;;
-  stash) stash ;;
-  restore) restore ;;
+  stash | restore) bash "$PIECES" "$MODE" .carry/qwen05 ;;
   fg)
     setup || exit 1
     split_systems

@@ -11,18 +11,20 @@
 # Env: MODEL_NAME (qwen2.5-1.5b), NAME_DIR (qwen15), SOURCE_PROFILE
 #      (calibration/qwen2.5-0.5b/ada-snapkv-r0.25.json), TANGRAM_CACHE_DIR (/tmp/tangram-cache).
 # Expects next to the checkout: .carry/$NAME_DIR/pNN (one 60 MiB piece each, within the GPU
-# machine's 64 MiB transfer limit) and .carry/$NAME_DIR/SHA256.
+# machine's 64 MiB transfer limit) and .carry/$NAME_DIR/SHA256, each carried in its own call
+# and kept with `bash scripts/device_pieces.sh stash .carry/$NAME_DIR` (a carried path lasts
+# for its own call only); this script restores them first.
 set -u -o pipefail
 NAME=${MODEL_NAME:-qwen2.5-1.5b}
 DIR=.carry/${NAME_DIR:-qwen15}
 SRC=${SOURCE_PROFILE:-calibration/qwen2.5-0.5b/ada-snapkv-r0.25.json}
 export TANGRAM_CACHE_DIR=${TANGRAM_CACHE_DIR:-/tmp/tangram-cache} HF_HUB_OFFLINE=1
 mkdir -p "${OUT:=/tmp/out}"
+pieces=$(bash "$(dirname "${BASH_SOURCE[0]}")/device_pieces.sh" restore "$DIR") || exit 1
 want=$(awk 'NR==1{print $1}' "$DIR/SHA256" 2>/dev/null)
 [ -n "$want" ] || { echo "device_sanity: no $DIR/SHA256" >&2; exit 1; }
-# shellcheck disable=SC2046  # piece paths have no spaces (pNN/chunkNN)
-python3 -m tangram_sglang.models convert "$NAME" --sha256 "$want" \
-  --gguf $(ls -d "$DIR"/p*/* | sort) || exit 1
+# shellcheck disable=SC2086  # piece paths have no spaces (pNN/chunkNN)
+python3 -m tangram_sglang.models convert "$NAME" --sha256 "$want" --gguf $pieces || exit 1
 folder=$(python3 -m tangram_sglang.models path "$NAME") || exit 1
 python3 scripts/synthesize_profile.py --config "$folder" --source "$SRC" \
   --output "$OUT/sanity-profile.json" || exit 1

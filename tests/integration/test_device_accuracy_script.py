@@ -1,4 +1,5 @@
-"""``scripts/device_accuracy.sh stash`` / ``restore``: model pieces kept between device calls.
+"""``scripts/device_pieces.sh`` through ``device_accuracy.sh stash`` / ``restore``: model pieces
+kept between device calls.
 
 On the GPU machine a carried path lasts for its own call only, so each call that carries one
 ``.carry/qwen05/pNN`` stashes it, and ``restore`` (run by ``setup``) copies the stash back and
@@ -87,3 +88,27 @@ def test_bad_stash_input_gets_one_clear_error(tmp_path):
     assert as_file.returncode != 0 and f"STASH={stash} is not a folder" in as_file.stderr
     bogus = run(tmp_path, stash, "bogus")
     assert bogus.returncode == 2 and "usage: device_accuracy.sh" in bogus.stderr
+
+
+def test_device_pieces_serves_any_carry_folder_with_its_own_default_stash(tmp_path):
+    """device_sanity.sh's folder (.carry/qwen15): the stash defaults to /tmp/<name>-pieces."""
+    pieces = SCRIPT.parent / "device_pieces.sh"
+    env = {k: v for k, v in os.environ.items() if k != "STASH"}
+    folder = tmp_path / ".carry" / "qwen15-test-pieces-default"
+    (folder / "p00").mkdir(parents=True)
+    (folder / "p00" / "chunk00").write_text("a")
+    default_stash = Path("/tmp") / f"{folder.name}-pieces"
+    try:
+        stashed = subprocess.run(
+            ["bash", str(pieces), "stash", str(folder)], env=env, capture_output=True, text=True
+        )
+        assert stashed.returncode == 0 and str(default_stash) in stashed.stdout
+        subprocess.run(["rm", "-rf", str(folder)], check=True)
+        restored = subprocess.run(
+            ["bash", str(pieces), "restore", str(folder)], env=env, capture_output=True, text=True
+        )
+        assert restored.stdout.split() == [f"{folder}/p00/chunk00"]
+    finally:
+        subprocess.run(["rm", "-rf", str(default_stash)], check=True)
+    usage = subprocess.run(["bash", str(pieces), "stash"], capture_output=True, text=True)
+    assert usage.returncode == 2 and "usage: device_pieces.sh" in usage.stderr
