@@ -15,12 +15,16 @@ STASH=${STASH:-/tmp/$(basename "$DIR")-pieces}
 # restore: the stashed pieces copied into $DIR where this call carried none of that name;
 # prints the pieces in join order, or fails naming the fix (a gap in p00..pNN, a STASH that is
 # not a folder)
-restore() {
-  local f i=0
-  if [ -e "$STASH" ] && [ ! -d "$STASH" ]; then
+stash_is_folder() {
+  [ ! -e "$STASH" ] || [ -d "$STASH" ] || {
     echo "device_pieces: STASH=$STASH is not a folder: unset STASH or point it at a folder" >&2
     return 1
-  fi
+  }
+}
+
+restore() {
+  local f i=0
+  stash_is_folder || return 1
   if [ -d "$STASH" ]; then  # what this call carried wins; the stash fills in the rest
     mkdir -p "$DIR" || return 1
     for f in "$STASH"/*; do
@@ -45,6 +49,7 @@ restore() {
 stash() {
   compgen -G "$DIR/*" > /dev/null ||
     { echo "device_pieces: stash: nothing under $DIR (carry a $DIR/pNN)" >&2; return 1; }
+  stash_is_folder || return 1
   if [ -f "$DIR/SHA256" ] && [ -f "$STASH/SHA256" ] && ! cmp -s "$DIR/SHA256" "$STASH/SHA256"; then
     echo "device_pieces: stash: another GGUF's SHA256 was stashed; starting $STASH afresh"
     rm -rf "$STASH"

@@ -84,8 +84,9 @@ def test_bad_stash_input_gets_one_clear_error(tmp_path):
     assert nothing.returncode != 0 and "nothing under .carry/qwen05" in nothing.stderr
     stash.write_text("not a folder")
     carry(tmp_path, 0, "a", sha="s1")
-    as_file = run(tmp_path, stash, "restore")
-    assert as_file.returncode != 0 and f"STASH={stash} is not a folder" in as_file.stderr
+    for mode in ("restore", "stash"):
+        as_file = run(tmp_path, stash, mode)
+        assert as_file.returncode != 0 and f"STASH={stash} is not a folder" in as_file.stderr
     bogus = run(tmp_path, stash, "bogus")
     assert bogus.returncode == 2 and "usage: device_accuracy.sh" in bogus.stderr
 
