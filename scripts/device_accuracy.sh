@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# device_accuracy.sh -- runs on an H200 machine after `source scripts/device_setup.sh`: the issue-8
-# accuracy harness (python -m tangram_sglang.eval --device cuda) on Qwen2.5-Coder-0.5B.
+# device_accuracy.sh -- runs on the GPU machine after `source scripts/device_setup.sh`: the
+# accuracy harness (python -m tangram_sglang.eval --device cuda) on Qwen2.5-Coder-0.5B (`qwen2.5-0.5b`).
 #   bash scripts/device_accuracy.sh setup   # wheels, join + check + convert the GGUF (~2 min)
 #   bash scripts/device_accuracy.sh start   # setup, then the eval in the background (setsid)
 #   bash scripts/device_accuracy.sh poll    # log tails; merged JSON (partial or final) -> $OUT
@@ -25,7 +25,12 @@
 #      STASH (/tmp/qwen05-pieces: where `stash` keeps the pieces between calls).
 set -u -o pipefail
 MODE=${1:-start}
-R=${R:-/tmp/acc}; mkdir -p "$R" "${OUT:=/tmp/out}"
+case "$MODE" in  # a bad mode stops here, before any folder is made
+  setup | start | poll | fg | stash | restore) ;;
+  *) echo "usage: device_accuracy.sh setup|start|poll|fg|stash|restore" >&2; exit 2 ;;
+esac
+R=${R:-/tmp/acc}; OUT=${OUT:-/tmp/out}
+case "$MODE" in stash | restore) ;; *) mkdir -p "$R" "$OUT" ;; esac
 export TANGRAM_CACHE_DIR=${TANGRAM_CACHE_DIR:-/tmp/tangram-cache} HF_HUB_OFFLINE=1
 PROTOCOL=${PROTOCOL:-query-agnostic}
 SYSTEMS=${SYSTEMS:-full,tangram,tangram-kvzip-lite,tangram-kvzip-gate,dynamic-ada-snapkv,uniform-snapkv,kvzip,kvzip-budgets,full-hf}
@@ -116,5 +121,4 @@ case "$MODE" in
       echo "device_accuracy: $name ($sys) started, pid $(cat "$R/$name.pid"), log $R/$name.log"
     done
     sleep "${WAIT_S:-20}"; poll ;;
-  *) echo "usage: device_accuracy.sh setup|start|poll|fg|stash|restore" >&2; exit 2 ;;
 esac

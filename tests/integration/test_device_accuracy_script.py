@@ -113,3 +113,10 @@ def test_device_pieces_serves_any_carry_folder_with_its_own_default_stash(tmp_pa
         subprocess.run(["rm", "-rf", str(default_stash)], check=True)
     usage = subprocess.run(["bash", str(pieces), "stash"], capture_output=True, text=True)
     assert usage.returncode == 2 and "usage: device_pieces.sh" in usage.stderr
+
+
+def test_a_bad_mode_gets_usage_and_makes_no_folder(tmp_path):
+    result = run(tmp_path, tmp_path / "stash", "strat")
+    assert result.returncode == 2
+    assert "usage: device_accuracy.sh setup|start|poll|fg|stash|restore" in result.stderr
+    assert not (tmp_path / "r").exists() and not (tmp_path / "out").exists()
