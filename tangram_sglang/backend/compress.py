@@ -21,7 +21,14 @@ the padding: one scorer call per run. Other scorers run per run of equal lengths
 scorer (``kvzip-gate``, ``scoring.kvzip_gate``) scores the whole batch's new tokens in one call
 from their keys and values, then takes the SnapKV family's buckets or runs with no queries.
 Every head is selected with one stable sort whatever its ``k_g``, with no host
-synchronisation. Segments every head keeps whole (``k_g = n``, e.g. under
+synchronisation. A scorer with a ``window_share`` (kvzip-lite, kvzip-gate; off by default)
+has its scores fused with the observation window's SnapKV scores before the sort, on every
+path (``scoring.select.window_union``, as its HF side does): a run by the scorer's own
+``score`` (kvzip-lite) or a second SnapKV call on the run (the gate), a bucket by the window's
+slots of the same rows (kvzip-lite's ``_Bucket.window_bucket``; a gate's bucket is a SnapKV
+bucket of the window); under ``TANGRAM_SCORE_KERNEL`` kvzip-lite's window runs in the SnapKV
+window kernel beside its query-max kernel, while the gate, which takes no kernel path, scores
+its window with torch ops. Segments every head keeps whole (``k_g = n``, e.g. under
 ``--tangram-min-compress-tokens``) are not scored.
 
 Padded layout of a bucket of ``b`` segments, ``N`` = the bucket length, ``W`` = the widest
