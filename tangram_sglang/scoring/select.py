@@ -145,20 +145,21 @@ def window_union(
         count = torch.full((1,) * primary.dim(), n, dtype=torch.float32, device=primary.device)
     else:
         count = valid.sum(dim=-1, keepdim=True, dtype=torch.float32)  # real tokens per head
-    r1 = _ranks(primary, valid).float()
-    r2 = _ranks(window, valid).float()
+    # both rankings in one sort (the serving path is host-bound: launches, not sizes, count)
+    r1, r2 = _ranks(torch.stack([primary.float(), window.float()]), valid).float().unbind(0)
     per_rank = (1.0 - window_share) / window_share  # 1 / c
     return 1.0 - torch.minimum(r1, r2 * per_rank) / count
 
 
 def _ranks(scores: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
     """int64 ``[..., n]``: each position's 0-based place in the stable descending order of
-    ``scores`` (:func:`window_union`'s ``r``): NaN and -inf at the float32 minimum (after
-    every other real token, tied), positions outside ``valid`` at -inf (after them all)."""
+    ``scores`` along the last axis (:func:`window_union`'s ``r``): NaN and -inf at the float32
+    minimum (after every other real token, tied), positions outside ``valid`` (broadcast from
+    the right) at -inf (after them all)."""
     low = torch.finfo(torch.float32).min
     key = torch.nan_to_num(scores.float(), nan=low, posinf=float("inf"), neginf=low)
     if valid is not None:
-        key = key.masked_fill(~valid, float("-inf"))
+        key = key.masked_fill_(~valid, float("-inf"))
     order = torch.sort(key, dim=-1, descending=True, stable=True).indices
     places = torch.arange(key.shape[-1], device=key.device).expand_as(order)
     return torch.empty_like(order).scatter_(-1, order, places)
