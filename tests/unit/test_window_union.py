@@ -364,3 +364,33 @@ def test_the_per_request_allocations_refuse_a_share():
     assert press.allocation == "static"
     with pytest.raises(TangramError, match="allocation='group' splits the budget"):
         ObservedScorePress(press.scorer, profile, "group")
+
+
+def test_calibrations_observer_runs_the_union_on_the_hf_model(smollm2_path):
+    """``calibrate.observe.ScoreObserver`` (calibration and the eval harness's twins) on
+    SmolLM2: with a share, each layer's scores are the scorer's own fused with the window's
+    SnapKV scores of the same forward (the gate through ``union_scores``, kvzip-lite through
+    ``score``)."""
+    from transformers import AutoModelForCausalLM
+
+    from tangram_sglang.calibrate.observe import ScoreObserver
+
+    model = AutoModelForCausalLM.from_pretrained(
+        smollm2_path, dtype=torch.float32, attn_implementation="sdpa"
+    ).eval()
+    cfg = model.config
+    dim = cfg.hidden_size // cfg.num_attention_heads
+    shape = (cfg.num_hidden_layers, cfg.num_key_value_heads, num_features(dim) + 1)
+    weights = (np.random.default_rng(0).normal(size=shape) * 0.1).tolist()
+    ids = torch.randint(0, cfg.vocab_size, (90,), generator=torch.Generator().manual_seed(0))
+    ids = ids.tolist()
+    window = ScoreObserver(model, WINDOW_SCORER).scores(ids)
+    for plain in (KVzipLiteScorer(max_queries=32), KVzipGateScorer(weights=weights)):
+        union = dataclasses.replace(plain, window_share=0.25)
+        want = window_union(
+            torch.from_numpy(ScoreObserver(model, plain).scores(ids)),
+            torch.from_numpy(window),
+            0.25,
+        )
+        got = torch.from_numpy(ScoreObserver(model, union).scores(ids))
+        assert torch.equal(got, want), plain.name
