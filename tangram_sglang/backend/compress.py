@@ -21,7 +21,14 @@ the padding: one scorer call per run. Other scorers run per run of equal lengths
 scorer (``kvzip-gate``, ``scoring.kvzip_gate``) scores the whole batch's new tokens in one call
 from their keys and values, then takes the SnapKV family's buckets or runs with no queries.
 Every head is selected with one stable sort whatever its ``k_g``, with no host
-synchronisation. Segments every head keeps whole (``k_g = n``, e.g. under
+synchronisation. A scorer with a ``window_share`` (kvzip-lite, kvzip-gate; off by default)
+has its scores fused with the observation window's SnapKV scores before the sort, on every
+path (``scoring.select.window_union``, as its HF side does): a run by the scorer's own
+``score`` (kvzip-lite) or a second SnapKV call on the run (the gate), a bucket by the window's
+slots of the same rows (kvzip-lite's ``_Bucket.window_bucket``; a gate's bucket is a SnapKV
+bucket of the window); under ``TANGRAM_SCORE_KERNEL`` kvzip-lite's window runs in the SnapKV
+window kernel beside its query-max kernel, while the gate, which takes no kernel path, scores
+its window with torch ops. Segments every head keeps whole (``k_g = n``, e.g. under
 ``--tangram-min-compress-tokens``) are not scored.
 
 Padded layout of a bucket of ``b`` segments, ``N`` = the bucket length, ``W`` = the widest
@@ -49,7 +56,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -61,8 +68,13 @@ from tangram_sglang.kernels.window_scores import supported as window_scores_supp
 from tangram_sglang.scoring.base import Scorer
 from tangram_sglang.scoring.kvzip_gate import is_token_scorer
 from tangram_sglang.scoring.kvzip_lite import KVzipLiteScorer, slot_table
-from tangram_sglang.scoring.select import priority_key, protected_mask, select_kept
-from tangram_sglang.scoring.snapkv import SnapKVScorer, reduce_gqa
+from tangram_sglang.scoring.select import (
+    priority_key,
+    protected_mask,
+    select_kept,
+    window_union,
+)
+from tangram_sglang.scoring.snapkv import WINDOW_SCORER, SnapKVScorer, reduce_gqa, window_share_of
 
 logger = logging.getLogger(__name__)
 # score buckets with kernels.window_scores (SnapKV family, kvzip-lite); server env. Off: the
@@ -225,7 +237,10 @@ def batch_kept_indices(
         )
     whole = nonempty & (low == lengths)  # every head keeps the whole segment: no scoring
     scored = nonempty & ~whole
-    windows = (scorer.obs_window, sink_tokens, recent_window)
+    share = window_share_of(scorer)  # the window_share option (0: off, the paths as before)
+    # a token scorer with a share reads the observation window's queries from its buckets
+    obs_window = WINDOW_SCORER.obs_window if token and share else scorer.obs_window
+    windows = (obs_window, sink_tokens, recent_window)
     snapkv = isinstance(scorer, SnapKVScorer)
     if window_kernel is None:
         window_kernel = SCORE_KERNEL
@@ -245,6 +260,7 @@ def batch_kept_indices(
         device,
         window_kernel,
         scorer if kvzip else None,
+        bool(share),
     )
     if not scored.any():  # nothing to score: every segment empty or kept whole by every head
         if plan.whole_fill is None:  # no new tokens at all (an empty batch)
@@ -256,11 +272,11 @@ def batch_kept_indices(
         tok = _token_scores(scorer, k_new, v_new, layer_id)
     if plan.whole_rows is None and plan.runs == [(0, bs)]:  # one run of every request
         windows = (sink_tokens, recent_window)
-        key = _run_key(scorer, q, k_new, lse, bounds, 0, bs, sm_scale, windows, tok)
+        key = _run_key(scorer, q, k_new, lse, bounds, 0, bs, sm_scale, windows, tok, share)
         return kept_from_ranks(key, kept_per_head_dev, out_width)
     if plan.in_order:  # one bucket of every request, in order: its indices are the result
         bucket = plan.buckets[0]
-        key = _bucket_key_of(scorer, q, k_new, lse, bucket, sm_scale, window_kernel, tok)
+        key = _bucket_key_of(scorer, q, k_new, lse, bucket, sm_scale, window_kernel, tok, share)
         return kept_from_ranks(key, kept_per_head_dev, out_width, bucket.offset.view(-1, 1, 1))
     out = torch.zeros(bs, num_kv_heads, out_width, dtype=torch.int64, device=device)
     if plan.whole_rows is not None:
@@ -280,10 +296,11 @@ def batch_kept_indices(
             sink_tokens,
             recent_window,
             tok,
+            share,
         )
     for bucket in plan.buckets:
         kept_dev = kept_per_head_dev.index_select(0, bucket.rows)
-        key = _bucket_key_of(scorer, q, k_new, lse, bucket, sm_scale, window_kernel, tok)
+        key = _bucket_key_of(scorer, q, k_new, lse, bucket, sm_scale, window_kernel, tok, share)
         width = int(kept_host[bucket.rows_host].max())
         idx = kept_from_ranks(key, kept_dev, width, bucket.offset.view(-1, 1, 1))
         out[bucket.rows, :, :width] = idx
@@ -306,10 +323,28 @@ def _bucket_key_of(
     sm_scale: float,
     window_kernel: bool,
     tok: torch.Tensor | None = None,
+    share: float = 0.0,
 ) -> torch.Tensor:
     """float32 ``[b, H_kv, N]`` priority keys of one bucket, by the scorer's kind: a token
     scorer's batch scores ``tok`` (``[H_kv, num_tokens]``) gathered into the bucket, kvzip-lite
-    (query slots) or the SnapKV family (observation window)."""
+    (query slots) or the SnapKV family (observation window).
+
+    With a ``window_share`` (``share`` > 0, kvzip-lite or a token scorer), those scores are
+    fused with :data:`~tangram_sglang.scoring.snapkv.WINDOW_SCORER`'s on the same rows
+    (``scoring.select.window_union``, pads left out of the ranks) before the fixed keys: a
+    token scorer's bucket carries the window's query slots itself, a kvzip-lite bucket in its
+    ``window_bucket`` (the same rows in the same order)."""
+    if share:
+        if tok is not None:
+            primary, window_bucket = _token_bucket_scores(tok, bucket), bucket
+        else:
+            primary = _query_bucket_scores(scorer, q, k_new, lse, bucket, sm_scale, window_kernel)
+            window_bucket = bucket.window_bucket
+        window = _window_bucket_scores(
+            WINDOW_SCORER, q, k_new, lse, window_bucket, sm_scale, window_kernel
+        )
+        fused = window_union(primary, window, share, bucket.key_valid.unsqueeze(1))
+        return torch.where(bucket.fixed, bucket.fixed_key, fused)
     if tok is not None:
         return _token_bucket_key(tok, bucket)
     if bucket.query_pos is not None:
@@ -361,6 +396,9 @@ class _Bucket:
     # and on the host, rows by descending slot count: int64 [b] used slots, int64 [b] off_i
     slot_count: np.ndarray | None = None
     offset_host: np.ndarray | None = None
+    # a kvzip-lite bucket under a window_share: the observation window's SnapKV bucket of the
+    # same rows in the same order (its queries, scales and context; the same pads and fixed keys)
+    window_bucket: _Bucket | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -389,6 +427,7 @@ def _batch_plan(
     device: torch.device,
     always_buckets: bool = False,
     query_scorer: KVzipLiteScorer | None = None,
+    union: bool = False,
 ) -> _Plan:
     """The device index tensors of a batch: the scored part cached per (bounds, scored rows,
     scorer kind, windows, device), the whole rows per (bounds, whole rows, width, device).
@@ -406,6 +445,11 @@ def _batch_plan(
     the keys no query of a block sees), and so are many segments of one length. With
     ``always_buckets`` (the scoring kernels, which read keys in place, so padding costs no
     copies) every scored request goes in a bucket.
+
+    ``union`` (a scorer with a ``window_share``): each kvzip-lite query bucket also carries the
+    observation window's SnapKV bucket of the same rows (``_Bucket.window_bucket``, built with
+    :data:`~tangram_sglang.scoring.snapkv.WINDOW_SCORER`'s window); a token scorer's buckets
+    are SnapKV buckets of that window already (``windows`` holds it).
     """
     starts = np.asarray(bounds[:-1], np.int64)
     lengths = np.diff(np.asarray(bounds, np.int64))
@@ -424,6 +468,7 @@ def _batch_plan(
         str(device),
         always_buckets,
         slots,
+        union,
     )
     part = _PLANS.get(cache_key)
     if part is None:
@@ -441,6 +486,23 @@ def _batch_plan(
                 )
                 for n, members in groups
             ]
+            if union:  # the window's slots over the same rows, in the same order
+                window = (WINDOW_SCORER.obs_window, *windows[1:])
+                buckets = [
+                    replace(
+                        b,
+                        window_bucket=_make_bucket(
+                            b.rows_host,
+                            b.length,
+                            starts,
+                            lengths,
+                            window,
+                            device,
+                            not always_buckets,
+                        ),
+                    )
+                    for b in buckets
+                ]
         elif snapkv and bucketed:
             runs = []
             buckets = [
@@ -677,6 +739,23 @@ def _query_bucket_key(
 ) -> torch.Tensor:
     """float32 ``[b, H_kv, N]`` priority keys of a kvzip-lite bucket (padded layout); the
     query max by ``kernels.window_scores.query_max_scores`` (``kernel``) or torch ops."""
+    scores = _query_bucket_scores(scorer, q, k, lse, b, sm_scale, kernel)
+    # NaN ranks below every score but above pad (-inf), so a pad is never kept instead.
+    key = torch.nan_to_num(scores, nan=-torch.finfo(torch.float32).max)
+    return torch.where(b.fixed, b.fixed_key, key)
+
+
+def _query_bucket_scores(
+    scorer: KVzipLiteScorer,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    lse: torch.Tensor,
+    b: _Bucket,
+    sm_scale: float,
+    kernel: bool = False,
+) -> torch.Tensor:
+    """float32 ``[b, H_kv, N]`` kvzip-lite scores of a bucket (padded layout, before the
+    fixed keys: :func:`_query_bucket_key`)."""
     if kernel:
         attn = query_max_scores(
             q, k, lse, b.tokens, b.queries, b.query_pos, b.key_valid, sm_scale, scorer.local_band
@@ -684,19 +763,21 @@ def _query_bucket_key(
     else:
         attn = _query_max_attention(q, k, lse, b, sm_scale, scorer.local_band)
     pool = SnapKVScorer(kernel_size=scorer.kernel_size, pooling=scorer.pooling).pool
-    scores = reduce_gqa(pool(attn), k.shape[1], scorer.gqa_reduce)  # [b, H_kv, N]
-    # NaN ranks below every score but above pad (-inf), so a pad is never kept instead.
-    key = torch.nan_to_num(scores, nan=-torch.finfo(torch.float32).max)
-    return torch.where(b.fixed, b.fixed_key, key)
+    return reduce_gqa(pool(attn), k.shape[1], scorer.gqa_reduce)  # [b, H_kv, N]
 
 
 def _token_bucket_key(tok: torch.Tensor, b: _Bucket) -> torch.Tensor:
     """float32 ``[b, H_kv, N]`` priority keys of a bucket from a token scorer's batch scores
     ``tok`` (``[H_kv, num_tokens]``): gathered into the padded layout, sinks and the recent
     window at +inf, NaN below every score, pads at -inf (as :func:`_bucket_key`)."""
-    key = tok[:, b.tokens].permute(1, 0, 2).float()  # [b, H_kv, N]
-    key = torch.nan_to_num(key, nan=-torch.finfo(torch.float32).max)
+    key = torch.nan_to_num(_token_bucket_scores(tok, b), nan=-torch.finfo(torch.float32).max)
     return torch.where(b.fixed, b.fixed_key, key)
+
+
+def _token_bucket_scores(tok: torch.Tensor, b: _Bucket) -> torch.Tensor:
+    """float32 ``[b, H_kv, N]``: a token scorer's batch scores ``tok`` gathered into the
+    bucket's padded layout (pads hold token 0's score; before the fixed keys)."""
+    return tok[:, b.tokens].permute(1, 0, 2).float()
 
 
 def _bucket_key(
@@ -709,6 +790,24 @@ def _bucket_key(
     window_kernel: bool = False,
 ) -> torch.Tensor:
     """float32 ``[b, H_kv, N]`` priority keys of a bucket (SnapKV scores, padded layout)."""
+    key = _window_bucket_scores(scorer, q, k, lse, b, sm_scale, window_kernel)
+    # NaN ranks below every score but above pad (-inf), so a pad is never kept instead.
+    key = torch.nan_to_num(key, nan=-torch.finfo(torch.float32).max)
+    return torch.where(b.fixed, b.fixed_key, key)
+
+
+def _window_bucket_scores(
+    scorer: SnapKVScorer,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    lse: torch.Tensor,
+    b: _Bucket,
+    sm_scale: float,
+    window_kernel: bool = False,
+) -> torch.Tensor:
+    """float32 ``[b, H_kv, N]`` SnapKV scores of a bucket (padded layout, before the fixed
+    keys: :func:`_bucket_key`): ``scorer.score`` of each row, the window's tokens above its
+    context, pads at that top value."""
     if window_kernel:  # the window attention below, in one launch (kernels.window_scores)
         attn = window_scores(q, k, lse, b.tokens, b.queries, b.query_scale, b.context, sm_scale)
     else:
@@ -718,10 +817,7 @@ def _bucket_key(
     ctx = b.context.unsqueeze(1)
     top = scores.masked_fill(~ctx, float("-inf")).amax(dim=(1, 2)) + 1.0  # [b]
     top = top.masked_fill(top == float("-inf"), 0.0)  # no context: every token ties at 0
-    key = torch.where(ctx, scores, top.view(-1, 1, 1))
-    # NaN ranks below every score but above pad (-inf), so a pad is never kept instead.
-    key = torch.nan_to_num(key, nan=-torch.finfo(torch.float32).max)
-    return torch.where(b.fixed, b.fixed_key, key)
+    return torch.where(ctx, scores, top.view(-1, 1, 1))
 
 
 def _window_attention(
@@ -810,13 +906,15 @@ def _score_runs(
     sink_tokens: int,
     recent_window: int,
     tok: torch.Tensor | None = None,
+    share: float = 0.0,
 ) -> None:
     """``runs`` (``[lo, hi)`` requests of equal length, :func:`_runs`): one scorer call each,
-    or, with a token scorer's batch scores ``tok`` (``[H_kv, num_tokens]``), a view of them."""
+    or, with a token scorer's batch scores ``tok`` (``[H_kv, num_tokens]``), a view of them
+    (fused with the window's under a ``window_share``, ``share``: :func:`_run_key`)."""
     windows = (sink_tokens, recent_window)
     for lo, hi in runs:
         run_max = int(kept_host[lo:hi].max())
-        key = _run_key(scorer, q, k, lse, bounds, lo, hi, sm_scale, windows, tok)
+        key = _run_key(scorer, q, k, lse, bounds, lo, hi, sm_scale, windows, tok, share)
         out[lo:hi, :, :run_max] = kept_from_ranks(key, kept_dev[lo:hi], run_max)
 
 
@@ -831,14 +929,21 @@ def _run_key(
     sm_scale: float,
     windows: tuple[int, int],
     tok: torch.Tensor | None = None,
+    share: float = 0.0,
 ) -> torch.Tensor:
     """float32 ``[hi - lo, H_kv, n]`` priority keys of requests ``[lo, hi)``, all ``n`` tokens
     long (``scoring.select.priority_key``: protected tokens +inf, NaN -inf); the scores are
-    the scorer's on the run, or the run's columns of a token scorer's batch scores ``tok``."""
+    the scorer's on the run (kvzip-lite's ``score`` fuses its ``window_share`` itself), or the
+    run's columns of a token scorer's batch scores ``tok``, fused with
+    :data:`~tangram_sglang.scoring.snapkv.WINDOW_SCORER`'s of the run under a ``window_share``
+    (``share`` > 0: ``scoring.select.window_union``)."""
     n = bounds[lo + 1] - bounds[lo]
     if tok is not None:
         run = tok[:, bounds[lo] : bounds[lo] + (hi - lo) * n]
         scores = run.reshape(tok.shape[0], hi - lo, n).transpose(0, 1)  # [m, H_kv, n]
+        if share:
+            window = _score_run(WINDOW_SCORER, q, k, lse, bounds[lo], hi - lo, n, sm_scale)
+            scores = window_union(scores, window, share)
     else:
         scores = _score_run(scorer, q, k, lse, bounds[lo], hi - lo, n, sm_scale)
     return priority_key(scores, *windows, protected=_protected(n, *windows, scores.device))
@@ -890,7 +995,17 @@ def reference_kept_indices(
         if int(kept_host[i].min()) == n:
             out[i, :, :n] = torch.arange(n, device=k_new.device)
             continue
-        if is_token_scorer(scorer):
+        if is_token_scorer(scorer) and window_share_of(scorer):  # the HF side's union form
+            w = min(WINDOW_SCORER.obs_window, n)
+            scores = scorer.union_scores(
+                layer_id,
+                k_new[start:end].transpose(0, 1),
+                v_new[start:end].transpose(0, 1),
+                q[end - w : end].transpose(0, 1),
+                sm_scale,
+                lse_obs=lse[end - w : end].transpose(0, 1),
+            )
+        elif is_token_scorer(scorer):
             scores = scorer.token_scores(
                 layer_id, k_new[start:end].transpose(0, 1), v_new[start:end].transpose(0, 1)
             )

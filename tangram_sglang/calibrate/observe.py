@@ -43,6 +43,7 @@ from tangram_sglang.scoring.ada_snapkv import ALPHA_SAFEGUARD
 from tangram_sglang.scoring.base import Scorer
 from tangram_sglang.scoring.duo import nonlocal_mass, retrieval_heads
 from tangram_sglang.scoring.kvzip import needs_replay
+from tangram_sglang.scoring.snapkv import window_share_of
 
 ALLOCATIONS = ("layer", "global", "pyramid", "duo", "uniform")
 DEFAULT_ALLOCATION = {
@@ -83,11 +84,15 @@ class ScoreObserver:
     def _attend(self, module: Any, query: torch.Tensor, key: torch.Tensor, *args: Any, **kw: Any):
         # query [1, Hq, n, D], key and value [1, H_kv, n, D]; query and key post-RoPE (HF calls
         # us after RoPE), value the first positional argument after them.
-        if is_token_scorer(self.scorer):
+        scale = kw.get("scaling") or query.shape[-1] ** -0.5
+        if is_token_scorer(self.scorer) and window_share_of(self.scorer):  # gate + window
+            scores = self.scorer.union_scores(
+                module.layer_idx, key[0], args[0][0], query[0], float(scale)
+            )
+        elif is_token_scorer(self.scorer):
             scores = self.scorer.token_scores(module.layer_idx, key[0], args[0][0])
         else:
             w = self.scorer.obs_window
-            scale = kw.get("scaling") or query.shape[-1] ** -0.5
             scores = self.scorer.score(query[0, :, -w:], key[0], float(scale))
         self._scores[module.layer_idx] = scores.float().cpu()
         return self._sdpa(module, query, key, *args, **kw)

@@ -322,12 +322,13 @@ def _check_profile_models(
     or server starts; ``BudgetProfile.check_model``).
 
     Raises:
-        ConfigError: an unreadable model ``config.json``, a profile that does not load, or one
+        ConfigError: an unreadable model ``config.json``, a profile that does not load, one
             calibrated for another model (naming the file, ``--model`` and ``--profile-dir``,
-            and the fix).
+            and the fix), or one whose scorer options are refused (``build_scorer``).
     """
     import json
 
+    from tangram_sglang.backend.state import build_scorer
     from tangram_sglang.errors import ConfigError, ProfileError
     from tangram_sglang.eval.runner import nearest_profile_path, profile_scorers
     from tangram_sglang.models import MODELS
@@ -366,6 +367,10 @@ def _check_profile_models(
                 f"--profile-dir {profile_dir}: {path.name} does not fit --model {model} ({exc}); "
                 f"pass {where}, or calibrate profiles for this model"
             ) from None
+        try:  # its scorer options (window_share...), as a server or the HF twin builds them
+            build_scorer(profile)
+        except ConfigError as exc:
+            raise ConfigError(f"--profile-dir {profile_dir}: {path.name}: {exc}") from None
 
 
 def _chunk_tokens(max_length: int, device: str, model_dir: Path) -> int:

@@ -44,6 +44,10 @@ whole first prompt is the compressed part (``tasks.for_protocol``), later turns 
   (``calibrate.observe.ScoreObserver``: the post-RoPE queries and keys of the context prefill),
   with the static budgets (the twin of ``tangram-kvzip-lite``'s selection, outside the server)
   or with the per-request allocation (per group, per head).
+* ``kvzip-gate-budgets``: the same with the ``kvzip-gate`` profile's gate (KVzip's scores
+  predicted from each token's key and value) and its static budgets: the twin of
+  ``tangram-kvzip-gate``'s selection. Either twin reads its profile's scorer options, the
+  ``window_share`` union with the observation window included (docs/scorers.md).
 * ``tangram-kvzip-lite``: the ``--tangram`` server with the shipped ``kvzip-lite`` profile (the
   same-pass query-agnostic scorer, ``scoring/kvzip_lite.py``), rescaled to the ratio.
 * ``tangram-kvzip-replay``: the same with the shipped ``kvzip-replay`` profile (the segment's
@@ -104,6 +108,7 @@ PRESS_SYSTEMS = (
     "kvzip-lite-budgets",
     "kvzip-lite-group-alloc",
     "kvzip-lite-head-alloc",
+    "kvzip-gate-budgets",
     *DIAGNOSTIC_PRESS_SYSTEMS,
 )
 # press systems whose per-head budgets come from a Tangram profile: system -> its scorer
@@ -115,6 +120,7 @@ PROFILE_BUDGET_SYSTEMS = {
     "kvzip-lite-budgets": "kvzip-lite",
     "kvzip-lite-group-alloc": "kvzip-lite",
     "kvzip-lite-head-alloc": "kvzip-lite",
+    "kvzip-gate-budgets": "kvzip-gate",
 }
 ALLOCATIONS = (
     "static",
@@ -132,7 +138,12 @@ ALLOCATION_OF = {
     "kvzip-lite-group-alloc": "group",
     "kvzip-lite-head-alloc": "head",
 }
-OBSERVED_SCORE_SYSTEMS = ("kvzip-lite-budgets", "kvzip-lite-group-alloc", "kvzip-lite-head-alloc")
+OBSERVED_SCORE_SYSTEMS = (
+    "kvzip-lite-budgets",
+    "kvzip-lite-group-alloc",
+    "kvzip-lite-head-alloc",
+    "kvzip-gate-budgets",
+)
 # Tangram systems: system name -> the scorer of its shipped profile (``<scorer>-r<ratio>.json``)
 # Tangram systems on the segment grid (``TANGRAM_GRID_SEGMENTS=1``, cells of ``--grid-cell``
 # tokens): every whole cell is compressed on its own, before any question (query-agnostic).
@@ -432,16 +443,20 @@ class KvpressRunner:
             layer -> kvpress's ``masked_key_indices`` (:func:`evicted_indices`).
         """
         from tangram_sglang.calibrate.observe import ScoreObserver
+        from tangram_sglang.scoring.kvzip_gate import is_token_scorer
 
-        # one observer per scorer (it registers an attention function); the scorers here are
-        # frozen dataclasses of options (kvzip-lite), equal and hashing alike when their
-        # options are (a token scorer holding tensors would not be: OBSERVED_SCORE_SYSTEMS)
+        # one observer per scorer (it registers an attention function); kvzip-lite's scorers
+        # are frozen dataclasses of options, equal and hashing alike when their options are;
+        # the gate's (weights, eq=False) hashes by identity and is built anew per sample, so it
+        # is keyed by its profile (built once per run and ratio)
         scored = {} if scored is None else scored
-        if press.scorer not in scored:
-            if press.scorer not in self._observers:
-                self._observers[press.scorer] = ScoreObserver(self.model, press.scorer)
-            scored[press.scorer] = self._observers[press.scorer].scores(context_ids)
-        scores = scored[press.scorer]
+        key = (press.scorer.name, id(press.profile)) if is_token_scorer(press.scorer) else None
+        key = key or press.scorer
+        if key not in scored:
+            if key not in self._observers:
+                self._observers[key] = ScoreObserver(self.model, press.scorer)
+            scored[key] = self._observers[key].scores(context_ids)
+        scores = scored[key]
         kept = profile_kept_counts(press.profile, scores, press.allocation)
         self.kept_per_head[name] = kept.tolist()
         return {
@@ -552,6 +567,15 @@ class ObservedScorePress:
 
     def __post_init__(self) -> None:
         check_allocation(self.allocation)
+        from tangram_sglang.scoring.snapkv import window_share_of
+
+        if self.allocation != "static" and window_share_of(self.scorer):
+            raise TangramError(
+                f"allocation={self.allocation!r} splits the budget by comparing scores across "
+                f"heads, but {self.scorer.name}'s window_share={self.scorer.window_share} makes "
+                "them per-head rank fractions; use the static budgets (the *-budgets system) "
+                "or a profile without window_share"
+            )
 
 
 def check_allocation(allocation: str) -> None:

@@ -43,6 +43,7 @@ import torch
 from tangram_sglang.errors import ConfigError
 from tangram_sglang.host_copy import host_to_device
 from tangram_sglang.scoring.base import register_scorer
+from tangram_sglang.scoring.snapkv import check_window_share, with_window
 
 RIDGE = 1e-2  # ridge strength, relative to the mean diagonal of X^T X (dimensionless)
 SCORE_FLOOR = 1e-6  # added to KVzip's scores before the log (its scores lie in [0, 1])
@@ -136,11 +137,16 @@ class KVzipGateScorer:
         weights: nested ``[L][H_kv][3 D / 2 + 1]`` floats (the profile's
             ``scorer_options.weights``); None until ``calibrate`` fits them.
         obs_window: 0: the gate reads no queries (the scorer protocol's field).
+        window_share: in ``[0, 1)``; above 0 each head keeps the union of its top tokens by
+            the gate and by SnapKV's observation window (the segment's last 32 queries, which
+            the gate then reads), the window getting about this share of the head's budget
+            (:meth:`union_scores`, ``scoring.select.window_union``). 0: off.
     """
 
     name: str = "kvzip-gate"
     weights: Any = None
     obs_window: int = 0
+    window_share: float = 0.0
     _tables: dict = field(default_factory=dict, repr=False, metadata={"runtime": True})
 
     def __post_init__(self) -> None:
@@ -149,6 +155,7 @@ class KVzipGateScorer:
                 f"kvzip-gate: obs_window={self.obs_window!r} must be 0 (the gate reads no "
                 "queries; leave --obs-window unset)"
             )
+        check_window_share(self.window_share)
         if self.weights is None:
             return
         try:
@@ -252,6 +259,36 @@ class KVzipGateScorer:
         norms = k.float().unflatten(-1, (2, half)).square().sum(-2).sqrt_()  # [H_kv, n, D/2]
         out = torch.baddbmm(w[:, -1:, None], norms, w[:, :half, None])  # [H_kv, n, 1]
         return torch.baddbmm(out, v.float(), w[:, half:-1, None]).squeeze(-1)
+
+    def union_scores(
+        self,
+        layer: int,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        q_obs: torch.Tensor,
+        sm_scale: float,
+        lse_obs: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """The scores a segment's tokens are selected by: :meth:`token_scores`, fused with the
+        observation window's when :attr:`window_share` is above 0 (``scoring.snapkv.
+        with_window``); the HF side's form (calibration's observer, the eval harness, the
+        serving path's oracle ``backend.compress.reference_kept_indices``).
+
+        Args:
+            layer: layer index.
+            k, v: ``[..., H_kv, n, D]`` the segment's post-RoPE keys and its values.
+            q_obs: ``[..., H_q, w, D]`` its last ``w`` post-RoPE queries (``w >= 32`` or the
+                whole segment); not read when :attr:`window_share` is 0.
+            sm_scale: softmax scale.
+            lse_obs: optional float32 ``[..., H_q, w]`` normaliser over history + segment.
+
+        Returns:
+            float32 ``[..., H_kv, n]``.
+        """
+        scores = self.token_scores(layer, k, v)
+        if not self.window_share:
+            return scores
+        return with_window(scores, self.window_share, q_obs, k, sm_scale, lse_obs)
 
     def score(
         self,

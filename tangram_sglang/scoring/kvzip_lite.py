@@ -43,7 +43,14 @@ import torch
 from tangram_sglang.errors import ConfigError
 from tangram_sglang.host_copy import host_to_device
 from tangram_sglang.scoring.base import register_scorer
-from tangram_sglang.scoring.snapkv import SnapKVScorer, check_window_options, reduce_gqa
+from tangram_sglang.scoring.snapkv import (
+    WINDOW_SCORER,
+    SnapKVScorer,
+    check_window_options,
+    check_window_share,
+    reduce_gqa,
+    with_window,
+)
 
 ALL_QUERIES = 1 << 30  # obs_window meaning "every query of the segment" (queries)
 DEFAULT_MAX_QUERIES = 1024  # queries scored per segment at most (evenly spaced; 0 = all)
@@ -139,6 +146,10 @@ class KVzipLiteScorer:
         gqa_reduce: ``"max"`` (KVzip) or ``"mean"`` over the query heads of a KV head.
         query_block: queries per matmul block (>= 1) of :meth:`score`; memory, not results
             (the padded batches of ``backend.compress`` bound their blocks by size instead).
+        window_share: in ``[0, 1)``; above 0 each head keeps the union of its top tokens by
+            these scores and by SnapKV's observation window (the segment's last 32 queries),
+            the window getting about this share of the head's budget
+            (``scoring.select.window_union``; docs/scorers.md, "Window share"). 0: off.
     """
 
     obs_window: int = ALL_QUERIES
@@ -148,6 +159,7 @@ class KVzipLiteScorer:
     pooling: str = "max"
     gqa_reduce: str = "max"
     query_block: int = DEFAULT_QUERY_BLOCK
+    window_share: float = 0.0
     name: str = "kvzip-lite"
 
     def __post_init__(self) -> None:
@@ -158,6 +170,13 @@ class KVzipLiteScorer:
             raise ConfigError(
                 f"max_queries={self.max_queries} and local_band={self.local_band} must be >= 0 "
                 f"and query_block={self.query_block} >= 1"
+            )
+        check_window_share(self.window_share)
+        if self.window_share and self.obs_window < WINDOW_SCORER.obs_window:
+            raise ConfigError(
+                f"kvzip-lite: window_share={self.window_share} reads the segment's last "
+                f"{WINDOW_SCORER.obs_window} queries, but obs_window={self.obs_window} hands "
+                f"fewer; raise obs_window to >= {WINDOW_SCORER.obs_window} or set window_share 0"
             )
 
     def query_slots(self, w: int) -> list[int]:
@@ -190,6 +209,9 @@ class KVzipLiteScorer:
         Returns:
             float32 ``[..., num_kv_heads, n]`` in [0, 1]: 0 for tokens no scored query reaches
             (the last ``local_band`` tokens; sinks and the recent window are kept anyway).
+            With :attr:`window_share` above 0, the fused rank score of
+            ``scoring.select.window_union`` instead (these scores and the window's of the
+            last 32 of ``q_obs``), also in (0, 1].
 
         Raises:
             ConfigError: head counts or head dims that do not fit together.
@@ -230,7 +252,10 @@ class KVzipLiteScorer:
             best[..., :hi] = torch.maximum(best[..., :hi], logits.amax(dim=-2))
         probs = best.exp_()  # exp(-inf) = 0 for tokens no query counts
         pooled = SnapKVScorer(kernel_size=self.kernel_size, pooling=self.pooling).pool(probs)
-        return reduce_gqa(pooled, num_kv_heads, self.gqa_reduce)
+        scores = reduce_gqa(pooled, num_kv_heads, self.gqa_reduce)
+        if not self.window_share:
+            return scores
+        return with_window(scores, self.window_share, q_obs, k_seg, sm_scale, lse_obs)
 
     @staticmethod
     def _lse(q: torch.Tensor, keys_t: torch.Tensor, sm_scale: float, pos: list[int]):

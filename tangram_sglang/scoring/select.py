@@ -82,3 +82,84 @@ def select_kept(scores: torch.Tensor, k: int, sink_tokens: int, recent_window: i
     # Stable descending sort: equal keys keep index order, so ties break towards lower indices.
     order = torch.sort(key, dim=-1, descending=True, stable=True).indices
     return torch.sort(order[..., :k], dim=-1).values
+
+
+def window_union(
+    primary: torch.Tensor,
+    window: torch.Tensor,
+    window_share: float,
+    valid: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Fuse a scorer's own scores with the observation window's, budget-independently.
+
+    Every caller of the ``window_share`` option goes through here: ``KVzipLiteScorer.score``
+    and ``KVzipGateScorer.union_scores`` (the HF side: calibration's observer, the eval
+    harness's twins) and each serving path of ``backend.compress`` (runs, padded buckets, the
+    scoring kernels' buckets), so the served selection is the HF side's.
+
+    Per KV head, ``r1`` and ``r2`` are each token's 0-based rank under ``primary`` and under
+    ``window`` (0 = best; stable: ties go to the lower token index; NaN and -inf rank after
+    every other real token, tied with each other; positions outside ``valid`` after all of
+    them), ``n`` the head's real tokens, and with ``s = window_share``, ``c = s / (1 - s)``:
+
+        p1 = 1 - r1 / n,   p2 = 1 - r2 / n          (rank fractions in (0, 1], 1 = best)
+        p2' = 1 - (1 - p2) / c
+        fused = max(p1, p2') = 1 - min(r1, r2 / c) / n
+
+    ``fused >= 1 - t`` holds for the primary's top fraction ``t`` and the window's top
+    fraction ``c * t``, so a head's top-``k`` by ``fused`` is the union of the primary's top
+    ``t`` and the window's top ``c t`` with ``t`` set by ``k``: the window gets about ``s`` of
+    the budget (less their overlap), and the fusion never reads ``k``. (Written as
+    ``p2' = 1 - (1 - p2) * c`` the window would get ``1 - s`` of it and ``s = 0`` would tie
+    every token: the division is the form that gives the window its share.) Protected tokens
+    (sinks, recent window) and pads are the caller's: its priority keys put them first and
+    last after this call, as without the option.
+
+    Args:
+        primary: float ``[..., H_kv, n]`` the scorer's own scores (higher = keep), any float
+            dtype and device.
+        window: float, the same shape: SnapKV's observation-window scores of the same tokens
+            (``scoring.snapkv.with_window``; the window's own tokens at its top).
+        window_share: ``s`` in ``[0, 1)``; 0 returns ``primary`` as float32 (the option off:
+            callers skip the call then, so their path is unchanged).
+        valid: optional bool, broadcastable to ``primary`` (``[..., 1, n]``): the positions
+            that hold a token (False at a padded bucket's pads); None = every position.
+
+    Returns:
+        float32 ``[..., H_kv, n]``: ``fused`` at every real token, in ``(0, 1]``; at most 0 at
+        positions outside ``valid`` (their keys are fixed by the caller).
+
+    Source: rank fusion of two selections (a union of top fractions, as SnapKV's window and
+    KVzip's reconstruction scores each keep what the other misses: docs/scorers.md, "Window
+    share"); ranks rather than scores because the two scales differ per head and layer.
+    """
+    if primary.shape != window.shape:
+        raise ConfigError(
+            f"window_union: primary {list(primary.shape)} and window {list(window.shape)} "
+            "scores must have the same shape"
+        )
+    if window_share == 0:
+        return primary.float()
+    n = primary.shape[-1]
+    if valid is None:
+        count = torch.full((1,) * primary.dim(), n, dtype=torch.float32, device=primary.device)
+    else:
+        count = valid.sum(dim=-1, keepdim=True, dtype=torch.float32)  # real tokens per head
+    # both rankings in one sort (the serving path is host-bound: launches, not sizes, count)
+    r1, r2 = _ranks(torch.stack([primary.float(), window.float()]), valid).float().unbind(0)
+    per_rank = (1.0 - window_share) / window_share  # 1 / c
+    return 1.0 - torch.minimum(r1, r2 * per_rank) / count
+
+
+def _ranks(scores: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
+    """int64 ``[..., n]``: each position's 0-based place in the stable descending order of
+    ``scores`` along the last axis (:func:`window_union`'s ``r``): NaN and -inf at the float32
+    minimum (after every other real token, tied), positions outside ``valid`` (broadcast from
+    the right) at -inf (after them all)."""
+    low = torch.finfo(torch.float32).min
+    key = torch.nan_to_num(scores.float(), nan=low, posinf=float("inf"), neginf=low)
+    if valid is not None:
+        key = key.masked_fill_(~valid, float("-inf"))
+    order = torch.sort(key, dim=-1, descending=True, stable=True).indices
+    places = torch.arange(key.shape[-1], device=key.device).expand_as(order)
+    return torch.empty_like(order).scatter_(-1, order, places)

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 from tangram_sglang.errors import ConfigError
 from tangram_sglang.scoring.base import register_scorer
+from tangram_sglang.scoring.select import window_union
 
 POOLINGS = ("avg", "max")
 GQA_REDUCTIONS = ("mean", "max")
@@ -149,3 +150,61 @@ def reduce_gqa(x: torch.Tensor, num_kv_heads: int, how: str) -> torch.Tensor:
 
 
 register_scorer("snapkv", SnapKVScorer)
+
+
+# The observation window of the ``window_share`` option (kvzip-lite, kvzip-gate): SnapKV as the
+# shipped SnapKV-family profiles run it (the segment's last 32 queries, avg-pool kernel 5, mean
+# over a KV head's query heads), so the window keeps what ``snapkv`` would.
+WINDOW_SCORER = SnapKVScorer()
+
+
+def check_window_share(value: object) -> None:
+    """``window_share`` is a number in ``[0, 1)``.
+
+    Raises:
+        ConfigError: naming the field, where it is set and the fix.
+    """
+    number = isinstance(value, int | float) and not isinstance(value, bool)
+    if not number or not 0.0 <= value < 1.0:  # NaN fails the range test
+        raise ConfigError(
+            f"window_share={value!r} must be a number in [0, 1): the share of each KV head's "
+            "budget for the observation window's top tokens (0 = off, e.g. 0.25); fix "
+            "provenance.scorer_options.window_share in the profile"
+        )
+
+
+def window_share_of(scorer: object) -> float:
+    """The scorer's ``window_share`` (0.0 for a scorer without the option)."""
+    return float(getattr(scorer, "window_share", 0.0) or 0.0)
+
+
+def with_window(
+    primary: torch.Tensor,
+    window_share: float,
+    q_obs: torch.Tensor,
+    k_seg: torch.Tensor,
+    sm_scale: float,
+    lse_obs: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``primary`` fused with :data:`WINDOW_SCORER`'s scores of the same segment
+    (``scoring.select.window_union``): the per-segment form of the ``window_share`` option.
+
+    Args:
+        primary: float ``[..., H_kv, n]`` the scorer's own scores of the segment.
+        window_share: in ``[0, 1)`` (0: ``primary`` as float32, nothing else computed).
+        q_obs: ``[..., H_q, w, D]`` the segment's last ``w`` post-RoPE queries, ``w`` at least
+            the window's 32 or the whole segment (their last 32 are the window).
+        k_seg: ``[..., H_kv, n, D]`` the segment's post-RoPE keys.
+        sm_scale: softmax scale.
+        lse_obs: optional float32 ``[..., H_q, w]`` normaliser of those queries (history +
+            segment); None = softmax over the segment.
+
+    Returns:
+        float32 ``[..., H_kv, n]`` (``window_union``'s fused rank score).
+    """
+    if not window_share:
+        return primary.float()
+    w = min(WINDOW_SCORER.obs_window, q_obs.shape[-2])
+    lse = None if lse_obs is None else lse_obs[..., -w:]
+    window = WINDOW_SCORER.score(q_obs[..., -w:, :], k_seg, sm_scale, lse)
+    return window_union(primary, window, window_share)

@@ -114,15 +114,18 @@ def _batch(lengths, seed):
     ids=["one", "one-run", "buckets", "short"],
 )
 @pytest.mark.parametrize("layer", [0, 2])
-def test_batched_gate_selection_equals_the_reference(lengths, layer):
+@pytest.mark.parametrize("share", [0.0, 0.25], ids=["gate", "window-share"])
+def test_batched_gate_selection_equals_the_reference(lengths, layer, share):
     rng = np.random.default_rng(len(lengths) + layer)
-    scorer = KVzipGateScorer(weights=_weights(layer))
+    scorer = KVzipGateScorer(weights=_weights(layer), window_share=share)
     q, k, v, lse, bounds = _batch(lengths, layer)
     kept = [[int(rng.integers(1, n + 1)) if n else 1 for _ in range(H_KV)] for n in lengths]
     args = (scorer, q, k, lse, bounds, kept, 0.3, 2, 3)
     want = reference_kept_indices(*args, v_new=v, layer_id=layer)
     got = batch_kept_indices(*args, v_new=v, layer_id=layer)
     assert torch.equal(got, want)
+    if share:  # united with the window's top tokens (tests/unit/test_window_union.py)
+        return
     # the selection is each head's own top-k of its gate scores (sinks, window always kept)
     i = int(np.argmax(lengths))
     n, start = lengths[i], bounds[i]

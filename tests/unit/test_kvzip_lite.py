@@ -97,8 +97,10 @@ def test_registry_defaults_and_bad_options():
         scorer.score(torch.randn(5, 4, D), torch.randn(2, 4, D), 1.0)
 
 
-def test_serving_path_equals_the_per_request_oracle():
-    """``batch_kept_indices`` (the attention backend's call) with every query of each segment."""
+@pytest.mark.parametrize("share", [0.0, 0.25], ids=["lite", "window-share"])
+def test_serving_path_equals_the_per_request_oracle(share):
+    """``batch_kept_indices`` (the attention backend's call) with every query of each segment
+    (and, under a ``window_share``, the observation window's scores fused in)."""
     lengths = [40, 17, 17, 0, 64]
     gen = torch.Generator().manual_seed(3)
     total = sum(lengths)
@@ -108,7 +110,7 @@ def test_serving_path_equals_the_per_request_oracle():
     bounds = np.concatenate([[0], np.cumsum(lengths)]).tolist()
     rng = np.random.default_rng(0)
     kept = [[int(rng.integers(1, n + 1)) if n else 1 for _ in range(H_KV)] for n in lengths]
-    scorer = KVzipLiteScorer(max_queries=16, query_block=5)
+    scorer = KVzipLiteScorer(max_queries=16, query_block=5, window_share=share)
     want = reference_kept_indices(scorer, q, k, lse, bounds, kept, 0.3, 2, 3)
     got = batch_kept_indices(scorer, q, k, lse, bounds, kept, 0.3, 2, 3)
     assert torch.equal(got, want)
