@@ -19,7 +19,9 @@ logprobs with a clear HTTP 400.
 
 from __future__ import annotations
 
+import json
 import re
+from pathlib import Path
 
 import pytest
 import requests
@@ -122,3 +124,30 @@ def test_a_kvzip_server_refuses_logprobs_with_a_clear_error(servers):
     assert "--tangram-scorer kvzip" in resp.text and "logprobs" in resp.text
     # the server still answers
     assert _first_token(kvzip, [{"role": "user", "content": "Hi!"}])[1] > 0
+
+
+@pytest.mark.parametrize("scorer", ["kvzip-lite", "kvzip-gate"])
+def test_a_window_share_profile_serves_compressed_turns(
+    servers, smollm2_path, tmp_path_factory, capsys, scorer
+):
+    """``provenance.scorer_options.window_share`` through the real server: a copy of the
+    shipped profile with a share of 0.25 starts, runs the fused selection on every compressed
+    prefill (kvzip-lite's own ``score``, the gate's second SnapKV call) and still holds less KV
+    than full KV on every turn of the demo's chat."""
+    shipped = json.loads(Path(f"calibration/smollm2/{scorer}-r0.25.json").read_text())
+    shipped["provenance"]["scorer_options"]["window_share"] = 0.25
+    profile = tmp_path_factory.mktemp(f"share-{scorer}") / f"{scorer}-r0.25.json"
+    profile.write_text(json.dumps(shipped))
+    args = ["--tangram", "--tangram-profile", str(profile)]
+    args += ["--tangram-min-compress-tokens", str(DEMO_MIN_COMPRESS_TOKENS)]
+    server = servers.get(args, f"tangram-{scorer}-share")
+    info = requests.get(f"{server.base_url}/get_server_info", timeout=60).json()
+    assert info["tangram"]["scorer"] == scorer
+    assert info["tangram"]["profile_path"] == str(profile)
+    server.flush_cache().raise_for_status()
+    per_token = full_kv_bytes_per_token(smollm2_path, 4)  # the CPU engine serves float32
+    turns = chat(server.base_url, DEMO_TURNS, on_turn=TurnReporter(server, per_token))
+    saved = [int(x) for x in re.findall(r"full KV \(saved (-?\d+)%\)", capsys.readouterr().out)]
+    assert len(saved) == len(turns) == len(DEMO_TURNS)
+    assert all(s > 0 for s in saved), saved
+    assert all(t.reply.strip() for t in turns)
