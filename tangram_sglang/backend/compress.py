@@ -325,7 +325,8 @@ def _bucket_key_of(
     tok: torch.Tensor | None = None,
     share: float = 0.0,
 ) -> torch.Tensor:
-    """float32 ``[b, H_kv, N]`` priority keys of one bucket, by the scorer's kind: a token
+    """float32 ``[b, H_kv, N]`` priority keys of one bucket (sinks and the recent window at +inf,
+    NaN below every score, pads at -inf), from the scores of the scorer's kind: a token
     scorer's batch scores ``tok`` (``[H_kv, num_tokens]``) gathered into the bucket, kvzip-lite
     (query slots) or the SnapKV family (observation window).
 
@@ -334,22 +335,22 @@ def _bucket_key_of(
     (``scoring.select.window_union``, pads left out of the ranks) before the fixed keys: a
     token scorer's bucket carries the window's query slots itself, a kvzip-lite bucket in its
     ``window_bucket`` (the same rows in the same order)."""
+    if tok is not None:
+        scores = _token_bucket_scores(tok, bucket)
+    elif bucket.query_pos is not None:
+        scores = _query_bucket_scores(scorer, q, k_new, lse, bucket, sm_scale, window_kernel)
+    else:
+        scores = _window_bucket_scores(scorer, q, k_new, lse, bucket, sm_scale, window_kernel)
     if share:
-        if tok is not None:
-            primary, window_bucket = _token_bucket_scores(tok, bucket), bucket
-        else:
-            primary = _query_bucket_scores(scorer, q, k_new, lse, bucket, sm_scale, window_kernel)
-            window_bucket = bucket.window_bucket
+        window_bucket = bucket if tok is not None else bucket.window_bucket
         window = _window_bucket_scores(
             WINDOW_SCORER, q, k_new, lse, window_bucket, sm_scale, window_kernel
         )
-        fused = window_union(primary, window, share, bucket.key_valid.unsqueeze(1))
+        fused = window_union(scores, window, share, bucket.key_valid.unsqueeze(1))
         return torch.where(bucket.fixed, bucket.fixed_key, fused)
-    if tok is not None:
-        return _token_bucket_key(tok, bucket)
-    if bucket.query_pos is not None:
-        return _query_bucket_key(scorer, q, k_new, lse, bucket, sm_scale, window_kernel)
-    return _bucket_key(scorer, q, k_new, lse, bucket, sm_scale, window_kernel)
+    # NaN ranks below every score but above pad (-inf), so a pad is never kept instead.
+    key = torch.nan_to_num(scores, nan=-torch.finfo(torch.float32).max)
+    return torch.where(bucket.fixed, bucket.fixed_key, key)
 
 
 _warned: set[tuple] = set()
@@ -728,23 +729,6 @@ def _make_query_bucket(
     )
 
 
-def _query_bucket_key(
-    scorer: KVzipLiteScorer,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    lse: torch.Tensor,
-    b: _Bucket,
-    sm_scale: float,
-    kernel: bool = False,
-) -> torch.Tensor:
-    """float32 ``[b, H_kv, N]`` priority keys of a kvzip-lite bucket (padded layout); the
-    query max by ``kernels.window_scores.query_max_scores`` (``kernel``) or torch ops."""
-    scores = _query_bucket_scores(scorer, q, k, lse, b, sm_scale, kernel)
-    # NaN ranks below every score but above pad (-inf), so a pad is never kept instead.
-    key = torch.nan_to_num(scores, nan=-torch.finfo(torch.float32).max)
-    return torch.where(b.fixed, b.fixed_key, key)
-
-
 def _query_bucket_scores(
     scorer: KVzipLiteScorer,
     q: torch.Tensor,
@@ -755,7 +739,7 @@ def _query_bucket_scores(
     kernel: bool = False,
 ) -> torch.Tensor:
     """float32 ``[b, H_kv, N]`` kvzip-lite scores of a bucket (padded layout, before the
-    fixed keys: :func:`_query_bucket_key`)."""
+    fixed keys: :func:`_bucket_key_of`)."""
     if kernel:
         attn = query_max_scores(
             q, k, lse, b.tokens, b.queries, b.query_pos, b.key_valid, sm_scale, scorer.local_band
@@ -766,34 +750,10 @@ def _query_bucket_scores(
     return reduce_gqa(pool(attn), k.shape[1], scorer.gqa_reduce)  # [b, H_kv, N]
 
 
-def _token_bucket_key(tok: torch.Tensor, b: _Bucket) -> torch.Tensor:
-    """float32 ``[b, H_kv, N]`` priority keys of a bucket from a token scorer's batch scores
-    ``tok`` (``[H_kv, num_tokens]``): gathered into the padded layout, sinks and the recent
-    window at +inf, NaN below every score, pads at -inf (as :func:`_bucket_key`)."""
-    key = torch.nan_to_num(_token_bucket_scores(tok, b), nan=-torch.finfo(torch.float32).max)
-    return torch.where(b.fixed, b.fixed_key, key)
-
-
 def _token_bucket_scores(tok: torch.Tensor, b: _Bucket) -> torch.Tensor:
     """float32 ``[b, H_kv, N]``: a token scorer's batch scores ``tok`` gathered into the
     bucket's padded layout (pads hold token 0's score; before the fixed keys)."""
     return tok[:, b.tokens].permute(1, 0, 2).float()
-
-
-def _bucket_key(
-    scorer: SnapKVScorer,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    lse: torch.Tensor,
-    b: _Bucket,
-    sm_scale: float,
-    window_kernel: bool = False,
-) -> torch.Tensor:
-    """float32 ``[b, H_kv, N]`` priority keys of a bucket (SnapKV scores, padded layout)."""
-    key = _window_bucket_scores(scorer, q, k, lse, b, sm_scale, window_kernel)
-    # NaN ranks below every score but above pad (-inf), so a pad is never kept instead.
-    key = torch.nan_to_num(key, nan=-torch.finfo(torch.float32).max)
-    return torch.where(b.fixed, b.fixed_key, key)
 
 
 def _window_bucket_scores(
@@ -806,7 +766,7 @@ def _window_bucket_scores(
     window_kernel: bool = False,
 ) -> torch.Tensor:
     """float32 ``[b, H_kv, N]`` SnapKV scores of a bucket (padded layout, before the fixed
-    keys: :func:`_bucket_key`): ``scorer.score`` of each row, the window's tokens above its
+    keys: :func:`_bucket_key_of`): ``scorer.score`` of each row, the window's tokens above its
     context, pads at that top value."""
     if window_kernel:  # the window attention below, in one launch (kernels.window_scores)
         attn = window_scores(q, k, lse, b.tokens, b.queries, b.query_scale, b.context, sm_scale)

@@ -46,7 +46,7 @@ def test_window_scores_equal_the_torch_bucket_path(lengths, window):
     q, k, lse, _ = _batch(lengths, window)
     b = _bucket(lengths, window)
     got = window_scores(q, k, lse, b.tokens, b.queries, b.query_scale, b.context, 0.3)
-    # the torch path's attention, as compress._bucket_key computes it before pooling
+    # the torch path's attention, as compress._window_bucket_scores computes it before pooling
     bsz, width, length = b.queries.shape[0], b.window, b.length
     q_obs = q[b.queries].float().permute(0, 2, 1, 3).reshape(bsz, H_KV, -1, D)
     logits = torch.matmul(q_obs, k[b.tokens].float().permute(0, 2, 3, 1)) * 0.3
