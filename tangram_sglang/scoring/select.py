@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from tangram_sglang.errors import ConfigError
+from tangram_sglang.errors import ConfigError, KernelError
 
 
 def protected_mask(
@@ -126,25 +126,26 @@ def window_union(
             that hold a token (False at a padded bucket's pads); None = every position.
 
     Returns:
-        float32 ``[..., H_kv, n]``: ``fused`` at every real token, in ``(0, 1]``; at most 0 at
-        positions outside ``valid`` (their keys are fixed by the caller).
+        float32 ``[..., H_kv, n]``: ``fused`` at every real token, in ``[1 / n, 1]`` (``min``
+        is at most ``r1 <= n - 1``); any value at positions outside ``valid``, whose keys the
+        caller fixes.
+
+    Raises:
+        KernelError: ``primary`` and ``window`` of different shapes (a caller's bug).
 
     Source: rank fusion of two selections (a union of top fractions, as SnapKV's window and
     KVzip's reconstruction scores each keep what the other misses: docs/scorers.md, "Window
     share"); ranks rather than scores because the two scales differ per head and layer.
     """
     if primary.shape != window.shape:
-        raise ConfigError(
+        raise KernelError(
             f"window_union: primary {list(primary.shape)} and window {list(window.shape)} "
             "scores must have the same shape"
         )
     if window_share == 0:
         return primary.float()
     n = primary.shape[-1]
-    if valid is None:
-        count = torch.full((1,) * primary.dim(), n, dtype=torch.float32, device=primary.device)
-    else:
-        count = valid.sum(dim=-1, keepdim=True, dtype=torch.float32)  # real tokens per head
+    count = n if valid is None else valid.sum(dim=-1, keepdim=True, dtype=torch.float32)
     # both rankings in one sort (the serving path is host-bound: launches, not sizes, count)
     r1, r2 = _ranks(torch.stack([primary.float(), window.float()]), valid).float().unbind(0)
     per_rank = (1.0 - window_share) / window_share  # 1 / c

@@ -12,6 +12,7 @@ Source: SnapKV (Li et al. 2024, arXiv 2404.14469) §4; kvpress ``presses/snapkv_
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 
 import torch
@@ -158,18 +159,25 @@ register_scorer("snapkv", SnapKVScorer)
 WINDOW_SCORER = SnapKVScorer()
 
 
+MIN_WINDOW_SHARE = 1e-3  # smallest non-zero window_share (a fraction of each head's budget)
+
+
 def check_window_share(value: object) -> None:
-    """``window_share`` is a number in ``[0, 1)``.
+    """``window_share`` is 0 (off) or a number in ``[MIN_WINDOW_SHARE, 1)``.
+
+    A share below :data:`MIN_WINDOW_SHARE` would scale the window's ranks by ``(1 - s) / s``
+    past float32's range (NaN at rank 0) and gives the window no token anyway.
 
     Raises:
         ConfigError: naming the field, where it is set and the fix.
     """
-    number = isinstance(value, int | float) and not isinstance(value, bool)
-    if not number or not 0.0 <= value < 1.0:  # NaN fails the range test
+    number = isinstance(value, numbers.Real) and not isinstance(value, bool)
+    # NaN fails both range tests
+    if not number or not (value == 0 or MIN_WINDOW_SHARE <= value < 1.0):
         raise ConfigError(
-            f"window_share={value!r} must be a number in [0, 1): the share of each KV head's "
-            "budget for the observation window's top tokens (0 = off, e.g. 0.25); fix "
-            "provenance.scorer_options.window_share in the profile"
+            f"window_share={value!r} must be 0 (off) or a number in [{MIN_WINDOW_SHARE}, 1): "
+            "the share of each KV head's budget for the observation window's top tokens "
+            "(e.g. 0.25); fix provenance.scorer_options.window_share in the profile"
         )
 
 

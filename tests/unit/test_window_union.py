@@ -16,7 +16,7 @@ from hypothesis.extra.numpy import arrays
 
 from tangram_sglang.backend import compress
 from tangram_sglang.backend.compress import batch_kept_indices, reference_kept_indices
-from tangram_sglang.errors import ConfigError
+from tangram_sglang.errors import ConfigError, KernelError
 from tangram_sglang.scoring import KVzipGateScorer, KVzipLiteScorer, get_scorer, select_kept
 from tangram_sglang.scoring.kvzip_gate import num_features
 from tangram_sglang.scoring.select import window_union
@@ -139,7 +139,7 @@ def test_shapes_and_dtypes(shape, dtype):
     assert out.shape == primary.shape and out.dtype == torch.float32
     flat = window_union(primary.reshape(-1, shape[-1]), window.reshape(-1, shape[-1]), 0.25)
     assert torch.equal(out.reshape(-1, shape[-1]), flat)  # each head on its own
-    with pytest.raises(ConfigError, match="same shape"):
+    with pytest.raises(KernelError, match="same shape"):
         window_union(primary, window[..., :-1], 0.25)
 
 
@@ -303,16 +303,20 @@ def test_the_plan_cache_tells_shares_apart():
 # --- the option's validation ----------------------------------------------------------------
 
 
-@pytest.mark.parametrize("bad", [-0.1, 1.0, 1.5, math.nan, math.inf, "0.25", True, None, [0.2]])
+@pytest.mark.parametrize(
+    "bad", [-0.1, 1.0, 1.5, 1e-300, 1e-40, 9e-4, math.nan, math.inf, "0.25", True, None, [0.2]]
+)
 @pytest.mark.parametrize("name", ["kvzip-lite", "kvzip-gate"])
 def test_a_bad_share_is_refused_naming_the_field_and_the_fix(name, bad):
-    with pytest.raises(ConfigError, match=r"window_share=.* must be a number in \[0, 1\)") as err:
+    with pytest.raises(
+        ConfigError, match=r"window_share=.* must be 0 \(off\) or a number in \[0.001, 1\)"
+    ) as err:
         get_scorer(name, window_share=bad)
     assert "provenance.scorer_options.window_share" in str(err.value)
 
 
 def test_good_shares_and_the_window_kvzip_lite_needs():
-    for share in (0, 0.0, 0.25, 0.999):
+    for share in (0, 0.0, 1e-3, 0.25, 0.999, np.float32(0.25)):
         assert get_scorer("kvzip-lite", window_share=share).window_share == share
         assert get_scorer("kvzip-gate", window_share=share).window_share == share
     with pytest.raises(ConfigError, match="obs_window=16 hands fewer; raise obs_window to >= 32"):
@@ -343,7 +347,9 @@ def test_the_profile_option_reaches_the_server_and_the_twins(path, scorer):
     built = build_scorer(profile)
     assert isinstance(built, scorer) and built.window_share == 0.25
     options["window_share"] = 1.25
-    with pytest.raises(ConfigError, match=r"window_share=1.25 must be a number in \[0, 1\)"):
+    with pytest.raises(
+        ConfigError, match=r"window_share=1.25 must be 0 \(off\) or a number in \[0.001, 1\)"
+    ):
         build_scorer(profile)
 
 
@@ -394,3 +400,19 @@ def test_calibrations_observer_runs_the_union_on_the_hf_model(smollm2_path):
         )
         got = torch.from_numpy(ScoreObserver(model, union).scores(ids))
         assert torch.equal(got, want), plain.name
+
+
+@pytest.mark.parametrize("share", [0.25, 0, "0.25"])
+def test_a_share_on_a_scorer_without_it_is_refused(share):
+    """A profile of another scorer (here Ada-SnapKV) with ``window_share`` would otherwise
+    build and serve without the option, silently."""
+    from tangram_sglang.backend.state import build_scorer
+    from tangram_sglang.profile import BudgetProfile
+
+    shipped = BudgetProfile.load("calibration/qwen2.5-0.5b/ada-snapkv-r0.5.json")
+    options = {**(shipped.provenance.get("scorer_options") or {}), "window_share": share}
+    profile = dataclasses.replace(
+        shipped, provenance={**shipped.provenance, "scorer_options": options}
+    )
+    with pytest.raises(ConfigError, match="window_share is an option of the kvzip-lite and"):
+        build_scorer(profile)
