@@ -180,6 +180,8 @@ def _scorers():
         "snapkv": SnapKVScorer(obs_window=8, kernel_size=5),
         "kvzip-lite": KVzipLiteScorer(max_queries=32, local_band=4),
         "kvzip-gate": KVzipGateScorer(weights=weights),
+        "kvzip-lite+share": KVzipLiteScorer(max_queries=32, local_band=4, window_share=0.25),
+        "kvzip-gate+share": KVzipGateScorer(weights=weights, window_share=0.25),
     }
 
 
@@ -198,6 +200,13 @@ LAUNCH_BUDGET = {
     ("kvzip-gate", "bucket"): 16,
     ("kvzip-gate", "bucket+whole"): 20,
     ("kvzip-gate", "run"): 14,
+    # window_share (opt-in): the window's SnapKV scores and the two rankings on top
+    ("kvzip-lite+share", "bucket"): 65,
+    ("kvzip-lite+share", "bucket+whole"): 69,
+    ("kvzip-lite+share", "run"): 57,
+    ("kvzip-gate+share", "bucket"): 50,
+    ("kvzip-gate+share", "bucket+whole"): 54,
+    ("kvzip-gate+share", "run"): 40,
 }
 SHAPES = {
     "bucket": [150, 90, 300, 210, 70, 400, 120, 260],  # one padded bucket, every request in order
@@ -207,7 +216,9 @@ SHAPES = {
 
 
 @pytest.mark.parametrize("shape", list(SHAPES))
-@pytest.mark.parametrize("name", ["snapkv", "kvzip-lite", "kvzip-gate"])
+@pytest.mark.parametrize(
+    "name", ["snapkv", "kvzip-lite", "kvzip-gate", "kvzip-lite+share", "kvzip-gate+share"]
+)
 def test_a_layers_selection_stays_within_its_launch_budget(name, shape):
     """Each scorer on a bucket of every request, a bucket beside rows kept whole, and one run:
     the reference's kept tokens, in at most the budgeted launches per layer."""
@@ -216,7 +227,7 @@ def test_a_layers_selection_stays_within_its_launch_budget(name, shape):
     q, k, lse, bounds = _batch(lengths, 7)
     v = torch.randn_like(k)
     kept = [[n if n <= 32 else max(n // (2 + h), 1) for h in range(H_KV)] for n in lengths]
-    extra = {"v_new": v, "layer_id": 1} if name == "kvzip-gate" else {}
+    extra = {"v_new": v, "layer_id": 1} if name.startswith("kvzip-gate") else {}
     dev = torch.tensor(kept, dtype=torch.int64)
     call = lambda: batch_kept_indices(  # noqa: E731
         scorer, q, k, lse, bounds, kept, 0.3, 2, 4, dev, window_kernel=False, **extra

@@ -17,7 +17,7 @@ from hypothesis.extra.numpy import arrays
 from tangram_sglang.backend import compress
 from tangram_sglang.backend.compress import batch_kept_indices, reference_kept_indices
 from tangram_sglang.errors import ConfigError, KernelError
-from tangram_sglang.scoring import KVzipGateScorer, KVzipLiteScorer, get_scorer, select_kept
+from tangram_sglang.scoring import KVzipGateScorer, KVzipLiteScorer, get_scorer, select_kept, snapkv
 from tangram_sglang.scoring.kvzip_gate import num_features
 from tangram_sglang.scoring.select import window_union
 from tangram_sglang.scoring.snapkv import WINDOW_SCORER, with_window
@@ -263,13 +263,16 @@ def test_served_selection_equals_the_hf_side_under_a_share(name, shape, kernel):
 
 @pytest.mark.parametrize("name", ["kvzip-lite", "kvzip-gate"])
 def test_share_zero_serves_exactly_as_before_without_the_fusion(name, monkeypatch):
-    """``window_share`` 0 is the scorer without the option: the same kept indices, bit for bit,
-    on every path, and the fusion is never called."""
+    """``window_share`` 0 never reaches the fusion, on any path nor in kvzip-lite's own
+    ``score``: the served selection is the code of before. (That it equals each request's
+    ``select_kept`` at share 0 is the older oracle tests' part: test_kvzip_lite.py,
+    test_kvzip_gate.py.)"""
 
     def boom(*args, **kwargs):
         raise AssertionError("window_union called with window_share 0")
 
     monkeypatch.setattr(compress, "window_union", boom)
+    monkeypatch.setattr(snapkv, "window_union", boom)
     for shape, lengths in LENGTHS.items():
         q, k, v, lse, bounds = _batch(lengths, 5)
         kept = _kept(lengths, 5)
