@@ -324,15 +324,23 @@ def _check_profile_models(
     Raises:
         ConfigError: an unreadable model ``config.json``, a profile that does not load, one
             calibrated for another model (naming the file, ``--model`` and ``--profile-dir``,
-            and the fix), or one whose scorer options are refused (``build_scorer``).
+            and the fix), one whose scorer options are refused (``build_scorer``), or a
+            per-request split system (``*-group-alloc``, ``*-head-alloc``) on a profile with a
+            ``window_share``.
     """
     import json
 
     from tangram_sglang.backend.state import build_scorer
     from tangram_sglang.errors import ConfigError, ProfileError
     from tangram_sglang.eval.runner import nearest_profile_path, profile_scorers
+    from tangram_sglang.eval.systems import (
+        ALLOCATION_OF,
+        OBSERVED_SCORE_SYSTEMS,
+        PROFILE_BUDGET_SYSTEMS,
+    )
     from tangram_sglang.models import MODELS
     from tangram_sglang.profile import BudgetProfile, ModelIdentity
+    from tangram_sglang.scoring.snapkv import window_share_of
 
     try:
         local = ModelIdentity.from_hf_config(json.loads((model_dir / "config.json").read_text()))
@@ -368,9 +376,24 @@ def _check_profile_models(
                 f"pass {where}, or calibrate profiles for this model"
             ) from None
         try:  # its scorer options (window_share...), as a server or the HF twin builds them
-            build_scorer(profile)
+            scorer = build_scorer(profile)
         except ConfigError as exc:
             raise ConfigError(f"--profile-dir {profile_dir}: {path.name}: {exc}") from None
+        if window_share_of(scorer):  # a per-request split compares scores across heads
+            split = [
+                s
+                for s in systems
+                if ALLOCATION_OF.get(s, "static") != "static"
+                and s in OBSERVED_SCORE_SYSTEMS
+                and PROFILE_BUDGET_SYSTEMS.get(s) == profile.scorer
+            ]
+            if split:
+                raise ConfigError(
+                    f"--systems {','.join(split)}: these split the budget per request by "
+                    f"comparing scores across heads, but {path.name} sets window_share="
+                    f"{scorer.window_share}, whose fused scores are per-head ranks; run the "
+                    "static-budget twin (*-budgets) or a --profile-dir without window_share"
+                )
 
 
 def _chunk_tokens(max_length: int, device: str, model_dir: Path) -> int:

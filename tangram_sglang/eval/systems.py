@@ -90,7 +90,7 @@ from typing import Any
 import numpy as np
 import requests
 
-from tangram_sglang.errors import TangramError
+from tangram_sglang.errors import ConfigError, TangramError
 from tangram_sglang.eval.allocation import check_scores, group_allocation
 from tangram_sglang.mem.reservation import segment_kept_lens
 from tangram_sglang.profile import BudgetProfile
@@ -570,7 +570,7 @@ class ObservedScorePress:
         from tangram_sglang.scoring.snapkv import window_share_of
 
         if self.allocation != "static" and window_share_of(self.scorer):
-            raise TangramError(
+            raise ConfigError(
                 f"allocation={self.allocation!r} splits the budget by comparing scores across "
                 f"heads, but {self.scorer.name}'s window_share={self.scorer.window_share} makes "
                 "them per-head rank fractions; use the static budgets (the *-budgets system) "

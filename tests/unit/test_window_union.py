@@ -359,7 +359,6 @@ def test_the_profile_option_reaches_the_server_and_the_twins(path, scorer):
 def test_the_per_request_allocations_refuse_a_share():
     """The per-request splits compare scores across heads; fused ranks are per head, so an
     observed-score system with a share and a split is refused; static budgets take it."""
-    from tangram_sglang.errors import TangramError
     from tangram_sglang.eval.systems import KvpressRunner, ObservedScorePress
     from tangram_sglang.profile import BudgetProfile
 
@@ -371,8 +370,31 @@ def test_the_per_request_allocations_refuse_a_share():
     press = KvpressRunner.make_press("kvzip-gate-budgets", 0.5, profile)
     assert isinstance(press, ObservedScorePress) and press.scorer.window_share == 0.25
     assert press.allocation == "static"
-    with pytest.raises(TangramError, match="allocation='group' splits the budget"):
+    with pytest.raises(ConfigError, match="allocation='group' splits the budget"):
         ObservedScorePress(press.scorer, profile, "group")
+
+
+def test_the_eval_cli_refuses_a_split_on_a_share_before_any_model_loads(smollm2_path, tmp_path):
+    """``--systems kvzip-lite-head-alloc`` with a ``--profile-dir`` whose kvzip-lite profile has
+    a share: refused while the profiles are read, naming the systems and the fix; the
+    static-budget twin and KVzip's own splits (which read only the budgets) pass."""
+    import json
+    import shutil
+
+    from tangram_sglang.eval.cli import _check_profile_models
+
+    folder = tmp_path / "smollm2"
+    shutil.copytree("calibration/smollm2", folder)
+    path = folder / "kvzip-lite-r0.5.json"
+    data = json.loads(path.read_text())
+    data["provenance"]["scorer_options"]["window_share"] = 0.25
+    path.write_text(json.dumps(data))
+    check = lambda systems: _check_profile_models(  # noqa: E731
+        folder, systems, (0.5,), smollm2_path, "smollm2"
+    )
+    with pytest.raises(ConfigError, match=r"--systems kvzip-lite-head-alloc: .*\(\*-budgets\)"):
+        check(("full", "kvzip-lite-head-alloc"))
+    check(("kvzip-lite-budgets", "kvzip-head-alloc", "tangram-kvzip-lite"))
 
 
 def test_calibrations_observer_runs_the_union_on_the_hf_model(smollm2_path):
