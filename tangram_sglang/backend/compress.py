@@ -173,7 +173,8 @@ def batch_kept_indices(
     """Kept token indices of every request of an extend batch, per KV head (per layer).
 
     Args:
-        scorer: the profile's scorer (its ``obs_window`` = w).
+        scorer: the profile's scorer (its ``obs_window`` = w; a token scorer with a
+            ``window_share`` reads ``WINDOW_SCORER``'s window instead).
         q: ``[num_tokens, num_qo_heads, D]`` new tokens' queries (post-RoPE).
         k_new: ``[num_tokens, H_kv, D]`` new tokens' keys (post-RoPE, transient).
         lse: float32 ``[num_tokens, num_qo_heads]`` extend-attention normaliser (history + new).
@@ -433,7 +434,8 @@ def _batch_plan(
     """The device index tensors of a batch: the scored part cached per (bounds, scored rows,
     scorer kind, windows, device), the whole rows per (bounds, whole rows, width, device).
 
-    ``windows`` = (scorer's observation window, sink tokens, recent window), in tokens. Every
+    ``windows`` = (scorer's observation window, sink tokens, recent window), in tokens; the
+    cache key also holds ``always_buckets``, kvzip-lite's query slots and ``union``. Every
     layer of a batch asks for the same plan (layers differ only when their head groups make a
     different set of requests whole), so its tensors are uploaded once per batch, not per layer.
 

@@ -570,7 +570,9 @@ def _cache_folder(args: argparse.Namespace, identity: ModelIdentity, path: Path,
     root = _cache_root(args)
     weights = sorted(path.glob("*.safetensors"))
     options = scorer_options(scorer)
-    if not options.get("window_share"):  # off: the scores (and caches) of before the option
+    # calibration builds its scorer without a share (docs/scorers.md, "Window share"), so this
+    # keeps the caches of before the option; a share, if a scorer ever came with one, keys apart
+    if not options.get("window_share"):
         options.pop("window_share", None)
     legacy = [options.pop(k, None) for k in ("obs_window", "kernel_size", "pooling", "gqa_reduce")]
     # SnapKV-family keys stay as before (their caches remain valid); other scorers add theirs.

@@ -66,8 +66,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--systems",
         default=",".join(DEFAULT_SYSTEMS),
         help=f"subset of {SYSTEMS} (default: all but the *-grid ones and the diagnostic "
-        "presses: kvzip-budgets, the kvzip*-alloc / kvzip-lite-* ones and the *expected-attention "
-        "ones)",
+        "presses: kvzip-budgets, the kvzip*-alloc / kvzip-lite-* ones, kvzip-gate-budgets and the "
+        "*expected-attention ones)",
     )
     p.add_argument(
         "--profile-dir",
