@@ -236,6 +236,8 @@ def profile_summary(profile: BudgetProfile, config: TangramConfig) -> dict[str, 
     return {
         **config.as_dict(),
         "scorer": profile.scorer,
+        # the scorer option that changes which tokens a head keeps (docs/scorers.md)
+        "window_share": (profile.provenance.get("scorer_options") or {}).get("window_share", 0),
         "profile_target_ratio": profile.target_ratio,
         "mean_kept_ratio": round(profile.mean_kept_fraction(), 6),
         "padded_kept_ratio": round(padded, 6),

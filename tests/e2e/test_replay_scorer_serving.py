@@ -52,6 +52,7 @@ def test_a_query_agnostic_scorer_server_compresses_every_turn(
     info = requests.get(f"{server.base_url}/get_server_info", timeout=60).json()
     assert info["tangram"]["scorer"] == scorer
     assert info["tangram"]["profile_path"].endswith(f"smollm2/{scorer}-r0.25.json")
+    assert info["tangram"]["window_share"] == 0
     server.flush_cache().raise_for_status()
     per_token = full_kv_bytes_per_token(smollm2_path, 4)  # the CPU engine serves float32
     turns = chat(server.base_url, DEMO_TURNS, on_turn=TurnReporter(server, per_token))
@@ -144,6 +145,7 @@ def test_a_window_share_profile_serves_compressed_turns(
     info = requests.get(f"{server.base_url}/get_server_info", timeout=60).json()
     assert info["tangram"]["scorer"] == scorer
     assert info["tangram"]["profile_path"] == str(profile)
+    assert info["tangram"]["window_share"] == 0.25
     server.flush_cache().raise_for_status()
     per_token = full_kv_bytes_per_token(smollm2_path, 4)  # the CPU engine serves float32
     turns = chat(server.base_url, DEMO_TURNS, on_turn=TurnReporter(server, per_token))

@@ -241,6 +241,7 @@ def test_summary_numbers(profile_file):
     assert summary["padded_kept_ratio"] >= summary["mean_kept_ratio"]
     assert summary["predicted_capacity_vs_full_kv"] == pytest.approx(1 / padded, abs=1e-3)
     assert summary["num_head_groups"] == profile.grouping.num_head_groups
+    assert summary["window_share"] == 0  # the scorer option, off in this profile
     assert "predicted capacity" in profile_loader.summary_line(summary)
     restored = profile_loader.profile_from_json(profile_loader.profile_to_json(profile))
     np.testing.assert_array_equal(restored.ratio, profile.ratio)
