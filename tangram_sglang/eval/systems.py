@@ -264,7 +264,8 @@ class KvpressRunner:
         self.eos_ids = eos_ids
         # press name -> [layer][kv_head] context entries kept by the last ``generate`` (tokens)
         self.kept_per_head: dict[Any, list[list[int]]] = {}
-        self._observers: dict[Any, Any] = {}  # scorer -> calibrate.observe.ScoreObserver
+        # scorer (or the gate's (name, id(profile))) -> (calibrate.observe.ScoreObserver, profile)
+        self._observers: dict[Any, Any] = {}
 
     @staticmethod
     def make_press(
@@ -448,14 +449,15 @@ class KvpressRunner:
         # one observer per scorer (it registers an attention function); kvzip-lite's scorers
         # are frozen dataclasses of options, equal and hashing alike when their options are;
         # the gate's (weights, eq=False) hashes by identity and is built anew per sample, so it
-        # is keyed by its profile (built once per run and ratio)
+        # is keyed by its profile (built once per run and ratio), which the entry holds alive
+        # so that its id is not reused by another profile
         scored = {} if scored is None else scored
         key = (press.scorer.name, id(press.profile)) if is_token_scorer(press.scorer) else None
         key = key or press.scorer
         if key not in scored:
             if key not in self._observers:
-                self._observers[key] = ScoreObserver(self.model, press.scorer)
-            scored[key] = self._observers[key].scores(context_ids)
+                self._observers[key] = (ScoreObserver(self.model, press.scorer), press.profile)
+            scored[key] = self._observers[key][0].scores(context_ids)
         scores = scored[key]
         kept = profile_kept_counts(press.profile, scores, press.allocation)
         self.kept_per_head[name] = kept.tolist()

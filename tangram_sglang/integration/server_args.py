@@ -385,7 +385,11 @@ def check_model(server_args: Any) -> None:
     # TANGRAM_DECODE_PLAN, _DECODE_CTAS_PER_SM, _PREFILL_ATTENTION, _HISTORY_ATTENTION: likewise
     # read again by each scheduler's kernels; checked here, and kept in the summary
     switches = kernel_switches()
-    build_scorer(profile)  # the profile's scorer options, checked before any scheduler starts
+    try:  # the profile's scorer options, checked before any scheduler starts
+        build_scorer(profile)
+    except ConfigError as exc:
+        where = config.profile_path or "the shipped default profile"
+        raise ConfigError(f"--tangram-profile {where}: {exc}") from None
     ensure_active()
     summary = profile_loader.profile_summary(profile, config) | switches
     if layout is not None:

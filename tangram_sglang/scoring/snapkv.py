@@ -160,22 +160,25 @@ WINDOW_SCORER = SnapKVScorer()
 
 
 MIN_WINDOW_SHARE = 1e-3  # smallest non-zero window_share (a fraction of each head's budget)
+MAX_WINDOW_SHARE = 0.99  # largest: nearer 1 the fused float32 scores collapse into ties
 
 
 def check_window_share(value: object) -> None:
-    """``window_share`` is 0 (off) or a number in ``[MIN_WINDOW_SHARE, 1)``.
+    """``window_share`` is 0 (off) or a number in ``[MIN_WINDOW_SHARE, MAX_WINDOW_SHARE]``.
 
     A share below :data:`MIN_WINDOW_SHARE` would scale the window's ranks by ``(1 - s) / s``
-    past float32's range (NaN at rank 0) and gives the window no token anyway.
+    past float32's range (NaN at rank 0) and gives the window no token anyway; one nearer 1
+    than :data:`MAX_WINDOW_SHARE` scales them so little that the fused float32 scores tie.
 
     Raises:
         ConfigError: naming the field, where it is set and the fix.
     """
     number = isinstance(value, numbers.Real) and not isinstance(value, bool)
     # NaN fails both range tests
-    if not number or not (value == 0 or MIN_WINDOW_SHARE <= value < 1.0):
+    if not number or not (value == 0 or MIN_WINDOW_SHARE <= value <= MAX_WINDOW_SHARE):
         raise ConfigError(
-            f"window_share={value!r} must be 0 (off) or a number in [{MIN_WINDOW_SHARE}, 1): "
+            f"window_share={value!r} must be 0 (off) or a number in "
+            f"[{MIN_WINDOW_SHARE}, {MAX_WINDOW_SHARE}]: "
             "the share of each KV head's budget for the observation window's top tokens "
             "(e.g. 0.25); fix provenance.scorer_options.window_share in the profile"
         )

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
+import json
 import os
 import pickle
 import subprocess
@@ -314,6 +315,17 @@ def test_corrupt_profile_stops_startup(patched_sglang, smollm2_path, tmp_path):
     path = tmp_path / "corrupt.json"
     path.write_text('{"schema_version": 1, "ratio": [[0.5')
     with pytest.raises(ProfileError, match="not a JSON profile"):
+        make_args(patched_sglang, smollm2_path, str(path))
+
+
+def test_a_bad_scorer_option_stops_startup_naming_the_profile_file(
+    patched_sglang, smollm2_path, tmp_path
+):
+    data = json.loads(Path("calibration/smollm2/kvzip-gate-r0.25.json").read_text())
+    data["provenance"]["scorer_options"]["window_share"] = 1.5
+    path = tmp_path / "gate-share.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(ConfigError, match=rf"--tangram-profile {path}: window_share=1.5 must be"):
         make_args(patched_sglang, smollm2_path, str(path))
 
 

@@ -273,3 +273,23 @@ def test_group_allocation_and_same_pass_scores_keep_the_profiles_total(setup, mo
         from tangram_sglang.eval.systems import profile_budget_kvzip_press
 
         profile_budget_kvzip_press(profile, 0.5, "pooled")
+
+
+def test_the_gate_twin_keeps_static_budgets_with_one_observer_per_profile(setup):
+    """``kvzip-gate-budgets``: the harness builds a new press (and gate scorer, which hashes by
+    identity) per sample; the runner keys the gate's observer by its profile, so samples of
+    one profile share one observer, and each keeps the profile's static counts."""
+    runner, conv = setup
+    profile = tangram_profile(BudgetProfile.load("calibration/smollm2/kvzip-gate-r0.25.json"), 0.5)
+    n = len(conv.context_ids)
+    frac = tangram_kept_fraction(profile, n)
+    for _ in range(2):  # two samples
+        press = KvpressRunner.make_press("kvzip-gate-budgets", 1 - frac, profile)
+        outs = runner.generate(conv.context_ids, conv.turn_ids, {"gate": press}, 1)
+        assert len(outs["gate"]) == len(conv.turn_ids)
+    group_kept = profile.group_kept_lens(n)
+    cluster = profile.grouping.cluster_of.tolist()
+    assert runner.kept_per_head["gate"] == [[group_kept[g] for g in layer] for layer in cluster]
+    gate_keys = [k for k in runner._observers if isinstance(k, tuple) and k[0] == "kvzip-gate"]
+    assert gate_keys == [("kvzip-gate", id(profile))]
+    assert runner._observers[gate_keys[0]][1] is profile  # held, so its id is not reused

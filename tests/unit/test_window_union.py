@@ -307,19 +307,20 @@ def test_the_plan_cache_tells_shares_apart():
 
 
 @pytest.mark.parametrize(
-    "bad", [-0.1, 1.0, 1.5, 1e-300, 1e-40, 9e-4, math.nan, math.inf, "0.25", True, None, [0.2]]
+    "bad",
+    [-0.1, 0.995, 1.0, 1.5, 1e-300, 1e-40, 9e-4, math.nan, math.inf, "0.25", True, None, [0.2]],
 )
 @pytest.mark.parametrize("name", ["kvzip-lite", "kvzip-gate"])
 def test_a_bad_share_is_refused_naming_the_field_and_the_fix(name, bad):
     with pytest.raises(
-        ConfigError, match=r"window_share=.* must be 0 \(off\) or a number in \[0.001, 1\)"
+        ConfigError, match=r"window_share=.* must be 0 \(off\) or a number in \[0.001, 0.99\]"
     ) as err:
         get_scorer(name, window_share=bad)
     assert "provenance.scorer_options.window_share" in str(err.value)
 
 
 def test_good_shares_and_the_window_kvzip_lite_needs():
-    for share in (0, 0.0, 1e-3, 0.25, 0.999, np.float32(0.25)):
+    for share in (0, 0.0, 1e-3, 0.25, 0.99, np.float32(0.25)):
         assert get_scorer("kvzip-lite", window_share=share).window_share == share
         assert get_scorer("kvzip-gate", window_share=share).window_share == share
     with pytest.raises(ConfigError, match="obs_window=16 hands fewer; raise obs_window to >= 32"):
@@ -351,7 +352,7 @@ def test_the_profile_option_reaches_the_server_and_the_twins(path, scorer):
     assert isinstance(built, scorer) and built.window_share == 0.25
     options["window_share"] = 1.25
     with pytest.raises(
-        ConfigError, match=r"window_share=1.25 must be 0 \(off\) or a number in \[0.001, 1\)"
+        ConfigError, match=r"window_share=1.25 must be 0 \(off\) or a number in \[0.001, 0.99\]"
     ):
         build_scorer(profile)
 
