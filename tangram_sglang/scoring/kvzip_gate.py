@@ -137,7 +137,8 @@ class KVzipGateScorer:
         weights: nested ``[L][H_kv][3 D / 2 + 1]`` floats (the profile's
             ``scorer_options.weights``); None until ``calibrate`` fits them.
         obs_window: 0: the gate reads no queries (the scorer protocol's field).
-        window_share: in ``[0, 1)``; above 0 each head keeps the union of its top tokens by
+        window_share: 0 (off) or in ``[0.001, 0.99]``; above 0 each head keeps the union of
+            its top tokens by
             the gate and by SnapKV's observation window (the segment's last 32 queries, which
             the gate then reads), the window getting about this share of the head's budget
             (:meth:`union_scores`, ``scoring.select.window_union``). 0: off.

@@ -146,7 +146,8 @@ class KVzipLiteScorer:
         gqa_reduce: ``"max"`` (KVzip) or ``"mean"`` over the query heads of a KV head.
         query_block: queries per matmul block (>= 1) of :meth:`score`; memory, not results
             (the padded batches of ``backend.compress`` bound their blocks by size instead).
-        window_share: in ``[0, 1)``; above 0 each head keeps the union of its top tokens by
+        window_share: 0 (off) or in ``[0.001, 0.99]``; above 0 each head keeps the union of
+            its top tokens by
             these scores and by SnapKV's observation window (the segment's last 32 queries),
             the window getting about this share of the head's budget
             (``scoring.select.window_union``; docs/scorers.md, "Window share"). 0: off.

@@ -120,8 +120,9 @@ def window_union(
             dtype and device.
         window: float, the same shape: SnapKV's observation-window scores of the same tokens
             (``scoring.snapkv.with_window``; the window's own tokens at its top).
-        window_share: ``s`` in ``[0, 1)``; 0 returns ``primary`` as float32 (the option off:
-            callers skip the call then, so their path is unchanged).
+        window_share: ``s``, 0 or in ``[0.001, 0.99]`` (``check_window_share``); 0 returns
+            ``primary`` as float32 (the option off: callers skip the call then, so their path
+            is unchanged).
         valid: optional bool, broadcastable to ``primary`` (``[..., 1, n]``): the positions
             that hold a token (False at a padded bucket's pads); None = every position.
 

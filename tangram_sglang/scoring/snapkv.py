@@ -202,7 +202,7 @@ def with_window(
 
     Args:
         primary: float ``[..., H_kv, n]`` the scorer's own scores of the segment.
-        window_share: in ``[0, 1)`` (0: ``primary`` as float32, nothing else computed).
+        window_share: 0 (``primary`` as float32, nothing else computed) or in ``[0.001, 0.99]``.
         q_obs: ``[..., H_q, w, D]`` the segment's last ``w`` post-RoPE queries, ``w`` at least
             the window's 32 or the whole segment (their last 32 are the window).
         k_seg: ``[..., H_kv, n, D]`` the segment's post-RoPE keys.
