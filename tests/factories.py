@@ -114,3 +114,20 @@ def ratio_one_profile(path: Path | str, model_path: Path | str) -> str:
         grouping=HeadGrouping.build(ratio, 4, "global"),
     ).save(path)
     return str(path)
+
+
+def extend_batch(
+    lengths: list[int], seed: int, num_kv_heads: int, gqa: int, head_dim: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, list[int]]:
+    """A random extend batch of requests of ``lengths`` new tokens, as the attention backend
+    hands it to the selection: float32 ``q [T, gqa * H_kv, D]``, ``k`` and ``v [T, H_kv, D]``,
+    ``lse [T, gqa * H_kv]`` (positive, about 3-6) and ``bounds`` (``qo_indptr``, ``bs + 1``
+    ints), ``T = sum(lengths)``."""
+    gen = torch.Generator().manual_seed(seed)
+    total = sum(lengths)
+    q = torch.randn(total, gqa * num_kv_heads, head_dim, generator=gen)
+    k = torch.randn(total, num_kv_heads, head_dim, generator=gen)
+    v = torch.randn(total, num_kv_heads, head_dim, generator=gen)
+    lse = torch.randn(total, gqa * num_kv_heads, generator=gen).abs() + 3.0
+    bounds = np.concatenate([[0], np.cumsum(lengths)]).tolist()
+    return q, k, v, lse, bounds

@@ -37,6 +37,18 @@ from tangram_sglang.demo import (
 pytestmark = pytest.mark.e2e
 
 
+def _chat_saves_on_every_turn(server, smollm2_path, capsys) -> None:
+    """The demo's chat on ``server`` (cache flushed first): every turn answers and holds less KV
+    than full KV would."""
+    server.flush_cache().raise_for_status()
+    per_token = full_kv_bytes_per_token(smollm2_path, 4)  # the CPU engine serves float32
+    turns = chat(server.base_url, DEMO_TURNS, on_turn=TurnReporter(server, per_token))
+    saved = [int(x) for x in re.findall(r"full KV \(saved (-?\d+)%\)", capsys.readouterr().out)]
+    assert len(saved) == len(turns) == len(DEMO_TURNS)
+    assert all(s > 0 for s in saved), saved
+    assert all(t.reply.strip() for t in turns)
+
+
 @pytest.mark.parametrize("scorer", ["kvzip-replay", "kvzip-gate", "kvzip"])
 def test_a_query_agnostic_scorer_server_compresses_every_turn(
     servers, smollm2_path, capsys, scorer
@@ -53,13 +65,7 @@ def test_a_query_agnostic_scorer_server_compresses_every_turn(
     assert info["tangram"]["scorer"] == scorer
     assert info["tangram"]["profile_path"].endswith(f"smollm2/{scorer}-r0.25.json")
     assert info["tangram"]["window_share"] == 0
-    server.flush_cache().raise_for_status()
-    per_token = full_kv_bytes_per_token(smollm2_path, 4)  # the CPU engine serves float32
-    turns = chat(server.base_url, DEMO_TURNS, on_turn=TurnReporter(server, per_token))
-    saved = [int(x) for x in re.findall(r"full KV \(saved (-?\d+)%\)", capsys.readouterr().out)]
-    assert len(saved) == len(turns) == len(DEMO_TURNS)
-    assert all(s > 0 for s in saved), saved
-    assert all(t.reply.strip() for t in turns)
+    _chat_saves_on_every_turn(server, smollm2_path, capsys)
 
 
 def _kvzip_args(scorer: str) -> list[str]:
@@ -146,10 +152,4 @@ def test_a_window_share_profile_serves_compressed_turns(
     assert info["tangram"]["scorer"] == scorer
     assert info["tangram"]["profile_path"] == str(profile)
     assert info["tangram"]["window_share"] == 0.25
-    server.flush_cache().raise_for_status()
-    per_token = full_kv_bytes_per_token(smollm2_path, 4)  # the CPU engine serves float32
-    turns = chat(server.base_url, DEMO_TURNS, on_turn=TurnReporter(server, per_token))
-    saved = [int(x) for x in re.findall(r"full KV \(saved (-?\d+)%\)", capsys.readouterr().out)]
-    assert len(saved) == len(turns) == len(DEMO_TURNS)
-    assert all(s > 0 for s in saved), saved
-    assert all(t.reply.strip() for t in turns)
+    _chat_saves_on_every_turn(server, smollm2_path, capsys)

@@ -7,6 +7,7 @@ import re
 import numpy as np
 import pytest
 import torch
+from factories import extend_batch
 
 from tangram_sglang.backend.compress import batch_kept_indices, reference_kept_indices
 from tangram_sglang.backend.state import build_scorer
@@ -98,14 +99,7 @@ def test_bad_fit_inputs_are_named(features, scores, ridge, message):
 
 
 def _batch(lengths, seed):
-    gen = torch.Generator().manual_seed(seed)
-    total = sum(lengths)
-    q = torch.randn(total, GQA * H_KV, D, generator=gen)
-    k = torch.randn(total, H_KV, D, generator=gen)
-    v = torch.randn(total, H_KV, D, generator=gen)
-    lse = torch.randn(total, GQA * H_KV, generator=gen).abs() + 3.0
-    bounds = np.concatenate([[0], np.cumsum(lengths)]).tolist()
-    return q, k, v, lse, bounds
+    return extend_batch(lengths, seed, H_KV, GQA, D)
 
 
 @pytest.mark.parametrize(

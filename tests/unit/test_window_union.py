@@ -10,6 +10,7 @@ import math
 import numpy as np
 import pytest
 import torch
+from factories import extend_batch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
@@ -198,14 +199,7 @@ LENGTHS = {
 
 
 def _batch(lengths, seed):
-    gen = torch.Generator().manual_seed(seed)
-    total = sum(lengths)
-    q = torch.randn(total, GQA * H_KV, D, generator=gen)
-    k = torch.randn(total, H_KV, D, generator=gen)
-    v = torch.randn(total, H_KV, D, generator=gen)
-    lse = torch.randn(total, GQA * H_KV, generator=gen).abs() + 3.0
-    bounds = np.concatenate([[0], np.cumsum(lengths)]).tolist()
-    return q, k, v, lse, bounds
+    return extend_batch(lengths, seed, H_KV, GQA, D)
 
 
 def _kept(lengths, seed):
