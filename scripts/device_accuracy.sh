@@ -22,7 +22,9 @@
 #      one per protocol when two protocols run at once), SERVER_ARGS (default: the
 #      harness's cuda default), CAP_S (each process, s: 3300), TANGRAM_CACHE_DIR (/tmp/tangram-cache),
 #      EVAL_MODEL (qwen2.5-0.5b), DEVICE (cuda; cpu only to try the script on a CPU host),
-#      STASH (/tmp/qwen05-pieces: where `stash` keeps the pieces between calls).
+#      STASH (/tmp/qwen05-pieces: where `stash` keeps the pieces between calls),
+#      PROFILE_DIR (the harness's --profile-dir; default calibration/<model>: e.g. a copy of
+#      the shipped profiles with a scorer option changed).
 set -u -o pipefail
 MODE=${1:-start}
 case "$MODE" in  # a bad mode stops here, before any folder is made
@@ -66,6 +68,7 @@ run_eval() {
     --ratios "${RATIOS:-0.5,0.25}" --num-samples "${NSAMP:-30}" --lengths "${LENGTHS:-2048,4096,8192}"
     --num-turns "${NTURNS:-3}" --systems "$2" --json "$R/$1-$PROTOCOL.json" --resume)
   if [ -n "${SERVER_ARGS:-}" ]; then args+=(--server-args "$SERVER_ARGS"); fi
+  if [ -n "${PROFILE_DIR:-}" ]; then args+=(--profile-dir "$PROFILE_DIR"); fi
   echo "+ python3 -m tangram_sglang.eval ${args[*]}"
   timeout -s INT "${CAP_S:-3300}" $PY -m tangram_sglang.eval "${args[@]}"
 }
@@ -109,7 +112,7 @@ case "$MODE" in
     setup || exit 1
     split_systems
     export -f run_eval
-    export R PROTOCOL PY TASKS RATIOS NSAMP LENGTHS NTURNS SERVER_ARGS CAP_S EVAL_MODEL DEVICE
+    export R PROTOCOL PY TASKS RATIOS NSAMP LENGTHS NTURNS SERVER_ARGS CAP_S EVAL_MODEL DEVICE PROFILE_DIR
     for job in servers:"$SRV" hf:"$HF"; do
       name=${job%%:*}; sys=${job#*:}
       [ -n "$sys" ] || continue
