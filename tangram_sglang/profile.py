@@ -18,7 +18,8 @@ File format (JSON, ``schema_version`` 1)::
       "stats": null | {"mean": [[...]], "std": [[...]], "alpha": float, "num_samples": int},
       "grouping": {"page_group_size": int, "scope": "per_layer" | "global",
                    "cluster_of": [[int]], "column_of": [[int]]},
-      "provenance": {"command", "dataset", "num_samples", "date", "versions": {...}, ...},
+      "provenance": {"command", "dataset", "num_samples", "date", "versions": {...},
+                     "scorer_options": {option: value}, ...},  # scoring.base.profile_options
       "min_compress_tokens": int >= 0     # optional, default 0; written only when > 0
     }
 

@@ -60,7 +60,7 @@ import numpy as np
 import torch
 
 from tangram_sglang.config import segment_grid
-from tangram_sglang.errors import ConfigError, KernelError, PoolError
+from tangram_sglang.errors import KernelError, PoolError
 from tangram_sglang.mem.manager import TangramMemory
 from tangram_sglang.mem.page_table import SegmentPages
 from tangram_sglang.mem.prefix import PrefixMatch
@@ -70,7 +70,7 @@ from tangram_sglang.mem.reservation import (
     segment_kept_lens,
 )
 from tangram_sglang.profile import BudgetProfile
-from tangram_sglang.scoring.base import Scorer, get_scorer, option_names
+from tangram_sglang.scoring.base import Scorer, get_scorer, profile_options
 from tangram_sglang.scoring.kvzip_gate import is_token_scorer
 
 logger = logging.getLogger(__name__)
@@ -119,20 +119,12 @@ def build_scorer(profile: BudgetProfile) -> Scorer:
     """The profile's scorer with the options it was calibrated with (``provenance``).
 
     Raises:
-        ConfigError: unknown scorer or option, ``window_share`` on a scorer without it, or a
-            token scorer (``kvzip-gate``) whose weights are missing or fit another model than
-            the profile's.
+        ConfigError: unknown scorer, an option name the scorer does not know or one placed
+            directly under ``provenance`` (``scoring.base.profile_options``), a bad option value,
+            or a token scorer (``kvzip-gate``) whose weights are missing or fit another model
+            than the profile's.
     """
-    options = dict(profile.provenance.get("scorer_options") or {})
-    probe = get_scorer(profile.scorer)
-    known = set(option_names(probe))
-    if "window_share" in options and "window_share" not in known:
-        raise ConfigError(
-            f"profile {profile.scorer!r}: provenance.scorer_options.window_share is an option of "
-            "the kvzip-lite and kvzip-gate scorers only; remove it from this profile, or serve a "
-            "kvzip-lite or kvzip-gate profile with it"
-        )
-    scorer = get_scorer(profile.scorer, **{k: v for k, v in options.items() if k in known})
+    scorer = get_scorer(profile.scorer, **profile_options(profile.scorer, profile.provenance))
     if is_token_scorer(scorer):
         m = profile.model
         scorer.check_model(m.num_layers, m.num_kv_heads, m.head_dim)

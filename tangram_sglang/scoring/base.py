@@ -17,7 +17,8 @@ This module owns the protocol and the registry only; each scorer lives in its ow
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+import difflib
+from collections.abc import Callable, Mapping
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -66,6 +67,11 @@ ScorerFactory = Callable[..., Scorer]
 
 _REGISTRY: dict[str, ScorerFactory] = {}
 
+# Keys that calibration records in a profile's ``provenance.scorer_options`` beside the scorer's
+# own options (``alpha_safeguard``: ``calibrate --alpha-safeguard``, the safeguard of the
+# Ada-SnapKV allocation); the scorers that have no such field do not read them.
+RECORDED_OPTIONS = ("alpha_safeguard",)
+
 
 def option_names(scorer: object) -> tuple[str, ...]:
     """A scorer's profile options: its dataclass fields but ``name`` and the model-bound ones
@@ -74,6 +80,84 @@ def option_names(scorer: object) -> tuple[str, ...]:
         return ()
     fields = dataclasses.fields(scorer)  # ClassVar markers (kvzip's ``replay``) are not fields
     return tuple(f.name for f in fields if f.name != "name" and not f.metadata.get("runtime"))
+
+
+def profile_options(name: str, provenance: Mapping[str, object]) -> dict[str, object]:
+    """The options a profile's ``provenance`` gives scorer ``name``, each name checked.
+
+    A profile may set, under ``provenance.scorer_options``, the scorer's
+    :func:`option_names` and calibration's :data:`RECORDED_OPTIONS`; a scorer option of any
+    registered scorer placed directly under ``provenance`` is refused too (the scorer would
+    otherwise be built without it, silently). Values are checked by the scorer itself.
+
+    Returns:
+        ``{option: value}`` for :func:`get_scorer` (the recorded keys the scorer lacks left out).
+
+    Raises:
+        ConfigError: an unknown scorer, ``scorer_options`` not a JSON object, an option name the
+            scorer does not know (names the field, the scorer, the names it accepts and the
+            nearest one), or a scorer option directly under ``provenance``.
+    """
+    known = option_names(get_scorer(name))
+    accepted = (*known, *(k for k in RECORDED_OPTIONS if k not in known))
+    owners = _option_owners()
+    for key in provenance:
+        if key in owners:
+            fix = f"move it to provenance.scorer_options.{key}"
+            if key not in accepted:
+                fix = (
+                    f"it is an option of {_listed(owners[key], 'and')} only, not of this "
+                    f"profile's {name}: remove it"
+                )
+            raise ConfigError(
+                f"provenance.{key} is a scorer option outside provenance.scorer_options, where "
+                f"the scorer never reads it; {fix}"
+            )
+    options = provenance.get("scorer_options") or {}
+    if not isinstance(options, Mapping):
+        raise ConfigError(
+            f"provenance.scorer_options is a {type(options).__name__}; it must be a JSON object "
+            f"of option names and values (the {name} scorer accepts {', '.join(accepted)})"
+        )
+    for key in options:
+        if key in accepted:
+            continue
+        field = f"provenance.scorer_options.{key}"
+        if key in owners:
+            raise ConfigError(
+                f"{field} is an option of the {_listed(owners[key], 'and')} "
+                f"scorer{'s' * (len(owners[key]) > 1)} only, not of {name}; remove it from this "
+                f"profile, or serve a {_listed(owners[key], 'or')} profile with it"
+            )
+        nearest = difflib.get_close_matches(str(key), accepted, n=1)
+        fix = (
+            f"did you mean {nearest[0]!r}? Rename it to provenance.scorer_options.{nearest[0]}"
+            if nearest
+            else "remove it, or rename it to one of those"
+        )
+        raise ConfigError(
+            f"{field}: the {name} scorer has no option {key!r} (it accepts "
+            f"{', '.join(accepted)}); {fix}"
+        )
+    return {k: v for k, v in options.items() if k in known}
+
+
+def _option_owners() -> dict[str, tuple[str, ...]]:
+    """Every registered scorer's option names, each with the scorers that have it (sorted)."""
+    owners: dict[str, list[str]] = {}
+    for scorer in available_scorers():
+        try:
+            names = option_names(get_scorer(scorer))
+        except ConfigError:  # a registered factory that needs options to build: none known
+            continue
+        for option in names:
+            owners.setdefault(option, []).append(scorer)
+    return {option: tuple(names) for option, names in owners.items()}
+
+
+def _listed(names: tuple[str, ...], word: str) -> str:
+    """``a``, ``a and b``, ``a, b and c`` (``word``: ``and`` / ``or``)."""
+    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} {word} {names[-1]}"
 
 
 def register_scorer(name: str, factory: ScorerFactory) -> None:

@@ -329,6 +329,35 @@ def test_a_bad_scorer_option_stops_startup_naming_the_profile_file(
         make_args(patched_sglang, smollm2_path, str(path))
 
 
+@pytest.mark.parametrize(
+    ("edit", "needle"),
+    [
+        (
+            lambda p: p["scorer_options"].update(window_shar=0.25),
+            r"provenance.scorer_options.window_shar: the kvzip-gate scorer has no option "
+            r"'window_shar' \(it accepts weights, obs_window, window_share, alpha_safeguard\); "
+            r"did you mean 'window_share'\? Rename it to provenance.scorer_options.window_share$",
+        ),
+        (
+            lambda p: p.update(window_share=0.25),
+            r"provenance.window_share is a scorer option outside provenance.scorer_options, "
+            r"where the scorer never reads it; move it to provenance.scorer_options.window_share$",
+        ),
+    ],
+    ids=["misspelled", "misplaced"],
+)
+def test_an_unknown_scorer_option_stops_startup_naming_the_profile_file(
+    patched_sglang, smollm2_path, tmp_path, edit, needle
+):
+    """A misspelled or misplaced option name used to load and serve without the option."""
+    data = json.loads(Path("calibration/smollm2/kvzip-gate-r0.25.json").read_text())
+    edit(data["provenance"])
+    path = tmp_path / "gate-share.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(ConfigError, match=rf"^--tangram-profile {path}: {needle}"):
+        make_args(patched_sglang, smollm2_path, str(path))
+
+
 def test_bad_tangram_option_names_flag(patched_sglang, smollm2_path, smollm2_profile):
     with pytest.raises(ConfigError, match="--tangram-page-size 12 must be a power of two"):
         make_args(patched_sglang, smollm2_path, smollm2_profile, tangram_page_size=12)

@@ -35,7 +35,7 @@ def make_profile(ratio=RATIOS, sink=1, window=2) -> BudgetProfile:
         sink_tokens=sink,
         recent_window=window,
         grouping=HeadGrouping.build(np.asarray(ratio, float), 2, "global"),
-        provenance={"scorer_options": {"obs_window": 3, "kernel_size": 1, "unknown": 7}},
+        provenance={"scorer_options": {"obs_window": 3, "kernel_size": 1}},
     )
 
 
@@ -83,9 +83,7 @@ def test_ratio_one_keeps_the_whole_segment_without_scoring():
 
 def test_each_head_keeps_its_own_top_k():
     scorer = build_scorer(make_profile())
-    assert (
-        scorer.obs_window == 3 and scorer.kernel_size == 1
-    )  # calibration options, unknown dropped
+    assert scorer.obs_window == 3 and scorer.kernel_size == 1  # calibration options
     q, k = torch.randn(10, 4, 16), torch.randn(10, 2, 16)
     lse = torch.randn(10, 4)
     idx = batch_kept_indices(scorer, q, k, lse, [0, 10], [[4, 7]], 0.35, 1, 2)[0]

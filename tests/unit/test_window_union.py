@@ -434,5 +434,5 @@ def test_a_share_on_a_scorer_without_it_is_refused(share):
     profile = dataclasses.replace(
         shipped, provenance={**shipped.provenance, "scorer_options": options}
     )
-    with pytest.raises(ConfigError, match="window_share is an option of the kvzip-lite and"):
+    with pytest.raises(ConfigError, match="window_share is an option of the kvzip-gate and kvzip-"):
         build_scorer(profile)
