@@ -361,13 +361,19 @@ def run_demo(args: argparse.Namespace) -> int:
     check_demo_args(args)
     if args.profile:  # never with --full-kv (check_demo_args)
         try:  # fail before a minute of server start-up
-            BudgetProfile.load(args.profile)
+            profile = BudgetProfile.load(args.profile)
         except ProfileError as exc:
             raise ProfileError(
                 f"--profile: {exc}; pass a profile JSON (the shipped ones are "
                 "calibration/<model>/*.json), leave --profile out for the shipped default, or "
                 "calibrate one with python -m tangram_sglang.calibrate"
             ) from None
+        from tangram_sglang.backend.state import build_scorer  # torch: only with --profile
+
+        try:  # its scorer options too (names and values), as the server's start-up checks them
+            build_scorer(profile)
+        except ConfigError as exc:
+            raise ConfigError(f"--profile {args.profile}: {exc}") from None
     folder = model_path(args.model)
     server_args = demo_server_args(args.full_kv, args.device, args.profile)
     print(f"model: {folder}")

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
 from tangram_sglang.demo import demo_server_args, server_banner
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_full_kv_on_cuda_picks_triton_and_never_tangram():
@@ -63,6 +67,32 @@ def test_a_missing_profile_names_the_flag_and_the_fix_before_any_server(capsys):
     assert "--profile: /nonexistent/p.json: profile file not found" in err
     assert err.count("/nonexistent/p.json") == 1  # the path once
     assert "python -m tangram_sglang.calibrate" in err
+
+
+@pytest.mark.parametrize(
+    ("options", "expected"),
+    [
+        ({"window_share": 2.0}, "window_share"),
+        ({"window_shar": 0.25}, "did you mean 'window_share'"),
+    ],
+)
+def test_a_profile_with_a_bad_scorer_option_is_refused_before_any_server(
+    tmp_path, capsys, options, expected
+):
+    """A bad value or name under ``provenance.scorer_options`` stops the demo before the model
+    is converted or the server starts (the server's start-up would refuse it a minute later)."""
+    import json
+
+    from tangram_sglang.demo import main
+
+    data = json.loads((REPO / "calibration/smollm2/kvzip-lite-r0.25.json").read_text())
+    data["provenance"]["scorer_options"].update(options)
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(data))
+    assert main(["--profile", str(path)]) == 2
+    captured = capsys.readouterr()
+    assert f"--profile {path}:" in captured.err and expected in captured.err
+    assert "starting SGLang" not in captured.out
 
 
 def test_a_misspelt_model_lists_the_embedded_models(capsys):
