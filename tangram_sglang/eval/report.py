@@ -79,6 +79,17 @@ RECORD_TYPES: dict[str, tuple[Any, str]] = {
     "cached_tokens": _NUMBER,
 }
 RECORD_KEYS = tuple(RECORD_TYPES)
+# the ``config`` fields of the form {system: {ratio: value}} that the run computes from the
+# profiles it reads and that ``merge`` and ``--resume`` join (:func:`merge_per_ratio`):
+# field -> (test of one value, what a value is, how a conflict names the value)
+PER_RATIO_FIELDS: dict[str, tuple[Any, str, str]] = {
+    "profile_files": (lambda v: isinstance(v, str), "profile path", "{}"),
+    "profile_scorer_options": (
+        lambda v: isinstance(v, dict),
+        "{option: value}",
+        "a profile whose scorer options have {}",
+    ),
+}
 
 
 def build(cfg: Any, samples: list, records: list[dict[str, Any]], wall_s: float) -> dict[str, Any]:
@@ -110,7 +121,7 @@ def build(cfg: Any, samples: list, records: list[dict[str, Any]], wall_s: float)
             "dtype": cfg.dtype,
             "protocol": cfg.protocol,
             "grid_cell": getattr(cfg, "grid_cell", None),
-            "profile_files": getattr(cfg, "profile_files", None),
+            **{field: getattr(cfg, field, None) for field in PER_RATIO_FIELDS},
         },
         "samples": [
             {
@@ -356,43 +367,61 @@ def markdown_table(rep: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def merge_profile_files(
-    mappings: list[dict[str, dict[str, str]] | None],
-) -> dict[str, dict[str, str]] | None:
-    """The union of several runs' ``config.profile_files`` (None entries: runs that recorded
-    none); None when every entry is None.
+def merge_per_ratio(
+    mappings: list[dict[str, dict[str, Any]] | None], field: str
+) -> dict[str, dict[str, Any]] | None:
+    """The union of several runs' ``config.<field>`` (a :data:`PER_RATIO_FIELDS` field:
+    ``profile_files``, ``profile_scorer_options``); None entries: runs that recorded none
+    (reports written before the field); None when every entry is None.
 
     Raises:
-        ConfigError: a mapping of another shape, or two runs that read different files for one
-            (system, ratio).
+        ConfigError: a mapping of another shape, or two runs that recorded different values for
+            one (system, ratio): another profile file, or a profile with other scorer options
+            (names the options that differ).
     """
     from tangram_sglang.errors import ConfigError
 
+    is_value, what, shown = PER_RATIO_FIELDS[field]
     if all(m is None for m in mappings):
         return None
-    merged: dict[str, dict[str, str]] = {}
+    merged: dict[str, dict[str, Any]] = {}
     for mapping in mappings:
         ok = mapping is None or (
             isinstance(mapping, dict)
             and all(
-                isinstance(files, dict) and all(isinstance(p, str) for p in files.values())
-                for files in mapping.values()
+                isinstance(values, dict) and all(is_value(v) for v in values.values())
+                for values in mapping.values()
             )
         )
         if not ok:
             raise ConfigError(
-                "config.profile_files must map each system to {ratio: profile path}; "
-                f"got {str(mapping)[:80]}"
+                f"config.{field} must map each system to {{ratio: {what}}}; got {str(mapping)[:80]}"
             )
-        for system, files in (mapping or {}).items():
+        for system, values in (mapping or {}).items():
             mine = merged.setdefault(system, {})
-            for ratio, path in files.items():
-                if mine.setdefault(ratio, path) != path:
+            for ratio, value in values.items():
+                if mine.setdefault(ratio, value) != value:
+                    one, other = _differing(mine[ratio], value)
                     raise ConfigError(
-                        f"{system} at ratio {ratio} read {mine[ratio]} in one run and {path} in "
-                        "another; run them with the same --profile-dir"
+                        f"{system} at ratio {ratio} read {shown.format(one)} in one run and "
+                        f"{shown.format(other)} in another; run them with the same --profile-dir"
                     )
     return merged
+
+
+def _differing(one: Any, other: Any) -> tuple[str, str]:
+    """Two conflicting values as a message shows them: of two dicts (scorer options), only the
+    options whose values differ (``window_share=0.25`` / ``window_share unset``); any other
+    value whole."""
+    if not (isinstance(one, dict) and isinstance(other, dict)):
+        return str(one), str(other)
+    unset = object()
+    keys = [k for k in {**one, **other} if one.get(k, unset) != other.get(k, unset)]
+
+    def shown(options: dict[str, Any]) -> str:
+        return ", ".join(f"{k}={options[k]!r}" if k in options else f"{k} unset" for k in keys)
+
+    return shown(one), shown(other)
 
 
 def dumps(rep: dict[str, Any]) -> str:
@@ -408,16 +437,20 @@ def dumps(rep: dict[str, Any]) -> str:
 
 
 def _merged_config(reports: list[dict[str, Any]]) -> dict[str, Any]:
-    """The first report's ``config`` with every report's systems, ratios (high to low) and
-    profile files (:func:`merge_profile_files`; reports written before that field have none).
+    """The first report's ``config`` with every report's systems, ratios (high to low),
+    profile files and their scorer options (:func:`merge_per_ratio`; reports written before
+    one of those fields have none of it).
 
     Raises:
-        ConfigError: as :func:`merge_profile_files`.
+        ConfigError: as :func:`merge_per_ratio`.
     """
     ratios = sorted({r for rep in reports for r in rep["config"]["ratios"]}, reverse=True)
     systems = list(dict.fromkeys(s for rep in reports for s in rep["config"]["systems"]))
-    files = merge_profile_files([rep["config"].get("profile_files") for rep in reports])
-    return dict(reports[0]["config"], systems=systems, ratios=ratios, profile_files=files)
+    per_ratio = {
+        field: merge_per_ratio([rep["config"].get(field) for rep in reports], field)
+        for field in PER_RATIO_FIELDS
+    }
+    return dict(reports[0]["config"], systems=systems, ratios=ratios, **per_ratio)
 
 
 def merge(reports: list[dict[str, Any]]) -> dict[str, Any]:
@@ -432,7 +465,8 @@ def merge(reports: list[dict[str, Any]]) -> dict[str, Any]:
     Raises:
         ConfigError: a run used samples the first run does not hold, two runs hold the same
             (system, ratio, sample), the runs used different protocols or devices, or two
-            runs read different profile files for one (system, ratio).
+            runs read different profile files, or profiles with different scorer options,
+            for one (system, ratio).
     """
     from tangram_sglang.errors import ConfigError
 

@@ -22,6 +22,7 @@ model never run at the same time in one process (server phases first, then the k
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import sys
@@ -111,6 +112,8 @@ class RunConfig:
             ``TANGRAM_GRID_SEGMENTS=1`` and ``--chunked-prefill-size grid_cell``.
         profile_files: which profile file each system read at each ratio (set by :func:`run`
             for the report's ``config.profile_files``; :func:`profile_files`).
+        profile_scorer_options: the scorer options those files carry (set by :func:`run` for
+            the report's ``config.profile_scorer_options``; :func:`profile_scorer_options`).
     """
 
     model: str
@@ -134,6 +137,7 @@ class RunConfig:
     chunked_prefill_tokens: int = CHUNKED_PREFILL_TOKENS
     grid_cell: int = GRID_CELL_TOKENS
     profile_files: dict[str, dict[str, str]] | None = None
+    profile_scorer_options: dict[str, dict[str, dict[str, Any]]] | None = None
 
     @property
     def dtype(self) -> str:
@@ -232,10 +236,74 @@ def profile_files(
     Raises:
         ConfigError: as :func:`nearest_profile_path`.
     """
+    return _per_profile(profile_dir, ratios, systems, _shown)
+
+
+def profile_scorer_options(
+    profile_dir: Path, ratios: tuple[float, ...], systems: tuple[str, ...]
+) -> dict[str, dict[str, dict[str, Any]]]:
+    """The scorer options of each profile file :func:`profile_files` names (the report's
+    ``config.profile_scorer_options``), so that a report says which options (``window_share``
+    of a changed copy of the profiles...) produced it after the ``--profile-dir`` is gone.
+
+    Returns:
+        ``{system or "budgets": {str(ratio): {option: value}}}``, the keys of
+        :func:`profile_files` (:func:`recorded_scorer_options`).
+
+    Raises:
+        ConfigError: as :func:`nearest_profile_path`, or a bad ``scorer_options``
+            (:func:`recorded_scorer_options`).
+        ProfileError: a file that is not a valid profile.
+    """
+    return _per_profile(profile_dir, ratios, systems, recorded_scorer_options)
+
+
+def _per_profile(
+    profile_dir: Path,
+    ratios: tuple[float, ...],
+    systems: tuple[str, ...],
+    read: Callable[[Path], Any],
+) -> dict[str, dict[str, Any]]:
+    """``read(path)`` of the profile file each system reads at each ratio (the nearest-ratio
+    file of its scorer, :func:`profile_scorers` and :func:`nearest_profile_path`), as
+    ``{system or "budgets": {str(ratio): read(path)}}``."""
     return {
-        system: {str(r): _shown(nearest_profile_path(profile_dir, r, scorer)) for r in ratios}
+        system: {str(r): read(nearest_profile_path(profile_dir, r, scorer)) for r in ratios}
         for system, scorer in profile_scorers(systems).items()
     }
+
+
+def recorded_scorer_options(path: Path) -> dict[str, Any]:
+    """The ``provenance.scorer_options`` of the profile at ``path`` as the report records them.
+
+    Every key the file holds, as it holds it: the raw dict rather than
+    ``scoring.base.profile_options``' result, which leaves out the keys calibration records
+    beside the scorer's own (``alpha_safeguard``, the safeguard that shaped the file's budgets)
+    for a scorer without that field; an option the file leaves out runs at the scorer's default
+    and is not listed. The names are checked as a server checks them (``profile_options``).
+    A value that is not a scalar (``kvzip-gate``'s fitted ``weights``, 50-100 KB of floats per
+    file) is recorded as ``sha256:`` and the first 16 hex digits of the SHA-256 of its compact
+    JSON (sorted keys): it names those values, and two runs with other ones still differ.
+
+    Raises:
+        ConfigError: ``scorer_options`` not a JSON object, or an option name its scorer does not
+            know (``profile_options``).
+        ProfileError: the file is not a valid profile (``BudgetProfile.load``).
+    """
+    from tangram_sglang.scoring.base import profile_options
+
+    profile = BudgetProfile.load(path)
+    profile_options(profile.scorer, profile.provenance)
+    options = profile.provenance.get("scorer_options") or {}
+    return {key: _recorded(value) for key, value in options.items()}
+
+
+def _recorded(value: Any) -> Any:
+    """A scalar as it is; any other value as ``sha256:`` and 16 hex digits of its compact JSON."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    text = json.dumps(value, sort_keys=True, separators=(",", ":"))
+    return "sha256:" + hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def _shown(path: Path) -> str:
@@ -299,7 +367,10 @@ def run(cfg: RunConfig, log: Callable[[str], None] | None = None) -> dict[str, A
     samples = [s for group in zip(*per_task, strict=True) for s in group]
     samples = samples[cfg.skip :]
     prompts = {s.sample_id: for_protocol(conversation_ids(s, tok), cfg.protocol) for s in samples}
-    files = profile_files(cfg.profile_dir, cfg.ratios, cfg.systems)
+    ran = {  # the report's config.profile_files and config.profile_scorer_options
+        "profile_files": profile_files(cfg.profile_dir, cfg.ratios, cfg.systems),
+        "profile_scorer_options": profile_scorer_options(cfg.profile_dir, cfg.ratios, cfg.systems),
+    }
     profiles = {
         r: tangram_profile(shipped_profile(cfg.profile_dir, r, cfg.model_dir), r)
         for r in cfg.ratios
@@ -314,8 +385,8 @@ def run(cfg: RunConfig, log: Callable[[str], None] | None = None) -> dict[str, A
     }
     eos = GenerationConfig.from_pretrained(cfg.model_dir).eos_token_id
     eos_ids = set(eos if isinstance(eos, list) else [eos]) | {tok.eos_token_id}
-    records, merged_files = _resumed(cfg, {s.sample_id for s in samples}, log, files)
-    report_cfg = replace(with_resumed_cells(cfg, records), profile_files=merged_files)
+    records, per_ratio = _resumed(cfg, {s.sample_id for s in samples}, log, ran)
+    report_cfg = replace(with_resumed_cells(cfg, records), **per_ratio)
     ctx = _Context(
         cfg, tok, samples, prompts, profiles, server_profiles, records, log, t0, report_cfg
     )
@@ -351,19 +422,29 @@ def _resumed(
     cfg: RunConfig,
     sample_ids: set[str],
     log: Callable[[str], None],
-    files: dict[str, dict[str, str]] | None = None,
-) -> tuple[list[dict], dict[str, dict[str, str]] | None]:
-    """The records of ``cfg.json_path`` to keep when resuming, and this run's profile ``files``
-    (:func:`profile_files`) joined with those its report recorded (``config.profile_files``,
-    :func:`report.merge_profile_files`); without resuming, no records and ``files``.
+    ran: dict[str, dict[str, Any] | None] | None = None,
+) -> tuple[list[dict], dict[str, dict[str, Any] | None]]:
+    """The records of ``cfg.json_path`` to keep when resuming, and what this run recorded of its
+    profiles joined with what its report recorded.
+
+    Args:
+        ran: ``{field: {system: {ratio: value}}}`` of this run for each
+            ``report.PER_RATIO_FIELDS`` field (``profile_files``: :func:`profile_files`;
+            ``profile_scorer_options``: :func:`profile_scorer_options`); a field left out: None.
+
+    Returns:
+        The kept records, and per field the union of ``ran``'s and the report's ``config``
+        (``report.merge_per_ratio``; a report written before the field: ``ran``'s); without
+        resuming, no records and ``ran``.
 
     Raises:
         ConfigError: the report cannot be resumed (another protocol, device or samples, an
-            unreadable file), or it read another profile file for a (system, ratio) than this
-            run would.
+            unreadable file), or it read another profile file, or one with other scorer
+            options, for a (system, ratio) than this run would.
     """
+    ran = {field: (ran or {}).get(field) for field in report.PER_RATIO_FIELDS}
     if not cfg.resume or cfg.json_path is None or not cfg.json_path.is_file():
-        return [], files
+        return [], ran
     try:
         rep = report.load_report(cfg.json_path)
     except ConfigError as exc:
@@ -381,15 +462,19 @@ def _resumed(
                 "use another --json"
             )
     try:
-        merged = report.merge_profile_files([rep["config"].get("profile_files"), files])
+        merged = {
+            field: report.merge_per_ratio([rep["config"].get(field), mine], field)
+            for field, mine in ran.items()
+        }
     except ConfigError as exc:
         raise ConfigError(
             f"--resume: {cfg.json_path}: {exc}; pass that run's --profile-dir or use another --json"
         ) from None
-    if records and rep["config"].get("profile_files") is None:
+    missing = [f"config.{field}" for field in ran if rep["config"].get(field) is None]
+    if records and missing:
         log(
-            f"[eval] {cfg.json_path} predates config.profile_files: the files its "
-            f"{len(records)} records read are not known"
+            f"[eval] {cfg.json_path} predates {' and '.join(missing)}: what its "
+            f"{len(records)} records read there is not known"
         )
     log(f"[eval] resuming: {len(records)} records kept from {cfg.json_path}")
     return records, merged

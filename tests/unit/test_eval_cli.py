@@ -258,7 +258,7 @@ def test_resume_refuses_a_report_of_another_protocol(smollm2_path, tmp_path):
     ):
         _resumed(aware, {"needle:0"}, print)
     path.write_text(json.dumps(dict(rep, protocol="query-aware")))
-    assert _resumed(aware, {"needle:0"}, print) == ([rec], None)
+    assert _resumed(aware, {"needle:0"}, print) == ([rec], NOTHING_RECORDED)
 
 
 def test_resume_refuses_a_report_of_another_device(smollm2_path, tmp_path):
@@ -277,22 +277,64 @@ def test_resume_refuses_a_report_of_another_device(smollm2_path, tmp_path):
     path.write_text(json.dumps(dict(rep, config={})))  # written before --device: cpu
     assert _resumed(_cfg(smollm2_path, json_path=path, resume=True), {"needle:0"}, print) == (
         [rec],
-        None,
+        NOTHING_RECORDED,
     )
     files = {"budgets": {"0.5": "calibration/smollm2/ada-snapkv-r0.5.json"}}
     path.write_text(json.dumps(dict(rep, config={"profile_files": files})))
     assert _resumed(_cfg(smollm2_path, json_path=path, resume=True), {"needle:0"}, print) == (
         [rec],
-        files,
+        dict(NOTHING_RECORDED, profile_files=files),
     )
     # this run's files join the report's; another file for one (system, ratio) stops the run
     # here, before any server starts, naming --resume and the report
     more = {"tangram": {"0.5": "calibration/smollm2/ada-snapkv-r0.5.json"}}
     resumed = _cfg(smollm2_path, json_path=path, resume=True)
-    assert _resumed(resumed, {"needle:0"}, print, more) == ([rec], files | more)
+    assert _resumed(resumed, {"needle:0"}, print, {"profile_files": more}) == (
+        [rec],
+        dict(NOTHING_RECORDED, profile_files=files | more),
+    )
     other = {"budgets": {"0.5": "/elsewhere/ada-snapkv-r0.5.json"}}
     with pytest.raises(ConfigError, match=rf"^--resume: {path}: budgets at ratio 0.5 read"):
-        _resumed(resumed, {"needle:0"}, print, other)
+        _resumed(resumed, {"needle:0"}, print, {"profile_files": other})
+
+
+def test_resume_keeps_and_checks_the_scorer_options_of_the_profiles(smollm2_path, tmp_path):
+    """``--resume`` joins this run's ``profile_scorer_options`` with the report's, as it does
+    ``profile_files``; a report whose profile had other scorer options for one (system, ratio)
+    stops the run naming the options that differ and the fix; a report written before the
+    field is resumed with this run's options (and says so in the log)."""
+    import json
+
+    from tangram_sglang.errors import ConfigError
+    from tangram_sglang.eval.runner import _resumed
+
+    path = tmp_path / "acc.json"
+    rec = _needle_record()
+    rep = {"model": "smollm2", "samples": [], "records": [rec], "protocol": "query-agnostic"}
+    files = {"tangram-kvzip-lite": {"0.5": "/tmp/pd-share/kvzip-lite-r0.5.json"}}
+    shared = {"tangram-kvzip-lite": {"0.5": {"local_band": 32, "window_share": 0.25}}}
+    config = {"profile_files": files, "profile_scorer_options": shared}
+    path.write_text(json.dumps(dict(rep, config=config)))
+    resumed = _cfg(smollm2_path, json_path=path, resume=True)
+    assert _resumed(resumed, {"needle:0"}, print) == ([rec], config)  # survives --resume
+    more = {"tangram": {"0.5": {"obs_window": 32}}}
+    assert _resumed(resumed, {"needle:0"}, print, {"profile_scorer_options": more}) == (
+        [rec],
+        dict(config, profile_scorer_options=shared | more),
+    )
+    shipped = {"tangram-kvzip-lite": {"0.5": {"local_band": 32}}}  # the same path, other options
+    with pytest.raises(ConfigError) as err:
+        _resumed(resumed, {"needle:0"}, print, dict(config, profile_scorer_options=shipped))
+    assert str(err.value) == (
+        f"--resume: {path}: tangram-kvzip-lite at ratio 0.5 read a profile whose scorer "
+        "options have window_share=0.25 in one run and a profile whose scorer options have "
+        "window_share unset in another; run them with the same --profile-dir; pass that run's "
+        "--profile-dir or use another --json"
+    )
+    path.write_text(json.dumps(dict(rep, config={"profile_files": files})))  # before the field
+    logged: list[str] = []
+    assert _resumed(resumed, {"needle:0"}, logged.append, config) == ([rec], config)
+    assert "predates config.profile_scorer_options: what its 1 records" in logged[0]
 
 
 def test_profiles_of_another_model_are_named_before_any_model_loads(
@@ -384,6 +426,79 @@ def test_the_report_records_which_profile_file_each_system_read(tmp_path, smollm
         report.merge([first, report.build(replace(ran, profile_files=clash), [], [], 0.0)])
     with pytest.raises(ConfigError, match="config.profile_files must map each system"):
         report.merge([first, report.build(replace(ran, profile_files={"x": ["bad"]}), [], [], 0.0)])
+
+
+def test_the_report_records_the_scorer_options_of_each_profile_file(tmp_path, smollm2_path):
+    """``profile_scorer_options``: the ``provenance.scorer_options`` of each file that
+    ``profile_files`` names (a copy of the profiles with ``window_share`` set says so after the
+    copy is gone; kvzip-gate's fitted weights as a digest); the report copies the run's record,
+    ``report.merge`` keeps the union, merges reports written before the field (None) and refuses
+    two runs whose profiles had different options for one (system, ratio), naming both."""
+    import json
+    import shutil
+    from dataclasses import fields, replace
+
+    from tangram_sglang.errors import ConfigError
+    from tangram_sglang.eval import report
+    from tangram_sglang.eval.cli import config_from_args, parse_args
+    from tangram_sglang.eval.runner import profile_files, profile_scorer_options
+
+    src = REPO / "calibration" / "smollm2"
+    systems = ("full", "tangram-kvzip-lite", "tangram-kvzip-gate", "uniform-snapkv")
+    shipped = profile_scorer_options(src, (0.5,), systems)
+    assert shipped.keys() == profile_files(src, (0.5,), systems).keys()
+    assert shipped["budgets"]["0.5"] == {  # the file's own dict, alpha_safeguard included
+        "obs_window": 32,
+        "kernel_size": 5,
+        "pooling": "avg",
+        "gqa_reduce": "mean",
+        "alpha_safeguard": 0.2,
+    }
+    lite = shipped["tangram-kvzip-lite"]["0.5"]
+    assert "window_share" not in lite and lite["local_band"] == 32
+    weights = shipped["tangram-kvzip-gate"]["0.5"]["weights"]  # ~100 KB of floats: a digest
+    assert isinstance(weights, str) and weights.startswith("sha256:") and len(weights) == 23
+    share = tmp_path / "pd-share"
+    shutil.copytree(src, share)
+    for path in share.glob("kvzip-lite-r*.json"):
+        profile = json.loads(path.read_text())
+        profile["provenance"]["scorer_options"]["window_share"] = 0.25
+        path.write_text(json.dumps(profile))
+    options = profile_scorer_options(share, (0.5,), systems)
+    assert options["tangram-kvzip-lite"]["0.5"] == dict(lite, window_share=0.25)
+    assert {s: v for s, v in options.items() if s != "tangram-kvzip-lite"} == {
+        s: v for s, v in shipped.items() if s != "tangram-kvzip-lite"
+    }
+
+    cfg = config_from_args(parse_args(["--model", "smollm2", "--systems", ",".join(systems)]))
+    assert set(report.PER_RATIO_FIELDS) <= {f.name for f in fields(cfg)}  # run() sets them
+    assert report.build(cfg, [], [], 0.0)["config"]["profile_scorer_options"] is None
+    ran = replace(cfg, profile_dir=tmp_path / "nowhere", profile_scorer_options=options)
+    first = report.build(ran, [], [], 0.0)  # the report reads no profile folder
+    assert first["config"]["profile_scorer_options"] == options
+    later = {"tangram": {"0.25": {"obs_window": 32}}}
+    second = report.build(replace(ran, profile_scorer_options=later), [], [], 0.0)
+    assert report.merge([first, second])["config"]["profile_scorer_options"] == options | later
+    old = report.build(replace(ran, profile_scorer_options=None), [], [], 0.0)
+    del old["config"]["profile_scorer_options"]  # a report written before the field
+    assert report.merge([old, first])["config"]["profile_scorer_options"] == options
+    assert report.merge([old, old])["config"]["profile_scorer_options"] is None
+    clash = report.build(replace(ran, profile_scorer_options=shipped), [], [], 0.0)
+    with pytest.raises(ConfigError) as err:
+        report.merge([first, clash])
+    assert str(err.value) == (
+        "tangram-kvzip-lite at ratio 0.5 read a profile whose scorer options have "
+        "window_share=0.25 in one run and a profile whose scorer options have window_share "
+        "unset in another; run them with the same --profile-dir"
+    )
+    bad = replace(ran, profile_scorer_options={"tangram": {"0.5": 0.25}})
+    with pytest.raises(ConfigError, match="config.profile_scorer_options must map each system"):
+        report.merge([first, report.build(bad, [], [], 0.0)])
+
+
+# what _resumed returns of a run that recorded nothing of its profiles (not resumed, or joined
+# with a report written before the fields)
+NOTHING_RECORDED = {"profile_files": None, "profile_scorer_options": None}
 
 
 def _needle_record() -> dict:
