@@ -40,6 +40,6 @@ export MODEL=$PWD/calibration/synthetic/llama3.1-8b-dummy
 # its tokenizer (one word per id), so servers run without --skip-tokenizer-init: SGLang refuses
 # min_new_tokens without one, and the requests without max_new_tokens need it
 python3 -m tangram_sglang.bench.dummy_tokenizer "$MODEL" || return 1
-# the synthetic 0.25 profile of kvzip-lite, the scorer real models are served with by default
+# the synthetic 0.25 profile of kvzip-gate, the scorer real models are served with by default
 # (an Ada-SnapKV one is beside it); a PROFILE already set is kept
-export PROFILE=${PROFILE:-$PWD/calibration/synthetic/llama3.1-8b-kvzip-lite-r0.25.json}
+export PROFILE=${PROFILE:-$PWD/calibration/synthetic/llama3.1-8b-kvzip-gate-r0.25.json}

@@ -336,7 +336,7 @@ def check_demo_args(args: argparse.Namespace) -> None:
                 f"--model {args.model}: no Tangram profile ships for it ({shipped}/ holds "
                 "none); pass --profile PATH, run stock SGLang with --full-kv, or calibrate one "
                 f"with `python -m tangram_sglang.calibrate --model-path {args.model} --scorer "
-                f"kvzip-lite --target-ratio 0.25 --output {shipped}/kvzip-lite-r0.25.json`"
+                f"kvzip-gate --target-ratio 0.25 --output {shipped}/kvzip-gate-r0.25.json`"
             )
     if args.device == "cuda":
         import torch

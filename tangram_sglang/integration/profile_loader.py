@@ -28,9 +28,10 @@ from tangram_sglang.profile import BudgetProfile, ModelIdentity
 logger = logging.getLogger(__name__)
 CALIBRATION_DIR = Path(__file__).resolve().parents[2] / "calibration"
 DEFAULT_PROFILE_NAME = "default.json"  # a shipped profile of this name wins
-# Among shipped profiles of a model, scorers in this order: kvzip-lite (query-agnostic: the kept
-# history also answers later turns' questions, docs/scorers.md), then Ada-SnapKV.
-SCORER_PREFERENCE = ("kvzip-lite", "ada-snapkv")
+# Among shipped profiles of a model, scorers in this order: kvzip-gate (query-agnostic: the kept
+# history also answers later turns' questions, and single details such as a needle stay kept;
+# docs/scorers.md), then kvzip-lite, then Ada-SnapKV.
+SCORER_PREFERENCE = ("kvzip-gate", "kvzip-lite", "ada-snapkv")
 # among several matches, prefer the one calibrated closest to this (or --tangram-target-ratio)
 DEFAULT_TARGET_RATIO = 0.25
 
@@ -72,7 +73,7 @@ def find_shipped_profile(
     """The shipped profile for ``model``: ``calibration/*/*.json`` whose model matches.
 
     Among several matches: ``default.json`` first, then by scorer (:data:`SCORER_PREFERENCE`:
-    ``kvzip-lite``, then ``ada-snapkv``, then any other), then the target ratio closest to
+    ``kvzip-gate``, then ``kvzip-lite``, then ``ada-snapkv``, then any other), then the target ratio closest to
     ``target_ratio`` (``--tangram-target-ratio``; None: 0.25), then the path name. With
     ``scorer`` (``--tangram-scorer``) only profiles calibrated with it match. Synthetic
     profiles (:func:`is_synthetic`) never match. Unreadable files are skipped with a warning

@@ -2,7 +2,7 @@
 
 The demo is the first thing a user runs; its report says how much KV the conversation holds in
 Tangram pages against full KV. With the demo's own flags (``demo_server_args``) and the shipped
-default profile (query-agnostic ``kvzip-lite``) every turn must hold less than full KV, and turn 2
+default profile (query-agnostic ``kvzip-gate``) every turn must hold less than full KV, and turn 2
 ("And what is the capital of Italy?", answered from turn 1's compressed notes) must answer Rome,
 as stock SGLang with full KV does (a SnapKV-family profile dropped it: "Italy is the capital of
 Italy").

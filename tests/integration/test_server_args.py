@@ -164,11 +164,15 @@ def test_min_compress_tokens_reaches_the_scheduler_profile(
 
 
 def test_scorer_flag_picks_the_shipped_profile_of_that_scorer(patched_sglang, smollm2_path):
-    """``--tangram-scorer`` chooses among the shipped profiles (default: kvzip-lite's)."""
+    """``--tangram-scorer`` chooses among the shipped profiles (default: kvzip-gate's)."""
     from sglang.srt.server_args import prepare_server_args
 
     base = ["--model-path", str(smollm2_path), "--device", "cpu", "--tangram"]
-    for flags, scorer in (([], "kvzip-lite"), (["--tangram-scorer", "ada-snapkv"], "ada-snapkv")):
+    for flags, scorer in (
+        ([], "kvzip-gate"),
+        (["--tangram-scorer", "kvzip-lite"], "kvzip-lite"),
+        (["--tangram-scorer", "ada-snapkv"], "ada-snapkv"),
+    ):
         args = prepare_server_args(base + flags)
         clone = pickle.loads(pickle.dumps(args))  # the scheduler process resolves it again
         for a in (args, clone):

@@ -379,7 +379,7 @@ def test_launches_per_layer_depend_on_buckets_not_on_batch_size():
 def test_kvzip_lite_mixed_lengths_in_padded_buckets_equal_the_reference(
     max_queries, band, window, kernel, pooling, gqa_reduce, sink, recent
 ):
-    """The shipped default scorer on a mixed batch, torch ops (no kernel): padded query-slot
+    """kvzip-lite on a mixed batch, torch ops (no kernel): padded query-slot
     buckets (segments under the band, under the slot bound and under the window among them)
     keep the oracle's tokens, and the plan holds buckets, not one scorer call per length."""
     from tangram_sglang.backend import compress
@@ -525,7 +525,7 @@ def test_the_plan_cache_keeps_kvzip_lite_slot_bounds_apart():
 
 
 def test_kvzip_lite_launches_per_layer_do_not_grow_with_distinct_lengths():
-    """kvzip-lite (the default scorer of the shipped real-model profiles) on 16 or 64 distinct
+    """kvzip-lite (a query-agnostic scorer of the shipped real-model profiles) on 16 or 64 distinct
     lengths: the same op count per layer, a small multiple of one padded batch (was one scorer
     call per length: 2,526 top-level aten ops for 16 mixed turns, benchmarks/RESULTS.md)."""
     from tangram_sglang.scoring.kvzip_lite import KVzipLiteScorer

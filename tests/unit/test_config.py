@@ -160,6 +160,8 @@ def test_shipped_default_prefers_kvzip_lite_then_ada_snapkv_closest_to_quarter(t
     model_profile(scorer="kvzip-lite", target=0.5).save(folder / "kvzip-lite-r0.5.json")
     model_profile(scorer="kvzip-lite", target=0.25).save(folder / "kvzip-lite-r0.25.json")
     assert profile_loader.find_shipped_profile(MODEL, tmp_path).name == "kvzip-lite-r0.25.json"
+    model_profile(scorer="kvzip-gate", target=0.5).save(folder / "kvzip-gate-r0.5.json")
+    assert profile_loader.find_shipped_profile(MODEL, tmp_path).name == "kvzip-gate-r0.5.json"
     model_profile(scorer="snapkv", target=0.9).save(folder / "default.json")
     assert profile_loader.find_shipped_profile(MODEL, tmp_path).name == "default.json"
 
