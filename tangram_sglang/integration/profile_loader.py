@@ -73,12 +73,12 @@ def find_shipped_profile(
     """The shipped profile for ``model``: ``calibration/*/*.json`` whose model matches.
 
     Among several matches: ``default.json`` first, then by scorer (:data:`SCORER_PREFERENCE`:
-    ``kvzip-gate``, then ``kvzip-lite``, then ``ada-snapkv``, then any other), then the target ratio closest to
-    ``target_ratio`` (``--tangram-target-ratio``; None: 0.25), then the path name. With
-    ``scorer`` (``--tangram-scorer``) only profiles calibrated with it match. Synthetic
-    profiles (:func:`is_synthetic`) never match. Unreadable files are skipped with a warning
-    naming them (so a corrupt preferred profile never silently hands the default to another
-    scorer).
+    ``kvzip-gate``, then ``kvzip-lite``, then ``ada-snapkv``, then any other), then the target
+    ratio closest to ``target_ratio`` (``--tangram-target-ratio``; None: 0.25), then the path
+    name. With ``scorer`` (``--tangram-scorer``) only profiles calibrated with it match.
+    Synthetic profiles (:func:`is_synthetic`) never match. Unreadable files are skipped with a
+    warning naming them (so a corrupt preferred profile never silently hands the default to
+    another scorer).
 
     Raises:
         ConfigError: no shipped profile matches (for ``scorer``, when given); says where it
