@@ -4,7 +4,7 @@
 # what it does to ShareGPT traffic, then the new tokens' attention through FlashInfer
 # (TANGRAM_PREFILL_ATTENTION=flashinfer) at full KV on cliff-64. Most important first, so a run
 # cut short still answers the main question. About 30 minutes (parts 1-4 took 26). Results in $R.
-#   1. bench.prefill_profile, kvzip-lite profile (the shipped default scorer of real models),
+#   1. bench.prefill_profile, kvzip-lite profile (the shipped default scorer until 2026-12-07),
 #      scoring kernels off and on (TANGRAM_SCORE_KERNEL); the faster setting on 16x300-1500 is
 #      the one the servers below run (written to $R/score-kernel);
 #   2. the GPU tests of the scoring kernels and of the FlashInfer new-token attention;

@@ -190,7 +190,9 @@ class BudgetProfile:
         recent_window: always-kept last tokens of each segment (tokens).
         grouping: the head-group map.
         stats: calibration statistics, or None for a synthetic profile.
-        provenance: free-form record of how it was made.
+        provenance: record of how it was made, free-form but for ``scorer_options`` (the
+            scorer's options, names checked by ``scoring.base.profile_options``) and the
+            registered scorers' option names, which are reserved there (refused as misplaced).
         min_compress_tokens: segments shorter than this are kept whole, unscored (tokens; a
             serving setting, see :meth:`with_min_compress_tokens`; 0 = compress every length).
     """

@@ -357,7 +357,7 @@ def recall_report(
             f"lengths up to {(context - REPLAY_MARGIN_TOKENS) // 2}"
         )
     config = AutoConfig.from_pretrained(path)
-    # the oracle's scores under the default scorer's budgets: what KVzip ranking would keep there
+    # the oracle's scores under kvzip-lite's budgets (ORACLE_PROFILE): what KVzip ranking keeps
     profiles = {
         (name, keep): shipped_profile(config, name, keep)
         for name in {*scorers, ORACLE_PROFILE}

@@ -113,8 +113,10 @@ def profile_options(name: str, provenance: Mapping[str, object]) -> dict[str, ob
                 f"provenance.{key} is a scorer option outside provenance.scorer_options, where "
                 f"the scorer never reads it; {fix}"
             )
-    options = provenance.get("scorer_options") or {}
-    if not isinstance(options, Mapping):
+    options = provenance.get("scorer_options")
+    if options is None:  # absent or null: the scorer's defaults
+        options = {}
+    if not isinstance(options, Mapping):  # [], "", 0 and false included
         raise ConfigError(
             f"provenance.scorer_options is a {type(options).__name__}; it must be a JSON object "
             f"of option names and values (the {name} scorer accepts {', '.join(accepted)})"

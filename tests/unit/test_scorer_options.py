@@ -168,7 +168,7 @@ def test_a_scorer_option_directly_under_provenance_is_refused(option):
 
 def test_scorer_options_must_be_an_object():
     profile = BudgetProfile.load(LITE)
-    for bad in ([1], "obs_window=32", 3):
+    for bad in ([1], "obs_window=32", 3, [], "", 0, False):
         wrong = dataclasses.replace(profile, provenance={"scorer_options": bad})
         with pytest.raises(ConfigError, match=r"provenance.scorer_options is a \w+; it must be"):
             build_scorer(wrong)
