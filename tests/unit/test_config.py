@@ -145,7 +145,9 @@ def test_resolve_rejects_corrupt_profile(tmp_path):
         profile_loader.resolve_profile(TangramConfig(enabled=True, profile_path=str(path)), MODEL)
 
 
-def test_shipped_default_prefers_gate_then_lite_then_ada_snapkv_closest_to_quarter(tmp_path, caplog):
+def test_shipped_default_prefers_gate_then_lite_then_ada_snapkv_closest_to_quarter(
+    tmp_path, caplog
+):
     folder = tmp_path / "tiny"
     folder.mkdir()
     model_profile(target=0.5).save(folder / "ada-snapkv-r0.5.json")
