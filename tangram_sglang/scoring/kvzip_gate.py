@@ -161,7 +161,7 @@ class KVzipGateScorer:
             return
         try:
             w = np.asarray(self.weights, dtype=np.float64)
-        except (TypeError, ValueError) as exc:
+        except (TypeError, ValueError, OverflowError) as exc:  # Overflow: an int past float64
             raise ConfigError(
                 f"kvzip-gate: scorer_options.weights is not a [num_layers][num_kv_heads]"
                 f"[3 * head_dim / 2 + 1] array of numbers ({exc}); calibrate a profile with "
@@ -173,14 +173,16 @@ class KVzipGateScorer:
                 "[num_layers][num_kv_heads][3 * head_dim / 2 + 1] finite floats (calibrate a "
                 "profile with --scorer kvzip-gate)"
             )
-        if not np.isfinite(w).all():
-            index = tuple(int(i) for i in np.argwhere(~np.isfinite(w))[0])
+        with np.errstate(over="ignore"):  # the gate runs in float32: 1e300 is inf there
+            finite = np.isfinite(w.astype(np.float32))
+        if not finite.all():
+            index = tuple(int(i) for i in np.argwhere(~finite)[0])
             where = "".join(f"[{i}]" for i in index)
-            count = int((~np.isfinite(w)).sum())
+            count = int((~finite).sum())
             raise ConfigError(
                 f"kvzip-gate: scorer_options.weights{where} is {w[index]}: the gate weights must "
-                f"be finite numbers ({count} non-finite, from a failed fit or an edit); calibrate "
-                "the profile again with --scorer kvzip-gate"
+                f"be finite numbers ({count} non-finite in float32, from a failed fit or an edit); "
+                "calibrate the profile again with --scorer kvzip-gate"
             )
 
     @property

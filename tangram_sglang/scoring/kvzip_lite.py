@@ -46,6 +46,7 @@ from tangram_sglang.scoring.base import register_scorer
 from tangram_sglang.scoring.snapkv import (
     WINDOW_SCORER,
     SnapKVScorer,
+    check_int_option,
     check_window_options,
     check_window_share,
     reduce_gqa,
@@ -59,18 +60,13 @@ DEFAULT_QUERY_BLOCK = 256  # queries per matmul block (bounds the temporary)
 
 
 def check_int_options(scorer: object, names: tuple[str, ...]) -> None:
-    """Each option in ``names`` is a plain int (not a bool).
+    """Each option in ``names`` is a plain int (not a bool) in range (:func:`check_int_option`).
 
     Raises:
         ConfigError: naming the option and where it comes from.
     """
     for name in names:
-        value = getattr(scorer, name)
-        if not isinstance(value, int) or isinstance(value, bool):
-            raise ConfigError(
-                f"{name}={value!r} must be an integer (a profile's provenance "
-                "scorer_options or a --obs-window / --kernel-size flag)"
-            )
+        check_int_option(name, getattr(scorer, name))
 
 
 def check_heads(q_obs: torch.Tensor, k_seg: torch.Tensor) -> None:

@@ -26,13 +26,36 @@ POOLINGS = ("avg", "max")
 GQA_REDUCTIONS = ("mean", "max")
 
 
+# The largest integer option (queries, tokens): torch's and the kernels' int32 index range.
+MAX_INT_OPTION = 2**31 - 1
+
+
+def check_int_option(name: str, value: object) -> None:
+    """``value`` of option ``name`` is a plain int (not a bool) in ``[0, MAX_INT_OPTION]``.
+
+    Raises:
+        ConfigError: naming the option, where it comes from and the range.
+    """
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ConfigError(
+            f"{name}={value!r} must be an integer (a profile's provenance.scorer_options.{name} "
+            "or a calibrate flag)"
+        )
+    if not 0 <= value <= MAX_INT_OPTION:
+        raise ConfigError(f"{name}={value} is out of range; use 0 to {MAX_INT_OPTION}")
+
+
 def check_window_options(obs_window: int, kernel_size: int, pooling: str, gqa_reduce: str) -> None:
     """Validate the options every window scorer shares (SnapKV family, kvzip-lite).
 
     Raises:
-        ConfigError: ``obs_window < 1``, an even or non-positive ``kernel_size``, or an unknown
-            ``pooling`` / ``gqa_reduce`` (the message names the field and the allowed values).
+        ConfigError: a non-integer or out-of-range ``obs_window`` / ``kernel_size``
+            (:func:`check_int_option`), ``obs_window < 1``, an even or non-positive
+            ``kernel_size``, or an unknown ``pooling`` / ``gqa_reduce`` (the message names the
+            field and the allowed values).
     """
+    check_int_option("obs_window", obs_window)
+    check_int_option("kernel_size", kernel_size)
     if obs_window < 1:
         raise ConfigError(f"obs_window={obs_window} must be >= 1 (queries)")
     if kernel_size < 1 or kernel_size % 2 == 0:

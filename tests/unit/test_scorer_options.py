@@ -193,3 +193,60 @@ def test_the_eval_cli_refuses_a_misspelled_option_before_any_model_loads(smollm2
         r"provenance.scorer_options.window_shar: .*did you mean 'window_share'\?",
     ):
         _check_profile_models(folder, ("kvzip-lite-budgets",), (0.5,), smollm2_path, "smollm2")
+
+
+GATE = REPO / "calibration/qwen2.5-0.5b/kvzip-gate-r0.25.json"
+
+
+@pytest.mark.parametrize("path", [ADA, LITE], ids=["ada-snapkv", "kvzip-lite"])
+@pytest.mark.parametrize(
+    ("option", "value", "expected"),
+    [
+        ("obs_window", float("nan"), "must be an integer"),
+        ("obs_window", 32.5, "must be an integer"),
+        ("obs_window", "32", "must be an integer"),
+        ("obs_window", None, "must be an integer"),
+        ("obs_window", True, "must be an integer"),
+        ("obs_window", float("inf"), "must be an integer"),
+        ("obs_window", 10**30, "out of range"),
+        ("kernel_size", "5", "must be an integer"),
+        ("kernel_size", float("nan"), "must be an integer"),
+    ],
+)
+def test_integer_options_of_other_types_or_sizes_are_refused_naming_the_field(
+    path, option, value, expected
+):
+    """The SnapKV family and kvzip-lite take their window options as plain ints within the
+    kernels' index range: a float, string, bool, null or huge value is refused at build time
+    (it used to pass and fail inside the scoring ops at the first prefill)."""
+    profile = BudgetProfile.load(path)
+    options = dict(profile.provenance.get("scorer_options") or {}, **{option: value})
+    bad = dataclasses.replace(profile, provenance={**profile.provenance, "scorer_options": options})
+    with pytest.raises(ConfigError, match=f"{option}=.*{expected}") as info:
+        build_scorer(bad)
+    assert f"provenance.scorer_options.{option}" in str(info.value) or expected == "out of range"
+
+
+def test_kvzip_lite_max_queries_past_the_index_range_is_refused():
+    profile = BudgetProfile.load(LITE)
+    options = dict(profile.provenance["scorer_options"], max_queries=10**30)
+    bad = dataclasses.replace(profile, provenance={**profile.provenance, "scorer_options": options})
+    with pytest.raises(ConfigError, match=r"max_queries=10+ is out of range; use 0 to 2147483647"):
+        build_scorer(bad)
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [
+        (10**400, r"weights is not a \[num_layers\]"),  # past float64: no OverflowError
+        (1e300, r"weights\[0\]\[0\]\[0\] is 1e\+300: .* non-finite in float32"),  # inf in float32
+    ],
+    ids=["int-past-float64", "inf-in-float32"],
+)
+def test_gate_weights_past_float32_are_refused_naming_the_entry(value, expected):
+    profile = BudgetProfile.load(GATE)
+    options = json.loads(json.dumps(profile.provenance["scorer_options"]))
+    options["weights"][0][0][0] = value
+    bad = dataclasses.replace(profile, provenance={**profile.provenance, "scorer_options": options})
+    with pytest.raises(ConfigError, match=expected):
+        build_scorer(bad)
